@@ -1,0 +1,1 @@
+"""Planner backends that are not integer programs."""

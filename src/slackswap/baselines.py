@@ -1,0 +1,60 @@
+"""Baseline plans: keep everything, recompute what can be rebuilt from kept tensors, swap all."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .graph import ActivationGraph
+from .plan import KEEP, RECOMPUTE, SWAP
+
+
+def keep_all_codes(graph: ActivationGraph) -> np.ndarray:
+    return np.where(graph.is_saved, KEEP, -1).astype(np.int8)
+
+
+def swap_all_codes(graph: ActivationGraph) -> np.ndarray:
+    """Offload every saved tensor (vDNN's policy)."""
+    return np.where(graph.is_saved, SWAP, -1).astype(np.int8)
+
+
+def rebuild_cost(graph: ActivationGraph) -> np.ndarray:
+    """Seconds of forward compute to rebuild each tensor once (its rerun ops)."""
+    fwd = graph.forward_s
+    return np.array([fwd[list(ops)].sum() for ops in graph.rerun_ops])
+
+
+def recompute_all_codes(graph: ActivationGraph) -> np.ndarray:
+    """Recompute every saved tensor that can be rebuilt from tensors that stay on the device.
+
+    Recomputing a tensor whose rebuild reads another recomputed tensor chains the rebuilds back
+    to the start of the step (and rebuilds everything at once), so chains are cut: tensors are
+    taken cheapest to rebuild per byte first, and one is recomputed only if no tensor its rebuild
+    reads, and no recomputed tensor whose rebuild reads it, is recomputed. Random groups are
+    recomputed whole or not at all.
+    """
+    codes = keep_all_codes(graph)
+    cost = rebuild_cost(graph)
+    nbytes = np.maximum(graph.tensor_bytes, 1)
+    readers: dict[int, list[int]] = {}
+    for t in graph.saved:
+        for f in graph.rerun_frontier[t]:
+            readers.setdefault(f, []).append(int(t))
+    groups: dict[str, list[int]] = {}
+    for t in graph.saved:
+        g = graph.tensors[t].group
+        if g is not None:
+            groups.setdefault(g, []).append(int(t))
+    order = sorted(graph.saved, key=lambda t: (cost[t] / nbytes[t], t))
+    for t in order:
+        if codes[t] == RECOMPUTE or not graph.can_recompute[t]:
+            continue
+        members = groups.get(graph.tensors[t].group, [int(t)]) if graph.tensors[t].group else [int(t)]
+        ok = all(
+            graph.can_recompute[m]
+            and all(codes[f] != RECOMPUTE for f in graph.rerun_frontier[m])
+            and all(codes[r] != RECOMPUTE for r in readers.get(m, ()))
+            for m in members
+        )
+        if ok:
+            codes[members] = RECOMPUTE
+    return codes

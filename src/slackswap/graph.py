@@ -1,0 +1,448 @@
+"""The activation graph: ops in forward order, the tensors they produce, and who saves what.
+
+Loading checks every rule of formulations/step-model.md that a graph alone can break, so that
+planners never see a malformed graph. Unknown JSON fields are kept (``extra``) and written back.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .errors import GraphError
+
+GRAPH_FORMAT = "slackswap.graph/1"
+
+_OP_FIELDS = {
+    "name", "forward_s", "backward_s", "inputs", "outputs",
+    "forward_workspace_bytes", "backward_workspace_bytes", "recomputable",
+}
+_TENSOR_FIELDS = {"name", "bytes", "saved_for", "group"}
+_GRAPH_FIELDS = {"format", "name", "ops", "tensors", "optimizer_s"}
+
+
+@dataclass(frozen=True)
+class Op:
+    """One op of the forward pass; its backward runs in reverse order."""
+
+    name: str
+    forward_s: float
+    backward_s: float
+    inputs: tuple[str, ...] = ()
+    outputs: tuple[str, ...] = ()
+    forward_workspace_bytes: int = 0
+    backward_workspace_bytes: int = 0
+    recomputable: bool = True
+    extra: Mapping[str, Any] = field(default_factory=dict, compare=False)
+
+
+@dataclass(frozen=True)
+class Tensor:
+    """An op output. ``saved_for`` names the ops whose backward reads it (empty: not saved).
+
+    Tensors sharing a ``group`` (random ops drawing from one RNG stream) are recomputed all
+    together or not at all.
+    """
+
+    name: str
+    bytes: int
+    saved_for: tuple[str, ...] = ()
+    group: str | None = None
+    extra: Mapping[str, Any] = field(default_factory=dict, compare=False)
+
+
+def _where(kind: str, name: str) -> str:
+    return f"{kind} {name!r}"
+
+
+def _check_time(value: Any, where: str, fieldname: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise GraphError(f"{where}: {fieldname} must be a number, got {value!r}")
+    value = float(value)
+    if math.isnan(value) or math.isinf(value) or value < 0:
+        raise GraphError(f"{where}: {fieldname} must be finite and >= 0, got {value!r}")
+    return value
+
+
+def _check_bytes(value: Any, where: str, fieldname: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        if isinstance(value, float) and value.is_integer() and value >= 0:
+            return int(value)
+        raise GraphError(f"{where}: {fieldname} must be a non-negative integer, got {value!r}")
+    if value < 0:
+        raise GraphError(f"{where}: {fieldname} must be a non-negative integer, got {value!r}")
+    return int(value)
+
+
+def _names(value: Any, where: str, fieldname: str) -> tuple[str, ...]:
+    if isinstance(value, str) or not isinstance(value, (list, tuple)):
+        raise GraphError(f"{where}: {fieldname} must be a list of names, got {value!r}")
+    for item in value:
+        if not isinstance(item, str):
+            raise GraphError(f"{where}: {fieldname} must hold names (strings), got {item!r}")
+    return tuple(value)
+
+
+@dataclass(frozen=True)
+class ActivationGraph:
+    """A profiled or analytic training step. Build with :func:`load_graph` or the constructor."""
+
+    name: str
+    ops: tuple[Op, ...]
+    tensors: tuple[Tensor, ...]
+    optimizer_s: float = 0.0
+    extra: Mapping[str, Any] = field(default_factory=dict, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "ops", tuple(self.ops))
+        object.__setattr__(self, "tensors", tuple(self.tensors))
+        self._check()
+
+    # ---------------------------------------------------------------- checking
+    def _check(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise GraphError(f"graph: name must be a non-empty string, got {self.name!r}")
+        _check_time(self.optimizer_s, "graph", "optimizer_s")
+        if not self.ops:
+            raise GraphError(f"graph {self.name!r}: it has no ops")
+        op_index: dict[str, int] = {}
+        for i, op in enumerate(self.ops):
+            where = _where("op", op.name)
+            if not isinstance(op.name, str) or not op.name:
+                raise GraphError(f"op #{i}: name must be a non-empty string, got {op.name!r}")
+            if op.name in op_index:
+                raise GraphError(f"{where}: duplicate op name")
+            op_index[op.name] = i
+            _check_time(op.forward_s, where, "forward_s")
+            _check_time(op.backward_s, where, "backward_s")
+            _check_bytes(op.forward_workspace_bytes, where, "forward_workspace_bytes")
+            _check_bytes(op.backward_workspace_bytes, where, "backward_workspace_bytes")
+            if len(set(op.outputs)) != len(op.outputs):
+                raise GraphError(f"{where}: an output is listed twice")
+        tensor_index: dict[str, int] = {}
+        for j, t in enumerate(self.tensors):
+            where = _where("tensor", t.name)
+            if not isinstance(t.name, str) or not t.name:
+                raise GraphError(f"tensor #{j}: name must be a non-empty string, got {t.name!r}")
+            if t.name in tensor_index:
+                raise GraphError(f"{where}: duplicate tensor name")
+            tensor_index[t.name] = j
+            _check_bytes(t.bytes, where, "bytes")
+        producer: dict[str, int] = {}
+        for i, op in enumerate(self.ops):
+            for out in op.outputs:
+                if out not in tensor_index:
+                    raise GraphError(
+                        f"op {op.name!r}: output {out!r} is not listed in tensors (its bytes are unknown)"
+                    )
+                if out in producer:
+                    raise GraphError(
+                        f"tensor {out!r}: produced by both op {self.ops[producer[out]].name!r} "
+                        f"and op {op.name!r}"
+                    )
+                producer[out] = i
+        for t in self.tensors:
+            if t.name not in producer:
+                raise GraphError(f"tensor {t.name!r}: no op produces it (unknown producer)")
+        for i, op in enumerate(self.ops):
+            for name in op.inputs:
+                if name in producer and producer[name] >= i:
+                    raise GraphError(
+                        f"op {op.name!r}: reads tensor {name!r} before it is produced "
+                        f"(by op {self.ops[producer[name]].name!r}); the op order has a cycle "
+                        "or is not a forward order"
+                    )
+        for t in self.tensors:
+            where = _where("tensor", t.name)
+            p = producer[t.name]
+            if len(set(t.saved_for)) != len(t.saved_for):
+                raise GraphError(f"{where}: saved_for lists an op twice")
+            for opname in t.saved_for:
+                if opname not in op_index:
+                    raise GraphError(f"{where}: saved_for names unknown op {opname!r}")
+                i = op_index[opname]
+                if i != p and t.name not in self.ops[i].inputs:
+                    raise GraphError(
+                        f"{where}: saved_for names op {opname!r}, which neither produces nor reads it"
+                    )
+
+    # ---------------------------------------------------------------- (de)serialisation
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> ActivationGraph:
+        if not isinstance(data, Mapping):
+            raise GraphError(f"graph: expected a JSON object, got {type(data).__name__}")
+        fmt = data.get("format")
+        if fmt != GRAPH_FORMAT:
+            raise GraphError(f"graph: field 'format' must be {GRAPH_FORMAT!r}, got {fmt!r}")
+        for key in ("name", "ops", "tensors"):
+            if key not in data:
+                raise GraphError(f"graph: missing field {key!r}")
+        if not isinstance(data["ops"], list) or not isinstance(data["tensors"], list):
+            raise GraphError("graph: fields 'ops' and 'tensors' must be lists")
+        ops = []
+        for i, raw in enumerate(data["ops"]):
+            if not isinstance(raw, Mapping):
+                raise GraphError(f"op #{i}: expected an object, got {raw!r}")
+            where = _where("op", raw.get("name", f"#{i}"))
+            for key in ("name", "forward_s", "backward_s"):
+                if key not in raw:
+                    raise GraphError(f"{where}: missing field {key!r}")
+            ops.append(Op(
+                name=raw["name"],
+                forward_s=_check_time(raw["forward_s"], where, "forward_s"),
+                backward_s=_check_time(raw["backward_s"], where, "backward_s"),
+                inputs=_names(raw.get("inputs", []), where, "inputs"),
+                outputs=_names(raw.get("outputs", []), where, "outputs"),
+                forward_workspace_bytes=_check_bytes(
+                    raw.get("forward_workspace_bytes", 0), where, "forward_workspace_bytes"),
+                backward_workspace_bytes=_check_bytes(
+                    raw.get("backward_workspace_bytes", 0), where, "backward_workspace_bytes"),
+                recomputable=bool(raw.get("recomputable", True)),
+                extra={k: v for k, v in raw.items() if k not in _OP_FIELDS},
+            ))
+        tensors = []
+        for j, raw in enumerate(data["tensors"]):
+            if not isinstance(raw, Mapping):
+                raise GraphError(f"tensor #{j}: expected an object, got {raw!r}")
+            where = _where("tensor", raw.get("name", f"#{j}"))
+            for key in ("name", "bytes"):
+                if key not in raw:
+                    raise GraphError(f"{where}: missing field {key!r}")
+            group = raw.get("group")
+            if group is not None and not isinstance(group, str):
+                raise GraphError(f"{where}: group must be a string or null, got {group!r}")
+            tensors.append(Tensor(
+                name=raw["name"],
+                bytes=_check_bytes(raw["bytes"], where, "bytes"),
+                saved_for=_names(raw.get("saved_for", []), where, "saved_for"),
+                group=group,
+                extra={k: v for k, v in raw.items() if k not in _TENSOR_FIELDS},
+            ))
+        return cls(
+            name=data["name"],
+            ops=tuple(ops),
+            tensors=tuple(tensors),
+            optimizer_s=_check_time(data.get("optimizer_s", 0.0), "graph", "optimizer_s"),
+            extra={k: v for k, v in data.items() if k not in _GRAPH_FIELDS},
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        ops = []
+        for op in self.ops:
+            d: dict[str, Any] = dict(op.extra)
+            d.update(name=op.name, forward_s=op.forward_s, backward_s=op.backward_s,
+                     inputs=list(op.inputs), outputs=list(op.outputs))
+            if op.forward_workspace_bytes:
+                d["forward_workspace_bytes"] = op.forward_workspace_bytes
+            if op.backward_workspace_bytes:
+                d["backward_workspace_bytes"] = op.backward_workspace_bytes
+            if not op.recomputable:
+                d["recomputable"] = False
+            ops.append(d)
+        tensors = []
+        for t in self.tensors:
+            d = dict(t.extra)
+            d.update(name=t.name, bytes=t.bytes, saved_for=list(t.saved_for))
+            if t.group is not None:
+                d["group"] = t.group
+            tensors.append(d)
+        out: dict[str, Any] = dict(self.extra)
+        out.update(format=GRAPH_FORMAT, name=self.name, ops=ops, tensors=tensors,
+                   optimizer_s=self.optimizer_s)
+        return out
+
+    def to_json(self, indent: int | None = None) -> str:
+        return json.dumps(self.to_dict(), indent=indent)
+
+    @cached_property
+    def digest(self) -> str:
+        """sha256 of the graph's content (names, times, bytes, saved_for), not its extras."""
+        core = {
+            "ops": [[o.name, o.forward_s, o.backward_s, list(o.inputs), list(o.outputs),
+                     o.forward_workspace_bytes, o.backward_workspace_bytes, o.recomputable]
+                    for o in self.ops],
+            "tensors": [[t.name, t.bytes, list(t.saved_for), t.group] for t in self.tensors],
+            "optimizer_s": self.optimizer_s,
+        }
+        text = json.dumps(core, sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(text.encode()).hexdigest()
+
+    # ---------------------------------------------------------------- derived columns
+    @property
+    def n_ops(self) -> int:
+        return len(self.ops)
+
+    @property
+    def n_slots(self) -> int:
+        """Positions of the step: forward op i at i, backward of op i at 2n-1-i."""
+        return 2 * len(self.ops)
+
+    def bwd_slot(self, op: int) -> int:
+        return 2 * len(self.ops) - 1 - op
+
+    @cached_property
+    def op_index(self) -> dict[str, int]:
+        return {op.name: i for i, op in enumerate(self.ops)}
+
+    @cached_property
+    def tensor_index(self) -> dict[str, int]:
+        return {t.name: j for j, t in enumerate(self.tensors)}
+
+    @cached_property
+    def tensor_bytes(self) -> np.ndarray:
+        return np.array([t.bytes for t in self.tensors], dtype=np.int64)
+
+    @cached_property
+    def forward_s(self) -> np.ndarray:
+        return np.array([op.forward_s for op in self.ops], dtype=float)
+
+    @cached_property
+    def backward_s(self) -> np.ndarray:
+        return np.array([op.backward_s for op in self.ops], dtype=float)
+
+    @cached_property
+    def forward_ws(self) -> np.ndarray:
+        return np.array([op.forward_workspace_bytes for op in self.ops], dtype=np.int64)
+
+    @cached_property
+    def backward_ws(self) -> np.ndarray:
+        return np.array([op.backward_workspace_bytes for op in self.ops], dtype=np.int64)
+
+    @cached_property
+    def producer(self) -> np.ndarray:
+        prod = np.zeros(len(self.tensors), dtype=np.int64)
+        for i, op in enumerate(self.ops):
+            for out in op.outputs:
+                prod[self.tensor_index[out]] = i
+        return prod
+
+    @cached_property
+    def op_inputs(self) -> tuple[tuple[int, ...], ...]:
+        """Graph-tensor inputs of each op (names that are not graph tensors are dropped)."""
+        ti = self.tensor_index
+        return tuple(tuple(ti[n] for n in op.inputs if n in ti) for op in self.ops)
+
+    @cached_property
+    def op_outputs(self) -> tuple[tuple[int, ...], ...]:
+        ti = self.tensor_index
+        return tuple(tuple(ti[n] for n in op.outputs) for op in self.ops)
+
+    @cached_property
+    def last_forward_use(self) -> np.ndarray:
+        """Index of the last op reading each tensor in forward (its producer if none)."""
+        last = self.producer.copy()
+        for i, ins in enumerate(self.op_inputs):
+            for t in ins:
+                last[t] = max(last[t], i)
+        return last
+
+    @cached_property
+    def saved_for_index(self) -> tuple[tuple[int, ...], ...]:
+        oi = self.op_index
+        return tuple(tuple(sorted(oi[n] for n in t.saved_for)) for t in self.tensors)
+
+    @cached_property
+    def is_saved(self) -> np.ndarray:
+        return np.array([bool(t.saved_for) for t in self.tensors], dtype=bool)
+
+    @cached_property
+    def saved(self) -> np.ndarray:
+        """Indices of saved tensors, in graph order: the tensors a plan decides on."""
+        return np.flatnonzero(self.is_saved)
+
+    @cached_property
+    def first_backward_use(self) -> np.ndarray:
+        """Forward index of the op whose backward reads each saved tensor first (max of saved_for)."""
+        return np.array([max(s) if s else -1 for s in self.saved_for_index], dtype=np.int64)
+
+    @cached_property
+    def last_backward_use(self) -> np.ndarray:
+        """Forward index of the op whose backward reads each saved tensor last (min of saved_for)."""
+        return np.array([min(s) if s else -1 for s in self.saved_for_index], dtype=np.int64)
+
+    @cached_property
+    def ideal_step_time_s(self) -> float:
+        return float(self.forward_s.sum() + self.backward_s.sum() + self.optimizer_s)
+
+    @cached_property
+    def saved_by_op(self) -> tuple[tuple[int, ...], ...]:
+        """For each op, the saved tensors its backward reads."""
+        out: list[list[int]] = [[] for _ in self.ops]
+        for t, ops in enumerate(self.saved_for_index):
+            for i in ops:
+                out[i].append(t)
+        return tuple(tuple(x) for x in out)
+
+    @cached_property
+    def rerun_ops(self) -> tuple[tuple[int, ...], ...]:
+        """Ops that must run again to rebuild each tensor: its producer and, through tensors that
+        are not saved, their producers (forward order)."""
+        return self._closures[0]
+
+    @cached_property
+    def rerun_frontier(self) -> tuple[tuple[int, ...], ...]:
+        """Saved tensors that those reruns read: they must be on the device when the rebuild runs."""
+        return self._closures[1]
+
+    @cached_property
+    def can_recompute(self) -> np.ndarray:
+        """Whether every op a tensor's rebuild needs may run again."""
+        return np.array([all(self.ops[i].recomputable for i in ops) for ops in self.rerun_ops],
+                        dtype=bool)
+
+    @cached_property
+    def _closures(self) -> tuple[tuple[tuple[int, ...], ...], tuple[tuple[int, ...], ...]]:
+        saved = self.is_saved
+        producer = self.producer
+        op_closure: dict[int, tuple[frozenset, frozenset]] = {}
+        # op closures in forward order, so inputs' closures already exist
+        for i, ins in enumerate(self.op_inputs):
+            ops = {i}
+            frontier = set()
+            for t in ins:
+                if saved[t]:
+                    frontier.add(t)
+                else:
+                    sub_ops, sub_front = op_closure[int(producer[t])]
+                    ops |= sub_ops
+                    frontier |= sub_front
+            op_closure[i] = (frozenset(ops), frozenset(frontier))
+        rerun = []
+        front = []
+        for t in range(len(self.tensors)):
+            ops, fr = op_closure[int(producer[t])]
+            rerun.append(tuple(sorted(ops)))
+            front.append(tuple(sorted(fr)))
+        return tuple(rerun), tuple(front)
+
+    def summary(self) -> str:
+        return (f"{self.name}: {self.n_ops} ops, {len(self.tensors)} tensors, "
+                f"{len(self.saved)} saved ({self.tensor_bytes[self.saved].sum() / 2**30:.2f} GiB)")
+
+
+def load_graph(source: str | Path | Mapping[str, Any] | ActivationGraph) -> ActivationGraph:
+    """Load a graph from a JSON file path, a JSON text, or a dict; check every rule."""
+    if isinstance(source, ActivationGraph):
+        return source
+    if isinstance(source, Mapping):
+        return ActivationGraph.from_dict(source)
+    if isinstance(source, Path) or (isinstance(source, str) and not source.lstrip().startswith("{")):
+        path = Path(source)
+        if not path.exists():
+            raise GraphError(f"graph file {str(path)!r} does not exist")
+        text = path.read_text()
+    else:
+        text = str(source)
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise GraphError(f"graph: not valid JSON ({exc})") from None
+    return ActivationGraph.from_dict(data)

@@ -1,0 +1,160 @@
+"""Hardware presets: copy-lane figures for the planner and compute figures for analytic workloads.
+
+Every figure names its source in ``sources``; nothing here is fitted to a result.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, replace
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """A device and its host link.
+
+    ``d2h_bytes_per_s``/``h2d_bytes_per_s`` are sustained pinned-copy bandwidths, ``latency_s`` the
+    fixed cost of one transfer, ``duplex`` whether both directions run at once. The compute figures
+    (``peak_flops``, ``hbm_bytes_per_s`` and the efficiencies) feed the roofline op times of
+    :func:`slackswap.transformer_graph`.
+    """
+
+    name: str
+    d2h_bytes_per_s: float
+    h2d_bytes_per_s: float
+    latency_s: float
+    duplex: bool
+    peak_flops: float
+    hbm_bytes_per_s: float
+    gemm_efficiency: float = 0.70
+    attention_efficiency: float = 0.55
+    memory_efficiency: float = 0.80
+    memory_bytes: int = 0
+    sources: dict = field(default_factory=dict, compare=False)
+
+    def __post_init__(self) -> None:
+        for name in ("d2h_bytes_per_s", "h2d_bytes_per_s", "peak_flops", "hbm_bytes_per_s"):
+            value = getattr(self, name)
+            if not value > 0:
+                raise ValueError(f"hardware {self.name!r}: {name} must be > 0, got {value!r}")
+        if self.latency_s < 0:
+            raise ValueError(f"hardware {self.name!r}: latency_s must be >= 0")
+        for name in ("gemm_efficiency", "attention_efficiency", "memory_efficiency"):
+            value = getattr(self, name)
+            if not 0 < value <= 1:
+                raise ValueError(f"hardware {self.name!r}: {name} must be in (0, 1], got {value!r}")
+
+    def d2h_time(self, nbytes: float) -> float:
+        """Seconds one device-to-host transfer of ``nbytes`` occupies its lane."""
+        return self.latency_s + nbytes / self.d2h_bytes_per_s
+
+    def h2d_time(self, nbytes: float) -> float:
+        """Seconds one host-to-device transfer of ``nbytes`` occupies its lane."""
+        return self.latency_s + nbytes / self.h2d_bytes_per_s
+
+    def with_link(self, **changes) -> Hardware:
+        """A copy with some figures changed (for sensitivity studies)."""
+        return replace(self, **changes)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> Hardware:
+        known = {k: data[k] for k in cls.__dataclass_fields__ if k in data}
+        return cls(**known)
+
+
+_A100_SOURCES = {
+    "peak_flops": "NVIDIA A100 datasheet: 312 TFLOP/s bf16 dense",
+    "gemm_efficiency": "about 0.70 of peak for large GEMMs (MosaicML llm-foundry A100 MFU table)",
+    "attention_efficiency": "FlashAttention-2 paper: forward about 0.55 of peak",
+    "memory_efficiency": "about 0.8 of HBM bandwidth, common roofline practice",
+    "d2h_bytes_per_s": "nvbandwidth issues #11, #53: 24-26 GB/s pinned, one direction; lower end taken",
+    "latency_s": "about 10 us per transfer (assumption, not a measurement)",
+    "duplex": "D2H and H2D run at once (separate copy engines); a step rarely overlaps them",
+}
+
+_PRESETS: dict[str, Hardware] = {
+    "a100-80gb-pcie4": Hardware(
+        name="a100-80gb-pcie4",
+        d2h_bytes_per_s=24e9,
+        h2d_bytes_per_s=24e9,
+        latency_s=10e-6,
+        duplex=True,
+        peak_flops=312e12,
+        hbm_bytes_per_s=2.039e12,
+        memory_bytes=80 * 10**9,
+        sources={**_A100_SOURCES, "hbm_bytes_per_s": "A100 80GB datasheet: 2.039 TB/s"},
+    ),
+    "a100-40gb-pcie4": Hardware(
+        name="a100-40gb-pcie4",
+        d2h_bytes_per_s=24e9,
+        h2d_bytes_per_s=24e9,
+        latency_s=10e-6,
+        duplex=True,
+        peak_flops=312e12,
+        hbm_bytes_per_s=1.555e12,
+        memory_bytes=40 * 10**9,
+        sources={**_A100_SOURCES, "hbm_bytes_per_s": "A100 40GB datasheet: 1.555 TB/s"},
+    ),
+    "h100-sxm-pcie5": Hardware(
+        name="h100-sxm-pcie5",
+        d2h_bytes_per_s=50e9,
+        h2d_bytes_per_s=50e9,
+        latency_s=10e-6,
+        duplex=True,
+        peak_flops=989e12,
+        hbm_bytes_per_s=3.35e12,
+        memory_bytes=80 * 10**9,
+        sources={
+            "peak_flops": "NVIDIA H100 SXM datasheet: 989 TFLOP/s bf16 dense",
+            "hbm_bytes_per_s": "NVIDIA H100 SXM datasheet: 3.35 TB/s",
+            "d2h_bytes_per_s": "PCIe 5.0 x16: 63 GB/s per direction theoretical; 0.8 of it taken, "
+            "the ratio measured on PCIe 4.0 (25.1 of 31.5 GB/s)",
+            "latency_s": "about 10 us per transfer (assumption)",
+        },
+    ),
+    "h200-sxm-pcie5": Hardware(
+        name="h200-sxm-pcie5",
+        d2h_bytes_per_s=50e9,
+        h2d_bytes_per_s=50e9,
+        latency_s=10e-6,
+        duplex=True,
+        peak_flops=989e12,
+        hbm_bytes_per_s=4.8e12,
+        memory_bytes=141 * 10**9,
+        sources={
+            "peak_flops": "NVIDIA H200 datasheet: 989 TFLOP/s bf16 dense (same die as H100)",
+            "hbm_bytes_per_s": "NVIDIA H200 datasheet: 4.8 TB/s HBM3e",
+            "d2h_bytes_per_s": "PCIe 5.0 x16: 63 GB/s theoretical; 0.8 of it taken as for H100",
+            "latency_s": "about 10 us per transfer (assumption)",
+        },
+    ),
+    "cpu": Hardware(
+        name="cpu",
+        d2h_bytes_per_s=10e9,
+        h2d_bytes_per_s=10e9,
+        latency_s=2e-6,
+        duplex=True,
+        peak_flops=1e11,
+        hbm_bytes_per_s=20e9,
+        sources={"note": "host-copy transport of the CPU executor: a memcpy-class figure, "
+                         "used when no GPU is present (calibrate_link measures a real one)"},
+    ),
+}
+
+
+def hardware(name: str | Hardware) -> Hardware:
+    """The preset called ``name`` (see :func:`hardware_names`), or ``name`` itself if a Hardware."""
+    if isinstance(name, Hardware):
+        return name
+    try:
+        return _PRESETS[name]
+    except KeyError:
+        raise ValueError(
+            f"unknown hardware {name!r}; presets: {', '.join(sorted(_PRESETS))}"
+        ) from None
+
+
+def hardware_names() -> list[str]:
+    return sorted(_PRESETS)

@@ -1,0 +1,187 @@
+"""Discrete-event simulation of one step: the compute stream and the D2H / H2D copy lanes.
+
+Memory follows the step model's points (stepmodel.expand); time follows the plan's schedule:
+an op waits for the offloads that must leave before it and the prefetches it reads.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .errors import PlanError
+from .graph import ActivationGraph
+from .hardware import Hardware, hardware
+from .plan import RECOMPUTE, SWAP, Plan
+from .stepmodel import Expansion, decision_codes, expand
+
+
+@dataclass(frozen=True)
+class SimResult:
+    """What one simulated step costs. Timelines are numpy arrays for plotting."""
+
+    step_time_s: float
+    ideal_step_time_s: float
+    retention: float
+    peak_bytes: int
+    stall_s: float
+    budget_bytes: int
+    fits: bool
+    violations: tuple[str, ...]
+    recompute_s: float
+    swapped_bytes: int
+    recomputed_bytes: int
+    memory_time_s: np.ndarray = field(repr=False)
+    memory_bytes: np.ndarray = field(repr=False)
+    compute_intervals: np.ndarray = field(repr=False)  # (start, end, op, kind) kind 0 fwd 1 rerun 2 bwd
+    d2h_intervals: np.ndarray = field(repr=False)  # (start, end, tensor)
+    h2d_intervals: np.ndarray = field(repr=False)
+    expansion: Expansion = field(repr=False)
+
+    def summary(self) -> str:
+        return (f"step {self.step_time_s * 1e3:.2f} ms (ideal {self.ideal_step_time_s * 1e3:.2f} ms), "
+                f"retention {100 * self.retention:.2f}%, peak {self.peak_bytes / 2**30:.3f} GiB "
+                f"of {self.budget_bytes / 2**30:.3f} GiB, stall {self.stall_s * 1e3:.2f} ms, "
+                f"recompute {self.recompute_s * 1e3:.2f} ms")
+
+
+def check_plan_graph(graph: ActivationGraph, plan: Plan) -> None:
+    if plan.graph_digest != graph.digest:
+        raise PlanError(
+            f"plan was made for graph {plan.graph_name!r} (digest {plan.graph_digest[:12]}), "
+            f"not for graph {graph.name!r} (digest {graph.digest[:12]})"
+        )
+
+
+def simulate(graph: ActivationGraph, plan: Plan, hw: Hardware | str) -> SimResult:
+    """Simulate one step under ``plan``. A plan without a schedule gets the step model's default
+    one, which frees offloaded tensors earlier / prefetches later when memory tops the budget."""
+    hw = hardware(hw)
+    check_plan_graph(graph, plan)
+    codes = decision_codes(graph, plan)
+    exp = expand(graph, codes, plan.schedule, hw,
+                 budget_bytes=plan.budget_bytes if plan.schedule is None else None)
+    return run_timeline(graph, exp, hw, plan.budget_bytes)
+
+
+def run_timeline(graph: ActivationGraph, exp: Expansion, hw: Hardware, budget: int) -> SimResult:
+    n = graph.n_ops
+    S = graph.n_slots
+    codes = exp.codes
+    fwd = graph.forward_s
+    bwd = graph.backward_s
+    nbytes = graph.tensor_bytes
+    T = len(graph.tensors)
+    d2h_done = np.zeros(T)
+    arrival = np.zeros(T)
+    swapped = np.flatnonzero(codes == SWAP)
+    free_after: dict[int, list[int]] = {}
+    issue_at: dict[int, list[int]] = {}
+    for t in swapped:
+        free_after.setdefault(int(exp.d2h_free[t]), []).append(int(t))
+        issue_at.setdefault(int(exp.h2d_issue[t]), []).append(int(t))
+    h2d_key = np.array([graph.bwd_slot(int(u)) if u >= 0 else 0 for u in graph.first_backward_use])
+    outputs_swapped: dict[int, list[int]] = {}
+    for t in swapped:
+        outputs_swapped.setdefault(int(graph.producer[t]), []).append(int(t))
+    point_time = np.zeros(exp.n_points)
+    compute: list[tuple[float, float, int, int]] = []
+    d2h_iv: list[tuple[float, float, int]] = []
+    h2d_iv: list[tuple[float, float, int]] = []
+    d2h_lane = 0.0
+    h2d_lane = 0.0
+    now = 0.0
+    stall = 0.0
+    recompute_s = 0.0
+    for k in range(S):
+        arrive = now
+        if k >= n:
+            for t in sorted(issue_at.get(k, ()), key=lambda t: (h2d_key[t], t)):
+                lane = h2d_lane if hw.duplex else max(h2d_lane, d2h_lane)
+                start = max(lane, arrive, d2h_done[t])
+                end = start + hw.h2d_time(nbytes[t])
+                h2d_iv.append((start, end, t))
+                arrival[t] = end
+                h2d_lane = end
+                if not hw.duplex:
+                    d2h_lane = end
+        ready = arrive
+        for t in free_after.get(k - 1, ()):
+            ready = max(ready, d2h_done[t])
+        for t in exp.needs_at[k]:
+            ready = max(ready, arrival[t])
+        stall += ready - arrive
+        now = ready
+        first = exp.slot_first_point[k]
+        if k < n:
+            point_time[first] = now
+            compute.append((now, now + fwd[k], k, 0))
+            now += fwd[k]
+            for t in outputs_swapped.get(k, ()):
+                lane = d2h_lane if hw.duplex else max(h2d_lane, d2h_lane)
+                start = max(lane, now)
+                end = start + hw.d2h_time(nbytes[t])
+                d2h_iv.append((start, end, t))
+                d2h_done[t] = end
+                d2h_lane = end
+                if not hw.duplex:
+                    h2d_lane = end
+        else:
+            p = first
+            for q in exp.reruns[k]:
+                point_time[p] = now
+                compute.append((now, now + fwd[q], q, 1))
+                now += fwd[q]
+                recompute_s += fwd[q]
+                p += 1
+            j = S - 1 - k
+            point_time[p] = now
+            compute.append((now, now + bwd[j], j, 2))
+            now += bwd[j]
+    step = now + graph.optimizer_s
+    mem = exp.memory()
+    peak = int(mem.max()) if mem.size else 0
+    violations = tuple(memory_violations(graph, exp, mem, budget))
+    ideal = graph.ideal_step_time_s
+    recomputed = np.flatnonzero(codes == RECOMPUTE)
+    return SimResult(
+        step_time_s=float(step),
+        ideal_step_time_s=ideal,
+        retention=float(ideal / step) if step > 0 else 1.0,
+        peak_bytes=peak,
+        stall_s=float(stall),
+        budget_bytes=int(budget),
+        fits=not violations,
+        violations=violations,
+        recompute_s=float(recompute_s),
+        swapped_bytes=int(nbytes[swapped].sum()),
+        recomputed_bytes=int(nbytes[recomputed].sum()),
+        memory_time_s=point_time,
+        memory_bytes=mem,
+        compute_intervals=np.array(compute, dtype=float).reshape(-1, 4),
+        d2h_intervals=np.array(d2h_iv, dtype=float).reshape(-1, 3),
+        h2d_intervals=np.array(h2d_iv, dtype=float).reshape(-1, 3),
+        expansion=exp,
+    )
+
+
+def memory_violations(graph: ActivationGraph, exp: Expansion, mem: np.ndarray, budget: int,
+                      limit: int = 20) -> list[str]:
+    """Where memory tops the budget: the op, the largest resident tensor there, and by how much."""
+    over = np.flatnonzero(mem > budget)
+    out = []
+    for p in over[:limit]:
+        op = graph.ops[int(exp.point_op[p])].name
+        kind = ("forward", "rerun (forward again)", "backward")[int(exp.point_kind[p])]
+        live = (exp.iv_start <= p) & (exp.iv_end >= p)
+        biggest = ""
+        if live.any():
+            idx = np.flatnonzero(live)
+            top = idx[np.argmax(exp.iv_bytes[idx])]
+            biggest = f"; largest resident tensor {graph.tensors[int(exp.iv_tensor[top])].name!r}"
+        out.append(f"{kind} of op {op!r}: {int(mem[p])} bytes resident, "
+                   f"{int(mem[p] - budget)} bytes over the budget of {budget}{biggest}")
+    if over.size > limit:
+        out.append(f"... and {over.size - limit} more points over the budget")
+    return out

@@ -1,0 +1,405 @@
+"""The step model of formulations/step-model.md, turned into positions, lifetimes and reruns.
+
+``expand`` takes a graph, a decision per saved tensor and a (possibly partial) schedule, and
+returns every tensor's device-resident intervals over the step's *points* (forward ops, the
+reruns before each backward op, backward ops), the reruns, and the complete schedule. The
+simulator adds time to it; the validator checks it against the budget with code of its own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import numpy as np
+
+from .errors import PlanError
+from .graph import ActivationGraph
+from .hardware import Hardware
+from .plan import DECISIONS, KEEP, RECOMPUTE, SWAP, Plan, Schedule
+
+UNSAVED = -1
+
+
+def decision_codes(graph: ActivationGraph, decisions: Mapping[str, str] | Plan) -> np.ndarray:
+    """Decision code per tensor (-1 for tensors not saved); refuses incomplete or wrong decisions."""
+    if isinstance(decisions, Plan):
+        decisions = decisions.decisions
+    codes = np.full(len(graph.tensors), UNSAVED, dtype=np.int8)
+    index = graph.tensor_index
+    for name, decision in decisions.items():
+        if name not in index:
+            raise PlanError(f"plan: tensor {name!r} is not in graph {graph.name!r}")
+        t = index[name]
+        if not graph.is_saved[t]:
+            raise PlanError(f"plan: tensor {name!r} is not saved for backward; it takes no decision")
+        if decision not in DECISIONS:
+            raise PlanError(f"plan: tensor {name!r} has decision {decision!r}; expected one of {DECISIONS}")
+        codes[t] = DECISIONS.index(decision)
+    missing = [graph.tensors[t].name for t in graph.saved if codes[t] == UNSAVED]
+    if missing:
+        more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
+        raise PlanError(f"plan: no decision for saved tensor(s) {', '.join(map(repr, missing[:3]))}{more}")
+    bad = np.flatnonzero((codes == RECOMPUTE) & ~graph.can_recompute)
+    if bad.size:
+        t = int(bad[0])
+        blocker = next(graph.ops[i].name for i in graph.rerun_ops[t] if not graph.ops[i].recomputable)
+        raise PlanError(
+            f"plan: tensor {graph.tensors[t].name!r} cannot be recomputed: op {blocker!r} may not run again"
+        )
+    groups: dict[str, set[bool]] = {}
+    for t in graph.saved:
+        g = graph.tensors[t].group
+        if g is not None:
+            groups.setdefault(g, set()).add(bool(codes[t] == RECOMPUTE))
+    for g, kinds in groups.items():
+        if len(kinds) > 1:
+            raise PlanError(f"plan: tensors of group {g!r} must be recomputed all together or not at all")
+    return codes
+
+
+def codes_to_decisions(graph: ActivationGraph, codes: np.ndarray) -> dict[str, str]:
+    return {graph.tensors[t].name: DECISIONS[int(codes[t])] for t in graph.saved}
+
+
+@dataclass(frozen=True)
+class Expansion:
+    """Everything about a plan that does not depend on copy timing.
+
+    Points are the step's memory checkpoints in order. Interval arrays (``iv_*``) say which tensor
+    is resident from which point to which point (inclusive); ``point_workspace`` adds the running
+    op's workspace.
+    """
+
+    codes: np.ndarray
+    point_slot: np.ndarray
+    point_op: np.ndarray
+    point_kind: np.ndarray  # 0 forward, 1 rerun, 2 backward
+    point_workspace: np.ndarray
+    slot_first_point: np.ndarray
+    iv_tensor: np.ndarray
+    iv_start: np.ndarray
+    iv_end: np.ndarray
+    iv_bytes: np.ndarray
+    reruns: tuple[tuple[int, ...], ...]  # per slot, ops rerun before that backward op
+    first_need: np.ndarray  # per tensor: first backward slot it must be on the device (-1 if none)
+    needs_at: tuple[tuple[int, ...], ...]  # per slot, swapped tensors that must have arrived
+    d2h_free: np.ndarray  # per tensor (swap), slot after which it leaves the device
+    h2d_issue: np.ndarray  # per tensor (swap), slot at whose start the prefetch is issued
+    materialize_at: np.ndarray  # per tensor (recompute), slot where it is rebuilt
+
+    @property
+    def n_points(self) -> int:
+        return len(self.point_slot)
+
+    def memory(self, with_workspace: bool = True) -> np.ndarray:
+        """Device bytes at every point (rules 1-3 of the step model)."""
+        return interval_memory(self, with_workspace)
+
+    def schedule(self, graph: ActivationGraph) -> Schedule:
+        names = [t.name for t in graph.tensors]
+        swap = np.flatnonzero(self.codes == SWAP)
+        rec = np.flatnonzero(self.codes == RECOMPUTE)
+        return Schedule(
+            d2h_free={names[t]: int(self.d2h_free[t]) for t in swap},
+            h2d_issue={names[t]: int(self.h2d_issue[t]) for t in swap},
+            recompute_at={names[t]: int(self.materialize_at[t]) for t in rec},
+        )
+
+
+def interval_memory(exp: Expansion, with_workspace: bool = True) -> np.ndarray:
+    bytes_of = exp.iv_bytes
+    diff = np.zeros(exp.n_points + 1, dtype=np.int64)
+    np.add.at(diff, exp.iv_start, bytes_of)
+    np.add.at(diff, exp.iv_end + 1, -bytes_of)
+    mem = np.cumsum(diff[:-1])
+    if with_workspace:
+        mem = mem + exp.point_workspace
+    return mem
+
+
+
+def _schedule_arrays(graph: ActivationGraph, codes: np.ndarray, schedule: Schedule | None):
+    T = len(graph.tensors)
+    d2h = np.full(T, -1, dtype=np.int64)
+    h2d = np.full(T, -1, dtype=np.int64)
+    rec = np.full(T, -1, dtype=np.int64)
+    if schedule is None:
+        return d2h, h2d, rec
+    index = graph.tensor_index
+    for field, arr, code in (("d2h_free", d2h, SWAP), ("h2d_issue", h2d, SWAP),
+                             ("recompute_at", rec, RECOMPUTE)):
+        for name, pos in getattr(schedule, field).items():
+            if name not in index:
+                raise PlanError(f"schedule: {field} names unknown tensor {name!r}")
+            t = index[name]
+            if codes[t] != code:
+                raise PlanError(
+                    f"schedule: {field} names tensor {name!r}, whose decision is "
+                    f"{DECISIONS[codes[t]] if codes[t] >= 0 else 'none (not saved)'}"
+                )
+            if pos >= graph.n_slots:
+                raise PlanError(f"schedule: {field}[{name!r}] = {pos} is past the step's last position "
+                                f"{graph.n_slots - 1}")
+            arr[t] = pos
+    return d2h, h2d, rec
+
+
+def _slot_label(graph: ActivationGraph, slot: int) -> str:
+    n = graph.n_ops
+    if slot < n:
+        return f"forward of op {graph.ops[slot].name!r}"
+    return f"backward of op {graph.ops[2 * n - 1 - slot].name!r}"
+
+
+def trace_reruns(graph: ActivationGraph, codes: np.ndarray, recompute_at: np.ndarray):
+    """Walk the backward pass: which ops rerun where, and who needs what (rules for recompute)."""
+    n = graph.n_ops
+    S = graph.n_slots
+    T = len(graph.tensors)
+    materialized = np.full(T, -1, dtype=np.int64)
+    first_need = np.full(T, -1, dtype=np.int64)
+    reruns: list[tuple[int, ...]] = [()] * S
+    needs_at: list[tuple[int, ...]] = [()] * S
+    scheduled: dict[int, list[int]] = {}
+    for t in np.flatnonzero(recompute_at >= 0):
+        if recompute_at[t] < n:
+            raise PlanError(f"schedule: recompute_at[{graph.tensors[t].name!r}] = {recompute_at[t]} "
+                            "is in the forward pass; rebuilds run before backward ops")
+        scheduled.setdefault(int(recompute_at[t]), []).append(int(t))
+    rerun_ops = graph.rerun_ops
+    frontier = graph.rerun_frontier
+    outputs = graph.op_outputs
+    for k in range(n, S):
+        j = S - 1 - k
+        ops: set[int] = set()
+        swaps: set[int] = set()
+        stack = list(scheduled.get(k, ())) + list(graph.saved_by_op[j])
+        while stack:
+            while stack:
+                x = stack.pop()
+                if first_need[x] < 0:
+                    first_need[x] = k
+                c = codes[x]
+                if c == SWAP:
+                    swaps.add(x)
+                elif c == RECOMPUTE and materialized[x] < 0:
+                    materialized[x] = k
+                    ops.update(rerun_ops[x])
+                    stack.extend(frontier[x])
+            # outputs of rerun ops that are recomputed tensors come for free: materialize them now
+            for q in ops:
+                for t in outputs[q]:
+                    if codes[t] == RECOMPUTE and materialized[t] < 0:
+                        stack.append(t)
+        reruns[k] = tuple(sorted(ops))
+        needs_at[k] = tuple(sorted(swaps))
+    for t in np.flatnonzero(recompute_at >= 0):
+        if materialized[t] != recompute_at[t]:
+            raise PlanError(
+                f"schedule: recompute_at[{graph.tensors[t].name!r}] = {recompute_at[t]} is after its "
+                f"first use at position {materialized[t]} ({_slot_label(graph, int(materialized[t]))})"
+            )
+    return reruns, needs_at, first_need, materialized
+
+
+def nominal_slot_times(graph: ActivationGraph, reruns) -> tuple[np.ndarray, np.ndarray]:
+    """Start and end time of every slot if nothing stalls (reruns included)."""
+    n = graph.n_ops
+    dur = np.empty(graph.n_slots)
+    dur[:n] = graph.forward_s
+    fwd = graph.forward_s
+    for k in range(n, graph.n_slots):
+        j = graph.n_slots - 1 - k
+        dur[k] = graph.backward_s[j] + sum(fwd[q] for q in reruns[k])
+    end = np.cumsum(dur)
+    return end - dur, end
+
+
+def default_swap_schedule(graph: ActivationGraph, hw: Hardware, codes, first_need, reruns,
+                          d2h: np.ndarray, h2d: np.ndarray) -> None:
+    """Fill missing swap positions: free a tensor once its offload is done (estimated on the
+    no-stall timeline, lane in production order); issue its prefetch as late as still arrives in
+    time (lane filled backwards from the uses)."""
+    n = graph.n_ops
+    start, end = nominal_slot_times(graph, reruns)
+    swapped = np.flatnonzero(codes == SWAP)
+    if swapped.size == 0:
+        return
+    bytes_of = graph.tensor_bytes
+    last_fwd = graph.last_forward_use
+    producer = graph.producer
+    lane = 0.0
+    for t in sorted(swapped, key=lambda t: (producer[t], t)):
+        issue = end[producer[t]]
+        done = max(lane, issue) + hw.d2h_time(bytes_of[t])
+        lane = done
+        if d2h[t] < 0:
+            slot = int(np.searchsorted(end, done - 1e-15))
+            d2h[t] = min(max(slot, int(last_fwd[t])), int(first_need[t]) - 1)
+    # prefetch: latest start that meets every later use, one transfer at a time
+    lane_free_from = np.inf
+    for t in sorted(swapped, key=lambda t: (-first_need[t], -t)):
+        finish = min(start[first_need[t]], lane_free_from)
+        begin = finish - hw.h2d_time(bytes_of[t])
+        lane_free_from = begin
+        if h2d[t] < 0:
+            g = int(np.searchsorted(start, begin + 1e-15, side="right")) - 1
+            g = max(g, n, int(d2h[t]) + 1)
+            h2d[t] = min(g, int(first_need[t]))
+
+
+def expand(graph: ActivationGraph, codes: np.ndarray, schedule: Schedule | None,
+           hw: Hardware, budget_bytes: int | None = None) -> Expansion:
+    """Lifetimes of every tensor under a plan. Missing schedule entries take the defaults of the
+    step model; with ``budget_bytes`` the default swap positions also yield to the budget
+    (free earlier, prefetch later, at the cost of waiting on copies)."""
+    d2h, h2d, rec = _schedule_arrays(graph, codes, schedule)
+    given_d2h, given_h2d = d2h >= 0, h2d >= 0
+    reruns, needs_at, first_need, materialized = trace_reruns(graph, codes, rec)
+    default_swap_schedule(graph, hw, codes, first_need, reruns, d2h, h2d)
+    _check_swap_schedule(graph, codes, first_need, d2h, h2d)
+    exp = _intervals(graph, codes, reruns, needs_at, first_need, d2h, h2d, materialized)
+    if budget_bytes is not None:
+        exp = _yield_to_budget(graph, exp, budget_bytes, given_d2h, given_h2d)
+    return exp
+
+
+def _check_swap_schedule(graph, codes, first_need, d2h, h2d) -> None:
+    n = graph.n_ops
+    last_fwd = graph.last_forward_use
+    for t in np.flatnonzero(codes == SWAP):
+        name = graph.tensors[t].name
+        if d2h[t] < last_fwd[t]:
+            raise PlanError(f"schedule: d2h_free[{name!r}] = {d2h[t]} is before its last forward "
+                            f"reader at position {last_fwd[t]}")
+        if h2d[t] < n:
+            raise PlanError(f"schedule: h2d_issue[{name!r}] = {h2d[t]} is in the forward pass")
+        if h2d[t] <= d2h[t]:
+            raise PlanError(f"schedule: h2d_issue[{name!r}] = {h2d[t]} is not after its d2h_free "
+                            f"position {d2h[t]}")
+        if h2d[t] > first_need[t]:
+            raise PlanError(f"schedule: h2d_issue[{name!r}] = {h2d[t]} is after its first use at "
+                            f"position {first_need[t]} ({_slot_label(graph, int(first_need[t]))})")
+
+
+def _intervals(graph, codes, reruns, needs_at, first_need, d2h, h2d, materialized) -> Expansion:
+    n = graph.n_ops
+    S = graph.n_slots
+    T = len(graph.tensors)
+    point_slot: list[int] = list(range(n))
+    point_op: list[int] = list(range(n))
+    point_kind: list[int] = [0] * n
+    point_ws: list[int] = [int(w) for w in graph.forward_ws]
+    slot_first = np.zeros(S, dtype=np.int64)
+    slot_first[:n] = np.arange(n)
+    last_use = np.full(T, -1, dtype=np.int64)  # last point a saved tensor is read in backward
+    mat_point = np.full(T, -1, dtype=np.int64)
+    iv_t: list[int] = []
+    iv_s: list[int] = []
+    iv_e: list[int] = []
+    op_inputs = graph.op_inputs
+    outputs = graph.op_outputs
+    saved = graph.is_saved
+    for k in range(n, S):
+        j = S - 1 - k
+        slot_first[k] = len(point_slot)
+        transient_start: dict[int, int] = {}
+        transient_end: dict[int, int] = {}
+        for q in reruns[k]:
+            p = len(point_slot)
+            point_slot.append(k)
+            point_op.append(q)
+            point_kind.append(1)
+            point_ws.append(int(graph.forward_ws[q]))
+            for t in op_inputs[q]:
+                if saved[t]:
+                    last_use[t] = max(last_use[t], p)
+                else:
+                    transient_end[t] = p
+            for t in outputs[q]:
+                if codes[t] == RECOMPUTE and materialized[t] == k:
+                    mat_point[t] = p
+                else:
+                    transient_start[t] = p
+                    transient_end[t] = p
+        p = len(point_slot)
+        point_slot.append(k)
+        point_op.append(j)
+        point_kind.append(2)
+        point_ws.append(int(graph.backward_ws[j]))
+        for t in graph.saved_by_op[j]:
+            last_use[t] = max(last_use[t], p)
+        for t, s in transient_start.items():
+            iv_t.append(t)
+            iv_s.append(s)
+            iv_e.append(transient_end[t])
+    producer = graph.producer
+    last_fwd = graph.last_forward_use
+    for t in range(T):
+        prod = int(producer[t])
+        c = codes[t]
+        if c == UNSAVED:
+            iv_t.append(t); iv_s.append(prod); iv_e.append(int(last_fwd[t]))  # noqa: E702
+        elif c == KEEP:
+            iv_t.append(t); iv_s.append(prod); iv_e.append(int(last_use[t]))  # noqa: E702
+        elif c == RECOMPUTE:
+            iv_t.append(t); iv_s.append(prod); iv_e.append(int(last_fwd[t]))  # noqa: E702
+            iv_t.append(t); iv_s.append(int(mat_point[t])); iv_e.append(int(last_use[t]))  # noqa: E702
+        else:
+            free_slot = int(d2h[t])
+            free_point = free_slot if free_slot < n else int(slot_first[free_slot + 1] - 1)
+            iv_t.append(t); iv_s.append(prod); iv_e.append(free_point)  # noqa: E702
+            iv_t.append(t); iv_s.append(int(slot_first[h2d[t]])); iv_e.append(int(last_use[t]))  # noqa: E702
+    exp = Expansion(
+        codes=codes,
+        point_slot=np.array(point_slot, dtype=np.int64),
+        point_op=np.array(point_op, dtype=np.int64),
+        point_kind=np.array(point_kind, dtype=np.int8),
+        point_workspace=np.array(point_ws, dtype=np.int64),
+        slot_first_point=slot_first,
+        iv_tensor=np.array(iv_t, dtype=np.int64),
+        iv_start=np.array(iv_s, dtype=np.int64),
+        iv_end=np.array(iv_e, dtype=np.int64),
+        iv_bytes=graph.tensor_bytes[np.array(iv_t, dtype=np.int64)],
+        reruns=tuple(reruns),
+        first_need=first_need,
+        needs_at=tuple(needs_at),
+        d2h_free=d2h,
+        h2d_issue=h2d,
+        materialize_at=np.where(codes == RECOMPUTE, materialized, -1),
+    )
+    return exp
+
+
+def _yield_to_budget(graph, exp: Expansion, budget: int, given_d2h, given_h2d) -> Expansion:
+    """Free offloaded tensors earlier and prefetch later where memory tops the budget."""
+    d2h = exp.d2h_free.copy()
+    h2d = exp.h2d_issue.copy()
+    last_fwd = graph.last_forward_use
+    swapped = np.flatnonzero(exp.codes == SWAP)
+    movable_free = swapped[~given_d2h[swapped]]
+    movable_issue = swapped[~given_h2d[swapped]]
+    for _ in range(graph.n_slots + 1):
+        mem = exp.memory()
+        over = np.flatnonzero(mem > budget)
+        if over.size == 0:
+            return exp
+        changed = False
+        for slot in np.unique(exp.point_slot[over]):
+            lf = last_fwd[movable_free]
+            late = movable_free[(d2h[movable_free] >= slot) & (lf < slot)]
+            if late.size:
+                d2h[late] = slot - 1
+                changed = True
+            early = movable_issue[(h2d[movable_issue] <= slot) & (exp.first_need[movable_issue] > slot)]
+            if early.size:
+                h2d[early] = slot + 1
+                changed = True
+        if not changed:
+            return exp
+        clash = swapped[d2h[swapped] >= h2d[swapped]]
+        d2h[clash] = h2d[clash] - 1
+        exp = _intervals(graph, exp.codes, list(exp.reruns), exp.needs_at, exp.first_need,
+                         d2h, h2d, exp.materialize_at)
+    return exp
