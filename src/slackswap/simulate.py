@@ -96,7 +96,7 @@ def run_timeline(graph: ActivationGraph, exp: Expansion, hw: Hardware, budget: i
     recompute_s = 0.0
     for k in range(S):
         arrive = now
-        if k >= n:
+        if True:
             for t in sorted(issue_at.get(k, ()), key=lambda t: (h2d_key[t], t)):
                 lane = h2d_lane if hw.duplex else max(h2d_lane, d2h_lane)
                 start = max(lane, arrive, d2h_done[t])
@@ -139,7 +139,8 @@ def run_timeline(graph: ActivationGraph, exp: Expansion, hw: Hardware, budget: i
             point_time[p] = now
             compute.append((now, now + bwd[j], j, 2))
             now += bwd[j]
-    step = now + graph.optimizer_s
+    # the same sum as the ideal time plus the extra time, so a plan with none has retention 1.0
+    step = graph.ideal_step_time_s + stall + recompute_s
     mem = exp.memory()
     peak = int(mem.max()) if mem.size else 0
     violations = tuple(memory_violations(graph, exp, mem, budget))

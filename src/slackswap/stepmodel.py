@@ -221,7 +221,6 @@ def default_swap_schedule(graph: ActivationGraph, hw: Hardware, codes, first_nee
     """Fill missing swap positions: free a tensor once its offload is done (estimated on the
     no-stall timeline, lane in production order); issue its prefetch as late as still arrives in
     time (lane filled backwards from the uses)."""
-    n = graph.n_ops
     start, end = nominal_slot_times(graph, reruns)
     swapped = np.flatnonzero(codes == SWAP)
     if swapped.size == 0:
@@ -245,7 +244,7 @@ def default_swap_schedule(graph: ActivationGraph, hw: Hardware, codes, first_nee
         lane_free_from = begin
         if h2d[t] < 0:
             g = int(np.searchsorted(start, begin + 1e-15, side="right")) - 1
-            g = max(g, n, int(d2h[t]) + 1)
+            g = max(g, int(d2h[t]) + 1)
             h2d[t] = min(g, int(first_need[t]))
 
 
@@ -266,15 +265,12 @@ def expand(graph: ActivationGraph, codes: np.ndarray, schedule: Schedule | None,
 
 
 def _check_swap_schedule(graph, codes, first_need, d2h, h2d) -> None:
-    n = graph.n_ops
     last_fwd = graph.last_forward_use
     for t in np.flatnonzero(codes == SWAP):
         name = graph.tensors[t].name
         if d2h[t] < last_fwd[t]:
             raise PlanError(f"schedule: d2h_free[{name!r}] = {d2h[t]} is before its last forward "
                             f"reader at position {last_fwd[t]}")
-        if h2d[t] < n:
-            raise PlanError(f"schedule: h2d_issue[{name!r}] = {h2d[t]} is in the forward pass")
         if h2d[t] <= d2h[t]:
             raise PlanError(f"schedule: h2d_issue[{name!r}] = {h2d[t]} is not after its d2h_free "
                             f"position {d2h[t]}")

@@ -1,0 +1,147 @@
+"""The reference table: the seed's three workloads, every planner, simulated side by side."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from .budget import keep_all_peak, parse_budget
+from .errors import InfeasibleBudget
+from .hardware import hardware
+from .simulate import simulate
+from .solve import solve
+from .workloads import workload
+
+PAPER = {"bert-large": 96.3, "gpt2-xl": 97.6, "llama-7b": 99.6}
+BASELINES = ("keep-all", "recompute-all", "swap-all")
+PLANNERS = ("heuristic", "cpsat")
+
+
+def _solver_available(name: str) -> bool:
+    from .solve import get_backend
+
+    try:
+        get_backend(name)
+    except (ImportError, ModuleNotFoundError, AttributeError, ValueError):
+        return False
+    return True
+
+
+def table_rows(models=tuple(PAPER), budgets=(0.5,), hw_name="a100-80gb-pcie4",
+               planners=PLANNERS, time_limit_s: float = 60.0, progress=None) -> list[dict]:
+    """One row per (model, budget): the paper's figure, each planner's simulated retention (%),
+    the LP bound, and each baseline's retention, step time, peak and stall."""
+    hw = hardware(hw_name)
+    planners = tuple(p for p in planners if _solver_available(p))
+    rows = []
+    for model in models:
+        g = workload(model, hw)
+        peak = keep_all_peak(g, hw)
+        for fraction in budgets:
+            budget = parse_budget(float(fraction), g, hw)
+            row: dict = {"model": model, "budget_fraction": float(fraction), "budget_bytes": budget,
+                         "keep_all_peak_bytes": peak, "ideal_step_time_s": g.ideal_step_time_s,
+                         "paper_retention": PAPER.get(model) if abs(fraction - 0.5) < 1e-9 else None}
+            for name in planners + BASELINES:
+                key = "optimal" if name == "cpsat" else name.replace("-", "_")
+                try:
+                    plan = solve(g, budget, hw, solver=name, strict=name not in BASELINES,
+                                 time_limit_s=time_limit_s if name == "cpsat" else None)
+                except InfeasibleBudget:
+                    row[f"{key}_retention"] = None
+                    row[f"{key}_fits"] = False
+                    continue
+                sim = simulate(g, plan, hw)
+                row[f"{key}_retention"] = 100.0 * sim.retention if sim.fits else None
+                row[f"{key}_fits"] = sim.fits
+                row[f"{key}_step_time_s"] = sim.step_time_s
+                row[f"{key}_peak_bytes"] = sim.peak_bytes
+                row[f"{key}_stall_s"] = sim.stall_s
+                if name not in BASELINES:
+                    row[f"{key}_solve_s"] = plan.info.wall_s
+                    row[f"{key}_status"] = plan.info.status
+                    row[f"{key}_gap"] = plan.info.gap
+            if _lp_available():
+                from .lp_bound import lp_bound
+
+                row["lp_bound_retention"] = 100.0 * lp_bound(g, budget, hw).retention
+            rows.append(row)
+            if progress is not None:
+                progress(row)
+    return rows
+
+
+def _lp_available() -> bool:
+    try:
+        import slackswap.lp_bound  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _pct(value) -> str:
+    return "  -  " if value is None else f"{value:6.2f}"
+
+
+def format_rows(rows: list[dict]) -> str:
+    lines = []
+    head = (f"{'model':<11} {'budget':>6} {'paper':>6} {'optimal':>7} {'heur.':>6} {'LP bd':>6} "
+            f"{'rec-all':>7} {'swap-all':>8} {'keep-all':>8}  {'opt. solve':>10}")
+    lines.append(head)
+    lines.append("-" * len(head))
+    for r in rows:
+        solve_s = r.get("optimal_solve_s")
+        lines.append(
+            f"{r['model']:<11} {100 * r['budget_fraction']:5.0f}% {_pct(r.get('paper_retention'))} "
+            f"{_pct(r.get('optimal_retention')):>7} {_pct(r.get('heuristic_retention'))} "
+            f"{_pct(r.get('lp_bound_retention'))} {_pct(r.get('recompute_all_retention')):>7} "
+            f"{_pct(r.get('swap_all_retention')):>8} {_pct(r.get('keep_all_retention')):>8}  "
+            f"{'' if solve_s is None else f'{solve_s:9.2f}s':>10}")
+    lines.append("retention in % of ideal throughput (simulated); '-' = does not fit the budget")
+    return "\n".join(lines)
+
+
+def format_details(rows: list[dict]) -> str:
+    lines = []
+    for r in rows:
+        lines.append(f"{r['model']} at {100 * r['budget_fraction']:.0f}%: keep-all peak "
+                     f"{r['keep_all_peak_bytes'] / 2**30:.2f} GiB, budget {r['budget_bytes'] / 2**30:.2f} GiB, "
+                     f"ideal step {1e3 * r['ideal_step_time_s']:.1f} ms")
+        for key in ("optimal", "heuristic") + tuple(b.replace("-", "_") for b in BASELINES):
+            if f"{key}_step_time_s" not in r:
+                continue
+            fits = "" if r.get(f"{key}_fits") else "  (does not fit)"
+            lines.append(f"  {key:<14} step {1e3 * r[f'{key}_step_time_s']:9.1f} ms  peak "
+                         f"{r[f'{key}_peak_bytes'] / 2**30:7.2f} GiB  stall "
+                         f"{1e3 * r[f'{key}_stall_s']:8.1f} ms{fits}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--json", type=Path, help="write the rows as a JSON list to this path")
+    parser.add_argument("--sweep", action="store_true", help="budgets 20%% to 100%% in steps of 10%%")
+    parser.add_argument("--budgets", help="comma-separated fractions (default 0.5)")
+    parser.add_argument("--hardware", default="a100-80gb-pcie4")
+    parser.add_argument("--time-limit", type=float, default=60.0, help="per exact solve, seconds")
+    parser.add_argument("--demo", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    budgets = [0.5]
+    if args.sweep:
+        budgets = [round(0.1 * k, 1) for k in range(2, 11)]
+    elif args.budgets:
+        budgets = [float(x) for x in args.budgets.split(",")]
+    print(f"slackswap reference table: {args.hardware}, budgets {budgets}", file=sys.stderr)
+    rows = table_rows(budgets=budgets, hw_name=args.hardware, time_limit_s=args.time_limit,
+                      progress=lambda r: print(f"  done {r['model']} at {r['budget_fraction']:.0%}",
+                                               file=sys.stderr))
+    print(format_rows(rows))
+    print()
+    print(format_details(rows))
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(rows, indent=1))
+        print(f"wrote {args.json}", file=sys.stderr)
+    return 0

@@ -1,0 +1,81 @@
+"""Small graph builders and a random-DAG strategy shared by the tests."""
+
+from __future__ import annotations
+
+from hypothesis import strategies as st
+
+import slackswap as ss
+
+LINK = ss.Hardware(name="test-link", d2h_bytes_per_s=100.0, h2d_bytes_per_s=100.0, latency_s=0.0,
+                   duplex=True, peak_flops=1e12, hbm_bytes_per_s=1e12)
+HALF_DUPLEX = LINK.with_link(name="test-half", duplex=False)
+
+
+def op(name, fwd, bwd, inputs=(), outputs=(), **kw):
+    return {"name": name, "forward_s": fwd, "backward_s": bwd, "inputs": list(inputs),
+            "outputs": list(outputs), **kw}
+
+
+def tensor(name, nbytes, saved_for=(), **kw):
+    return {"name": name, "bytes": nbytes, "saved_for": list(saved_for), **kw}
+
+
+def graph(ops, tensors, name="g", optimizer_s=0.0):
+    return ss.load_graph({"format": "slackswap.graph/1", "name": name, "ops": ops,
+                          "tensors": tensors, "optimizer_s": optimizer_s})
+
+
+def plan(g, decisions, budget, schedule=None):
+    return ss.Plan(graph_name=g.name, graph_digest=g.digest, budget_bytes=int(budget),
+                   decisions=decisions, schedule=None if schedule is None else ss.Schedule(**schedule))
+
+
+@st.composite
+def random_graphs(draw, max_ops: int = 7, max_saved: int | None = None):
+    """Random DAGs in forward order: each op reads earlier tensors, produces 1-2 tensors, and
+    saves a random subset of what it reads and produces."""
+    n = draw(st.integers(2, max_ops))
+    ops, tensors = [], []
+    produced: list[str] = []
+    saved_count = 0
+    for i in range(n):
+        k_in = draw(st.integers(0, min(2, len(produced))))
+        inputs = draw(st.lists(st.sampled_from(produced), min_size=k_in, max_size=k_in,
+                               unique=True)) if produced and k_in else []
+        if draw(st.booleans()):
+            inputs = inputs + ["batch"]
+        outs = [f"t{i}_{j}" for j in range(draw(st.integers(1, 2)))]
+        name = f"op{i}"
+        fwd = draw(st.floats(0.0, 2.0, allow_nan=False))
+        bwd = draw(st.floats(0.0, 3.0, allow_nan=False))
+        kw = {}
+        if draw(st.integers(0, 4)) == 0:
+            kw["forward_workspace_bytes"] = draw(st.integers(0, 300))
+        if draw(st.integers(0, 4)) == 0:
+            kw["backward_workspace_bytes"] = draw(st.integers(0, 300))
+        ops.append(op(name, fwd, bwd, inputs, outs, **kw))
+        for o in outs:
+            tensors.append(tensor(o, draw(st.integers(0, 500))))
+        for t in inputs + outs:
+            if t == "batch":
+                continue
+            if max_saved is not None and saved_count >= max_saved:
+                break
+            if draw(st.booleans()):
+                entry = next(x for x in tensors if x["name"] == t)
+                if not entry["saved_for"]:
+                    saved_count += 1
+                entry["saved_for"].append(name)
+        produced.extend(outs)
+    return graph(ops, tensors, name="random")
+
+
+def random_decisions(draw, g):
+    import numpy as np
+
+    decisions = {}
+    for t in g.saved:
+        choices = ["keep", "swap"] + (["recompute"] if g.can_recompute[t] else [])
+        decisions[g.tensors[t].name] = draw(st.sampled_from(choices))
+    _ = np
+    return decisions
