@@ -28,7 +28,7 @@ __all__ = [
 
 def __getattr__(name: str):
     lazy = {
-        "lp_bound": ("slackswap.lp_bound", "lp_bound"),
+        "lp_bound": ("slackswap.lpbound", "lp_bound"),
         "profile": ("slackswap.profiler", "profile"),
         "calibrate_link": ("slackswap.profiler", "calibrate_link"),
         "apply": ("slackswap.executor", "apply"),

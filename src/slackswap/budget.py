@@ -8,7 +8,7 @@ import re
 import numpy as np
 
 from .graph import ActivationGraph
-from .hardware import Hardware
+from .hardware import Hardware, hardware
 from .plan import KEEP, SWAP, Schedule
 from .stepmodel import expand
 
@@ -16,16 +16,18 @@ _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
 
-def keep_all_peak(graph: ActivationGraph, hw: Hardware) -> int:
+def keep_all_peak(graph: ActivationGraph, hw: Hardware | str) -> int:
     """Peak activation memory with every saved tensor kept (rules 1-3 of the step model)."""
+    hw = hardware(hw)
     codes = np.where(graph.is_saved, KEEP, -1).astype(np.int8)
     return int(expand(graph, codes, None, hw).memory().max())
 
 
-def min_budget(graph: ActivationGraph, hw: Hardware) -> int:
+def min_budget(graph: ActivationGraph, hw: Hardware | str) -> int:
     """Smallest budget any plan fits: every saved tensor offloaded, leaving the device right after
     its last forward reader and coming back just before its first backward reader (waiting on the
     copies as long as it takes). Keeping or rebuilding a tensor never needs less memory."""
+    hw = hardware(hw)
     codes = np.where(graph.is_saved, SWAP, -1).astype(np.int8)
     names = [t.name for t in graph.tensors]
     saved = graph.saved

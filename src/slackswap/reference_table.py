@@ -64,7 +64,7 @@ def table_rows(models=tuple(PAPER), budgets=(0.5,), hw_name="a100-80gb-pcie4",
                     row[f"{key}_status"] = plan.info.status
                     row[f"{key}_gap"] = plan.info.gap
             if _lp_available():
-                from .lp_bound import lp_bound
+                from .lpbound import lp_bound
 
                 row["lp_bound_retention"] = 100.0 * lp_bound(g, budget, hw).retention
             rows.append(row)
@@ -75,7 +75,7 @@ def table_rows(models=tuple(PAPER), budgets=(0.5,), hw_name="a100-80gb-pcie4",
 
 def _lp_available() -> bool:
     try:
-        import slackswap.lp_bound  # noqa: F401
+        import slackswap.lpbound  # noqa: F401
     except ImportError:
         return False
     return True

@@ -81,6 +81,7 @@ class Expansion:
     iv_start: np.ndarray
     iv_end: np.ndarray
     iv_bytes: np.ndarray
+    iv_transient: np.ndarray  # True for copies made by reruns and freed within the position
     reruns: tuple[tuple[int, ...], ...]  # per slot, ops rerun before that backward op
     first_need: np.ndarray  # per tensor: first backward slot it must be on the device (-1 if none)
     needs_at: tuple[tuple[int, ...], ...]  # per slot, swapped tensors that must have arrived
@@ -294,6 +295,7 @@ def _intervals(graph, codes, reruns, needs_at, first_need, d2h, h2d, materialize
     iv_t: list[int] = []
     iv_s: list[int] = []
     iv_e: list[int] = []
+    n_transient = 0
     op_inputs = graph.op_inputs
     outputs = graph.op_outputs
     saved = graph.is_saved
@@ -330,6 +332,7 @@ def _intervals(graph, codes, reruns, needs_at, first_need, d2h, h2d, materialize
             iv_t.append(t)
             iv_s.append(s)
             iv_e.append(transient_end[t])
+        n_transient = len(iv_t)
     producer = graph.producer
     last_fwd = graph.last_forward_use
     for t in range(T):
@@ -358,6 +361,7 @@ def _intervals(graph, codes, reruns, needs_at, first_need, d2h, h2d, materialize
         iv_start=np.array(iv_s, dtype=np.int64),
         iv_end=np.array(iv_e, dtype=np.int64),
         iv_bytes=graph.tensor_bytes[np.array(iv_t, dtype=np.int64)],
+        iv_transient=np.arange(len(iv_t)) < n_transient,
         reruns=tuple(reruns),
         first_need=first_need,
         needs_at=tuple(needs_at),

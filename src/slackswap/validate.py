@@ -81,8 +81,11 @@ def _residency_rules(graph: ActivationGraph, codes: np.ndarray, exp) -> list[Vio
     out: list[Violation] = []
     T = len(graph.tensors)
     intervals: list[list[tuple[int, int]]] = [[] for _ in range(T)]
-    for t, s, e in zip(exp.iv_tensor, exp.iv_start, exp.iv_end):
+    lives: list[list[tuple[int, int]]] = [[] for _ in range(T)]
+    for t, s, e, tr in zip(exp.iv_tensor, exp.iv_start, exp.iv_end, exp.iv_transient):
         intervals[int(t)].append((int(s), int(e)))
+        if not tr:
+            lives[int(t)].append((int(s), int(e)))
 
     def resident(t: int, p: int) -> bool:
         return any(s <= p <= e for s, e in intervals[t])
@@ -107,7 +110,7 @@ def _residency_rules(graph: ActivationGraph, codes: np.ndarray, exp) -> list[Vio
     last_fwd = graph.last_forward_use
     for t in graph.saved:
         name = graph.tensors[t].name
-        ivs = sorted(intervals[t])
+        ivs = sorted(lives[t])
         if not ivs or ivs[0][0] != producer[t]:
             out.append(Violation("residency", f"tensor {name!r} is not resident from its producer on",
                                  tensor=name))

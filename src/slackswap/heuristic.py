@@ -1,0 +1,163 @@
+"""The SlackSwap heuristic: offload what compute can hide, recompute the cheapest of the rest.
+
+1. Nominal timeline from the profile (no stalls, no reruns).
+2. Transfer budget: the copy time compute can hide. A D2H copy may run from its tensor's
+   production to the end of the forward pass; an H2D copy from the start of the backward pass to
+   the tensor's first backward use. Each lane carries one copy at a time, so a set of swaps fits
+   when, for every window, the copies that must run inside it fit its length.
+3. Saved tensors, dearest to rebuild per byte first, are offloaded while both lanes still fit.
+4. Where memory tops the budget, the kept tensors resident there that are cheapest to rebuild
+   per byte are recomputed until it fits (no rebuild chains: a tensor is recomputed only if its
+   rebuild reads no recomputed tensor and no recomputed tensor's rebuild reads it). If none
+   remain, kept tensors there are offloaded with exposed copies.
+5. Repair: the plan is expanded with the step model's exact rules; where it still tops the
+   budget (rebuild transients, copies that do not finish in time), resident tensors there are
+   offloaded, waiting on the copies as needed; as a last resort every tensor is offloaded,
+   which fits any budget that can be met.
+See formulations/heuristic.md for what it does not see.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from .baselines import rebuild_cost, swap_all_codes
+from .graph import ActivationGraph
+from .hardware import Hardware
+from .plan import KEEP, RECOMPUTE, SWAP, SolveInfo
+from .solve import Problem, Solution
+from .stepmodel import expand, nominal_slot_times
+
+NO_RERUNS = None
+
+
+def hideable_swaps(graph: ActivationGraph, hw: Hardware, order: np.ndarray) -> np.ndarray:
+    """Tensors (from ``order``, in that order of preference) whose copies compute can hide."""
+    n = graph.n_ops
+    start, end = nominal_slot_times(graph, [()] * graph.n_slots)
+    t_fwd = end[n - 1]
+    nbytes = graph.tensor_bytes
+    # D2H: window from the producer's end to the end of the forward pass
+    slack_d = t_fwd - end[:n]
+    # H2D: window from the start of the backward pass to the first use
+    slack_h = start[n:] - t_fwd
+    chosen = []
+    for t in order:
+        if nbytes[t] == 0:
+            continue
+        q = int(graph.producer[t])
+        pd = hw.d2h_time(nbytes[t])
+        ph = hw.h2d_time(nbytes[t])
+        need = graph.bwd_slot(int(graph.first_backward_use[t])) - n
+        if slack_d[: q + 1].min() < pd or slack_h[need:].min() < ph:
+            continue
+        slack_d[: q + 1] -= pd
+        slack_h[need:] -= ph
+        chosen.append(int(t))
+    return np.array(chosen, dtype=np.int64)
+
+
+def heuristic_codes(graph: ActivationGraph, hw: Hardware, budget: int) -> tuple[np.ndarray, dict]:
+    """The heuristic's decisions and a few counters describing how it got there."""
+    saved = graph.saved
+    nbytes = graph.tensor_bytes
+    cost = rebuild_cost(graph)
+    per_byte = np.where(graph.can_recompute, cost / np.maximum(nbytes, 1), np.inf)
+    codes = np.where(graph.is_saved, KEEP, -1).astype(np.int8)
+    dearest = saved[np.argsort(-per_byte[saved], kind="stable")]
+    swaps = hideable_swaps(graph, hw, dearest)
+    codes[swaps] = SWAP
+    stats = {"hidden_swaps": int(swaps.size), "recomputed": 0, "exposed_swaps": 0, "repairs": 0}
+
+    exp = expand(graph, codes, None, hw, budget_bytes=budget)
+    if exp.memory().max() <= budget:
+        return codes, stats
+    # slot-level memory, updated as tensors are recomputed (exact without rebuild chains)
+    mem_points = exp.memory()
+    slot_mem = np.full(graph.n_slots, 0, dtype=np.int64)
+    np.maximum.at(slot_mem, exp.point_slot, mem_points)
+    last_fwd = graph.last_forward_use
+    u_slot = np.array([graph.bwd_slot(int(u)) if u >= 0 else -1 for u in graph.first_backward_use])
+    readers_of: dict[int, list[int]] = {}
+    for t in saved:
+        for f in graph.rerun_frontier[t]:
+            readers_of.setdefault(int(f), []).append(int(t))
+    group_of = {}
+    for t in saved:
+        g = graph.tensors[t].group
+        if g is not None:
+            group_of.setdefault(g, []).append(int(t))
+
+    def members(t: int) -> list[int]:
+        g = graph.tensors[t].group
+        return group_of[g] if g is not None else [t]
+
+    def can_rebuild(t: int) -> bool:
+        return all(
+            codes[m] == KEEP and graph.can_recompute[m]
+            and all(codes[f] != RECOMPUTE for f in graph.rerun_frontier[m])
+            and all(codes[r] != RECOMPUTE for r in readers_of.get(m, ()))
+            for m in members(t)
+        )
+
+    for _ in range(4 * len(saved) + 1):
+        over = slot_mem - budget
+        s = int(np.argmax(over))
+        if over[s] <= 0:
+            break
+        removable = saved[(codes[saved] == KEEP) & (last_fwd[saved] < s) & (u_slot[saved] > s)]
+        moved = False
+        for t in removable[np.argsort(per_byte[removable], kind="stable")]:
+            if slot_mem[s] <= budget:
+                break
+            if not np.isfinite(per_byte[t]) or not can_rebuild(int(t)):
+                continue
+            for m in members(int(t)):
+                codes[m] = RECOMPUTE
+                slot_mem[last_fwd[m] + 1: u_slot[m]] -= nbytes[m]
+                stats["recomputed"] += 1
+            moved = True
+        if slot_mem[s] > budget and not moved:
+            for t in removable[np.argsort(-nbytes[removable], kind="stable")]:
+                if slot_mem[s] <= budget:
+                    break
+                codes[t] = SWAP
+                slot_mem[last_fwd[t] + 1: u_slot[t]] -= nbytes[t]
+                stats["exposed_swaps"] += 1
+                moved = True
+        if not moved:
+            break
+    for _ in range(50):
+        exp = expand(graph, codes, None, hw, budget_bytes=budget)
+        mem = exp.memory()
+        over_points = np.flatnonzero(mem > budget)
+        if over_points.size == 0:
+            return codes, stats
+        stats["repairs"] += 1
+        p = int(over_points[np.argmax(mem[over_points])])
+        live = exp.iv_tensor[(exp.iv_start <= p) & (exp.iv_end >= p)]
+        live = np.unique(live[graph.is_saved[live] & (codes[live] != SWAP)])
+        if live.size == 0:
+            break
+        excess = mem[p] - budget
+        for t in live[np.argsort(-nbytes[live], kind="stable")]:
+            for m in members(int(t)):
+                codes[m] = SWAP
+            excess -= nbytes[t]
+            if excess <= 0:
+                break
+    stats["fallback"] = "swap-all"
+    return swap_all_codes(graph), stats
+
+
+class SlackSwapHeuristic:
+    name = "heuristic"
+
+    def solve(self, problem: Problem, **options) -> Solution:
+        start = time.perf_counter()
+        codes, stats = heuristic_codes(problem.graph, problem.hardware, problem.budget_bytes)
+        wall = time.perf_counter() - start
+        return Solution(codes, None, SolveInfo(solver=self.name, status="heuristic", wall_s=wall,
+                                               extra=stats))

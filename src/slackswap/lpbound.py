@@ -1,0 +1,218 @@
+"""An upper bound on the retention any plan can reach: a linear relaxation solved with HiGHS.
+
+Each saved tensor is split fractionally between keep, swap and recompute. Memory at every
+position counts what any plan must hold there (formulations/lp-bound.md): kept tensors, the
+smallest residency of swapped and recomputed ones, offloads the D2H lane cannot have finished yet,
+and prefetches the H2D lane must already have landed. The lanes move at most bandwidth x elapsed
+time, stalls buy time at their cost, and reruns cost their ops' forward time. Every valid plan is
+a feasible point, so the optimum bounds the best retention from above.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+from scipy.optimize import linprog
+from scipy.sparse import coo_matrix
+
+from .budget import parse_budget
+from .graph import ActivationGraph
+from .hardware import Hardware, hardware
+from .plan import KEEP
+from .stepmodel import expand
+
+
+@dataclass(frozen=True)
+class LPBound:
+    retention: float
+    step_time_s: float
+    ideal_step_time_s: float
+    budget_bytes: int
+    status: str
+    wall_s: float
+    keep: dict[str, float]
+    swap: dict[str, float]
+    recompute: dict[str, float]
+
+
+class _LP:
+    """Sparse LP builder: named variable blocks, rows of (index, coefficient)."""
+
+    def __init__(self) -> None:
+        self.n = 0
+        self.lb: list[float] = []
+        self.ub: list[float] = []
+        self.c: list[float] = []
+        self.rows_ub: list[tuple[list[int], list[float], float]] = []
+        self.rows_eq: list[tuple[list[int], list[float], float]] = []
+
+    def vars(self, count: int, lb=0.0, ub=np.inf, cost=0.0) -> np.ndarray:
+        idx = np.arange(self.n, self.n + count)
+        self.n += count
+        self.lb.extend([lb] * count)
+        self.ub.extend([ub] * count)
+        self.c.extend(np.broadcast_to(np.asarray(cost, dtype=float), (count,)).tolist())
+        return idx
+
+    def le(self, idx, coef, rhs: float) -> None:
+        self.rows_ub.append((list(idx), list(coef), float(rhs)))
+
+    def eq(self, idx, coef, rhs: float) -> None:
+        self.rows_eq.append((list(idx), list(coef), float(rhs)))
+
+    def running_sum(self, S: int, starts: dict[int, list[tuple[int, float]]],
+                    ends: dict[int, list[tuple[int, float]]]) -> np.ndarray:
+        """Per-position variables V_k = sum of coef*x over intervals covering k (inclusive)."""
+        V = self.vars(S, lb=-np.inf)
+        for k in range(S):
+            idx, coef = [V[k]], [1.0]
+            if k:
+                idx.append(V[k - 1]); coef.append(-1.0)  # noqa: E702
+            for v, w in starts.get(k, ()):
+                idx.append(v); coef.append(-w)  # noqa: E702
+            for v, w in ends.get(k - 1, ()):
+                idx.append(v); coef.append(w)  # noqa: E702
+            self.eq(idx, coef, 0.0)
+        return V
+
+    @staticmethod
+    def _matrix(rows, n):
+        data, ri, ci, b = [], [], [], []
+        for r, (idx, coef, rhs) in enumerate(rows):
+            ri.extend([r] * len(idx))
+            ci.extend(idx)
+            data.extend(coef)
+            b.append(rhs)
+        return coo_matrix((data, (ri, ci)), shape=(len(rows), n)).tocsr(), np.array(b)
+
+    def solve(self):
+        A_ub, b_ub = self._matrix(self.rows_ub, self.n)
+        A_eq, b_eq = self._matrix(self.rows_eq, self.n)
+        return linprog(np.array(self.c), A_ub=A_ub, b_ub=b_ub, A_eq=A_eq, b_eq=b_eq,
+                       bounds=list(zip(self.lb, self.ub)), method="highs")
+
+
+def _add(d: dict, k: int, item) -> None:
+    d.setdefault(int(k), []).append(item)
+
+
+def lp_bound(graph: ActivationGraph, budget, hw: Hardware | str) -> LPBound:
+    """Upper bound on the retention of any plan for ``graph`` within ``budget`` on ``hw``."""
+    start_clock = time.perf_counter()
+    hw = hardware(hw)
+    budget_bytes = parse_budget(budget, graph, hw)
+    n = graph.n_ops
+    S = graph.n_slots
+    saved = graph.saved
+    m = len(saved)
+    # scale bytes and seconds so the budget and the ideal step are both about 1000 units: HiGHS
+    # tolerances are absolute, and raw bytes (1e9) beside seconds (1e-5) lose feasible points
+    bu = max(budget_bytes, 1) / 1000.0
+    tu = max(graph.ideal_step_time_s, 1e-12) / 1000.0
+    nbytes = graph.tensor_bytes.astype(float) / bu
+    fwd_s = graph.forward_s / tu
+    prod = graph.producer
+    last_fwd = graph.last_forward_use
+    u_slot = np.array([graph.bwd_slot(int(u)) for u in graph.first_backward_use[saved]])
+    lb_slot = np.array([graph.bwd_slot(int(v)) for v in graph.last_backward_use[saved]])
+    lp = _LP()
+    K = lp.vars(m, ub=1.0)
+    W = lp.vars(m, ub=1.0)  # swap
+    R = lp.vars(m, ub=1.0)
+    for i, t in enumerate(saved):
+        lp.eq([K[i], W[i], R[i]], [1, 1, 1], 1.0)
+        if not graph.can_recompute[t]:
+            lp.ub[R[i]] = 0.0
+    groups: dict[str, list[int]] = {}
+    for i, t in enumerate(saved):
+        g = graph.tensors[t].group
+        if g is not None:
+            groups.setdefault(g, []).append(i)
+    for members in groups.values():
+        for a, b in zip(members, members[1:]):
+            lp.eq([R[a], R[b]], [1, -1], 0.0)
+    rerun_ops = sorted({q for t in saved for q in graph.rerun_ops[t]})
+    Z = lp.vars(len(rerun_ops), ub=1.0, cost=fwd_s[rerun_ops] if rerun_ops else 0.0)
+    zi = {q: Z[j] for j, q in enumerate(rerun_ops)}
+    for i, t in enumerate(saved):
+        for q in graph.rerun_ops[t]:
+            lp.le([R[i], zi[q]], [1, -1], 0.0)
+    sigma = lp.vars(S, cost=1.0)
+    E = lp.vars(S)  # rerun time placed before each backward op
+    for k in range(n):
+        lp.ub[E[k]] = 0.0
+    lp.eq(list(E) + list(Z), [1.0] * S + [-float(fwd_s[q]) for q in rerun_ops], 0.0)
+    dur = np.concatenate([graph.forward_s, graph.backward_s[::-1]]) / tu
+    dep = lp.vars(S)
+    arr = lp.vars(S)
+    # running sums of swapped bytes: produced (<= k), within forward life, needed, freed
+    st_q, st_f, en_f, st_need, st_free, st_keep, en_keep = {}, {}, {}, {}, {}, {}, {}
+    for i, t in enumerate(saved):
+        b = nbytes[t]
+        _add(st_q, prod[t], (W[i], b))
+        _add(st_f, prod[t], (W[i], b))
+        _add(en_f, last_fwd[t], (W[i], b))
+        _add(st_need, u_slot[i], (W[i], b))
+        _add(st_free, lb_slot[i] + 1, (W[i], b))
+        _add(st_keep, prod[t], (K[i], b))
+        _add(en_keep, lb_slot[i], (K[i], b))
+        _add(st_keep, prod[t], (R[i], b))
+        _add(en_keep, last_fwd[t], (R[i], b))
+        _add(st_keep, u_slot[i], (R[i], b))
+        _add(en_keep, lb_slot[i], (R[i], b))
+    Qp = lp.running_sum(S, st_q, {})
+    F = lp.running_sum(S, st_f, en_f)
+    Need = lp.running_sum(S, st_need, {})
+    Freed = lp.running_sum(S, st_free, {})
+    G = lp.running_sum(S, st_keep, en_keep)
+    A = lp.vars(S)
+    M = lp.vars(S)
+    bw_d, bw_h = hw.d2h_bytes_per_s * tu / bu, hw.h2d_bytes_per_s * tu / bu
+    # everything not saved, and workspaces, as keep-all has them
+    base = expand(graph, np.where(graph.is_saved, KEEP, -1).astype(np.int8), None, hw)
+    main_points = base.slot_first_point
+    unsaved_mem = np.zeros(S)
+    for t, s_, e_ in zip(base.iv_tensor, base.iv_start, base.iv_end):
+        if not graph.is_saved[t]:
+            unsaved_mem[s_:e_ + 1] += nbytes[t]
+    ws = base.point_workspace[main_points].astype(float) / bu
+    for k in range(S):
+        if k == 0:
+            lp.le([dep[0]], [1.0], 0.0)
+            lp.le([arr[0]], [1.0], 0.0)
+        else:
+            lp.le([dep[k], dep[k - 1], sigma[k], E[k - 1]], [1, -1, -bw_d, -bw_d], bw_d * dur[k - 1])
+            lp.le([arr[k], arr[k - 1], sigma[k], E[k - 1]], [1, -1, -bw_h, -bw_h], bw_h * dur[k - 1])
+            if not hw.duplex:
+                lp.le([dep[k], arr[k], dep[k - 1], arr[k - 1], sigma[k], E[k - 1]],
+                      [1, 1, -1, -1, -bw_d, -bw_d], bw_d * dur[k - 1])
+            lp.le([dep[k], Qp[k - 1]], [1, -1], 0.0)  # only what was produced before can leave
+        lp.le([arr[k], dep[k]], [1, -1], 0.0)
+        lp.le([Need[k], arr[k]], [1, -1], 0.0)
+        lp.le([arr[k], Freed[k], A[k]], [1, -1, -1], 0.0)
+        lp.le([Qp[k], dep[k], M[k]], [1, -1, -1], 0.0)
+        lp.le([F[k], M[k]], [1, -1], 0.0)
+        lp.le([G[k], M[k], A[k]], [1, 1, 1], budget_bytes / bu - unsaved_mem[k] - ws[k])
+    res = lp.solve()
+    wall = time.perf_counter() - start_clock
+    ideal = graph.ideal_step_time_s
+    names = [graph.tensors[t].name for t in saved]
+    if res.status == 2:
+        return LPBound(0.0, np.inf, ideal, budget_bytes, "infeasible", wall, {}, {}, {})
+    if res.status != 0:
+        raise RuntimeError(f"lp_bound: HiGHS returned status {res.status}: {res.message}")
+    x = res.x
+    step = ideal + float(res.fun) * tu
+    return LPBound(
+        retention=min(1.0, ideal / step) if step > 0 else 1.0,
+        step_time_s=step,
+        ideal_step_time_s=ideal,
+        budget_bytes=budget_bytes,
+        status="optimal",
+        wall_s=wall,
+        keep=dict(zip(names, x[K].round(6).tolist())),
+        swap=dict(zip(names, x[W].round(6).tolist())),
+        recompute=dict(zip(names, x[R].round(6).tolist())),
+    )
