@@ -1,0 +1,1 @@
+"""The exact planner: one MILP formulation (formulations/milp.md), several solver backends."""

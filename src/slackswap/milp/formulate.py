@@ -1,0 +1,366 @@
+"""Build the MILP of formulations/milp.md. Names in comments and constraint names cite it.
+
+Sets: saved tensors x; positions k = 0..2n-1. Candidates per tensor (Section "Candidates"):
+F(x) positions after which an offloaded x may leave, G(x) positions at which its prefetch may be
+issued, Rc(x) positions at which it may be rebuilt. Bytes and seconds are scaled to integers,
+rounded so the model never claims a plan fits that does not (Section "Scaling").
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..graph import ActivationGraph
+from ..hardware import Hardware
+from ..stepmodel import nominal_slot_times
+from .model import Model
+
+OFFSETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
+
+
+@dataclass
+class Scaling:
+    """byte_unit bytes and time_unit seconds per model unit (Section "Scaling")."""
+
+    byte_unit: int
+    time_unit: float
+
+    def bytes_up(self, value) -> np.ndarray:
+        return -(-np.asarray(value, dtype=np.int64) // self.byte_unit)
+
+    def time_up(self, seconds) -> np.ndarray:
+        return np.ceil(np.asarray(seconds, dtype=float) / self.time_unit - 1e-9).astype(np.int64)
+
+
+@dataclass
+class Formulation:
+    model: Model
+    graph: ActivationGraph
+    hw: Hardware
+    budget_bytes: int
+    scaling: Scaling
+    keep: dict[int, int] = field(default_factory=dict)
+    swap: dict[int, int] = field(default_factory=dict)
+    recompute: dict[int, int] = field(default_factory=dict)
+    free_after: dict[int, dict[int, int]] = field(default_factory=dict)
+    issue_at: dict[int, dict[int, int]] = field(default_factory=dict)
+    rebuild_at: dict[int, dict[int, int]] = field(default_factory=dict)
+    rerun: dict[tuple[int, int], int] = field(default_factory=dict)
+    start: list[int] = field(default_factory=list)
+    objective_offset_s: float = 0.0
+
+    def seconds(self, objective_units: float) -> float:
+        return objective_units * self.scaling.time_unit + self.objective_offset_s
+
+
+def _candidates(graph: ActivationGraph, hw: Hardware, full: bool, extra=None,
+                window: int = 48):
+    """F(x), G(x), Rc(x) for every saved tensor (Section "Candidates")."""
+    n = graph.n_ops
+    saved = [int(t) for t in graph.saved]
+    last_fwd = graph.last_forward_use
+    u = {t: graph.bwd_slot(int(graph.first_backward_use[t])) for t in saved}
+    lb = {t: graph.bwd_slot(int(graph.last_backward_use[t])) for t in saved}
+    frontier = {t: [int(f) for f in graph.rerun_frontier[t]] for t in saved}
+    coproduced = {}
+    for t in saved:
+        outs = {int(o) for q in graph.rerun_ops[t] for o in graph.op_outputs[q]}
+        coproduced[t] = [o for o in sorted(outs) if o != t and graph.is_saved[o]]
+    can_r = {t: bool(graph.can_recompute[t]) for t in saved}
+    # Rc: the first use, plus earlier positions where a dependent's rebuild may need x
+    rc = {t: {u[t]} if can_r[t] else set() for t in saved}
+    changed = True
+    while changed:
+        changed = False
+        for y in saved:
+            for r in list(rc[y]):
+                for x in frontier[y] + coproduced[y]:
+                    if can_r[x] and r < u[x] and (full or u[x] - r <= window) and r not in rc[x]:
+                        rc[x].add(r)
+                        changed = True
+    # a rebuild at r reads its frontier, which must still be alive there (no lifetime extension)
+    for y in saved:
+        rc[y] = {r for r in rc[y] if all(r <= lb[x] for x in frontier[y])}
+    if extra is not None:
+        for t, r in extra.get("rebuild", {}).items():
+            if can_r[t] and r <= u[t] and all(r <= lb[x] for x in frontier[t]):
+                rc[t].add(int(r))
+    earliest_need = {t: u[t] for t in saved}
+    for y in saved:
+        for r in rc[y]:
+            for x in frontier[y]:
+                earliest_need[x] = min(earliest_need[x], r)
+    F, G = {}, {}
+    for t in saved:
+        lo, hi = int(last_fwd[t]), u[t] - 1
+        if full:
+            F[t] = list(range(lo, hi + 1))
+            G[t] = list(range(lo + 1, u[t] + 1))
+        else:
+            F[t] = sorted({lo} | {lo + o for o in OFFSETS if lo + o <= hi})
+            g = {u[t]}
+            for need in {earliest_need[t], u[t]}:
+                g |= {need - o for o in OFFSETS if need - o > lo}
+                g.add(need)
+            G[t] = sorted(x for x in g if lo < x <= u[t])
+        if extra is not None:
+            if t in extra.get("free", {}) and lo <= extra["free"][t] <= hi:
+                F[t] = sorted(set(F[t]) | {int(extra["free"][t])})
+            if t in extra.get("issue", {}) and lo < extra["issue"][t] <= u[t]:
+                G[t] = sorted(set(G[t]) | {int(extra["issue"][t])})
+        if not hw.duplex:
+            G[t] = [g for g in G[t] if g >= n] or [u[t]]
+    return F, G, {t: sorted(v) for t, v in rc.items()}, frontier, coproduced, u, lb
+
+
+def formulate(graph: ActivationGraph, hw: Hardware, budget_bytes: int, *, full: bool | None = None,
+              hint=None, extra_candidates=None) -> Formulation:
+    """The MILP for ``graph`` under ``budget_bytes``. ``full``: every candidate position (exact
+    over all schedules; default for graphs of at most 16 ops), else windows (Section "Candidates").
+    ``hint``: (codes, free, issue, rebuild) of a known plan, added to the candidates and hinted."""
+    n = graph.n_ops
+    S = graph.n_slots
+    if full is None:
+        full = n <= 16
+    copies = sum(hw.d2h_time(b) + hw.h2d_time(b) for b in graph.tensor_bytes[graph.saved])
+    span = graph.ideal_step_time_s + copies
+    sc = Scaling(byte_unit=max(1, budget_bytes // 10_000_000),
+                 time_unit=max(span, 1e-12) / 10_000_000)
+    nbytes = sc.bytes_up(graph.tensor_bytes)
+    budget_u = budget_bytes // sc.byte_unit
+    fwd_u = sc.time_up(graph.forward_s)
+    bwd_u = sc.time_up(graph.backward_s)
+    base_dur = np.concatenate([fwd_u, bwd_u[::-1]])
+    d2h_u = {int(t): int(sc.time_up(hw.d2h_time(graph.tensor_bytes[t]))) for t in graph.saved}
+    h2d_u = {int(t): int(sc.time_up(hw.h2d_time(graph.tensor_bytes[t]))) for t in graph.saved}
+    F, G, RC, frontier, coproduced, u, lb = _candidates(graph, hw, full, extra_candidates)
+    saved = [int(t) for t in graph.saved]
+    m = Model()
+    f = Formulation(m, graph, hw, budget_bytes, sc, objective_offset_s=graph.optimizer_s)
+
+    # --- decisions: keep / swap / recompute, exactly one (one_decision)
+    for t in saved:
+        name = graph.tensors[t].name
+        f.keep[t] = m.binary(f"keep[{name}]")
+        f.swap[t] = m.binary(f"swap[{name}]")
+        f.recompute[t] = m.binary(f"recompute[{name}]")
+        m.eq(f"one_decision[{name}]", [(f.keep[t], 1), (f.swap[t], 1), (f.recompute[t], 1)], 1)
+        f.free_after[t] = {k: m.binary(f"free_after[{name},{k}]") for k in F[t]}
+        f.issue_at[t] = {k: m.binary(f"issue_at[{name},{k}]") for k in G[t]}
+        f.rebuild_at[t] = {k: m.binary(f"rebuild_at[{name},{k}]") for k in RC[t]}
+        # swap_schedule: one free position and one issue position per offloaded tensor
+        m.eq(f"swap_free_once[{name}]", [(v, 1) for v in f.free_after[t].values()] + [(f.swap[t], -1)], 0)
+        m.eq(f"swap_issue_once[{name}]", [(v, 1) for v in f.issue_at[t].values()] + [(f.swap[t], -1)], 0)
+        # issue_after_free: sum g*issue - sum f*free >= swap
+        m.ge(f"issue_after_free[{name}]", [(v, k) for k, v in f.issue_at[t].items()]
+             + [(v, -k) for k, v in f.free_after[t].items()] + [(f.swap[t], -1)], 0)
+        # rebuild_once
+        m.eq(f"rebuild_once[{name}]", [(v, 1) for v in f.rebuild_at[t].values()] + [(f.recompute[t], -1)], 0)
+    # random_groups: recomputed together or not at all
+    groups: dict[str, list[int]] = {}
+    for t in saved:
+        if graph.tensors[t].group is not None:
+            groups.setdefault(graph.tensors[t].group, []).append(t)
+    for g, members in groups.items():
+        for a, b in zip(members, members[1:]):
+            m.eq(f"random_group[{g}]", [(f.recompute[a], 1), (f.recompute[b], -1)], 0)
+
+    # --- reruns: an op reruns at position r if any rebuild there needs it (rerun_cover)
+    for y in saved:
+        for r, v in f.rebuild_at[y].items():
+            for q in graph.rerun_ops[y]:
+                key = (int(q), r)
+                if key not in f.rerun:
+                    f.rerun[key] = m.binary(f"rerun[{graph.ops[q].name},{r}]")
+                m.le(f"rerun_cover[{graph.tensors[y].name},{graph.ops[q].name},{r}]",
+                     [(v, 1), (f.rerun[key], -1)], 0)
+    reruns_at: dict[int, list[int]] = {}
+    for (q, r) in f.rerun:
+        reruns_at.setdefault(r, []).append(q)
+
+    # --- recompute dependencies
+    for y in saved:
+        yname = graph.tensors[y].name
+        for r, v in f.rebuild_at[y].items():
+            for x in frontier[y]:
+                xname = graph.tensors[x].name
+                # rebuild_inputs_resident: kept (alive at r by construction), offloaded, or rebuilt by r
+                m.le(f"rebuild_inputs_resident[{yname},{xname},{r}]",
+                     [(v, 1), (f.keep[x], -1), (f.swap[x], -1)]
+                     + [(w, -1) for k, w in f.rebuild_at[x].items() if k <= r], 0)
+                # prefetch_before_rebuild: an offloaded input is issued by r
+                late = [(w, 1) for k, w in f.issue_at[x].items() if k > r]
+                if late:
+                    m.le(f"prefetch_before_rebuild[{yname},{xname},{r}]", late + [(v, 1)], 1)
+            for x in coproduced[y]:
+                later = [(w, 1) for k, w in f.rebuild_at[x].items() if k > r]
+                if later:
+                    m.le(f"coproduced_rebuilt_with[{yname},{graph.tensors[x].name},{r}]",
+                         later + [(v, 1)], 1)
+
+    # --- memory: running sum of lives (memory_running_sum), then the budget per position
+    starts: dict[int, list[tuple[int, int]]] = {}
+    ends: dict[int, list[tuple[int, int]]] = {}
+
+    def life(var, b, s, e):
+        starts.setdefault(int(s), []).append((var, int(b)))
+        ends.setdefault(int(e), []).append((var, int(b)))
+
+    prod = graph.producer
+    last_fwd = graph.last_forward_use
+    for t in saved:
+        b = nbytes[t]
+        life(f.keep[t], b, prod[t], lb[t])
+        life(f.recompute[t], b, prod[t], last_fwd[t])
+        for k, w in f.rebuild_at[t].items():
+            starts.setdefault(k, []).append((w, int(b)))
+        ends.setdefault(lb[t], []).append((f.recompute[t], int(b)))
+        starts.setdefault(int(prod[t]), []).append((f.swap[t], int(b)))
+        for k, w in f.free_after[t].items():
+            ends.setdefault(k, []).append((w, int(b)))
+        for k, w in f.issue_at[t].items():
+            starts.setdefault(k, []).append((w, int(b)))
+        ends.setdefault(lb[t], []).append((f.swap[t], int(b)))
+    constant = np.zeros(S, dtype=np.int64)
+    for t in np.flatnonzero(~graph.is_saved):
+        constant[prod[t]: last_fwd[t] + 1] += nbytes[t]
+    total = int(nbytes[graph.saved].sum()) + 1
+    out_bytes = [int(nbytes[list(outs)].sum()) if outs else 0 for outs in graph.op_outputs]
+    fwd_ws = sc.bytes_up(graph.forward_ws)
+    bwd_ws = sc.bytes_up(graph.backward_ws)
+    rebuilt_here: dict[int, list[tuple[tuple[int, int], int]]] = {}
+    for t in saved:
+        for k, w in f.rebuild_at[t].items():
+            rebuilt_here.setdefault(k, []).append(((w, -int(nbytes[t])), t))
+    resident = []
+    for k in range(S):
+        v = m.var(f"resident[{k}]", 0, total)
+        resident.append(v)
+        terms = [(v, 1)]
+        if k:
+            terms.append((resident[k - 1], -1))
+        terms += [(w, -b) for w, b in starts.get(k, ())]
+        terms += [(w, b) for w, b in ends.get(k - 1, ())]
+        m.eq(f"memory_running_sum[{k}]", terms, 0)
+        cap = budget_u - int(constant[k])
+        if k < n:
+            m.le(f"memory_budget[{k}]", [(v, 1)], cap - int(fwd_ws[k]))
+            continue
+        j = S - 1 - k
+        # memory_budget_backward: the backward op itself (no rebuild transients are left then)
+        m.le(f"memory_budget[{k}]", [(v, 1)], cap - int(bwd_ws[j]))
+        # memory_budget_rerun: each rerun point before it, in forward order of the rerun ops
+        ops_here = sorted(reruns_at.get(k, ()))
+        rebuilt = rebuilt_here.get(k, [])
+        for qi, q in enumerate(ops_here):
+            z = f.rerun[(q, k)]
+            terms = [(v, 1)]
+            # rebuilt tensors whose producer reruns later are not there yet
+            terms += [(w, b) for (w, b), t in rebuilt if graph.producer[t] > q]
+            # this op's outputs, less those rebuilt here (already counted in resident)
+            terms.append((z, int(out_bytes[q])))
+            terms += [(w, b) for (w, b), t in rebuilt if graph.producer[t] == q]
+            # unsaved outputs of earlier reruns still to be read by this or a later rerun
+            for q0 in ops_here[:qi]:
+                for o in graph.op_outputs[q0]:
+                    if graph.is_saved[o]:
+                        continue
+                    readers = [q2 for q2 in ops_here[qi:] if o in graph.op_inputs[q2]]
+                    if not readers:
+                        continue
+                    y = m.var(f"transient[{graph.tensors[o].name},{graph.ops[q].name},{k}]", 0, 1)
+                    for q2 in readers:
+                        m.ge(f"transient_alive[{graph.tensors[o].name},{graph.ops[q].name},{k}]",
+                             [(y, 1), (f.rerun[(q2, k)], -1)], 0)
+                    terms.append((y, int(nbytes[o])))
+            terms.append((z, int(fwd_ws[q])))
+            m.le(f"memory_budget_rerun[{graph.ops[q].name},{k}]", terms, cap)
+
+    # --- time: compute stream (compute_order), lanes (d2h_lane, h2d_lane), waits
+    rerun_time = {k: [(f.rerun[(q, k)], int(fwd_u[q])) for q in reruns_at.get(k, ())] for k in range(S)}
+    horizon = int(base_dur.sum() + sum(fwd_u[q] for q, _ in f.rerun)
+                  + sum(d2h_u.values()) + sum(h2d_u.values()))
+    T_ub = 2 * horizon + 1000
+    for k in range(S):
+        f.start.append(m.var(f"start[{k}]", 0, T_ub))
+    for k in range(1, S):
+        m.ge(f"compute_order[{k}]", [(f.start[k], 1), (f.start[k - 1], -1)]
+             + [(z, -c) for z, c in rerun_time[k - 1]], int(base_dur[k - 1]))
+
+    def arrive(k):
+        """terms and constant of the time position k is reached (before any wait)."""
+        if k == 0:
+            return [], 0
+        return [(f.start[k - 1], 1)] + rerun_time[k - 1], int(base_dur[k - 1])
+
+    d2h_order = sorted(saved, key=lambda t: (prod[t], t))
+    lane_d: dict[int, int] = {}
+    prev = None
+    for t in d2h_order:
+        name = graph.tensors[t].name
+        L = m.var(f"d2h_done[{name}]", 0, T_ub)
+        lane_d[t] = L
+        p = d2h_u[t]
+        if prev is not None:
+            m.ge(f"d2h_lane_fifo[{name}]", [(L, 1), (prev, -1), (f.swap[t], -p)], 0)
+        m.ge(f"d2h_release[{name}]", [(L, 1), (f.start[prod[t]], -1), (f.swap[t], -p)], int(fwd_u[prod[t]]))
+        for k, w in f.free_after[t].items():
+            m.ge(f"d2h_before_free[{name},{k}]", [(f.start[k + 1], 1), (L, -1)], 0, enforce=(w,))
+        prev = L
+    last_d2h = prev
+    h2d_order = sorted(saved, key=lambda t: (u[t], t))
+    lane_h: dict[int, int] = {}
+    prev_l = prev_j = None
+    for t in h2d_order:
+        name = graph.tensors[t].name
+        L = m.var(f"h2d_done[{name}]", 0, T_ub)
+        lane_h[t] = L
+        J = m.var(f"issue_order[{name}]", 0, S)
+        p = h2d_u[t]
+        if prev_l is not None:
+            m.ge(f"h2d_lane_fifo[{name}]", [(L, 1), (prev_l, -1), (f.swap[t], -p)], 0)
+            m.ge(f"h2d_issue_order[{name}]", [(J, 1), (prev_j, -1)], 0)
+        m.eq(f"issue_position[{name}]", [(J, 1)] + [(w, -k) for k, w in f.issue_at[t].items()], 0,
+             enforce=(f.swap[t],))
+        for k, w in f.issue_at[t].items():
+            terms, const = arrive(k)
+            m.ge(f"h2d_release[{name},{k}]", [(L, 1)] + [(v, -c) for v, c in terms], const + p,
+                 enforce=(w,))
+        m.ge(f"h2d_after_d2h[{name}]", [(L, 1), (lane_d[t], -1)], p, enforce=(f.swap[t],))
+        if not hw.duplex:
+            m.ge(f"shared_link[{name}]", [(L, 1), (last_d2h, -1)], p, enforce=(f.swap[t],))
+        m.ge(f"prefetch_arrives[{name}]", [(f.start[u[t]], 1), (L, -1)], 0, enforce=(f.swap[t],))
+        prev_l, prev_j = L, J
+    # offloaded inputs of a rebuild arrive before it runs (prefetch_arrives_for_rebuild)
+    for y in saved:
+        for r, v in f.rebuild_at[y].items():
+            for x in frontier[y]:
+                if r < u[x]:
+                    Lx = lane_h[x]
+                    m.ge(f"prefetch_arrives_for_rebuild[{graph.tensors[y].name},{graph.tensors[x].name},{r}]",
+                         [(f.start[r], 1), (Lx, -1)], 0, enforce=(v, f.swap[x]))
+
+    # objective: end of the last backward op (step_time)
+    m.objective = [(f.start[S - 1], 1)] + rerun_time[S - 1]
+    m.objective_offset = int(base_dur[S - 1])
+    if hint is not None:
+        _apply_hint(f, hint)
+    return f
+
+
+def _apply_hint(f: Formulation, hint) -> None:
+    codes, free, issue, rebuild = hint
+    m = f.model
+    for t, v in f.keep.items():
+        m.hint[v] = int(codes[t] == 0)
+        m.hint[f.swap[t]] = int(codes[t] == 1)
+        m.hint[f.recompute[t]] = int(codes[t] == 2)
+        for k, w in f.free_after[t].items():
+            m.hint[w] = int(codes[t] == 1 and free.get(t) == k)
+        for k, w in f.issue_at[t].items():
+            m.hint[w] = int(codes[t] == 1 and issue.get(t) == k)
+        for k, w in f.rebuild_at[t].items():
+            m.hint[w] = int(codes[t] == 2 and rebuild.get(t) == k)
+

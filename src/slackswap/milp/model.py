@@ -1,0 +1,79 @@
+"""A small solver-neutral model: integer variables, linear constraints that may be enforced by
+binary literals, a linear objective to minimise, and a hint. Backends translate it: CP-SAT uses
+enforcement literals natively, PuLP gets big-M rows computed from the variables' bounds."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Var:
+    index: int
+    name: str
+    lb: int
+    ub: int
+
+
+@dataclass
+class Constraint:
+    """lo <= sum(coef * var) <= hi, only when every variable in ``enforce`` is 1."""
+
+    name: str
+    terms: list[tuple[int, int]]
+    lo: int | None
+    hi: int | None
+    enforce: tuple[int, ...] = ()
+
+
+@dataclass
+class Model:
+    vars: list[Var] = field(default_factory=list)
+    constraints: list[Constraint] = field(default_factory=list)
+    objective: list[tuple[int, int]] = field(default_factory=list)
+    objective_offset: int = 0
+    hint: dict[int, int] = field(default_factory=dict)
+
+    def var(self, name: str, lb: int, ub: int) -> int:
+        if lb > ub:
+            raise ValueError(f"variable {name}: empty domain [{lb}, {ub}]")
+        self.vars.append(Var(len(self.vars), name, int(lb), int(ub)))
+        return len(self.vars) - 1
+
+    def binary(self, name: str) -> int:
+        return self.var(name, 0, 1)
+
+    def add(self, name: str, terms, lo=None, hi=None, enforce=()) -> None:
+        merged: dict[int, int] = {}
+        for v, c in terms:
+            merged[v] = merged.get(v, 0) + int(c)
+        clean = [(v, c) for v, c in merged.items() if c]
+        self.constraints.append(Constraint(name, clean, None if lo is None else int(lo),
+                                           None if hi is None else int(hi), tuple(enforce)))
+
+    def le(self, name, terms, hi, enforce=()) -> None:
+        self.add(name, terms, None, hi, enforce)
+
+    def ge(self, name, terms, lo, enforce=()) -> None:
+        self.add(name, terms, lo, None, enforce)
+
+    def eq(self, name, terms, value, enforce=()) -> None:
+        self.add(name, terms, value, value, enforce)
+
+    def bounds_of(self, terms) -> tuple[int, int]:
+        lo = hi = 0
+        for v, c in terms:
+            var = self.vars[v]
+            if c > 0:
+                lo += c * var.lb
+                hi += c * var.ub
+            else:
+                lo += c * var.ub
+                hi += c * var.lb
+        return lo, hi
+
+    def size(self) -> dict[str, int]:
+        binaries = sum(1 for v in self.vars if v.lb == 0 and v.ub == 1)
+        return {"variables": len(self.vars), "binaries": binaries,
+                "constraints": len(self.constraints),
+                "nonzeros": sum(len(c.terms) for c in self.constraints)}
