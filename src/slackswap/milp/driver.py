@@ -64,7 +64,12 @@ class ExactBackend:
             predicted = f.seconds(obj_units)
             bound_s = f.seconds(bound_units) if bound_units is not None else None
             gap = None if bound_s is None or predicted <= 0 else max(0.0, (predicted - bound_s) / predicted)
-            if predicted <= heuristic_time * (1 + 1e-9) or status == "optimal":
+            exp = expand(g, codes, schedule, hw)
+            simulated = run_timeline(g, exp, hw, problem.budget_bytes)
+            extra_info["simulated_step_time_s"] = simulated.step_time_s
+            extra_info["heuristic_step_time_s"] = heuristic_time
+            if simulated.fits and (simulated.step_time_s <= heuristic_time * (1 + 1e-9)
+                                   or status == "optimal"):
                 info = SolveInfo(solver=self.name, status=status, objective=predicted, bound=bound_s,
                                  gap=gap, wall_s=wall, predicted_step_time_s=predicted,
                                  extra=extra_info)

@@ -17,7 +17,6 @@ from ..hardware import Hardware
 from ..stepmodel import nominal_slot_times
 from .model import Model
 
-OFFSETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
 
 
 @dataclass
@@ -56,7 +55,7 @@ class Formulation:
 
 
 def _candidates(graph: ActivationGraph, hw: Hardware, full: bool, extra=None,
-                window: int = 48):
+                window: int = 6):
     """F(x), G(x), Rc(x) for every saved tensor (Section "Candidates")."""
     n = graph.n_ops
     saved = [int(t) for t in graph.saved]
@@ -93,17 +92,25 @@ def _candidates(graph: ActivationGraph, hw: Hardware, full: bool, extra=None,
             for x in frontier[y]:
                 earliest_need[x] = min(earliest_need[x], r)
     F, G = {}, {}
+    start, end = nominal_slot_times(graph, [()] * graph.n_slots)
     for t in saved:
         lo, hi = int(last_fwd[t]), u[t] - 1
         if full:
             F[t] = list(range(lo, hi + 1))
             G[t] = list(range(lo + 1, u[t] + 1))
         else:
-            F[t] = sorted({lo} | {lo + o for o in OFFSETS if lo + o <= hi})
-            g = {u[t]}
+            # leave at the last forward reader (waiting for the copy if needed), or when a copy
+            # started at production on an idle lane would be done
+            done = end[graph.producer[t]] + hw.d2h_time(graph.tensor_bytes[t])
+            k_done = int(np.searchsorted(end, done - 1e-15))
+            F[t] = sorted({lo, min(max(k_done, lo), hi)})
+            # issue just in time for each possible first use, or early enough to arrive in time
+            g = set()
             for need in {earliest_need[t], u[t]}:
-                g |= {need - o for o in OFFSETS if need - o > lo}
                 g.add(need)
+                begin = start[need] - hw.h2d_time(graph.tensor_bytes[t])
+                k_begin = int(np.searchsorted(start, begin + 1e-15, side="right")) - 1
+                g.add(max(k_begin, lo + 1))
             G[t] = sorted(x for x in g if lo < x <= u[t])
         if extra is not None:
             if t in extra.get("free", {}) and lo <= extra["free"][t] <= hi:

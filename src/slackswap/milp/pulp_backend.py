@@ -1,0 +1,92 @@
+"""CBC and HiGHS through PuLP: the same formulation, enforcement literals turned into big-M rows
+whose M comes from the variables' bounds (formulations/milp.md, "Backends")."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .driver import ExactBackend
+from .formulate import Formulation
+
+
+def _pulp_problem(f: Formulation):
+    import pulp
+
+    m = f.model
+    prob = pulp.LpProblem("slackswap", pulp.LpMinimize)
+    x = []
+    for v in m.vars:
+        cat = pulp.LpBinary if (v.lb == 0 and v.ub == 1) else pulp.LpInteger
+        if cat is pulp.LpBinary:
+            x.append(pulp.LpVariable(f"v{v.index}", cat=cat))
+        else:
+            x.append(pulp.LpVariable(f"v{v.index}", lowBound=v.lb, upBound=v.ub, cat=cat))
+    for i, c in enumerate(m.constraints):
+        expr = pulp.lpSum(coef * x[v] for v, coef in c.terms)
+        lo_b, hi_b = m.bounds_of(c.terms)
+        # with k enforcement literals: the row is relaxed by M * (k - sum(literals))
+        relax = pulp.lpSum(1 - x[v] for v in c.enforce) if c.enforce else 0
+        if c.hi is not None:
+            big = max(0, hi_b - c.hi)
+            if c.enforce:
+                prob += expr <= c.hi + big * relax, f"c{i}u"
+            else:
+                prob += expr <= c.hi, f"c{i}u"
+        if c.lo is not None:
+            big = max(0, c.lo - lo_b)
+            if c.enforce:
+                prob += expr >= c.lo - big * relax, f"c{i}l"
+            else:
+                prob += expr >= c.lo, f"c{i}l"
+    prob += pulp.lpSum(coef * x[v] for v, coef in m.objective) + m.objective_offset
+    for v, val in m.hint.items():
+        x[v].setInitialValue(val)
+    return prob, x
+
+
+class _PulpBackend(ExactBackend):
+    name = "pulp"
+
+    def _solver(self, time_limit_s: float, seed: int, workers: int, warm: bool, gap: float):
+        raise NotImplementedError
+
+    def run(self, f: Formulation, time_limit_s: float, seed: int, workers: int,
+            options: dict[str, Any]):
+        import pulp
+
+        prob, x = _pulp_problem(f)
+        gap = float(options.get("gap", 1e-3))
+        solver = self._solver(time_limit_s, seed, workers, bool(f.model.hint), gap)
+        prob.solve(solver)
+        status = pulp.LpStatus.get(prob.status, "Undefined")
+        sol_status = getattr(prob, "sol_status", None)
+        values = [v.varValue for v in x]
+        if status == "Infeasible":
+            return "infeasible", None, None, None
+        if any(v is None for v in values) or status not in ("Optimal", "Not Solved", "Undefined"):
+            return "timeout", None, None, None
+        obj = pulp.value(prob.objective)
+        optimal = status == "Optimal" and sol_status in (None, pulp.LpSolutionOptimal)
+        bound = obj if optimal else None
+        return ("optimal" if optimal else "timeout"), (lambda v: values[v]), obj, bound
+
+
+class CbcBackend(_PulpBackend):
+    name = "cbc"
+
+    def _solver(self, time_limit_s, seed, workers, warm, gap):
+        import pulp
+
+        return pulp.PULP_CBC_CMD(msg=False, timeLimit=max(1, int(round(time_limit_s))),
+                                 threads=workers, warmStart=warm, gapRel=gap,
+                                 options=[f"randomCbcSeed {seed + 1}"])
+
+
+class HighsBackend(_PulpBackend):
+    name = "highs"
+
+    def _solver(self, time_limit_s, seed, workers, warm, gap):
+        import pulp
+
+        return pulp.HiGHS(msg=False, timeLimit=float(time_limit_s), threads=workers, gapRel=gap,
+                          warmStart=warm, random_seed=seed, output_flag=False)
