@@ -7,9 +7,10 @@
    when, for every window, the copies that must run inside it fit its length.
 3. Saved tensors, dearest to rebuild per byte first, are offloaded while both lanes still fit.
 4. Where memory tops the budget, the kept tensors resident there that are cheapest to rebuild
-   per byte are recomputed until it fits (no rebuild chains: a tensor is recomputed only if its
-   rebuild reads no recomputed tensor and no recomputed tensor's rebuild reads it). If none
-   remain, kept tensors there are offloaded with exposed copies.
+   per byte are recomputed until it fits: first those whose rebuild reads no recomputed tensor
+   (and that no recomputed tensor's rebuild reads), then, if that is not enough, rebuild chains
+   too (a chain rebuilds its tensors together, like a checkpointed segment). If none remain,
+   kept tensors there are offloaded with exposed copies.
 5. Repair: the plan is expanded with the step model's exact rules; where it still tops the
    budget (rebuild transients, copies that do not finish in time), resident tensors there are
    offloaded, waiting on the copies as needed; as a last resort every tensor is offloaded,
@@ -59,7 +60,8 @@ def hideable_swaps(graph: ActivationGraph, hw: Hardware, order: np.ndarray) -> n
     return np.array(chosen, dtype=np.int64)
 
 
-def heuristic_codes(graph: ActivationGraph, hw: Hardware, budget: int) -> tuple[np.ndarray, dict]:
+def heuristic_codes(graph: ActivationGraph, hw: Hardware, budget: int,
+                    allow_chains: bool = True) -> tuple[np.ndarray, dict]:
     """The heuristic's decisions and a few counters describing how it got there."""
     saved = graph.saved
     nbytes = graph.tensor_bytes
@@ -94,11 +96,11 @@ def heuristic_codes(graph: ActivationGraph, hw: Hardware, budget: int) -> tuple[
         g = graph.tensors[t].group
         return group_of[g] if g is not None else [t]
 
-    def can_rebuild(t: int) -> bool:
+    def can_rebuild(t: int, chains: bool = False) -> bool:
         return all(
             codes[m] == KEEP and graph.can_recompute[m]
-            and all(codes[f] != RECOMPUTE for f in graph.rerun_frontier[m])
-            and all(codes[r] != RECOMPUTE for r in readers_of.get(m, ()))
+            and (chains or (all(codes[f] != RECOMPUTE for f in graph.rerun_frontier[m])
+                            and all(codes[r] != RECOMPUTE for r in readers_of.get(m, ()))))
             for m in members(t)
         )
 
@@ -109,16 +111,19 @@ def heuristic_codes(graph: ActivationGraph, hw: Hardware, budget: int) -> tuple[
             break
         removable = saved[(codes[saved] == KEEP) & (last_fwd[saved] < s) & (u_slot[saved] > s)]
         moved = False
-        for t in removable[np.argsort(per_byte[removable], kind="stable")]:
-            if slot_mem[s] <= budget:
+        for chains in (False, True):
+            for t in removable[np.argsort(per_byte[removable], kind="stable")]:
+                if slot_mem[s] <= budget:
+                    break
+                if not np.isfinite(per_byte[t]) or not can_rebuild(int(t), chains):
+                    continue
+                for m in members(int(t)):
+                    codes[m] = RECOMPUTE
+                    slot_mem[last_fwd[m] + 1: u_slot[m]] -= nbytes[m]
+                    stats["recomputed"] += 1
+                moved = True
+            if moved or not allow_chains:
                 break
-            if not np.isfinite(per_byte[t]) or not can_rebuild(int(t)):
-                continue
-            for m in members(int(t)):
-                codes[m] = RECOMPUTE
-                slot_mem[last_fwd[m] + 1: u_slot[m]] -= nbytes[m]
-                stats["recomputed"] += 1
-            moved = True
         if slot_mem[s] > budget and not moved:
             for t in removable[np.argsort(-nbytes[removable], kind="stable")]:
                 if slot_mem[s] <= budget:
@@ -152,12 +157,33 @@ def heuristic_codes(graph: ActivationGraph, hw: Hardware, budget: int) -> tuple[
     return swap_all_codes(graph), stats
 
 
+def _best_of(graph: ActivationGraph, hw: Hardware, budget: int, candidates) -> np.ndarray:
+    """The candidate plan with the shortest simulated step that fits."""
+    from .simulate import run_timeline
+
+    best, best_time = None, np.inf
+    for codes in candidates:
+        sim = run_timeline(graph, expand(graph, codes, None, hw, budget_bytes=budget), hw, budget)
+        if sim.fits and sim.step_time_s < best_time:
+            best, best_time = codes, sim.step_time_s
+    return best if best is not None else candidates[0]
+
+
 class SlackSwapHeuristic:
     name = "heuristic"
 
     def solve(self, problem: Problem, **options) -> Solution:
+        from .baselines import keep_all_codes, recompute_all_codes
+
         start = time.perf_counter()
-        codes, stats = heuristic_codes(problem.graph, problem.hardware, problem.budget_bytes)
+        g, hw, budget = problem.graph, problem.hardware, problem.budget_bytes
+        codes, stats = heuristic_codes(g, hw, budget)
+        # never worse than a baseline that fits (cheap insurance on unusual graphs)
+        chosen = _best_of(g, hw, budget, [codes, keep_all_codes(g), recompute_all_codes(g),
+                                           swap_all_codes(g)])
+        if chosen is not codes:
+            stats["replaced_by_baseline"] = True
+            codes = chosen
         wall = time.perf_counter() - start
         return Solution(codes, None, SolveInfo(solver=self.name, status="heuristic", wall_s=wall,
                                                extra=stats))

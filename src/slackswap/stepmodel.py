@@ -249,6 +249,19 @@ def default_swap_schedule(graph: ActivationGraph, hw: Hardware, codes, first_nee
             h2d[t] = min(g, int(first_need[t]))
 
 
+def _monotone_issue(graph: ActivationGraph, codes, first_need, h2d, movable) -> None:
+    """Prefetches are issued in the order of their tensors' first backward reader: a movable
+    issue position is never before that of a tensor read earlier (it is moved later, never past
+    the tensor's first use)."""
+    swapped = np.flatnonzero(codes == SWAP)
+    key = graph.first_backward_use
+    latest = -1
+    for t in sorted(swapped, key=lambda t: (-key[t], t)):
+        if movable[t] and h2d[t] < latest:
+            h2d[t] = min(latest, int(first_need[t]))
+        latest = max(latest, int(h2d[t]))
+
+
 def expand(graph: ActivationGraph, codes: np.ndarray, schedule: Schedule | None,
            hw: Hardware, budget_bytes: int | None = None) -> Expansion:
     """Lifetimes of every tensor under a plan. Missing schedule entries take the defaults of the
@@ -258,6 +271,7 @@ def expand(graph: ActivationGraph, codes: np.ndarray, schedule: Schedule | None,
     given_d2h, given_h2d = d2h >= 0, h2d >= 0
     reruns, needs_at, first_need, materialized = trace_reruns(graph, codes, rec)
     default_swap_schedule(graph, hw, codes, first_need, reruns, d2h, h2d)
+    _monotone_issue(graph, codes, first_need, h2d, ~given_h2d)
     _check_swap_schedule(graph, codes, first_need, d2h, h2d)
     exp = _intervals(graph, codes, reruns, needs_at, first_need, d2h, h2d, materialized)
     if budget_bytes is not None:
@@ -398,6 +412,7 @@ def _yield_to_budget(graph, exp: Expansion, budget: int, given_d2h, given_h2d) -
                 changed = True
         if not changed:
             return exp
+        _monotone_issue(graph, exp.codes, exp.first_need, h2d, ~given_h2d)
         clash = swapped[d2h[swapped] >= h2d[swapped]]
         d2h[clash] = h2d[clash] - 1
         exp = _intervals(graph, exp.codes, list(exp.reruns), exp.needs_at, exp.first_need,

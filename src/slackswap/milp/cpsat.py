@@ -46,30 +46,24 @@ class CpSatBackend(ExactBackend):
     name = "cpsat"
 
     def run(self, f: Formulation, time_limit_s: float, seed: int, workers: int,
-            options: dict[str, Any]):
+            options: dict[str, Any], fixed: dict[int, int] | None = None):
         from ortools.sat.python import cp_model
 
         deadline = time.perf_counter() + float(time_limit_s)
-        gap_limit = float(options.get("gap", 1e-3))
-        full_hint = None
-        if f.model.hint:
-            model, x = _build(f, fixed=f.model.hint)
-            solver = cp_model.CpSolver()
-            solver.parameters.max_time_in_seconds = max(0.1, min(10.0, 0.3 * time_limit_s))
-            solver.parameters.num_workers = int(workers)
-            solver.parameters.random_seed = int(seed)
-            status = solver.Solve(model)
-            if status in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-                full_hint = [solver.Value(v) for v in x]
-        model, x = _build(f)
-        if full_hint is not None:
-            for var, val in zip(x, full_hint):
-                model.AddHint(var, val)
+        gap_limit = float(options.get("gap", 1e-4))
+        hint = dict(options.get("complete_hint") or f.model.hint)
+        if fixed and any(hint.get(v, val) != val for v, val in fixed.items()):
+            hint = {}  # a hint that contradicts the fixings would only mislead
+        model, x = _build(f, fixed=fixed)
+        for v, val in hint.items():
+            if not (fixed and v in fixed):
+                model.AddHint(x[v], val)
         solver = cp_model.CpSolver()
         solver.parameters.max_time_in_seconds = max(0.1, deadline - time.perf_counter())
         solver.parameters.num_workers = int(workers)
         solver.parameters.random_seed = int(seed)
         solver.parameters.relative_gap_limit = gap_limit
+        solver.parameters.linearization_level = int(options.get("linearization_level", 2))
         if options.get("log"):
             solver.parameters.log_search_progress = True
         status = solver.Solve(model)
@@ -80,4 +74,4 @@ class CpSatBackend(ExactBackend):
         obj, bound = solver.ObjectiveValue(), solver.BestObjectiveBound()
         gap = abs(obj - bound) / max(1.0, abs(obj))
         name = "optimal" if status == cp_model.OPTIMAL or gap <= gap_limit else "timeout"
-        return name, (lambda v: solver.Value(x[v])), obj, bound
+        return name, (lambda v: int(fixed[v]) if fixed and v in fixed else solver.Value(x[v])), obj, bound

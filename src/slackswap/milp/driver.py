@@ -1,28 +1,39 @@
-"""What every exact backend shares: warm start from the heuristic, the solve, the decode, and
-the guarantee that the returned plan is never worse than the heuristic's."""
+"""What every exact backend shares: warm start from the heuristic, the solve strategy, the decode,
+and the guarantee that the returned plan is never worse than the heuristic's.
+
+Strategy (formulations/milp.md, "Solving"): small models are solved whole. Large ones are solved
+LP-guided: the LP bound (lpbound.py) is solved first; tensors it decides integrally are fixed to
+that decision (their schedule positions stay free) and the MILP decides the rest; the LP bound
+is the proof, so the gap reported is against it (or against the MILP's own bound when the whole
+model was solved).
+"""
 
 from __future__ import annotations
 
 import time
 from typing import Any
 
-from ..heuristic import heuristic_codes
-from ..plan import SolveInfo
+import numpy as np
+
+from ..plan import KEEP, RECOMPUTE, SWAP, SolveInfo
 from ..simulate import run_timeline
 from ..solve import Problem, Solution
 from ..stepmodel import expand
 from .formulate import Formulation, formulate
 
 DEFAULT_TIME_LIMIT_S = 60.0
+WHOLE_MODEL_BINARIES = 2500
 
 
 def heuristic_start(problem: Problem):
     """The heuristic's plan with its default schedule, as candidates and a hint."""
+    from ..heuristic import SlackSwapHeuristic
+
     g, hw, budget = problem.graph, problem.hardware, problem.budget_bytes
-    codes, _ = heuristic_codes(g, hw, budget)
+    codes = SlackSwapHeuristic().solve(problem).codes
     exp = expand(g, codes, None, hw, budget_bytes=budget)
-    swapped = [int(t) for t in g.saved if codes[t] == 1]
-    rebuilt = [int(t) for t in g.saved if codes[t] == 2]
+    swapped = [int(t) for t in g.saved if codes[t] == SWAP]
+    rebuilt = [int(t) for t in g.saved if codes[t] == RECOMPUTE]
     free = {t: int(exp.d2h_free[t]) for t in swapped}
     issue = {t: int(exp.h2d_issue[t]) for t in swapped}
     rebuild = {t: int(exp.materialize_at[t]) for t in rebuilt}
@@ -30,55 +41,127 @@ def heuristic_start(problem: Problem):
     return codes, free, issue, rebuild, sim
 
 
+def lp_fixings(f: Formulation, lp, threshold: float = 0.999, agree_with=None) -> dict[int, int]:
+    """Decision variables fixed where the LP relaxation decides a tensor integrally (and, with
+    ``agree_with``, where that decision is also the warm start's)."""
+    g = f.graph
+    fixed: dict[int, int] = {}
+    for t in f.keep:
+        name = g.tensors[t].name
+        values = {KEEP: lp.keep.get(name, 0.0), SWAP: lp.swap.get(name, 0.0),
+                  RECOMPUTE: lp.recompute.get(name, 0.0)}
+        best = max(values, key=values.get)
+        if values[best] < threshold:
+            continue
+        if best == RECOMPUTE and not f.rebuild_at[t]:
+            continue
+        if agree_with is not None and agree_with[t] != best:
+            continue
+        for code, var in ((KEEP, f.keep[t]), (SWAP, f.swap[t]), (RECOMPUTE, f.recompute[t])):
+            fixed[var] = int(code == best)
+    return fixed
+
+
 class ExactBackend:
-    """Subclasses implement ``run(formulation, time_limit_s, seed, workers, options)`` and return
-    (status, value function or None, objective units, bound units)."""
+    """Subclasses implement ``run(formulation, time_limit_s, seed, workers, options, fixed)`` and
+    return (status, value function or None, objective units, bound units)."""
 
     name = "exact"
 
     def run(self, f: Formulation, time_limit_s: float, seed: int, workers: int,
-            options: dict[str, Any]):
+            options: dict[str, Any], fixed: dict[int, int] | None = None):
         raise NotImplementedError
 
     def solve(self, problem: Problem, time_limit_s: float | None = None, seed: int = 0,
               workers: int = 2, warm_start: bool = True, full: bool | None = None,
-              **options: Any) -> Solution:
+              strategy: str = "auto", **options: Any) -> Solution:
+        from ..lpbound import lp_bound
         from .decode import decode
 
         start = time.perf_counter()
         limit = DEFAULT_TIME_LIMIT_S if time_limit_s is None else float(time_limit_s)
-        g, hw = problem.graph, problem.hardware
+        g, hw, budget = problem.graph, problem.hardware, problem.budget_bytes
         h_codes, free, issue, rebuild, h_sim = heuristic_start(problem)
         hint = (h_codes, free, issue, rebuild) if warm_start else None
         extra = {"free": free, "issue": issue, "rebuild": rebuild} if warm_start else None
-        f = formulate(g, hw, problem.budget_bytes, full=full, hint=hint, extra_candidates=extra)
-        build_s = time.perf_counter() - start
-        remaining = max(0.1, limit - build_s)
-        status, value, obj_units, bound_units = self.run(f, remaining, seed, workers, options)
-        wall = time.perf_counter() - start
-        extra_info = {"model": f.model.size(), "build_s": build_s, "full_candidates": f.model is not None
-                      and (full if full is not None else g.n_ops <= 16)}
+        f = formulate(g, hw, budget, full=full, hint=hint, extra_candidates=extra)
+        if warm_start:
+            from .hint import complete_hint
+
+            full_hint = complete_hint(f, h_codes, free, issue, rebuild)
+            if full_hint:
+                options = {**options, "complete_hint": full_hint}
+        size = f.model.size()
+        info_extra: dict[str, Any] = {"model": size, "build_s": time.perf_counter() - start}
+        if strategy == "auto":
+            strategy = "whole" if size["binaries"] <= WHOLE_MODEL_BINARIES else "lp-guided"
+        info_extra["strategy"] = strategy
         heuristic_time = h_sim.step_time_s if h_sim.fits else float("inf")
-        if value is not None:
+        best = None  # (simulated time, codes, schedule, predicted)
+        bound_s = None
+        status = "timeout"
+
+        def consider(value, obj_units):
+            nonlocal best
             codes, schedule = decode(f, value)
-            predicted = f.seconds(obj_units)
-            bound_s = f.seconds(bound_units) if bound_units is not None else None
-            gap = None if bound_s is None or predicted <= 0 else max(0.0, (predicted - bound_s) / predicted)
-            exp = expand(g, codes, schedule, hw)
-            simulated = run_timeline(g, exp, hw, problem.budget_bytes)
-            extra_info["simulated_step_time_s"] = simulated.step_time_s
-            extra_info["heuristic_step_time_s"] = heuristic_time
-            if simulated.fits and (simulated.step_time_s <= heuristic_time * (1 + 1e-9)
-                                   or status == "optimal"):
-                info = SolveInfo(solver=self.name, status=status, objective=predicted, bound=bound_s,
-                                 gap=gap, wall_s=wall, predicted_step_time_s=predicted,
-                                 extra=extra_info)
-                return Solution(codes, schedule, info)
-        # no solution, or worse than the warm start: the heuristic's plan, said so
-        reason = "no solution within the time limit" if value is None else \
-            "solver's best was worse than the heuristic"
-        info = SolveInfo(solver=self.name, status="timeout" if status != "infeasible" else status,
-                         objective=heuristic_time, bound=None, gap=None, wall_s=wall,
-                         predicted_step_time_s=heuristic_time,
-                         extra={**extra_info, "fallback": "heuristic", "reason": reason})
+            sim = run_timeline(g, expand(g, codes, schedule, hw), hw, budget)
+            if sim.fits and (best is None or sim.step_time_s < best[0]):
+                best = (sim.step_time_s, codes, schedule, f.seconds(obj_units))
+
+        lp = lp_bound(g, budget, hw)
+        info_extra["lp_bound_s"] = lp.wall_s
+        lp_s = lp.step_time_s if lp.status == "optimal" else None
+        if strategy == "whole":
+            remaining = max(0.1, limit - (time.perf_counter() - start))
+            status, value, obj, bound = self.run(f, remaining, seed, workers, options)
+            if value is not None:
+                consider(value, obj)
+            # the better of two valid bounds: the MILP's own and the LP bound's
+            candidates = [b for b in (None if bound is None else f.seconds(bound), lp_s) if b is not None]
+            bound_s = max(candidates) if candidates else None
+            if status != "optimal" and best is not None and bound_s is not None \
+                    and best[3] - bound_s <= 1e-3 * best[3]:
+                status = "optimal"
+        else:
+            bound_s = lp_s
+            # first round: free what the LP and the warm start disagree on (the warm start stays
+            # a complete feasible hint); then trust the LP alone
+            rounds = [(0.999, h_codes if warm_start else None), (0.999, None)]
+            for threshold, agree in rounds:
+                remaining = limit - (time.perf_counter() - start)
+                if remaining <= 0.5:
+                    break
+                fixed = lp_fixings(f, lp, threshold, agree) if lp.status == "optimal" else {}
+                st, value, obj, _ = self.run(f, remaining, seed, workers, options, fixed=fixed)
+                info_extra.setdefault("rounds", []).append(
+                    {"threshold": threshold, "fixed_tensors": len(fixed) // 3, "status": st})
+                if value is not None:
+                    consider(value, obj)
+                if best is not None and bound_s is not None and best[3] - bound_s <= 1e-3 * best[3]:
+                    break
+            if best is not None and bound_s is not None:
+                status = "optimal" if (best[3] - bound_s) <= 1e-3 * best[3] else "feasible"
+        wall = time.perf_counter() - start
+        info_extra["heuristic_step_time_s"] = heuristic_time
+        if best is not None and best[0] <= heuristic_time * (1 + 1e-9) + 1e-12:
+            sim_time, codes, schedule, predicted = best
+            bound = None if bound_s is None else min(bound_s, predicted)
+            gap = None if bound is None else (
+                max(0.0, (predicted - bound) / predicted) if predicted > 0 else 0.0)
+            if status == "optimal" and gap is not None and gap > 1e-3:
+                status = "feasible"
+            info_extra["simulated_step_time_s"] = sim_time
+            info = SolveInfo(solver=self.name, status=status, objective=predicted, bound=bound,
+                             gap=gap, wall_s=wall, predicted_step_time_s=predicted, extra=info_extra)
+            return Solution(codes, schedule, info)
+        # no solution, or none better than the warm start: the heuristic's plan, said so
+        info_extra.update(fallback="heuristic", reason="no solution within the time limit"
+                          if best is None else "solver's best was worse than the heuristic")
+        gap = None
+        if bound_s is not None and np.isfinite(heuristic_time):
+            bound_s = min(bound_s, heuristic_time)
+            gap = max(0.0, (heuristic_time - bound_s) / heuristic_time) if heuristic_time > 0 else 0.0
+        info = SolveInfo(solver=self.name, status="infeasible" if status == "infeasible" else "timeout",
+                         objective=heuristic_time, bound=bound_s, gap=gap, wall_s=wall,
+                         predicted_step_time_s=heuristic_time, extra=info_extra)
         return Solution(h_codes, None, info)

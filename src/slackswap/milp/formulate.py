@@ -48,6 +48,13 @@ class Formulation:
     rebuild_at: dict[int, dict[int, int]] = field(default_factory=dict)
     rerun: dict[tuple[int, int], int] = field(default_factory=dict)
     start: list[int] = field(default_factory=list)
+    resident: list[int] = field(default_factory=list)
+    d2h_done: dict[int, int] = field(default_factory=dict)
+    h2d_done: dict[int, int] = field(default_factory=dict)
+    issue_order: dict[int, int] = field(default_factory=dict)
+    d2h_order: list[int] = field(default_factory=list)
+    h2d_order: list[int] = field(default_factory=list)
+    units: dict = field(default_factory=dict)
     objective_offset_s: float = 0.0
 
     def seconds(self, objective_units: float) -> float:
@@ -79,12 +86,9 @@ def _candidates(graph: ActivationGraph, hw: Hardware, full: bool, extra=None,
                     if can_r[x] and r < u[x] and (full or u[x] - r <= window) and r not in rc[x]:
                         rc[x].add(r)
                         changed = True
-    # a rebuild at r reads its frontier, which must still be alive there (no lifetime extension)
-    for y in saved:
-        rc[y] = {r for r in rc[y] if all(r <= lb[x] for x in frontier[y])}
     if extra is not None:
         for t, r in extra.get("rebuild", {}).items():
-            if can_r[t] and r <= u[t] and all(r <= lb[x] for x in frontier[t]):
+            if can_r[t] and r <= u[t]:
                 rc[t].add(int(r))
     earliest_need = {t: u[t] for t in saved}
     for y in saved:
@@ -123,7 +127,7 @@ def _candidates(graph: ActivationGraph, hw: Hardware, full: bool, extra=None,
 
 
 def formulate(graph: ActivationGraph, hw: Hardware, budget_bytes: int, *, full: bool | None = None,
-              hint=None, extra_candidates=None) -> Formulation:
+              hint=None, extra_candidates=None, cuts: bool = True) -> Formulation:
     """The MILP for ``graph`` under ``budget_bytes``. ``full``: every candidate position (exact
     over all schedules; default for graphs of at most 16 ops), else windows (Section "Candidates").
     ``hint``: (codes, free, issue, rebuild) of a known plan, added to the candidates and hinted."""
@@ -133,7 +137,11 @@ def formulate(graph: ActivationGraph, hw: Hardware, budget_bytes: int, *, full: 
         full = n <= 16
     copies = sum(hw.d2h_time(b) + hw.h2d_time(b) for b in graph.tensor_bytes[graph.saved])
     span = graph.ideal_step_time_s + copies
-    sc = Scaling(byte_unit=max(1, budget_bytes // 10_000_000),
+    # the largest unit that divides every size exactly: memory sums are then exact, and only the
+    # budget is rounded (down)
+    sizes = np.concatenate([graph.tensor_bytes, graph.forward_ws, graph.backward_ws])
+    unit = int(np.gcd.reduce(sizes[sizes > 0])) if (sizes > 0).any() else 1
+    sc = Scaling(byte_unit=max(1, unit),
                  time_unit=max(span, 1e-12) / 10_000_000)
     nbytes = sc.bytes_up(graph.tensor_bytes)
     budget_u = budget_bytes // sc.byte_unit
@@ -187,13 +195,43 @@ def formulate(graph: ActivationGraph, hw: Hardware, budget_bytes: int, *, full: 
     for (q, r) in f.rerun:
         reruns_at.setdefault(r, []).append(q)
 
+    # life_extension: a rebuild at r reads its frontier x there; if x's own last use came
+    # earlier, x stays until r (whole positions between, and the rerun points at r)
+    ext_full: dict[tuple[int, int], int] = {}
+    ext_rerun: dict[tuple[int, int], int] = {}
+    for y in saved:
+        for r, v in f.rebuild_at[y].items():
+            for x in frontier[y]:
+                if r <= lb[x]:
+                    continue
+                xname = graph.tensors[x].name
+                for k in range(lb[x] + 1, r + 1):
+                    table = ext_full if k < r else ext_rerun
+                    if (x, k) not in table:
+                        kind = "life_extension" if k < r else "life_extension_rerun"
+                        table[(x, k)] = m.binary(f"{kind}[{xname},{k}]")
+                    m.ge(f"life_extension[{graph.tensors[y].name},{xname},{k}]",
+                         [(table[(x, k)], 1), (v, -1)], 0)
+    for (x, k), w in ext_full.items():
+        if (x, k) not in ext_rerun:
+            ext_rerun[(x, k)] = m.binary(f"life_extension_rerun[{graph.tensors[x].name},{k}]")
+        m.ge(f"life_extension_covers_reruns[{graph.tensors[x].name},{k}]",
+             [(ext_rerun[(x, k)], 1), (w, -1)], 0)
+    ext_main_at: dict[int, list[tuple[int, int]]] = {}
+    ext_rerun_at: dict[int, list[tuple[int, int]]] = {}
+    for (x, k), w in ext_full.items():
+        ext_main_at.setdefault(k, []).append((w, int(nbytes[x])))
+    for (x, k), w in ext_rerun.items():
+        ext_rerun_at.setdefault(k, []).append((w, int(nbytes[x])))
+
     # --- recompute dependencies
     for y in saved:
         yname = graph.tensors[y].name
         for r, v in f.rebuild_at[y].items():
             for x in frontier[y]:
                 xname = graph.tensors[x].name
-                # rebuild_inputs_resident: kept (alive at r by construction), offloaded, or rebuilt by r
+                # rebuild_inputs_resident: kept (alive at r, by life_extension if needed),
+                # offloaded (prefetched by r), or rebuilt by r
                 m.le(f"rebuild_inputs_resident[{yname},{xname},{r}]",
                      [(v, 1), (f.keep[x], -1), (f.swap[x], -1)]
                      + [(w, -1) for k, w in f.rebuild_at[x].items() if k <= r], 0)
@@ -241,7 +279,7 @@ def formulate(graph: ActivationGraph, hw: Hardware, budget_bytes: int, *, full: 
     for t in saved:
         for k, w in f.rebuild_at[t].items():
             rebuilt_here.setdefault(k, []).append(((w, -int(nbytes[t])), t))
-    resident = []
+    resident = f.resident
     for k in range(S):
         v = m.var(f"resident[{k}]", 0, total)
         resident.append(v)
@@ -257,13 +295,13 @@ def formulate(graph: ActivationGraph, hw: Hardware, budget_bytes: int, *, full: 
             continue
         j = S - 1 - k
         # memory_budget_backward: the backward op itself (no rebuild transients are left then)
-        m.le(f"memory_budget[{k}]", [(v, 1)], cap - int(bwd_ws[j]))
+        m.le(f"memory_budget[{k}]", [(v, 1)] + ext_main_at.get(k, []), cap - int(bwd_ws[j]))
         # memory_budget_rerun: each rerun point before it, in forward order of the rerun ops
         ops_here = sorted(reruns_at.get(k, ()))
         rebuilt = rebuilt_here.get(k, [])
         for qi, q in enumerate(ops_here):
             z = f.rerun[(q, k)]
-            terms = [(v, 1)]
+            terms = [(v, 1)] + ext_rerun_at.get(k, [])
             # rebuilt tensors whose producer reruns later are not there yet
             terms += [(w, b) for (w, b), t in rebuilt if graph.producer[t] > q]
             # this op's outputs, less those rebuilt here (already counted in resident)
@@ -309,6 +347,7 @@ def formulate(graph: ActivationGraph, hw: Hardware, budget_bytes: int, *, full: 
         name = graph.tensors[t].name
         L = m.var(f"d2h_done[{name}]", 0, T_ub)
         lane_d[t] = L
+        f.d2h_done[t] = L
         p = d2h_u[t]
         if prev is not None:
             m.ge(f"d2h_lane_fifo[{name}]", [(L, 1), (prev, -1), (f.swap[t], -p)], 0)
@@ -318,13 +357,18 @@ def formulate(graph: ActivationGraph, hw: Hardware, budget_bytes: int, *, full: 
         prev = L
     last_d2h = prev
     h2d_order = sorted(saved, key=lambda t: (u[t], t))
+    f.d2h_order, f.h2d_order = d2h_order, h2d_order
+    f.units = {"fwd": fwd_u, "base_dur": base_dur, "d2h": d2h_u, "h2d": h2d_u, "u": u,
+               "frontier": frontier}
     lane_h: dict[int, int] = {}
     prev_l = prev_j = None
     for t in h2d_order:
         name = graph.tensors[t].name
         L = m.var(f"h2d_done[{name}]", 0, T_ub)
         lane_h[t] = L
+        f.h2d_done[t] = L
         J = m.var(f"issue_order[{name}]", 0, S)
+        f.issue_order[t] = J
         p = h2d_u[t]
         if prev_l is not None:
             m.ge(f"h2d_lane_fifo[{name}]", [(L, 1), (prev_l, -1), (f.swap[t], -p)], 0)
@@ -349,6 +393,9 @@ def formulate(graph: ActivationGraph, hw: Hardware, budget_bytes: int, *, full: 
                     m.ge(f"prefetch_arrives_for_rebuild[{graph.tensors[y].name},{graph.tensors[x].name},{r}]",
                          [(f.start[r], 1), (Lx, -1)], 0, enforce=(v, f.swap[x]))
 
+    if cuts:
+        _lane_capacity_cuts(f, nbytes, budget_u, constant, fwd_ws, bwd_ws, u, lb)
+
     # objective: end of the last backward op (step_time)
     m.objective = [(f.start[S - 1], 1)] + rerun_time[S - 1]
     m.objective_offset = int(base_dur[S - 1])
@@ -371,3 +418,84 @@ def _apply_hint(f: Formulation, hint) -> None:
         for k, w in f.rebuild_at[t].items():
             m.hint[w] = int(codes[t] == 2 and rebuild.get(t) == k)
 
+
+
+def _running_sum(m: Model, name: str, S: int, starts, ends, ub: int) -> list[int]:
+    """Variables V_k = sum of coef*x over the intervals covering position k."""
+    out: list[int] = []
+    for k in range(S):
+        v = m.var(f"{name}[{k}]", 0, ub)
+        terms = [(v, 1)]
+        if k:
+            terms.append((out[k - 1], -1))
+        terms += [(w, -b) for w, b in starts.get(k, ())]
+        terms += [(w, b) for w, b in ends.get(k - 1, ())]
+        m.eq(f"{name}_running_sum[{k}]", terms, 0)
+        out.append(v)
+    return out
+
+
+def _lane_capacity_cuts(f: Formulation, nbytes, budget_u, constant, fwd_ws, bwd_ws, u, lb) -> None:
+    """Valid inequalities of the LP bound (formulations/lp-bound.md) in the MILP's variables:
+    a lane moves at most bandwidth x elapsed time, offloads not yet moved are still resident,
+    prefetches needed by now have landed and stay until their last use. Every plan satisfies
+    them, so they cut no plan off; they only tighten the relaxation (lane_capacity_cuts)."""
+    g, m, sc, hw = f.graph, f.model, f.scaling, f.hw
+    n, S = g.n_ops, g.n_slots
+    kappa = 1000
+    bw_d = int(np.ceil(hw.d2h_bytes_per_s * sc.time_unit / sc.byte_unit * kappa))
+    bw_h = int(np.ceil(hw.h2d_bytes_per_s * sc.time_unit / sc.byte_unit * kappa))
+    saved = list(f.keep)
+    prod, last_fwd = g.producer, g.last_forward_use
+    total = int(nbytes[g.saved].sum()) + 1
+    q_st, f_st, f_en, need_st, free_st, g_st, g_en = {}, {}, {}, {}, {}, {}, {}
+
+    def put(d, k, item):
+        d.setdefault(int(k), []).append(item)
+
+    for t in saved:
+        b = int(nbytes[t])
+        put(q_st, prod[t], (f.swap[t], b))
+        put(f_st, prod[t], (f.swap[t], b))
+        put(f_en, last_fwd[t], (f.swap[t], b))
+        put(need_st, u[t], (f.swap[t], b))
+        if lb[t] + 1 < S:
+            put(free_st, lb[t] + 1, (f.swap[t], b))
+        put(g_st, prod[t], (f.keep[t], b))
+        put(g_en, lb[t], (f.keep[t], b))
+        put(g_st, prod[t], (f.recompute[t], b))
+        put(g_en, last_fwd[t], (f.recompute[t], b))
+        put(g_st, u[t], (f.recompute[t], b))
+        put(g_en, lb[t], (f.recompute[t], b))
+    produced = _running_sum(m, "cut_offloaded_produced", S, q_st, {}, total)
+    in_fwd_life = _running_sum(m, "cut_offloaded_in_forward_life", S, f_st, f_en, total)
+    needed = _running_sum(m, "cut_offloaded_needed", S, need_st, {}, total)
+    freed = _running_sum(m, "cut_offloaded_freed", S, free_st, {}, total)
+    least = _running_sum(m, "cut_kept_or_rebuilt", S, g_st, g_en, total)
+    big = total * kappa
+    dep = [m.var(f"cut_departed[{k}]", 0, big) for k in range(S)]
+    arr = [m.var(f"cut_arrived[{k}]", 0, big) for k in range(S)]
+    f.units["cut"] = {"dep": dep, "arr": arr, "produced": produced, "needed": needed,
+                      "bw_d": bw_d, "bw_h": bw_h, "kappa": kappa}
+    for k in range(S):
+        if k == 0:
+            m.le("cut_departed_start", [(dep[0], 1)], 0)
+            m.le("cut_arrived_start", [(arr[0], 1)], 0)
+        else:
+            step = [(f.start[k], 1), (f.start[k - 1], -1)]
+            m.le(f"cut_d2h_rate[{k}]", [(dep[k], 1), (dep[k - 1], -1)] + [(v, -bw_d * c) for v, c in step], 0)
+            m.le(f"cut_h2d_rate[{k}]", [(arr[k], 1), (arr[k - 1], -1)] + [(v, -bw_h * c) for v, c in step], 0)
+            if not hw.duplex:
+                m.le(f"cut_link_rate[{k}]", [(dep[k], 1), (arr[k], 1), (dep[k - 1], -1), (arr[k - 1], -1)]
+                     + [(v, -bw_d * c) for v, c in step], 0)
+            m.le(f"cut_departed_produced[{k}]", [(dep[k], 1), (produced[k - 1], -kappa)], 0)
+        m.le(f"cut_arrived_departed[{k}]", [(arr[k], 1), (dep[k], -1)], 0)
+        m.ge(f"cut_arrived_needed[{k}]", [(arr[k], 1), (needed[k], -kappa)], 0)
+        # M >= produced - departed, M >= forward life; A >= arrived - freed
+        M = m.var(f"cut_not_departed[{k}]", 0, total)
+        A = m.var(f"cut_landed[{k}]", 0, total)
+        m.ge(f"cut_not_departed_def[{k}]", [(M, kappa), (produced[k], -kappa), (dep[k], 1)], 0)
+        m.ge(f"cut_not_departed_life[{k}]", [(M, 1), (in_fwd_life[k], -1)], 0)
+        m.ge(f"cut_landed_def[{k}]", [(A, kappa), (arr[k], -1), (freed[k], kappa)], 0)
+        ws = int(fwd_ws[k]) if k < n else int(bwd_ws[S - 1 - k])
+        m.le(f"cut_memory[{k}]", [(least[k], 1), (M, 1), (A, 1)], budget_u - int(constant[k]) - ws)

@@ -9,18 +9,19 @@ from .driver import ExactBackend
 from .formulate import Formulation
 
 
-def _pulp_problem(f: Formulation):
+def _pulp_problem(f: Formulation, fixed: dict[int, int] | None = None):
     import pulp
 
     m = f.model
     prob = pulp.LpProblem("slackswap", pulp.LpMinimize)
     x = []
+    fixed = fixed or {}
     for v in m.vars:
-        cat = pulp.LpBinary if (v.lb == 0 and v.ub == 1) else pulp.LpInteger
-        if cat is pulp.LpBinary:
-            x.append(pulp.LpVariable(f"v{v.index}", cat=cat))
-        else:
-            x.append(pulp.LpVariable(f"v{v.index}", lowBound=v.lb, upBound=v.ub, cat=cat))
+        lb, ub = (fixed[v.index], fixed[v.index]) if v.index in fixed else (v.lb, v.ub)
+        # binaries stay integer; times, lanes and memory sums are continuous for an LP-based solver
+        cat = pulp.LpInteger if (v.lb == 0 and v.ub == 1 and not v.name.startswith("transient")) \
+            else pulp.LpContinuous
+        x.append(pulp.LpVariable(f"v{v.index}", lowBound=lb, upBound=ub, cat=cat))
     for i, c in enumerate(m.constraints):
         expr = pulp.lpSum(coef * x[v] for v, coef in c.terms)
         lo_b, hi_b = m.bounds_of(c.terms)
@@ -39,7 +40,8 @@ def _pulp_problem(f: Formulation):
             else:
                 prob += expr >= c.lo, f"c{i}l"
     prob += pulp.lpSum(coef * x[v] for v, coef in m.objective) + m.objective_offset
-    for v, val in m.hint.items():
+    hint = m.hint if all(m.hint.get(v, val) == val for v, val in fixed.items()) else {}
+    for v, val in hint.items():
         x[v].setInitialValue(val)
     return prob, x
 
@@ -51,11 +53,16 @@ class _PulpBackend(ExactBackend):
         raise NotImplementedError
 
     def run(self, f: Formulation, time_limit_s: float, seed: int, workers: int,
-            options: dict[str, Any]):
+            options: dict[str, Any], fixed: dict[int, int] | None = None):
+        import warnings
+
         import pulp
 
-        prob, x = _pulp_problem(f)
-        gap = float(options.get("gap", 1e-3))
+        with warnings.catch_warnings():
+            # PuLP 3 warns about its own 4.0 API; the calls used here work in both
+            warnings.simplefilter("ignore", DeprecationWarning)
+            prob, x = _pulp_problem(f, fixed)
+        gap = float(options.get("gap", 1e-4))
         solver = self._solver(time_limit_s, seed, workers, bool(f.model.hint), gap)
         prob.solve(solver)
         status = pulp.LpStatus.get(prob.status, "Undefined")
@@ -75,11 +82,15 @@ class CbcBackend(_PulpBackend):
     name = "cbc"
 
     def _solver(self, time_limit_s, seed, workers, warm, gap):
+        import warnings
+
         import pulp
 
-        return pulp.PULP_CBC_CMD(msg=False, timeLimit=max(1, int(round(time_limit_s))),
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            return pulp.PULP_CBC_CMD(msg=False, timeLimit=max(1, int(round(time_limit_s))),
                                  threads=workers, warmStart=warm, gapRel=gap,
-                                 options=[f"randomCbcSeed {seed + 1}"])
+                                     options=[f"randomCbcSeed {seed + 1}"])
 
 
 class HighsBackend(_PulpBackend):

@@ -1,0 +1,148 @@
+"""The exact planner: its plans are checked by the validator and the simulator, the backends
+agree, and it is never beaten by the heuristic, the baselines or exhaustive search."""
+
+import itertools
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import slackswap as ss
+from helpers import LINK, graph, op, plan, random_graphs, tensor
+
+SETTINGS = settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
+
+
+@st.composite
+def graph_budget(draw, max_ops=5, max_saved=None):
+    g = draw(random_graphs(max_ops=max_ops, max_saved=max_saved))
+    lo, hi = ss.min_budget(g, LINK), ss.keep_all_peak(g, LINK)
+    budget = draw(st.integers(max(lo, 1), max(hi, lo, 1)))
+    return g, budget
+
+
+def retention(g, p):
+    sim = ss.simulate(g, p, LINK)
+    assert sim.fits
+    return sim.retention
+
+
+@SETTINGS
+@given(graph_budget())
+def test_backends_agree_and_plans_check_out(case):
+    g, budget = case
+    objectives = {}
+    for solver in ("cpsat", "cbc", "highs"):
+        p = ss.solve(g, budget, LINK, solver=solver, time_limit_s=20, gap=0.0)
+        assert ss.validate(g, p, LINK).ok
+        sim = ss.simulate(g, p, LINK)
+        assert sim.fits and sim.peak_bytes <= budget
+        assert p.info.status == "optimal"
+        # the model's step time is the simulator's, to rounding: under 1%, and in absolute terms
+        # at most one time unit (1e-7 of ideal + copy time) per op and transfer
+        span = g.ideal_step_time_s + sum(2 * g.tensors[t].bytes / 100.0 for t in g.saved)
+        assert p.info.predicted_step_time_s == pytest.approx(
+            sim.step_time_s, rel=0.01, abs=1e-7 * span * (2 * g.n_ops + 2 * len(g.saved)) + 1e-15)
+        objectives[solver] = p.info.objective
+    values = list(objectives.values())
+    assert max(values) - min(values) <= 1e-6 * max(values) + 1e-9, objectives
+
+
+@SETTINGS
+@given(graph_budget())
+def test_optimal_beats_heuristic_beats_baselines_and_respects_lp_bound(case):
+    g, budget = case
+    best = retention(g, ss.solve(g, budget, LINK, solver="cpsat", gap=0.0))
+    heuristic = retention(g, ss.solve(g, budget, LINK, solver="heuristic"))
+    baselines = []
+    for name in ("keep-all", "recompute-all", "swap-all"):
+        sim = ss.simulate(g, ss.solve(g, budget, LINK, solver=name, strict=False), LINK)
+        if sim.fits:
+            baselines.append(sim.retention)
+    assert best >= heuristic - 1e-9
+    assert heuristic >= max(baselines, default=0.0) - 1e-9
+    assert best <= ss.lp_bound(g, budget, LINK).retention + 1e-6
+
+
+@SETTINGS
+@given(graph_budget(), st.floats(0.0, 1.0))
+def test_optimal_step_time_never_worse_with_more_budget(case, more):
+    g, budget = case
+    bigger = budget + int(more * max(1, ss.keep_all_peak(g, LINK) - budget))
+    t1 = ss.solve(g, budget, LINK, solver="cpsat", gap=0.0).info.predicted_step_time_s
+    t2 = ss.solve(g, bigger, LINK, solver="cpsat", gap=0.0).info.predicted_step_time_s
+    assert t2 <= t1 * (1 + 1e-9) + 1e-12
+
+
+def exhaustive_best(g, budget):
+    names = [g.tensors[t].name for t in g.saved]
+    choices = [["keep", "swap"] + (["recompute"] if g.can_recompute[t] else []) for t in g.saved]
+    best = 0.0
+    for combo in itertools.product(*choices):
+        sim = ss.simulate(g, plan(g, dict(zip(names, combo)), budget), LINK)
+        if sim.fits:
+            best = max(best, sim.retention)
+    return best
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=list(HealthCheck))
+@given(graph_budget(max_ops=5, max_saved=5))
+def test_exhaustive_search_never_beats_the_solver(case):
+    g, budget = case
+    p = ss.solve(g, budget, LINK, solver="cpsat", gap=0.0)
+    assert retention(g, p) >= exhaustive_best(g, budget) - 1e-9
+
+
+def test_exhaustive_seven_tensors():
+    # a chain with a skip: 7 saved tensors, 3^7 decision vectors
+    ops = [op("A", 1.0, 2.0, ["x"], ["a"]), op("B", 0.2, 0.4, ["a"], ["b"]),
+           op("C", 2.0, 4.0, ["b"], ["c"]), op("D", 0.1, 0.2, ["c", "a"], ["d"]),
+           op("E", 1.5, 3.0, ["d"], ["e"]), op("F", 0.1, 0.3, ["e"], ["f"]),
+           op("G", 1.0, 2.0, ["f"], ["g"])]
+    tensors = [tensor("a", 300, ["B"]), tensor("b", 100, ["C"]), tensor("c", 300, ["D"]),
+               tensor("d", 100, ["E"]), tensor("e", 300, ["F"]), tensor("f", 100, ["G"]),
+               tensor("g", 50, ["G"])]
+    g = graph(ops, tensors)
+    lo, hi = ss.min_budget(g, LINK), ss.keep_all_peak(g, LINK)
+    budget = lo + (hi - lo) // 3
+    p = ss.solve(g, budget, LINK, solver="cpsat", gap=0.0)
+    assert retention(g, p) >= exhaustive_best(g, budget) - 1e-9
+
+
+def test_timeout_returns_a_plan_no_worse_than_heuristic():
+    g = ss.workload("bert-large", "a100-80gb-pcie4")
+    hw = "a100-80gb-pcie4"
+    p = ss.solve(g, 0.4, hw, solver="cpsat", time_limit_s=1.0)
+    h = ss.solve(g, 0.4, hw, solver="heuristic")
+    assert p.info.status in ("timeout", "feasible", "optimal")
+    assert ss.validate(g, p, hw).ok
+    assert ss.simulate(g, p, hw).retention >= ss.simulate(g, h, hw).retention - 1e-12
+    assert p.info.gap is not None and p.info.bound is not None
+
+
+def test_infeasible_budget_names_the_minimum():
+    g = graph([op("A", 1, 1, ["x"], ["a"]), op("B", 1, 1, ["a"], ["b"])],
+              [tensor("a", 100, ["B"]), tensor("b", 10, ["B"])])
+    with pytest.raises(ss.InfeasibleBudget) as info:
+        ss.solve(g, 109, LINK, solver="cpsat")
+    assert info.value.min_budget_bytes == 110
+
+
+def test_compare_rows():
+    g = graph([op("A", 1, 1, ["x"], ["a"]), op("B", 3, 3, ["x"], ["b"]), op("C", 1, 1, ["x"], ["c"])],
+              [tensor("a", 100, ["A"]), tensor("b", 10, ["B"]), tensor("c", 100, ["C"])])
+    rows = ss.compare(g, 110, LINK, solvers=("heuristic", "cpsat", "cbc", "highs", "keep-all"))
+    by = {r["solver"]: r for r in rows}
+    assert set(by) == {"heuristic", "cpsat", "cbc", "highs", "keep-all"}
+    for name in ("cpsat", "cbc", "highs"):
+        assert by[name]["status"] == "optimal" and by[name]["retention"] == pytest.approx(1.0)
+        assert by[name]["peak_bytes"] <= 110
+    assert by["keep-all"]["fits"] is False
+    for key in ("retention", "step_time_s", "peak_bytes", "stall_s", "wall_s", "status", "gap"):
+        assert key in by["cpsat"]
+
+
+def test_unknown_solver_is_refused():
+    g = graph([op("A", 1, 1, ["x"], ["a"])], [tensor("a", 1, ["A"])])
+    with pytest.raises(ValueError, match="unknown solver 'gurobi'"):
+        ss.solve(g, 1.0, LINK, solver="gurobi")
