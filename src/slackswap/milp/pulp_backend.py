@@ -80,6 +80,19 @@ class _PulpBackend(ExactBackend):
 
 class CbcBackend(_PulpBackend):
     name = "cbc"
+    _extra: tuple[str, ...] = ()
+
+    def run(self, f, time_limit_s, seed, workers, options, fixed=None):
+        result = super().run(f, time_limit_s, seed, workers, options, fixed)
+        if result[0] == "infeasible":
+            # CBC's integer preprocessing wrongly reports some degenerate models infeasible
+            # (all times zero, say); confirm without it before believing it
+            self._extra = ("preprocess off",)
+            try:
+                result = super().run(f, time_limit_s, seed, workers, options, fixed)
+            finally:
+                self._extra = ()
+        return result
 
     def _solver(self, time_limit_s, seed, workers, warm, gap):
         import warnings
@@ -90,7 +103,7 @@ class CbcBackend(_PulpBackend):
             warnings.simplefilter("ignore", DeprecationWarning)
             return pulp.PULP_CBC_CMD(msg=False, timeLimit=max(1, int(round(time_limit_s))),
                                  threads=workers, warmStart=warm, gapRel=gap,
-                                     options=[f"randomCbcSeed {seed + 1}"])
+                                     options=[f"randomCbcSeed {seed + 1}", *self._extra])
 
 
 class HighsBackend(_PulpBackend):
