@@ -1,0 +1,230 @@
+"""profile(): real torch training steps become an ActivationGraph.
+
+Every tensor autograd saves for backward is found with saved-tensor hooks, attributed to the op
+whose autograd node saved it (by autograd sequence number), deduplicated by storage (views map to
+their base; parameters, buffers and the batch are left out). Forward times are measured around
+each aten op, backward times around each autograd node; medians over ``repeat`` steps after
+``warmup``. torch is imported here and in the executor only.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable
+from typing import Any
+
+from .errors import GraphError
+from .graph import ActivationGraph, Op, Tensor
+from .hardware import Hardware, hardware
+
+
+class ProfileError(ValueError):
+    """The model, its inputs or its loss cannot be profiled (the message says why)."""
+
+
+def _call(model, inputs):
+    import torch
+
+    if isinstance(inputs, torch.Tensor):
+        return model(inputs)
+    if isinstance(inputs, tuple):
+        return model(*inputs)
+    if isinstance(inputs, dict):
+        return model(**inputs)
+    raise ProfileError(f"inputs must be a tensor, a tuple (positional arguments) or a dict "
+                       f"(keyword arguments), got {type(inputs).__name__}")
+
+
+def _to(inputs, device):
+    import torch
+
+    if device is None:
+        return inputs
+    if isinstance(inputs, torch.Tensor):
+        return inputs.to(device)
+    if isinstance(inputs, tuple):
+        return tuple(_to(x, device) for x in inputs)
+    if isinstance(inputs, dict):
+        return {k: _to(v, device) for k, v in inputs.items()}
+    return inputs
+
+
+def run_traced_step(model, inputs, loss_fn, sync=None, keep_calls=False):
+    """One forward + backward under the tracer; returns the StepTrace."""
+    import torch
+
+    from .torch_trace import ModulePaths, Tracer, time_backward
+
+    paths = ModulePaths(model)
+    tracer = Tracer(model, paths, keep_calls=keep_calls, sync=sync)
+    saved: list[tuple[int, str]] = []
+
+    def pack(t):
+        name = tracer.tensor_name(t)
+        if name is not None:
+            saved.append((torch._C._autograd._get_sequence_nr() - 1, name))
+        return t
+
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), tracer:
+            try:
+                out = _call(model, inputs)
+            except ProfileError:
+                raise
+            except Exception as exc:
+                raise ProfileError(f"the model failed to run on the inputs: {type(exc).__name__}: {exc}") from exc
+            try:
+                loss = loss_fn(out)
+            except Exception as exc:
+                raise ProfileError(f"loss_fn failed on the model's output: {type(exc).__name__}: {exc}") from exc
+    finally:
+        paths.remove()
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+        raise ProfileError(f"loss_fn must return a scalar tensor, got {shape}")
+    if not loss.requires_grad:
+        raise ProfileError("the loss does not require grad: the model's output has no autograd "
+                           "history (all parameters frozen, or run under torch.no_grad?)")
+    trace = tracer.trace
+    trace.saved = saved
+    time_backward(loss, trace, sync)
+    return trace
+
+
+def graph_from_traces(traces, graph_name: str, extra: dict[str, Any] | None = None) -> ActivationGraph:
+    """Median times over the traces; structure from the first (they must all agree)."""
+    first = traces[0]
+    for other in traces[1:]:
+        if [o.name for o in other.ops] != [o.name for o in first.ops]:
+            raise ProfileError("the model ran different ops in different steps; slackswap plans "
+                               "steps whose op sequence repeats (data-dependent control flow?)")
+    seq_to_op: dict[int, int] = {}
+    for i, rec in enumerate(first.ops):
+        seq_to_op.setdefault(rec.seq, i)
+    saved_for: dict[str, list[str]] = {n: [] for n in first.tensors}
+    reads = {i: set(rec.inputs) | set(rec.outputs) for i, rec in enumerate(first.ops)}
+    unattributed = 0
+    for seq, tensor in first.saved:
+        i = seq_to_op.get(seq)
+        if i is None or tensor not in reads[i]:
+            # saved by a node whose op did not read or produce it (a view chain): the latest
+            # op that read it before that node stands in
+            candidates = [j for j in range(len(first.ops)) if tensor in reads[j] and (i is None or j <= i)]
+            if not candidates:
+                unattributed += 1
+                continue
+            i = candidates[-1]
+        op_name = first.ops[i].name
+        if op_name not in saved_for[tensor]:
+            saved_for[tensor].append(op_name)
+    # sequence numbers run on across steps: each trace maps its own
+    seq_maps = []
+    for t in traces:
+        mapping: dict[int, int] = {}
+        for i, rec in enumerate(t.ops):
+            mapping.setdefault(rec.seq, i)
+        seq_maps.append(mapping)
+    # a tensor written in place after it was made cannot be rebuilt by rerunning its producer
+    frozen = {first.tensors[n].producer for rec in first.ops for n in rec.writes if n in first.tensors}
+    ops = []
+    for i, rec in enumerate(first.ops):
+        fwd = statistics.median(t.ops[i].forward_s for t in traces)
+        bwd_samples = [t.backward_s.get(t.ops[i].seq, 0.0) if mp.get(t.ops[i].seq) == i else 0.0
+                       for t, mp in zip(traces, seq_maps)]
+        ops.append(Op(
+            name=rec.name, forward_s=float(fwd), backward_s=float(statistics.median(bwd_samples)),
+            inputs=tuple(rec.inputs), outputs=tuple(rec.outputs),
+            recomputable=not rec.inplace and i not in frozen,
+            extra={"aten": rec.aten, "module": rec.module, **({"random": True} if rec.random else {})}))
+    random_saved: dict[int, list[str]] = {}
+    for name, rec in first.tensors.items():
+        if first.ops[rec.producer].random and saved_for[name]:
+            random_saved.setdefault(rec.producer, []).append(name)
+    tensors = []
+    for name, rec in first.tensors.items():
+        group = None
+        if first.ops[rec.producer].random and len(random_saved.get(rec.producer, [])) > 1:
+            group = f"rng:{first.ops[rec.producer].name}"
+        tensors.append(Tensor(name=name, bytes=rec.bytes, saved_for=tuple(saved_for[name]),
+                              group=group, extra={"shape": list(rec.shape), "dtype": rec.dtype}))
+    info = dict(extra or {})
+    if unattributed:
+        info["unattributed_saves"] = unattributed
+    try:
+        return ActivationGraph(name=graph_name, ops=tuple(ops), tensors=tuple(tensors),
+                               optimizer_s=0.0, extra=info)
+    except GraphError as exc:
+        raise ProfileError(f"the traced step does not form a valid graph: {exc}") from exc
+
+
+def profile(model, inputs, loss_fn: Callable, device=None, warmup: int = 1, repeat: int = 3,
+            name: str | None = None) -> ActivationGraph:
+    """Profile ``warmup + repeat`` training steps of ``model`` and return its activation graph.
+
+    inputs: a tensor, a tuple (positional arguments) or a dict (keyword arguments).
+    loss_fn(output) -> scalar loss. device: move model and inputs there first (None: leave them).
+    Gradients the steps accumulate are cleared before returning.
+    """
+    import torch
+
+    if not isinstance(model, torch.nn.Module):
+        raise ProfileError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if repeat < 1 or warmup < 0:
+        raise ProfileError("repeat must be >= 1 and warmup >= 0")
+    if device is not None:
+        model = model.to(device)
+        inputs = _to(inputs, device)
+    dev = device if device is not None else next((p.device for p in model.parameters()), torch.device("cpu"))
+    dev = torch.device(dev)
+    sync = torch.cuda.synchronize if dev.type == "cuda" else None
+    traces = []
+    for step in range(warmup + repeat):
+        model.zero_grad(set_to_none=True)
+        trace = run_traced_step(model, inputs, loss_fn, sync=sync)
+        if step >= warmup:
+            traces.append(trace)
+    model.zero_grad(set_to_none=True)
+    return graph_from_traces(traces, name or type(model).__name__,
+                             {"source": "slackswap.profile", "device": str(dev),
+                              "torch": torch.__version__, "repeat": repeat})
+
+
+def calibrate_link(device=None, nbytes: int = 256 * 2**20, repeat: int = 5) -> Hardware:
+    """Host<->device bandwidth and per-transfer latency, measured with pinned copies on a GPU.
+
+    On a machine without CUDA it returns the documented "cpu" preset (the host-copy transport of
+    the CPU executor) unchanged.
+    """
+    import torch
+
+    if not torch.cuda.is_available() or (device is not None and torch.device(device).type != "cuda"):
+        return hardware("cpu")
+    dev = torch.device(device or "cuda")
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    gpu = torch.empty(nbytes, dtype=torch.uint8, device=dev)
+    small_h = torch.empty(4, dtype=torch.uint8, pin_memory=True)
+    small_g = torch.empty(4, dtype=torch.uint8, device=dev)
+
+    def timed(fn):
+        times = []
+        for _ in range(repeat):
+            torch.cuda.synchronize(dev)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize(dev)
+            times.append(start.elapsed_time(end) / 1e3)
+        return statistics.median(times)
+
+    h2d = timed(lambda: gpu.copy_(host, non_blocking=True))
+    d2h = timed(lambda: host.copy_(gpu, non_blocking=True))
+    lat = timed(lambda: small_g.copy_(small_h, non_blocking=True))
+    name = torch.cuda.get_device_name(dev)
+    props = torch.cuda.get_device_properties(dev)
+    base = hardware("h200-sxm-pcie5") if "H200" in name else hardware("h100-sxm-pcie5") \
+        if "H100" in name else hardware("a100-80gb-pcie4")
+    return base.with_link(name=f"measured:{name}", d2h_bytes_per_s=nbytes / d2h,
+                          h2d_bytes_per_s=nbytes / h2d, latency_s=lat,
+                          memory_bytes=int(props.total_memory),
+                          sources={**base.sources, "link": "measured by slackswap.calibrate_link"})

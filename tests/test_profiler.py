@@ -1,0 +1,120 @@
+"""profile(): a real torch step becomes an activation graph."""
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import slackswap as ss  # noqa: E402
+from models import BUILDERS, build  # noqa: E402
+from slackswap.profiler import ProfileError  # noqa: E402
+
+MODELS = [m for m in BUILDERS if not m.startswith("hf-")] + [
+    pytest.param(m, marks=pytest.mark.skipif(
+        __import__("importlib").util.find_spec("transformers") is None, reason="transformers"))
+    for m in BUILDERS if m.startswith("hf-")]
+
+
+def independent_saved_count(model, inputs, loss_fn):
+    """Saved activations counted with saved_tensors_hooks alone: unique storages, excluding
+    parameters, buffers and the inputs."""
+    skip = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    skip |= {b.untyped_storage().data_ptr() for b in model.buffers()}
+    flat = inputs.values() if isinstance(inputs, dict) else (inputs if isinstance(inputs, tuple) else (inputs,))
+    skip |= {t.untyped_storage().data_ptr() for t in flat}
+    storages = {}
+
+    def pack(t):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in skip:
+            storages[ptr] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = model(**inputs) if isinstance(inputs, dict) else model(inputs)
+        loss = loss_fn(out)
+    loss.backward()
+    model.zero_grad(set_to_none=True)
+    return len(storages), sum(storages.values())
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_saved_tensors_match_an_independent_count(name):
+    model, inputs, loss_fn = build(name)
+    g = ss.profile(model, inputs, loss_fn, warmup=1, repeat=2)
+    count, nbytes = independent_saved_count(model, inputs, loss_fn)
+    assert len(g.saved) == count
+    assert int(g.tensor_bytes[g.saved].sum()) == nbytes
+    # the graph round-trips, and the planners and simulator run on it unchanged
+    again = ss.load_graph(g.to_json())
+    assert again.digest == g.digest
+    hw = ss.hardware("cpu")
+    lo, hi = ss.min_budget(again, hw), ss.keep_all_peak(again, hw)
+    for solver in ("heuristic", "cpsat"):
+        plan = ss.solve(again, lo + (hi - lo) // 2, hw, solver=solver, time_limit_s=10)
+        assert ss.validate(again, plan, hw).ok
+        assert ss.simulate(again, plan, hw).fits
+
+
+@pytest.mark.parametrize("name", ["mlp", "gpt", "cnn"])
+def test_keep_all_memory_matches_the_real_step(name):
+    """At the forward/backward boundary a real step holds exactly its saved activations (and the
+    loss); the simulator's keep-all memory there must be the same bytes. Its peak may exceed that
+    only by one op's transient outputs and workspace (tolerance: the largest such op)."""
+    model, inputs, loss_fn = build(name)
+    g = ss.profile(model, inputs, loss_fn, warmup=0, repeat=1)
+    _, saved_bytes = independent_saved_count(model, inputs, loss_fn)
+    sim = ss.simulate(g, ss.solve(g, 1.0, "cpu", solver="keep-all"), "cpu")
+    boundary = sim.memory_bytes[g.n_ops - 1]
+    # while the last op (the loss's reduction) runs, the real step also holds what it reads and
+    # writes; nothing else that is not saved is alive then
+    last = g.n_ops - 1
+    in_flight = {t for t in g.op_inputs[last] + g.op_outputs[last] if not g.is_saved[t]}
+    assert boundary == saved_bytes + sum(g.tensors[t].bytes for t in in_flight)
+    largest_op = max(sum(g.tensors[t].bytes for t in outs) + ws
+                     for outs, ws in zip(g.op_outputs, g.forward_ws))
+    assert sim.peak_bytes <= boundary + largest_op + sum(
+        g.tensors[t].bytes for t in range(len(g.tensors)) if not g.is_saved[t])
+
+
+def test_dropout_is_marked_and_in_place_writes_are_not_rebuilt():
+    model, inputs, loss_fn = build("gpt")
+    g = ss.profile(model, inputs, loss_fn, warmup=0, repeat=1)
+    random_ops = [op for op in g.ops if op.extra.get("random")]
+    assert random_ops, "dropout must show up as random ops"
+    # on CPU dropout draws its mask in place: the mask's producer may not run again
+    for op in random_ops:
+        for name in op.inputs:
+            t = g.tensor_index[name]
+            producer = g.ops[g.producer[t]]
+            if producer.name != op.name and "empty" in producer.extra["aten"]:
+                assert not producer.recomputable
+
+
+def test_stable_names_across_steps():
+    model, inputs, loss_fn = build("encoder")
+    a = ss.profile(model, inputs, loss_fn, warmup=0, repeat=1)
+    b = ss.profile(model, inputs, loss_fn, warmup=1, repeat=1)
+    assert [t.name for t in a.tensors] == [t.name for t in b.tensors]
+    assert all("shape" in t.extra and t.extra["dtype"] for t in a.tensors)
+    assert any(t.name.startswith("layers.0.") for t in a.tensors)
+
+
+def test_clear_errors():
+    model, inputs, loss_fn = build("mlp")
+    with pytest.raises(ProfileError, match="failed to run"):
+        ss.profile(model, torch.randn(3, 5), loss_fn)
+    with pytest.raises(ProfileError, match="scalar"):
+        ss.profile(model, inputs, lambda out: out)
+    frozen, _, _ = build("mlp")
+    for p in frozen.parameters():
+        p.requires_grad_(False)
+    with pytest.raises(ProfileError, match="does not require grad"):
+        ss.profile(frozen, inputs, loss_fn)
+    with pytest.raises(ProfileError, match="inputs must be"):
+        ss.profile(model, [inputs], loss_fn)
+    with pytest.raises(ProfileError, match="nn.Module"):
+        ss.profile(lambda x: x, inputs, loss_fn)
+
+
+def test_calibrate_link_on_cpu_is_the_documented_preset():
+    assert ss.calibrate_link() == ss.hardware("cpu")
