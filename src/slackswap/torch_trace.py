@@ -113,6 +113,8 @@ class Tracer(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if torch._C._current_autograd_node() is not None:
+            return func(*args, **kwargs)  # backward ops are not part of the forward trace
         flat_in, _ = tree_flatten((args, kwargs))
         in_tensors = [a for a in flat_in if isinstance(a, torch.Tensor)]
         in_keys = {storage_key(t) for t in in_tensors}

@@ -1,0 +1,475 @@
+"""apply(): run real torch training steps under a plan.
+
+Under ``with slackswap.apply(plan, model) as run:`` the forward pass is traced at aten-op
+granularity (the profiler's tracer, so tensors have the same names) and every tensor autograd
+saves goes through saved-tensor hooks:
+
+- keep: the tensor itself is held;
+- swap: its storage is copied to host memory (a reusable pool sized from the plan; pinned, on a
+  side stream with events, on CUDA) and brought back before its backward use, prefetched ahead
+  following the plan's schedule;
+- recompute: nothing is held; before its backward use the ops that produced it run again
+  (recursively through tensors that were not saved), with the RNG state they first ran with.
+
+Gradients are bit-identical to plain training. A tensor modified in place after it was saved
+raises, as autograd would; a plan made for another graph or model is refused on the first
+forward. torch is imported here and in the profiler only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+import weakref
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import _disable_current_modes
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from .errors import PlanError
+from .graph import ActivationGraph
+from .plan import Plan
+from .torch_trace import ModulePaths, Tracer, storage_key
+
+
+@dataclass
+class RunStats:
+    """What the executor did in the steps run under it (accumulated; peak is the maximum)."""
+
+    steps: int = 0
+    peak_activation_bytes: int = 0
+    swapped_out_bytes: int = 0
+    swapped_in_bytes: int = 0
+    recomputed_bytes: int = 0
+    recompute_s: float = 0.0
+    wait_s: float = 0.0
+    host_pool_bytes: int = 0
+
+
+@dataclass
+class _View:
+    """How a saved tensor sits in its storage, so the exact layout can be rebuilt."""
+
+    offset: int
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+    dtype: torch.dtype
+    requires_grad: bool
+
+    @classmethod
+    def of(cls, t: torch.Tensor) -> _View:
+        return cls(t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype, t.requires_grad)
+
+    def on(self, storage: torch.UntypedStorage, device) -> torch.Tensor:
+        out = torch.empty(0, dtype=self.dtype, device=device)
+        out.set_(storage, self.offset, self.size, self.stride)
+        return out
+
+
+@dataclass
+class _Handle:
+    name: str
+    kind: str
+    view: _View
+    version: int
+    step: Any = None
+    tensor: torch.Tensor | None = None
+    ref: Any = None
+
+
+class _HostPool:
+    """Host buffers reused across steps: one per swapped tensor name, sized on first use
+    (pinned when the device is CUDA), so steady-state steps allocate no host memory."""
+
+    def __init__(self, pinned: bool):
+        self.pinned = pinned
+        self.buffers: dict[str, torch.UntypedStorage] = {}
+
+    def get(self, name: str, nbytes: int) -> torch.UntypedStorage:
+        buf = self.buffers.get(name)
+        if buf is None or buf.nbytes() < nbytes:
+            t = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pinned)
+            buf = t.untyped_storage()
+            self.buffers[name] = buf
+        return buf
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.nbytes() for b in self.buffers.values())
+
+
+@dataclass
+class _Step:
+    tracer: Tracer | None
+    paths: ModulePaths | None
+    handles_left: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    host: dict[str, tuple[torch.UntypedStorage, int, Any]] = field(default_factory=dict)
+    device_copy: dict[str, torch.UntypedStorage] = field(default_factory=dict)
+    rng: dict[int, Any] = field(default_factory=dict)
+    dirty: set[str] = field(default_factory=set)
+    packed: set[str] = field(default_factory=set)
+    seen: set[str] = field(default_factory=set)
+    kept: dict[str, torch.UntypedStorage] = field(default_factory=dict)
+    recipes: dict[str, Any] = field(default_factory=dict)
+    active: bool = False
+    checked: bool = False
+
+
+class Run:
+    """The context ``apply`` returns; ``stats`` holds what the steps did."""
+
+    def __init__(self, plan: Plan, model: torch.nn.Module, graph: ActivationGraph | None,
+                 prefetch_ahead: int = 2):
+        if graph is not None and graph.digest != plan.graph_digest:
+            raise PlanError(f"plan was made for graph {plan.graph_name!r} (digest "
+                            f"{plan.graph_digest[:12]}), not for graph {graph.name!r} "
+                            f"(digest {graph.digest[:12]})")
+        self.plan = plan
+        self.model = model
+        self.graph = graph
+        self.stats = RunStats()
+        device = next((p.device for p in model.parameters()), torch.device("cpu"))
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self.pool = _HostPool(pinned=self.cuda)
+        self.copy_stream = torch.cuda.Stream(device) if self.cuda else None
+        self.prefetch_ahead = prefetch_ahead
+        self._live: dict[tuple[str, int], int] = {}
+        self._live_bytes = 0
+        self._step: _Step | None = None
+        self._stack: contextlib.ExitStack | None = None
+        self._checked = False
+
+    # ------------------------------------------------------------ memory tracking
+    def _track(self, t: torch.Tensor, key=None) -> None:
+        """Count a device storage as resident while any tensor object we know of uses it."""
+        if t.device.type != self.device.type:
+            return
+        key = key or storage_key(t)
+        if key not in self._live:
+            self._live[key] = 0
+            self._live_bytes += t.untyped_storage().nbytes()
+            self.stats.peak_activation_bytes = max(self.stats.peak_activation_bytes, self._live_bytes)
+        self._live[key] += 1
+        nbytes = t.untyped_storage().nbytes()
+        weakref.finalize(t, self._untrack, key, nbytes)
+
+    def _untrack(self, key, nbytes: int) -> None:
+        count = self._live.get(key)
+        if count is None:
+            return
+        if count <= 1:
+            del self._live[key]
+            self._live_bytes -= nbytes
+        else:
+            self._live[key] = count - 1
+
+    # ------------------------------------------------------------ context
+    def __enter__(self) -> Run:
+        self._stack = contextlib.ExitStack()
+        # module paths first, so the model's own pre-hook has pushed its name when a step begins
+        self._paths = ModulePaths(self.model)
+        self._stack.callback(self._paths.remove)
+        self._stack.enter_context(torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack))
+        self._stack.enter_context(_ForwardHook(self))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        stack, self._stack = self._stack, None
+        try:
+            self._end_forward()
+        finally:
+            if stack is not None:
+                stack.close()
+            self.stats.host_pool_bytes = self.pool.nbytes
+
+    # ------------------------------------------------------------ forward tracing
+    def _begin_forward(self) -> None:
+        self._end_forward()
+        step = _Step(tracer=None, paths=self._paths)
+        self._step = step
+        step.tracer = _RecordingTracer(self, step, self._paths)
+        step.tracer.__enter__()
+        step.active = True
+
+    def _end_forward(self) -> None:
+        step = self._step
+        if step is None or not step.active:
+            return
+        step.active = False
+        try:
+            step.tracer.__exit__(None, None, None)
+        finally:
+            if not step.checked:
+                step.checked = True
+                self._check_plan(step)
+
+    def _check_plan(self, step: _Step) -> None:
+        if not self._checked and step.seen:
+            missing = sorted(set(self.plan.decisions) - step.packed)
+            if missing and self.graph is None:
+                more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
+                raise PlanError(f"plan tensor(s) {', '.join(map(repr, missing[:3]))}{more} were not "
+                                "saved in this step: the plan was made for another model or input shape")
+            self._checked = True
+
+    # ------------------------------------------------------------ hooks
+    def _pack(self, t: torch.Tensor):
+        step = self._step
+        if step is None or step.tracer is None:
+            return t
+        name = step.tracer.tensor_name(t)
+        if name is None:
+            return t
+        decision = self.plan.decisions.get(name)
+        if decision is None:
+            raise PlanError(f"tensor {name!r} (shape {tuple(t.shape)}, {t.dtype}) is saved by this "
+                            f"model but is not in plan for graph {self.plan.graph_name!r}: the plan "
+                            "was made for another model or input shape")
+        if self.graph is not None and name in self.graph.tensor_index:
+            extra = self.graph.tensors[self.graph.tensor_index[name]].extra
+            if "dtype" in extra and extra["dtype"] != str(t.dtype).replace("torch.", ""):
+                raise PlanError(f"tensor {name!r} is {t.dtype} here but {extra['dtype']} in the graph")
+        step.packed.add(name)
+        step.seen.add(name)
+        step.handles_left[name] += 1
+        handle = _Handle(name, decision, _View.of(t), t._version, step)
+        if decision == "keep":
+            handle.tensor = t
+            step.kept[name] = t.untyped_storage()
+        elif decision == "swap":
+            handle.ref = weakref.ref(t)
+            if name not in step.host:
+                # the copy is the executor's, not the model's: keep it out of the trace
+                with _disable_current_modes():
+                    self._offload(step, name, t)
+        else:
+            handle.ref = weakref.ref(t)
+        return handle
+
+    def _unpack(self, handle):
+        if not isinstance(handle, _Handle):
+            return handle
+        step = handle.step
+        name = handle.name
+        if not step.checked:
+            step.checked = True
+            self._check_plan(step)
+        if name in step.dirty or (handle.ref is not None and handle.ref() is not None
+                                  and handle.ref()._version != handle.version) or \
+                (handle.tensor is not None and handle.tensor._version != handle.version):
+            raise RuntimeError(f"tensor {name!r} saved for backward was modified in place after it "
+                               "was saved; gradients would be wrong (use an out-of-place op)")
+        if handle.kind == "keep":
+            out = handle.tensor
+        else:
+            storage = self._materialize(step, name)
+            out = handle.view.on(storage, self.device)
+            self._track(out)
+        step.handles_left[name] -= 1
+        if step.handles_left[name] <= 0:
+            step.device_copy.pop(name, None)
+            step.kept.pop(name, None)
+        return out
+
+    # ------------------------------------------------------------ swap
+    def _offload(self, step: _Step, name: str, t: torch.Tensor) -> None:
+        src = t.untyped_storage()
+        nbytes = src.nbytes()
+        buf = self.pool.get(name, nbytes)
+        if self.cuda:
+            self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(self.copy_stream):
+                buf[:nbytes].copy_(src, non_blocking=True)
+                event = torch.cuda.Event()
+                event.record(self.copy_stream)
+            # the device storage must outlive the copy: keep it until the event has passed
+            step.host[name] = (buf, nbytes, (event, src))
+        else:
+            buf[:nbytes].copy_(src)
+            step.host[name] = (buf, nbytes, None)
+        self.stats.swapped_out_bytes += nbytes
+
+    def _bring_back(self, step: _Step, name: str) -> torch.UntypedStorage:
+        buf, nbytes, pending = step.host[name]
+        start = time.perf_counter()
+        if self.cuda:
+            if pending is not None:
+                pending[0].synchronize()
+            dev = torch.empty(nbytes, dtype=torch.uint8, device=self.device).untyped_storage()
+            with torch.cuda.stream(self.copy_stream):
+                dev.copy_(buf[:nbytes], non_blocking=True)
+            torch.cuda.current_stream(self.device).wait_stream(self.copy_stream)
+        else:
+            dev = torch.empty(nbytes, dtype=torch.uint8).untyped_storage()
+            dev.copy_(buf[:nbytes])
+        self.stats.wait_s += time.perf_counter() - start
+        self.stats.swapped_in_bytes += nbytes
+        return dev
+
+    # ------------------------------------------------------------ recompute
+    def _materialize(self, step: _Step, name: str) -> torch.UntypedStorage:
+        """A saved tensor's storage on the device: a fetched copy or a rebuilt one, shared by
+        all its readers until the last has run."""
+        cached = step.device_copy.get(name)
+        if cached is not None:
+            return cached
+        if self.plan.decisions.get(name) == "swap" and name in step.host:
+            storage = self._bring_back(step, name)
+        else:
+            start = time.perf_counter()
+            storage = self._rerun_for(step, name, {})
+            self.stats.recompute_s += time.perf_counter() - start
+            self.stats.recomputed_bytes += storage.nbytes()
+        step.device_copy[name] = storage
+        return storage
+
+    def _storage_of(self, step: _Step, name: str, transients: dict) -> torch.UntypedStorage:
+        """A tensor's storage while a rebuild runs: saved tensors as the plan says, others (and
+        kept tensors already released after their last reader) run again."""
+        if name in step.device_copy:
+            return step.device_copy[name]
+        if name in step.kept:
+            return step.kept[name]
+        if name in step.packed and self.plan.decisions.get(name) != "keep":
+            return self._materialize(step, name)
+        if name not in transients:
+            transients[name] = self._rerun_for(step, name, transients)
+        return transients[name]
+
+    def _rerun_for(self, step: _Step, name: str, transients: dict) -> torch.UntypedStorage:
+        rec = step.recipes.get(name)
+        if rec is None:
+            raise RuntimeError(f"tensor {name!r} cannot be rebuilt: the op that made it wrote its "
+                               "output in place (plan it as keep or swap)")
+        args = []
+        for kind, value in rec.args_spec:
+            if kind == "graph":
+                tname, view = value
+                args.append(view.on(self._storage_of(step, tname, transients), self.device))
+            else:
+                args.append(value)
+        call_args, call_kwargs = tree_unflatten(args, rec.spec)
+        rng = rec.rng
+        if rng is not None:
+            saved_state = torch.get_rng_state()
+            cuda_state = torch.cuda.get_rng_state(self.device) if self.cuda else None
+            torch.set_rng_state(rng[0])
+            if self.cuda and rng[1] is not None:
+                torch.cuda.set_rng_state(rng[1], self.device)
+        try:
+            with torch.no_grad():
+                out = rec.func(*call_args, **call_kwargs)
+        finally:
+            if rng is not None:
+                torch.set_rng_state(saved_state)
+                if cuda_state is not None:
+                    torch.cuda.set_rng_state(cuda_state, self.device)
+        flat, _ = tree_flatten(out)
+        tensors = [x for x in flat if isinstance(x, torch.Tensor)]
+        for t, out_name in zip(tensors, rec.out_names, strict=False):
+            if out_name == name:
+                return t.untyped_storage()
+        raise RuntimeError(f"rerun of op {rec.op!r} did not produce tensor {name!r}")
+
+
+@dataclass
+class _Recipe:
+    op: str
+    func: Any
+    spec: Any
+    args_spec: list
+    out_names: list
+    rng: Any
+
+
+class _RecordingTracer(Tracer):
+    """The profiler's tracer, also keeping for every op a recipe to run it again."""
+
+    def __init__(self, run: Run, step: _Step, paths: ModulePaths):
+        super().__init__(run.model, paths)
+        self.run = run
+        self.step = step
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if torch._C._current_autograd_node() is not None:
+            return func(*args, **kwargs)
+        flat, spec = tree_flatten((args, kwargs))
+        args_spec = []
+        for a in flat:
+            if isinstance(a, torch.Tensor):
+                name = self.tensor_name(a)
+                if name is not None:
+                    args_spec.append(("graph", (name, _View.of(a))))
+                    continue
+                args_spec.append(("value", a))
+            else:
+                args_spec.append(("value", a))
+        aten = func.overloadpacket.__name__ if hasattr(func, "overloadpacket") else str(func)
+        random = any(r in aten for r in ("dropout", "bernoulli", "rand", "normal", "uniform"))
+        rng = None
+        if random:
+            rng = (torch.get_rng_state(),
+                   torch.cuda.get_rng_state(self.run.device) if self.run.cuda else None)
+        before = dict(self.by_storage)
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        rec = self.trace.ops[-1]
+        step = self.step
+        for w in rec.writes:
+            if w in step.packed:
+                step.dirty.add(w)
+        out_names = []
+        flat_out, _ = tree_flatten(out)
+        new_keys = {k: v for k, v in self.by_storage.items() if before.get(k) != v}
+        for t in flat_out:
+            if isinstance(t, torch.Tensor):
+                key = storage_key(t)
+                out_names.append(new_keys.get(key))
+                if key in new_keys or key in self.run._live:
+                    self.run._track(t, key)
+        if rec.outputs and not rec.inplace:
+            recipe = _Recipe(rec.name, func, spec, args_spec, out_names, rng)
+            for n in rec.outputs:
+                step.recipes[n] = recipe
+        for w in rec.writes:
+            step.recipes.pop(w, None)  # written in place: its producer cannot rebuild it
+        return out
+
+
+class _ForwardHook:
+    """Each call of the model's forward starts a step; tracing goes on through the loss and
+    stops for ops run by the backward pass (as the profiler traces them)."""
+
+    def __init__(self, run: Run):
+        self.run = run
+        self.handle = None
+
+    def __enter__(self):
+        def pre(module, args):
+            self.run._begin_forward()
+            self.run.stats.steps += 1
+
+        self.handles = [self.run.model.register_forward_pre_hook(pre)]
+        return self
+
+    def __exit__(self, *exc):
+        for h in self.handles:
+            h.remove()
+
+
+def apply(plan: Plan, model: torch.nn.Module, graph: ActivationGraph | None = None) -> Run:
+    """Context manager running training steps of ``model`` under ``plan``.
+
+    ``graph`` (optional) is the graph the plan was made for: its digest is checked against the
+    plan's and its tensors' dtypes against the model's. Without it the plan's tensor names are
+    checked against the tensors the model saves, on the first forward.
+    """
+    if not isinstance(plan, Plan):
+        raise TypeError(f"apply: plan must be a slackswap.Plan, got {type(plan).__name__}")
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"apply: model must be a torch.nn.Module, got {type(model).__name__}")
+    return Run(plan, model, graph)
