@@ -4,9 +4,9 @@ import json
 import math
 
 import pytest
+from helpers import graph, op, tensor
 
 import slackswap as ss
-from helpers import graph, op, tensor
 
 
 def base():

@@ -1,11 +1,11 @@
 """The SlackSwap heuristic and the LP bound."""
 
 import pytest
+from helpers import LINK, graph, op, plan, random_graphs, tensor
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import slackswap as ss
-from helpers import LINK, graph, op, plan, random_graphs, tensor
 
 HW = "a100-80gb-pcie4"
 SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])

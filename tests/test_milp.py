@@ -4,11 +4,11 @@ agree, and it is never beaten by the heuristic, the baselines or exhaustive sear
 import itertools
 
 import pytest
+from helpers import LINK, graph, op, plan, random_graphs, tensor
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import slackswap as ss
-from helpers import LINK, graph, op, plan, random_graphs, tensor
 
 SETTINGS = settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
 

@@ -4,8 +4,9 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-import slackswap as ss  # noqa: E402
 from models import BUILDERS, build  # noqa: E402
+
+import slackswap as ss  # noqa: E402
 from slackswap.profiler import ProfileError  # noqa: E402
 
 MODELS = [m for m in BUILDERS if not m.startswith("hf-")] + [

@@ -1,11 +1,11 @@
 """Property tests on random DAGs: the simulator, the validator and the rules agree."""
 
 import numpy as np
+from helpers import LINK, plan, random_graphs
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import slackswap as ss
-from helpers import LINK, plan, random_graphs
 
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

@@ -1,9 +1,9 @@
 """Hand-worked steps: every time, stall and peak below is computed in the comments."""
 
 import pytest
+from helpers import HALF_DUPLEX, LINK, graph, op, plan, tensor
 
 import slackswap as ss
-from helpers import HALF_DUPLEX, LINK, graph, op, plan, tensor
 
 # Link: 100 bytes/s each way, no latency, so a 100-byte copy takes 1 s.
 

@@ -81,24 +81,33 @@ class _Handle:
 
 
 class _HostPool:
-    """Host buffers reused across steps: one per swapped tensor name, sized on first use
-    (pinned when the device is CUDA), so steady-state steps allocate no host memory."""
+    """Host buffers reused across steps, per swapped tensor name (pinned when the device is
+    CUDA): a step takes a buffer and gives it back when its autograd graph is gone, so steady
+    training allocates no host memory, and steps alive together (gradient accumulation,
+    retain_graph) never share one."""
 
     def __init__(self, pinned: bool):
         self.pinned = pinned
-        self.buffers: dict[str, torch.UntypedStorage] = {}
+        self.free: dict[str, list[torch.UntypedStorage]] = {}
+        self.total = 0
 
     def get(self, name: str, nbytes: int) -> torch.UntypedStorage:
-        buf = self.buffers.get(name)
-        if buf is None or buf.nbytes() < nbytes:
-            t = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pinned)
-            buf = t.untyped_storage()
-            self.buffers[name] = buf
-        return buf
+        bufs = self.free.get(name, [])
+        for i, buf in enumerate(bufs):
+            if buf.nbytes() >= nbytes:
+                return bufs.pop(i)
+        t = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pinned)
+        self.total += nbytes
+        return t.untyped_storage()
+
+    def give_back(self, taken: list[tuple[str, torch.UntypedStorage]]) -> None:
+        for name, buf in taken:
+            self.free.setdefault(name, []).append(buf)
+        taken.clear()
 
     @property
     def nbytes(self) -> int:
-        return sum(b.nbytes() for b in self.buffers.values())
+        return self.total
 
 
 @dataclass
@@ -113,6 +122,8 @@ class _Step:
     packed: set[str] = field(default_factory=set)
     seen: set[str] = field(default_factory=set)
     kept: dict[str, torch.UntypedStorage] = field(default_factory=dict)
+    swap_order: list[str] = field(default_factory=list)
+    taken: list = field(default_factory=list)
     recipes: dict[str, Any] = field(default_factory=dict)
     active: bool = False
     checked: bool = False
@@ -243,6 +254,7 @@ class Run:
         elif decision == "swap":
             handle.ref = weakref.ref(t)
             if name not in step.host:
+                step.swap_order.append(name)
                 # the copy is the executor's, not the model's: keep it out of the trace
                 with _disable_current_modes():
                     self._offload(step, name, t)
@@ -273,13 +285,31 @@ class Run:
         if step.handles_left[name] <= 0:
             step.device_copy.pop(name, None)
             step.kept.pop(name, None)
+        self._prefetch(step, name)
         return out
+
+    def _prefetch(self, step: _Step, name: str) -> None:
+        """Issue the copies back of the next offloaded tensors the backward pass will read
+        (reverse order of offload), ``prefetch_ahead`` at a time, so they overlap compute."""
+        if not step.swap_order or self.prefetch_ahead <= 0:
+            return
+        if name in step.swap_order:
+            i = step.swap_order.index(name)
+            upcoming = step.swap_order[max(0, i - self.prefetch_ahead):i][::-1]
+        else:
+            upcoming = step.swap_order[-self.prefetch_ahead:][::-1]
+        for nxt in upcoming:
+            if nxt not in step.device_copy and step.handles_left.get(nxt, 0) > 0:
+                step.device_copy[nxt] = self._bring_back(step, nxt)
 
     # ------------------------------------------------------------ swap
     def _offload(self, step: _Step, name: str, t: torch.Tensor) -> None:
         src = t.untyped_storage()
         nbytes = src.nbytes()
         buf = self.pool.get(name, nbytes)
+        if not step.taken:
+            weakref.finalize(step, self.pool.give_back, step.taken)
+        step.taken.append((name, buf))
         if self.cuda:
             self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(self.copy_stream):

@@ -133,6 +133,40 @@ class Plan:
         return Plan(self.graph_name, self.graph_digest, self.budget_bytes, self.decisions,
                     None, self.info, self.extra)
 
+    def as_checkpoint_policy(self, graph):
+        """A torch.utils.checkpoint selective-checkpoint policy with this plan's recomputes.
+
+        Ops of ``graph`` that produce a tensor the plan recomputes get PREFER_RECOMPUTE, all
+        others MUST_SAVE. Calls are matched to the graph's ops in order, so checkpoint the same
+        forward that was profiled (the whole model call); a call that does not match the graph's
+        next op is saved. Use with ``create_selective_checkpoint_contexts``.
+        """
+        from torch.utils.checkpoint import CheckpointPolicy
+
+        if graph.digest != self.graph_digest:
+            raise PlanError(f"plan was made for graph {self.graph_name!r}, not {graph.name!r}")
+        steps = []
+        for i, op in enumerate(graph.ops):
+            recompute = any(self.decisions.get(graph.tensors[t].name) == "recompute"
+                            for t in graph.op_outputs[i])
+            steps.append((str(op.extra.get("aten", "")), recompute))
+        cursor = {False: 0, True: 0}
+
+        def policy(ctx, func, *args, **kwargs):
+            key = bool(getattr(ctx, "is_recompute", False))
+            i = cursor[key]
+            name = str(func)
+            while i < len(steps) and steps[i][0] != name:
+                i += 1
+            if i >= len(steps):
+                return CheckpointPolicy.MUST_SAVE
+            cursor[key] = i + 1
+            if cursor[key] >= len(steps):
+                cursor[key] = 0
+            return CheckpointPolicy.PREFER_RECOMPUTE if steps[i][1] else CheckpointPolicy.MUST_SAVE
+
+        return policy
+
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = dict(self.extra)
         out.update({

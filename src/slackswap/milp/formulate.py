@@ -18,7 +18,6 @@ from ..stepmodel import nominal_slot_times
 from .model import Model
 
 
-
 @dataclass
 class Scaling:
     """byte_unit bytes and time_unit seconds per model unit (Section "Scaling")."""

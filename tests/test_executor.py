@@ -1,0 +1,224 @@
+"""The executor: real training steps under a plan, with bit-identical gradients."""
+
+import gc
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+torch = pytest.importorskip("torch")
+
+from models import BUILDERS, build  # noqa: E402
+
+import slackswap as ss  # noqa: E402
+
+MODELS = ["mlp", "encoder", "gpt", "cnn"] + [
+    pytest.param("hf-gpt2", marks=pytest.mark.skipif(
+        __import__("importlib").util.find_spec("transformers") is None, reason="transformers"))]
+_CACHE = {}
+
+
+def setup(name):
+    if name not in _CACHE:
+        model, inputs, loss_fn = build(name)
+        graph = ss.profile(model, inputs, loss_fn, warmup=0, repeat=1)
+        _CACHE[name] = (model, inputs, loss_fn, graph)
+    return _CACHE[name]
+
+
+def grads(model, inputs, loss_fn, plan=None, graph=None, seed=7):
+    torch.manual_seed(seed)
+    model.zero_grad(set_to_none=True)
+    call = (lambda: model(**inputs)) if isinstance(inputs, dict) else (lambda: model(inputs))
+    if plan is None:
+        loss_fn(call()).backward()
+        run = None
+    else:
+        with ss.apply(plan, model, graph=graph) as run:
+            loss_fn(call()).backward()
+    return [p.grad.clone() if p.grad is not None else None for p in model.parameters()], run
+
+
+def plan_from(graph, choices, budget=10**12):
+    decisions = {}
+    for t, c in zip(graph.saved, choices):
+        if c == "recompute" and not graph.can_recompute[t]:
+            c = "swap"
+        decisions[graph.tensors[t].name] = c
+    return ss.Plan(graph.name, graph.digest, budget, decisions)
+
+
+@pytest.mark.parametrize("name", MODELS)
+@settings(max_examples=6, deadline=None, suppress_health_check=list(HealthCheck))
+@given(data=st.data())
+def test_random_plans_give_bit_identical_gradients(name, data):
+    model, inputs, loss_fn, graph = setup(name)
+    choices = data.draw(st.lists(st.sampled_from(["keep", "swap", "recompute"]),
+                                 min_size=len(graph.saved), max_size=len(graph.saved)))
+    reference, _ = grads(model, inputs, loss_fn)
+    got, run = grads(model, inputs, loss_fn, plan_from(graph, choices), graph)
+    for a, b in zip(reference, got):
+        assert (a is None and b is None) or torch.equal(a, b)
+    assert run.stats.steps == 1
+
+
+@pytest.mark.parametrize("name", ["mlp", "gpt", "cnn"])
+def test_tracked_peak_within_budget_and_near_the_simulator(name):
+    """Plans from the planners: the executor's tracked activation peak stays within the budget
+    (plus its prefetch window) and within 10% of the simulator's peak, plus its prefetch window:
+    the executor brings back ``prefetch_ahead`` offloaded tensors ahead of use (the simulator
+    prefetches as late as still arrives in time) and holds one fetched or rebuilt copy while its
+    readers run, so it may hold up to (prefetch_ahead + 1) tensors more at a point."""
+    model, inputs, loss_fn, graph = setup(name)
+    hw = ss.hardware("cpu")
+    lo, hi = ss.min_budget(graph, hw), ss.keep_all_peak(graph, hw)
+    largest = int(graph.tensor_bytes.max())
+    for solver in ("heuristic", "cpsat", "keep-all"):
+        budget = hi if solver == "keep-all" else lo + (hi - lo) // 2
+        plan = ss.solve(graph, budget, hw, solver=solver, time_limit_s=10)
+        sim = ss.simulate(graph, plan, hw)
+        reference, _ = grads(model, inputs, loss_fn)
+        got, run = grads(model, inputs, loss_fn, plan, graph)
+        assert all(torch.equal(a, b) for a, b in zip(reference, got))
+        peak = run.stats.peak_activation_bytes
+        window = (run.prefetch_ahead + 1) * largest
+        assert peak <= budget + window
+        assert abs(peak - sim.peak_bytes) <= 0.10 * sim.peak_bytes + window
+
+
+def test_no_leak_over_100_steps():
+    model, inputs, loss_fn, graph = setup("gpt")
+    plan = plan_from(graph, ["swap", "recompute", "keep"] * len(graph.saved))
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    with ss.apply(plan, model, graph=graph) as run:
+        sizes = []
+        for step in range(100):
+            opt.zero_grad(set_to_none=True)
+            loss_fn(model(inputs)).backward()
+            gc.collect()
+            if step in (10, 99):
+                sizes.append((len(run._live), run._live_bytes, run.pool.nbytes))
+    assert sizes[0] == sizes[1]  # device tracking and host pool flat
+    assert run.stats.steps == 100
+
+
+def test_in_place_modification_of_a_saved_tensor_raises():
+    class Bad(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            h = self.lin(x)
+            y = h.sin()  # saves h
+            h.add_(1.0)  # modifies it afterwards
+            return y
+
+    model = Bad()
+    x = torch.randn(2, 4)
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+        pass
+    # profile the same module without the in-place line to get a plan
+    graph = ss.load_graph({
+        "format": "slackswap.graph/1", "name": "bad",
+        "ops": [{"name": "lin/addmm#1", "forward_s": 1e-6, "backward_s": 1e-6, "inputs": [],
+                 "outputs": ["lin#0"]}],
+        "tensors": [{"name": "lin#0", "bytes": 32, "saved_for": ["lin/addmm#1"]}]})
+    plan = ss.Plan(graph.name, graph.digest, 10**6, {"lin#0": "keep"})
+    with pytest.raises(RuntimeError, match="modified in place"):
+        with ss.apply(plan, model):
+            model(x).sum().backward()
+
+
+def test_plan_for_another_model_is_refused():
+    model, inputs, loss_fn, graph = setup("mlp")
+    other = setup("gpt")[3]
+    plan = ss.solve(other, 1.0, "cpu", solver="keep-all")
+    with pytest.raises(ss.PlanError, match="made for graph"):
+        ss.apply(plan, model, graph=graph)
+    with pytest.raises(ss.PlanError, match="not in plan"):
+        with ss.apply(plan, model):
+            loss_fn(model(inputs)).backward()
+
+
+def test_retain_graph_accumulation_no_grad_and_exceptions():
+    model, inputs, loss_fn, graph = setup("gpt")
+    plan = plan_from(graph, ["recompute", "swap"] * len(graph.saved))
+    # retain_graph: two backward passes through the same graph
+    torch.manual_seed(3)
+    model.zero_grad(set_to_none=True)
+    out = loss_fn(model(inputs))
+    out.backward(retain_graph=True)
+    out.backward()
+    reference = [p.grad.clone() for p in model.parameters()]
+    torch.manual_seed(3)
+    model.zero_grad(set_to_none=True)
+    with ss.apply(plan, model, graph=graph):
+        out = loss_fn(model(inputs))
+        out.backward(retain_graph=True)
+        out.backward()
+    assert all(torch.equal(a, p.grad) for a, p in zip(reference, model.parameters()))
+    # gradient accumulation: two forwards, then their backwards
+    torch.manual_seed(4)
+    model.zero_grad(set_to_none=True)
+    a, b = loss_fn(model(inputs)), loss_fn(model(inputs))
+    (a + b).backward()
+    reference = [p.grad.clone() for p in model.parameters()]
+    torch.manual_seed(4)
+    model.zero_grad(set_to_none=True)
+    with ss.apply(plan, model, graph=graph):
+        a, b = loss_fn(model(inputs)), loss_fn(model(inputs))
+        (a + b).backward()
+    assert all(torch.equal(x, p.grad) for x, p in zip(reference, model.parameters()))
+    # no_grad regions run untouched
+    with ss.apply(plan, model, graph=graph), torch.no_grad():
+        model(inputs)
+    # an exception mid-step leaves the model usable
+    with pytest.raises(ValueError, match="boom"):
+        with ss.apply(plan, model, graph=graph):
+            model(inputs)
+            raise ValueError("boom")
+    reference, _ = grads(model, inputs, loss_fn)
+    got, _ = grads(model, inputs, loss_fn)
+    assert all(torch.equal(a, b) for a, b in zip(reference, got))
+    assert not model._forward_pre_hooks and not model._forward_hooks
+
+
+def test_tied_weights():
+    class Tied(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = torch.nn.Embedding(20, 8)
+            self.mid = torch.nn.Linear(8, 8)
+
+        def forward(self, idx):
+            h = torch.tanh(self.mid(self.emb(idx)))
+            return h @ self.emb.weight.t()
+
+    torch.manual_seed(0)
+    model = Tied()
+    idx = torch.randint(0, 20, (3, 5))
+    loss_fn = lambda out: out.logsumexp(-1).mean()  # noqa: E731
+    graph = ss.profile(model, idx, loss_fn, warmup=0, repeat=1)
+    plan = plan_from(graph, ["recompute"] * len(graph.saved))
+    reference, _ = grads(model, idx, loss_fn)
+    got, _ = grads(model, idx, loss_fn, plan, graph)
+    assert all(torch.equal(a, b) for a, b in zip(reference, got))
+
+
+def test_checkpoint_policy_export():
+    from functools import partial
+
+    from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
+
+    model, inputs, loss_fn, graph = setup("mlp")
+    plan = plan_from(graph, ["recompute", "keep"] * len(graph.saved))
+    policy = plan.as_checkpoint_policy(graph)
+    reference, _ = grads(model, inputs, loss_fn)
+    torch.manual_seed(7)
+    model.zero_grad(set_to_none=True)
+    out = checkpoint(model, inputs, use_reentrant=False,
+                     context_fn=partial(create_selective_checkpoint_contexts, policy))
+    loss_fn(out).backward()
+    assert all(torch.equal(a, p.grad) for a, p in zip(reference, model.parameters()))
+    assert len(BUILDERS) >= 4
