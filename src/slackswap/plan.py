@@ -136,8 +136,12 @@ class Plan:
     def as_checkpoint_policy(self, graph):
         """A torch.utils.checkpoint selective-checkpoint policy with this plan's recomputes.
 
-        Ops of ``graph`` that produce a tensor the plan recomputes get PREFER_RECOMPUTE, all
-        others MUST_SAVE. Calls are matched to the graph's ops in order, so checkpoint the same
+        Ops of ``graph`` that produce a saved tensor the plan keeps or offloads get MUST_SAVE;
+        all others PREFER_RECOMPUTE: those whose tensors the plan recomputes, those whose outputs
+        backward never reads (views, in-place ops, intermediates), and ops whose outputs are
+        later written in place (a dropout mask
+        drawn in place): torch must rerun those with the in-place op, so they get
+        PREFER_RECOMPUTE too (checkpoint restores the RNG state). Calls are matched to the graph's ops in order, so checkpoint the same
         forward that was profiled (the whole model call); a call that does not match the graph's
         next op is saved. Use with ``create_selective_checkpoint_contexts``.
         """
@@ -147,8 +151,9 @@ class Plan:
             raise PlanError(f"plan was made for graph {self.graph_name!r}, not {graph.name!r}")
         steps = []
         for i, op in enumerate(graph.ops):
-            recompute = any(self.decisions.get(graph.tensors[t].name) == "recompute"
-                            for t in graph.op_outputs[i])
+            keeps = [graph.tensors[t].name for t in graph.op_outputs[i] if graph.is_saved[t]]
+            recompute = not op.recomputable or not keeps or any(
+                self.decisions.get(name) == "recompute" for name in keeps)
             steps.append((str(op.extra.get("aten", "")), recompute))
         cursor = {False: 0, True: 0}
 
