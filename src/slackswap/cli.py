@@ -1,0 +1,333 @@
+"""The `slackswap` command line: solve, compare, sweep, simulate, plot, profile."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+from pathlib import Path
+
+from . import __version__
+from .errors import GraphError, InfeasibleBudget, PlanError
+
+SWEEP_FIELDS = ("workload", "budget_fraction", "budget_bytes", "solver", "status", "retention",
+                "step_time_s", "peak_bytes", "objective", "bound", "gap", "wall_s")
+
+
+class CliError(Exception):
+    """Bad input on the command line: one line to the user, exit status 2."""
+
+
+def _graph(spec: str, hw):
+    from .graph import load_graph
+    from .workloads import WORKLOADS, workload
+
+    if Path(spec).exists():
+        return load_graph(spec)
+    if spec in WORKLOADS:
+        return workload(spec, hw)
+    raise CliError(f"{spec!r} is neither a graph file nor a workload ({', '.join(sorted(WORKLOADS))})")
+
+
+def _budget(text: str):
+    try:
+        value = float(text)
+    except ValueError:
+        return text
+    if value <= 1.0:
+        return value
+    if value.is_integer():
+        return int(value)
+    raise CliError(f"budget {text!r}: a fraction in (0, 1], bytes, or a size such as 12GiB")
+
+
+def _pct(x) -> str:
+    return "-" if x is None else f"{100 * x:.2f}%"
+
+
+def cmd_solve(args) -> int:
+    from .hardware import hardware
+    from .simulate import simulate
+    from .solve import solve
+
+    hw = hardware(args.hardware)
+    g = _graph(args.graph, hw)
+    with _Spinner(f"solving {g.name} with {args.solver}"):
+        plan = solve(g, _budget(args.budget), hw, solver=args.solver, time_limit_s=args.time_limit)
+    sim = simulate(g, plan, hw)
+    print(f"{g.name}: {plan.count('keep')} keep, {plan.count('swap')} swap, "
+          f"{plan.count('recompute')} recompute; status {plan.info.status}, gap "
+          f"{_pct(plan.info.gap)}, solved in {plan.info.wall_s:.2f} s")
+    print(sim.summary())
+    if args.out:
+        plan.save(args.out)
+        print(f"wrote {args.out}")
+    return 0
+
+
+def cmd_compare(args) -> int:
+    from .hardware import hardware
+    from .solve import compare
+
+    hw = hardware(args.hardware)
+    g = _graph(args.graph, hw)
+    solvers = tuple(args.solvers.split(","))
+    rows = []
+    with _Progress(len(solvers), "solvers") as bar:
+        for s in solvers:
+            rows.extend(compare(g, _budget(args.budget), hw, solvers=(s,), time_limit_s=args.time_limit))
+            bar.update(1)
+    print(f"{'solver':<14} {'status':<10} {'retention':>9} {'step ms':>9} {'peak GiB':>9} "
+          f"{'stall ms':>9} {'solve s':>8} {'gap':>8}")
+    for r in rows:
+        if r.get("status") == "infeasible" and "retention" not in r:
+            print(f"{r['solver']:<14} infeasible  {r.get('error', '')}")
+            continue
+        fit = "" if r["fits"] else "  (over budget)"
+        print(f"{r['solver']:<14} {r['status']:<10} {_pct(r['retention']):>9} "
+              f"{1e3 * r['step_time_s']:9.2f} {r['peak_bytes'] / 2**30:9.3f} {1e3 * r['stall_s']:9.2f} "
+              f"{r['wall_s']:8.2f} {_pct(r['gap']):>8}{fit}")
+    return 0
+
+
+def _sweep_row(task):
+    workload_name, fraction, solver, hw_name, time_limit = task
+    from .budget import parse_budget
+    from .hardware import hardware
+    from .simulate import simulate
+    from .solve import solve
+    from .workloads import workload
+
+    hw = hardware(hw_name)
+    g = workload(workload_name, hw) if not Path(workload_name).exists() else \
+        importlib.import_module("slackswap.graph").load_graph(workload_name)
+    budget = parse_budget(fraction, g, hw)
+    row = {"workload": workload_name, "budget_fraction": fraction, "budget_bytes": budget, "solver": solver}
+    try:
+        plan = solve(g, budget, hw, solver=solver, time_limit_s=time_limit, strict=False)
+    except InfeasibleBudget as exc:
+        row.update(status="infeasible", retention=None, step_time_s=None, peak_bytes=None,
+                   objective=None, bound=None, gap=None, wall_s=0.0, min_budget_bytes=exc.min_budget_bytes)
+        return row
+    sim = simulate(g, plan, hw)
+    row.update(status=plan.info.status if sim.fits else "over-budget",
+               retention=sim.retention if sim.fits else None, step_time_s=sim.step_time_s,
+               peak_bytes=sim.peak_bytes, objective=plan.info.objective, bound=plan.info.bound,
+               gap=plan.info.gap, wall_s=plan.info.wall_s)
+    return row
+
+
+def cmd_sweep(args) -> int:
+    from concurrent.futures import ProcessPoolExecutor
+
+    out = Path(args.out)
+    done = set()
+    if out.exists():
+        for line in out.read_text().splitlines():
+            if line.strip():
+                try:
+                    r = json.loads(line)
+                except json.JSONDecodeError:
+                    raise CliError(f"{out}: not a JSONL file of sweep rows") from None
+                done.add((r["workload"], float(r["budget_fraction"]), r["solver"]))
+    tasks = []
+    for w in args.workloads.split(","):
+        for b in args.budgets.split(","):
+            for s in args.solvers.split(","):
+                if (w, float(b), s) not in done:
+                    tasks.append((w, float(b), s, args.hardware, args.time_limit))
+    if not tasks:
+        print(f"{out}: all {len(done)} rows present")
+        return 0
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with out.open("a") as fh, _Progress(len(tasks), "rows") as bar:
+        if args.workers <= 1:
+            results = map(_sweep_row, tasks)
+            for row in results:
+                fh.write(json.dumps(row) + "\n")
+                fh.flush()
+                bar.update(1)
+        else:
+            with ProcessPoolExecutor(max_workers=args.workers) as pool:
+                for row in pool.map(_sweep_row, tasks):
+                    fh.write(json.dumps(row) + "\n")
+                    fh.flush()
+                    bar.update(1)
+    print(f"wrote {len(tasks)} rows to {out} ({len(done)} already there)")
+    return 0
+
+
+def cmd_simulate(args) -> int:
+    from .hardware import hardware
+    from .plan import load_plan
+    from .simulate import simulate
+
+    hw = hardware(args.hardware)
+    g = _graph(args.graph, hw)
+    plan = load_plan(args.plan)
+    sim = simulate(g, plan, hw)
+    exp = sim.expansion
+    print(sim.summary())
+    print(f"{'t (ms)':>10} {'dur (ms)':>9} {'memory MiB':>11}  what")
+    n = g.n_ops
+    for start, end, op, kind in sim.compute_intervals[: args.limit]:
+        what = ("forward", "rerun", "backward")[int(kind)]
+        point = None
+        k = int(op) if kind == 0 else None
+        if k is not None:
+            point = k
+        mem = "" if point is None else f"{exp.memory()[point] / 2**20:11.2f}"
+        print(f"{1e3 * start:10.3f} {1e3 * (end - start):9.3f} {mem:>11}  {what} {g.ops[int(op)].name}")
+    if len(sim.compute_intervals) > args.limit:
+        print(f"... {len(sim.compute_intervals) - args.limit} more ops (--limit)")
+    for lane, ivs in (("D2H", sim.d2h_intervals), ("H2D", sim.h2d_intervals)):
+        busy = sum(e - s for s, e, _ in ivs)
+        print(f"{lane}: {len(ivs)} copies, busy {1e3 * busy:.2f} ms")
+    if not sim.fits:
+        print("does not fit the budget:")
+        for v in sim.violations[:5]:
+            print(f"  {v}")
+    _ = n
+    return 0 if sim.fits else 1
+
+
+def cmd_plot(args) -> int:
+    from .hardware import hardware
+    from .plan import load_plan
+    from .plot import plot_gantt, plot_memory
+    from .simulate import simulate
+
+    hw = hardware(args.hardware)
+    g = _graph(args.graph, hw)
+    sims = {}
+    budget = 0
+    for p in args.plans:
+        plan = load_plan(p)
+        sims[f"{Path(p).stem} ({plan.info.solver})"] = simulate(g, plan, hw)
+        budget = max(budget, plan.budget_bytes)
+    written = plot_memory(sims, budget, f"{args.out}-memory", title=f"{g.name}: activation memory")
+    first = next(iter(sims.values()))
+    written += plot_gantt(g, first, f"{args.out}-lanes")
+    for w in written:
+        print(f"wrote {w}")
+    return 0
+
+
+def cmd_profile(args) -> int:
+    from .profiler import profile
+
+    module_name, _, func_name = args.target.partition(":")
+    if not func_name:
+        raise CliError("profile target must be MODULE:FUNCTION (a function returning model, inputs, loss_fn)")
+    sys.path.insert(0, str(Path.cwd()))
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise CliError(f"cannot import {module_name!r}: {exc}") from None
+    fn = getattr(module, func_name, None)
+    if fn is None:
+        raise CliError(f"module {module_name!r} has no function {func_name!r}")
+    result = fn()
+    if not isinstance(result, tuple) or len(result) != 3:
+        raise CliError(f"{args.target} must return (model, inputs, loss_fn)")
+    model, inputs, loss_fn = result
+    with _Spinner("profiling"):
+        g = profile(model, inputs, loss_fn, warmup=args.warmup, repeat=args.repeat, name=args.name)
+    Path(args.out).write_text(g.to_json(indent=1))
+    print(f"{g.summary()}; wrote {args.out}")
+    return 0
+
+
+class _Progress:
+    """A tqdm bar on stderr (hidden when not a terminal, as in CI logs)."""
+
+    def __init__(self, total: int, unit: str):
+        from tqdm import tqdm
+
+        self.bar = tqdm(total=total, unit=unit, file=sys.stderr, disable=not sys.stderr.isatty())
+
+    def __enter__(self):
+        return self.bar
+
+    def __exit__(self, *exc):
+        self.bar.close()
+
+
+class _Spinner(_Progress):
+    def __init__(self, what: str):
+        super().__init__(1, "step")
+        self.bar.set_description(what)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="slackswap", description="Plan the activation memory of "
+                                     "a training step: keep, swap to host, or recompute.")
+    parser.add_argument("--version", action="version", version=f"slackswap {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    def common(p, budget=True):
+        p.add_argument("--hardware", default="a100-80gb-pcie4", help="hardware preset (default %(default)s)")
+        if budget:
+            p.add_argument("--budget", required=True, help="fraction of the keep-all peak (0.5), bytes, or 12GiB")
+        p.add_argument("--time-limit", type=float, default=60.0, help="seconds per exact solve")
+
+    p = sub.add_parser("solve", help="plan one graph or workload")
+    p.add_argument("graph", help="graph JSON file or workload name")
+    common(p)
+    p.add_argument("--solver", default="cpsat")
+    p.add_argument("--out", help="write the plan JSON here")
+    p.set_defaults(func=cmd_solve)
+
+    p = sub.add_parser("compare", help="every solver side by side")
+    p.add_argument("graph")
+    common(p)
+    p.add_argument("--solvers", default="heuristic,cpsat,cbc,highs,recompute-all,swap-all")
+    p.set_defaults(func=cmd_compare)
+
+    p = sub.add_parser("sweep", help="solvers x budgets x workloads, one JSON line per row (resumable)")
+    p.add_argument("--workloads", required=True)
+    p.add_argument("--budgets", required=True)
+    p.add_argument("--solvers", default="heuristic,cpsat")
+    p.add_argument("--out", required=True)
+    p.add_argument("--workers", type=int, default=1)
+    common(p, budget=False)
+    p.set_defaults(func=cmd_sweep)
+
+    p = sub.add_parser("simulate", help="the step's timeline under a plan, in text")
+    p.add_argument("graph")
+    p.add_argument("plan")
+    p.add_argument("--hardware", default="a100-80gb-pcie4")
+    p.add_argument("--limit", type=int, default=60, help="ops to list")
+    p.set_defaults(func=cmd_simulate)
+
+    p = sub.add_parser("plot", help="memory against the budget and a Gantt chart of the lanes")
+    p.add_argument("graph")
+    p.add_argument("plans", nargs="+")
+    p.add_argument("--hardware", default="a100-80gb-pcie4")
+    p.add_argument("--out", default="slackswap-plot")
+    p.set_defaults(func=cmd_plot)
+
+    p = sub.add_parser("profile", help="profile MODULE:FUNCTION returning (model, inputs, loss_fn)")
+    p.add_argument("target")
+    p.add_argument("--out", required=True)
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--name")
+    p.set_defaults(func=cmd_profile)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except (CliError, GraphError, PlanError, InfeasibleBudget, ValueError, FileNotFoundError,
+            ImportError, KeyError) as exc:
+        print(f"slackswap: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

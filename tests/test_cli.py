@@ -1,0 +1,102 @@
+"""The command line: every command, its output files, and one-line errors for bad input."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from slackswap.cli import SWEEP_FIELDS, main
+
+GRAPH = {
+    "format": "slackswap.graph/1", "name": "tiny",
+    "ops": [{"name": "A", "forward_s": 0.001, "backward_s": 0.002, "inputs": ["x"], "outputs": ["a"]},
+            {"name": "B", "forward_s": 0.003, "backward_s": 0.006, "inputs": ["a"], "outputs": ["b"]},
+            {"name": "C", "forward_s": 0.001, "backward_s": 0.002, "inputs": ["b"], "outputs": ["c"]}],
+    "tensors": [{"name": "a", "bytes": 4 * 2**20, "saved_for": ["B"]},
+                {"name": "b", "bytes": 2**20, "saved_for": ["C"]},
+                {"name": "c", "bytes": 2**20, "saved_for": ["C"]}],
+}
+
+
+@pytest.fixture
+def graph_file(tmp_path):
+    path = tmp_path / "g.json"
+    path.write_text(json.dumps(GRAPH))
+    return path
+
+
+def test_solve_simulate_plot(graph_file, tmp_path, capsys):
+    plan = tmp_path / "plan.json"
+    assert main(["solve", str(graph_file), "--budget", "0.9", "--solver", "cpsat", "--out", str(plan)]) == 0
+    data = json.loads(plan.read_text())
+    assert data["format"] == "slackswap.plan/1" and set(data["decisions"]) == {"a", "b", "c"}
+    assert main(["simulate", str(graph_file), str(plan)]) == 0
+    out = capsys.readouterr().out
+    assert "retention" in out and "forward A" in out and "D2H" in out
+    prefix = tmp_path / "fig"
+    assert main(["plot", str(graph_file), str(plan), "--out", str(prefix)]) == 0
+    for suffix in ("-memory.png", "-memory.svg", "-lanes.png", "-lanes.svg"):
+        assert (tmp_path / f"fig{suffix}").stat().st_size > 1000
+
+
+def test_compare(graph_file, capsys):
+    assert main(["compare", str(graph_file), "--budget", "0.9", "--solvers", "heuristic,cpsat,keep-all"]) == 0
+    out = capsys.readouterr().out
+    assert "cpsat" in out and "heuristic" in out and "over budget" in out
+
+
+def test_sweep_schema_and_resumption(tmp_path):
+    out = tmp_path / "rows.jsonl"
+    args = ["sweep", "--workloads", "bert-large", "--budgets", "0.5,0.9", "--solvers",
+            "heuristic,swap-all", "--out", str(out)]
+    assert main(args) == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(rows) == 4
+    for r in rows:
+        assert set(SWEEP_FIELDS) <= set(r)
+        assert r["workload"] == "bert-large" and r["solver"] in ("heuristic", "swap-all")
+    # resumable: nothing is run twice, missing rows are added
+    assert main(args) == 0
+    assert len(out.read_text().splitlines()) == 4
+    assert main(args[:4] + ["0.5,0.9,0.7"] + args[5:] + ["--workers", "2"]) == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(rows) == 6 and {r["budget_fraction"] for r in rows} == {0.5, 0.7, 0.9}
+
+
+def test_profile_command(tmp_path, monkeypatch):
+    pytest.importorskip("torch")
+    (tmp_path / "mymodel.py").write_text(
+        "import torch\n"
+        "def build():\n"
+        "    torch.manual_seed(0)\n"
+        "    m = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))\n"
+        "    return m, torch.randn(4, 8), lambda out: out.pow(2).mean()\n")
+    monkeypatch.chdir(tmp_path)
+    assert main(["profile", "mymodel:build", "--out", "g.json", "--repeat", "1"]) == 0
+    assert json.loads((tmp_path / "g.json").read_text())["format"] == "slackswap.graph/1"
+    assert main(["profile", "mymodel:nothere", "--out", "g.json"]) == 2
+    assert main(["profile", "nomodule:build", "--out", "g.json"]) == 2
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["solve", "no-such-workload", "--budget", "0.5"], "neither a graph file nor a workload"),
+    (["solve", "bert-large", "--budget", "lots"], "budget"),
+    (["solve", "bert-large", "--budget", "1e-9", "--solver", "heuristic"], "cannot fit"),
+    (["solve", "bert-large", "--budget", "0.5", "--solver", "gurobi"], "unknown solver"),
+    (["solve", "bert-large", "--budget", "0.5", "--hardware", "tpu"], "unknown hardware"),
+])
+def test_bad_input_is_one_line_and_exit_2(argv, message, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and message in err and "Traceback" not in err
+
+
+def test_bad_graph_file_and_help(tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({**GRAPH, "format": "nope"}))
+    assert main(["solve", str(bad), "--budget", "0.5"]) == 2
+    for cmd in ("solve", "compare", "sweep", "simulate", "plot", "profile"):
+        result = subprocess.run([sys.executable, "-m", "slackswap.cli", cmd, "--help"],
+                                capture_output=True, text=True)
+        assert result.returncode == 0 and "usage" in result.stdout
