@@ -1,0 +1,113 @@
+"""The GPU check behind gpu_check.sh (see there). Writes one JSON summary."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+import slackswap as ss
+
+
+def gpt2_medium(seq: int, batch: int, device):
+    import transformers
+
+    cfg = transformers.GPT2Config(n_layer=24, n_embd=1024, n_head=16, n_positions=seq,
+                                  vocab_size=50257, bos_token_id=0, eos_token_id=0)
+    model = transformers.GPT2LMHeadModel(cfg).to(device=device, dtype=torch.bfloat16)
+    model.train()
+    ids = torch.randint(0, cfg.vocab_size, (batch, seq), device=device)
+    return model, {"input_ids": ids}, (lambda out: out.logits.float().logsumexp(-1).mean())
+
+
+def measure(step, repeat: int = 3) -> dict:
+    step()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    times = []
+    for _ in range(repeat):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        step()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return {"step_s": statistics.median(times), "max_memory_allocated": torch.cuda.max_memory_allocated()}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/gpu_check.json"))
+    parser.add_argument("--seq", type=int, default=1024)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--time-limit", type=float, default=20.0)
+    args = parser.parse_args()
+    summary: dict = {"ok": False}
+    if not torch.cuda.is_available():
+        summary["error"] = "no CUDA device"
+        args.out.write_text(json.dumps(summary, indent=1))
+        print(summary)
+        return 1
+    device = torch.device("cuda")
+    summary["device"] = torch.cuda.get_device_name(device)
+    hw = ss.calibrate_link(device)
+    summary["link"] = {"d2h_GBps": hw.d2h_bytes_per_s / 1e9, "h2d_GBps": hw.h2d_bytes_per_s / 1e9,
+                       "latency_us": hw.latency_s * 1e6}
+    model, inputs, loss_fn = gpt2_medium(args.seq, args.batch, device)
+    start = time.perf_counter()
+    graph = ss.profile(model, inputs, loss_fn, warmup=1, repeat=2, name="gpt2-medium")
+    summary["profile_s"] = time.perf_counter() - start
+    summary["graph"] = graph.summary()
+
+    def plain():
+        model.zero_grad(set_to_none=True)
+        loss_fn(model(**inputs)).backward()
+
+    base = measure(plain)
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    summary["plain"] = {**base, "param_bytes": params}
+    summary["keep_all_peak_simulated"] = ss.keep_all_peak(graph, hw)
+    rows = []
+    for fraction in (1.0, 0.7, 0.5):
+        for solver in ("heuristic", "cpsat"):
+            try:
+                plan = ss.solve(graph, fraction, hw, solver=solver, time_limit_s=args.time_limit)
+            except ss.InfeasibleBudget as exc:
+                rows.append({"budget": fraction, "solver": solver, "error": str(exc)})
+                continue
+            sim = ss.simulate(graph, plan, hw)
+
+            def step(plan=plan):
+                model.zero_grad(set_to_none=True)
+                with ss.apply(plan, model, graph=graph):
+                    loss_fn(model(**inputs)).backward()
+
+            got = measure(step)
+            rows.append({"budget": fraction, "solver": solver, "status": plan.info.status,
+                         "budget_bytes": plan.budget_bytes, **got,
+                         "activation_bytes_measured": got["max_memory_allocated"] - params,
+                         "simulated_peak_bytes": sim.peak_bytes,
+                         "simulated_step_s": sim.step_time_s, "retention_simulated": sim.retention,
+                         "retention_measured": base["step_s"] / got["step_s"]})
+            print(rows[-1], flush=True)
+    model.gradient_checkpointing_enable()
+    ckpt = measure(plain)
+    model.gradient_checkpointing_disable()
+
+    def offload():
+        model.zero_grad(set_to_none=True)
+        with torch.autograd.graph.save_on_cpu(pin_memory=True):
+            loss_fn(model(**inputs)).backward()
+
+    summary.update(rows=rows, torch_checkpoint=ckpt, offload_everything=measure(offload), ok=True)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(summary, indent=1, default=str))
+    print(json.dumps({k: v for k, v in summary.items() if k != "rows"}, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
