@@ -128,6 +128,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--time-limit", type=float, default=60.0, help="per exact solve, seconds")
     parser.add_argument("--demo", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.demo:
+        args.time_limit = min(args.time_limit, 20.0)
     budgets = [0.5]
     if args.sweep:
         budgets = [round(0.1 * k, 1) for k in range(2, 11)]
