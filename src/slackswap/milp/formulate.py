@@ -278,16 +278,10 @@ def formulate(graph: ActivationGraph, hw: Hardware, budget_bytes: int, *, full: 
     for t in saved:
         for k, w in f.rebuild_at[t].items():
             rebuilt_here.setdefault(k, []).append(((w, -int(nbytes[t])), t))
-    resident = f.resident
+    # memory_running_sum: resident[k] = resident[k-1] + lives starting at k - lives ended at k-1
+    f.resident = _running_sum(m, "resident", S, starts, ends, total, constraint="memory_running_sum")
     for k in range(S):
-        v = m.var(f"resident[{k}]", 0, total)
-        resident.append(v)
-        terms = [(v, 1)]
-        if k:
-            terms.append((resident[k - 1], -1))
-        terms += [(w, -b) for w, b in starts.get(k, ())]
-        terms += [(w, b) for w, b in ends.get(k - 1, ())]
-        m.eq(f"memory_running_sum[{k}]", terms, 0)
+        v = f.resident[k]
         cap = budget_u - int(constant[k])
         if k < n:
             m.le(f"memory_budget[{k}]", [(v, 1)], cap - int(fwd_ws[k]))
@@ -419,7 +413,8 @@ def _apply_hint(f: Formulation, hint) -> None:
 
 
 
-def _running_sum(m: Model, name: str, S: int, starts, ends, ub: int) -> list[int]:
+def _running_sum(m: Model, name: str, S: int, starts, ends, ub: int,
+                 constraint: str | None = None) -> list[int]:
     """Variables V_k = sum of coef*x over the intervals covering position k."""
     out: list[int] = []
     for k in range(S):
@@ -429,7 +424,7 @@ def _running_sum(m: Model, name: str, S: int, starts, ends, ub: int) -> list[int
             terms.append((out[k - 1], -1))
         terms += [(w, -b) for w, b in starts.get(k, ())]
         terms += [(w, b) for w, b in ends.get(k - 1, ())]
-        m.eq(f"{name}_running_sum[{k}]", terms, 0)
+        m.eq(f"{constraint or name + '_running_sum'}[{k}]", terms, 0)
         out.append(v)
     return out
 

@@ -105,6 +105,15 @@ def complete_hint(f: Formulation, codes: np.ndarray, free: dict, issue: dict, re
     return val
 
 
+def _one_unknown(c, pending: set[int], val: dict[int, int]):
+    """(variable, coefficient, value of the rest) when exactly one variable of ``c`` is pending."""
+    free = [(v, a) for v, a in c.terms if v in pending]
+    if len(free) != 1:
+        return None
+    v, a = free[0]
+    return v, a, sum(coef * val[w] for w, coef in c.terms if w != v)
+
+
 def _propagate(m, val: dict[int, int], cut=None) -> None:
     """Give every other variable the value its defining constraints force: equalities with one
     unknown in order, then lower bounds raised to a fixed point; the lane-capacity cut's fluid
@@ -117,11 +126,10 @@ def _propagate(m, val: dict[int, int], cut=None) -> None:
     for c in m.constraints:
         if c.enforce or c.lo is None or c.lo != c.hi:
             continue
-        free = [(v, a) for v, a in c.terms if v in pending]
-        if len(free) != 1:
+        found = _one_unknown(c, pending, val)
+        if found is None:
             continue
-        v, a = free[0]
-        rest = sum(coef * val[w] for w, coef in c.terms if w != v)
+        v, a, rest = found
         if (c.lo - rest) % a == 0:
             val[v] = (c.lo - rest) // a
             pending.discard(v)
@@ -145,11 +153,10 @@ def _propagate(m, val: dict[int, int], cut=None) -> None:
         for c in m.constraints:
             if c.enforce and not all(val[v] == 1 for v in c.enforce):
                 continue
-            free = [(v, a) for v, a in c.terms if v in pending]
-            if len(free) != 1:
+            found = _one_unknown(c, pending, val)
+            if found is None:
                 continue
-            v, a = free[0]
-            rest = sum(coef * val[w] for w, coef in c.terms if w != v)
+            v, a, rest = found
             if c.lo is not None and c.hi is not None and c.lo == c.hi:
                 new = (c.lo - rest) // a if (c.lo - rest) % a == 0 else val[v]
             elif c.lo is not None and a > 0:
