@@ -17,7 +17,8 @@ import numpy as np
 from .budget import min_budget, parse_budget
 from .errors import InfeasibleBudget
 from .graph import ActivationGraph
-from .hardware import Hardware, hardware
+from .hardware import Hardware
+from .hardware import hardware as get_hardware
 from .plan import Plan, Schedule, SolveInfo
 from .stepmodel import codes_to_decisions
 
@@ -90,7 +91,7 @@ def make_plan(graph: ActivationGraph, budget_bytes: int, solution: Solution) -> 
     )
 
 
-def solve(graph: ActivationGraph, budget: float | int | str, hardware_: Hardware | str | None = None,
+def solve(graph: ActivationGraph, budget: float | int | str, hardware: Hardware | str = "a100-80gb-pcie4",
           solver: str = DEFAULT_SOLVER, time_limit_s: float | None = None, *,
           strict: bool = True, **options: Any) -> Plan:
     """The best plan ``solver`` finds for ``graph`` under ``budget`` on ``hardware``.
@@ -102,7 +103,7 @@ def solve(graph: ActivationGraph, budget: float | int | str, hardware_: Hardware
     from .simulate import simulate
     from .validate import validate
 
-    hw = hardware(hardware_ if hardware_ is not None else options.pop("hardware", "a100-80gb-pcie4"))
+    hw = get_hardware(hardware)
     budget_bytes = parse_budget(budget, graph, hw)
     floor = min_budget(graph, hw)
     if budget_bytes < floor:
@@ -133,13 +134,13 @@ COMPARE_FIELDS = ("solver", "status", "fits", "retention", "step_time_s", "peak_
                   "recompute_s", "wall_s", "objective", "bound", "gap")
 
 
-def compare(graph: ActivationGraph, budget: float | int | str, hardware_: Hardware | str | None = None,
+def compare(graph: ActivationGraph, budget: float | int | str, hardware: Hardware | str = "a100-80gb-pcie4",
             solvers: tuple[str, ...] = ("heuristic", "cpsat", "cbc", "highs"),
             time_limit_s: float | None = None, **options: Any) -> list[dict[str, Any]]:
     """One row per solver: retention, step time, peak, stall, solve time, status, gap."""
     from .simulate import simulate
 
-    hw = hardware(hardware_ if hardware_ is not None else "a100-80gb-pcie4")
+    hw = get_hardware(hardware)
     rows = []
     for name in solvers:
         try:

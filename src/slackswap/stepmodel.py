@@ -226,27 +226,30 @@ def default_swap_schedule(graph: ActivationGraph, hw: Hardware, codes, first_nee
     swapped = np.flatnonzero(codes == SWAP)
     if swapped.size == 0:
         return
-    bytes_of = graph.tensor_bytes
+    nbytes = graph.tensor_bytes.astype(float)
     last_fwd = graph.last_forward_use
     producer = graph.producer
-    lane = 0.0
-    for t in sorted(swapped, key=lambda t: (producer[t], t)):
-        issue = end[producer[t]]
-        done = max(lane, issue) + hw.d2h_time(bytes_of[t])
-        lane = done
-        if d2h[t] < 0:
-            slot = int(np.searchsorted(end, done - 1e-15))
-            d2h[t] = min(max(slot, int(last_fwd[t])), int(first_need[t]) - 1)
-    # prefetch: latest start that meets every later use, one transfer at a time
-    lane_free_from = np.inf
-    for t in sorted(swapped, key=lambda t: (-first_need[t], -t)):
-        finish = min(start[first_need[t]], lane_free_from)
-        begin = finish - hw.h2d_time(bytes_of[t])
-        lane_free_from = begin
-        if h2d[t] < 0:
-            g = int(np.searchsorted(start, begin + 1e-15, side="right")) - 1
-            g = max(g, int(d2h[t]) + 1)
-            h2d[t] = min(g, int(first_need[t]))
+    # D2H lane, FIFO in production order: done_i = max_{j<=i}(issue_j + sum_{k=j..i} p_k)
+    order = swapped[np.lexsort((swapped, producer[swapped]))]
+    p = hw.latency_s + nbytes[order] / hw.d2h_bytes_per_s
+    issue = end[producer[order]]
+    csum = np.cumsum(p)
+    done = csum + np.maximum.accumulate(issue - (csum - p))
+    slot = np.searchsorted(end, done - 1e-15)
+    free = np.minimum(np.maximum(slot, last_fwd[order]), first_need[order] - 1)
+    unset = d2h[order] < 0
+    d2h[order[unset]] = free[unset]
+    # H2D lane filled backwards from the uses: begin_i = min_{j>=i}(need_j - sum_{k=i..j} p_k)
+    order = swapped[np.lexsort((-swapped, -first_need[swapped]))][::-1]  # by first use, then index
+    p = hw.latency_s + nbytes[order] / hw.h2d_bytes_per_s
+    need = start[first_need[order]]
+    suffix = np.cumsum(p[::-1])[::-1]  # sum_{k>=i} p_k
+    after = np.append(suffix[1:], 0.0)  # sum_{k>j} p_k
+    begin = -suffix + np.minimum.accumulate((need + after)[::-1])[::-1]
+    g = np.searchsorted(start, begin + 1e-15, side="right") - 1
+    g = np.minimum(np.maximum(g, d2h[order] + 1), first_need[order])
+    unset = h2d[order] < 0
+    h2d[order[unset]] = g[unset]
 
 
 def _monotone_issue(graph: ActivationGraph, codes, first_need, h2d, movable) -> None:
@@ -399,17 +402,28 @@ def _yield_to_budget(graph, exp: Expansion, budget: int, given_d2h, given_h2d) -
         over = np.flatnonzero(mem > budget)
         if over.size == 0:
             return exp
+        slots = np.unique(exp.point_slot[over])
         changed = False
-        for slot in np.unique(exp.point_slot[over]):
-            lf = last_fwd[movable_free]
-            late = movable_free[(d2h[movable_free] >= slot) & (lf < slot)]
-            if late.size:
-                d2h[late] = slot - 1
-                changed = True
-            early = movable_issue[(h2d[movable_issue] <= slot) & (exp.first_need[movable_issue] > slot)]
-            if early.size:
-                h2d[early] = slot + 1
-                changed = True
+        # free earlier: the first over-budget position after a tensor's last forward reader,
+        # if it is still resident there, is where it must already be gone
+        lf = last_fwd[movable_free]
+        i = np.searchsorted(slots, lf, side="right")
+        has = i < slots.size
+        first_over = np.where(has, slots[np.minimum(i, slots.size - 1)], -1)
+        late = has & (first_over <= d2h[movable_free])
+        if late.any():
+            d2h[movable_free[late]] = first_over[late] - 1
+            changed = True
+        # prefetch later: the last over-budget position before a tensor's first use, if its
+        # prefetch is issued by then, is where it must not yet be resident
+        need = exp.first_need[movable_issue]
+        j = np.searchsorted(slots, need, side="left") - 1
+        has = j >= 0
+        last_over = np.where(has, slots[np.maximum(j, 0)], -1)
+        early = has & (last_over >= h2d[movable_issue])
+        if early.any():
+            h2d[movable_issue[early]] = last_over[early] + 1
+            changed = True
         if not changed:
             return exp
         _monotone_issue(graph, exp.codes, exp.first_need, h2d, ~given_h2d)
