@@ -119,3 +119,29 @@ def test_clear_errors():
 
 def test_calibrate_link_on_cpu_is_the_documented_preset():
     assert ss.calibrate_link() == ss.hardware("cpu")
+
+
+@pytest.mark.parametrize("name", ["gpt", "hf-llama"] if __import__("importlib").util.find_spec("transformers") else ["gpt"])
+def test_grouped_by_module(name):
+    """One op per module call: fewer ops, the same saved tensors and bytes, same ideal time, and
+    its plans run in the executor with exact gradients."""
+    model, inputs, loss_fn = build(name)
+    fine = ss.profile(model, inputs, loss_fn, warmup=0, repeat=1)
+    coarse = ss.profile(model, inputs, loss_fn, warmup=0, repeat=1, group_by_module=True)
+    assert coarse.n_ops < fine.n_ops
+    assert [coarse.tensors[t].name for t in coarse.saved] == [fine.tensors[t].name for t in fine.saved]
+    assert int(coarse.tensor_bytes[coarse.saved].sum()) == int(fine.tensor_bytes[fine.saved].sum())
+    hw = ss.hardware("cpu")
+    lo, hi = ss.min_budget(coarse, hw), ss.keep_all_peak(coarse, hw)
+    plan = ss.solve(coarse, lo + (hi - lo) // 2, hw, solver="heuristic")
+    assert ss.simulate(coarse, plan, hw).fits
+    call = (lambda: model(**inputs)) if isinstance(inputs, dict) else (lambda: model(inputs))
+    torch.manual_seed(5)
+    model.zero_grad(set_to_none=True)
+    loss_fn(call()).backward()
+    reference = [p.grad.clone() for p in model.parameters()]
+    torch.manual_seed(5)
+    model.zero_grad(set_to_none=True)
+    with ss.apply(plan, model):
+        loss_fn(call()).backward()
+    assert all(torch.equal(a, p.grad) for a, p in zip(reference, model.parameters()))

@@ -157,13 +157,63 @@ def graph_from_traces(traces, graph_name: str, extra: dict[str, Any] | None = No
         raise ProfileError(f"the traced step does not form a valid graph: {exc}") from exc
 
 
+def group_by_module(graph: ActivationGraph) -> ActivationGraph:
+    """A coarser graph: each run of consecutive ops of one module call becomes one op (times
+    summed, inputs from outside the run, every tensor it makes as outputs, saved_for mapped to
+    the run). Tensor names do not change, so plans for it apply to the model as they are."""
+    runs: list[list[int]] = []
+    for i, op in enumerate(graph.ops):
+        module = op.extra.get("module", op.name)
+        if runs and graph.ops[runs[-1][0]].extra.get("module", graph.ops[runs[-1][0]].name) == module:
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+    new_name: dict[str, str] = {}
+    ops = []
+    counts: dict[str, int] = {}
+    for members in runs:
+        module = graph.ops[members[0]].extra.get("module", graph.ops[members[0]].name)
+        k = counts.get(module, 0)
+        counts[module] = k + 1
+        name = f"{module}@{k}"
+        outputs = [o for i in members for o in graph.ops[i].outputs]
+        made = set(outputs)
+        inputs = []
+        for i in members:
+            for x in graph.ops[i].inputs:
+                if x not in made and x not in inputs:
+                    inputs.append(x)
+        for i in members:
+            new_name[graph.ops[i].name] = name
+        ops.append(Op(
+            name=name, forward_s=float(sum(graph.ops[i].forward_s for i in members)),
+            backward_s=float(sum(graph.ops[i].backward_s for i in members)),
+            inputs=tuple(inputs), outputs=tuple(outputs),
+            forward_workspace_bytes=max(graph.ops[i].forward_workspace_bytes for i in members),
+            backward_workspace_bytes=max(graph.ops[i].backward_workspace_bytes for i in members),
+            recomputable=all(graph.ops[i].recomputable for i in members),
+            extra={"module": module, "aten_ops": len(members),
+                   **({"random": True} if any(graph.ops[i].extra.get("random") for i in members) else {})}))
+    tensors = []
+    for t in graph.tensors:
+        saved = []
+        for op_name in t.saved_for:
+            if new_name[op_name] not in saved:
+                saved.append(new_name[op_name])
+        tensors.append(Tensor(name=t.name, bytes=t.bytes, saved_for=tuple(saved), group=t.group,
+                              extra=dict(t.extra)))
+    return ActivationGraph(name=f"{graph.name}/modules", ops=tuple(ops), tensors=tuple(tensors),
+                           optimizer_s=graph.optimizer_s, extra={**graph.extra, "grouped_by": "module"})
+
+
 def profile(model, inputs, loss_fn: Callable, device=None, warmup: int = 1, repeat: int = 3,
-            name: str | None = None) -> ActivationGraph:
+            name: str | None = None, group_by_module: bool = False) -> ActivationGraph:
     """Profile ``warmup + repeat`` training steps of ``model`` and return its activation graph.
 
     inputs: a tensor, a tuple (positional arguments) or a dict (keyword arguments).
     loss_fn(output) -> scalar loss. device: move model and inputs there first (None: leave them).
-    Gradients the steps accumulate are cleared before returning.
+    group_by_module: one op per module call instead of per aten op (a coarser, faster-to-plan
+    graph with the same tensors). Gradients the steps accumulate are cleared before returning.
     """
     import torch
 
@@ -184,9 +234,13 @@ def profile(model, inputs, loss_fn: Callable, device=None, warmup: int = 1, repe
         if step >= warmup:
             traces.append(trace)
     model.zero_grad(set_to_none=True)
-    return graph_from_traces(traces, name or type(model).__name__,
-                             {"source": "slackswap.profile", "device": str(dev),
-                              "torch": torch.__version__, "repeat": repeat})
+    graph = graph_from_traces(traces, name or type(model).__name__,
+                              {"source": "slackswap.profile", "device": str(dev),
+                               "torch": torch.__version__, "repeat": repeat})
+    return _group(graph) if group_by_module else graph
+
+
+_group = group_by_module
 
 
 def calibrate_link(device=None, nbytes: int = 256 * 2**20, repeat: int = 5) -> Hardware:
