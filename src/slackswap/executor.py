@@ -148,11 +148,33 @@ class Run:
         self.pool = _HostPool(pinned=self.cuda)
         self.copy_stream = torch.cuda.Stream(device) if self.cuda else None
         self.prefetch_ahead = prefetch_ahead
+        self._issue_at, self._need_at = self._prefetch_schedule(plan, graph)
         self._live: dict[tuple[str, int], int] = {}
         self._live_bytes = 0
         self._step: _Step | None = None
         self._stack: contextlib.ExitStack | None = None
         self._checked = False
+
+    @staticmethod
+    def _prefetch_schedule(plan: Plan, graph: ActivationGraph | None):
+        """Per swapped tensor, the backward position at which the plan issues its prefetch (its
+        schedule, else the step model's default for its budget), and each saved tensor's first
+        backward position: the executor's clock in backward is the tensors it is asked for."""
+        if graph is None:
+            return None, None
+        from .hardware import hardware as get_hardware
+        from .stepmodel import decision_codes, expand
+
+        try:  # the preset the graph was made for, else the CPU transport's
+            hw = get_hardware(str(graph.extra.get("hardware", "cpu")))
+        except ValueError:
+            hw = get_hardware("cpu")
+        exp = expand(graph, decision_codes(graph, plan), plan.schedule, hw,
+                     budget_bytes=plan.budget_bytes if plan.schedule is None else None)
+        issue = {graph.tensors[t].name: int(exp.h2d_issue[t]) for t in graph.saved
+                 if exp.h2d_issue[t] >= 0}
+        need = {graph.tensors[t].name: int(exp.first_need[t]) for t in graph.saved}
+        return issue, need
 
     # ------------------------------------------------------------ memory tracking
     def _track(self, t: torch.Tensor, key=None) -> None:
@@ -289,9 +311,19 @@ class Run:
         return out
 
     def _prefetch(self, step: _Step, name: str) -> None:
-        """Issue the copies back of the next offloaded tensors the backward pass will read
-        (reverse order of offload), ``prefetch_ahead`` at a time, so they overlap compute."""
-        if not step.swap_order or self.prefetch_ahead <= 0:
+        """Issue copies back ahead of use. With the graph: every offloaded tensor whose planned
+        issue position the backward pass has reached (the position of the tensor just asked
+        for, one ahead). Without it: the next ``prefetch_ahead`` in reverse order of offload."""
+        if not step.swap_order:
+            return
+        if self._issue_at is not None and name in self._need_at:
+            now = self._need_at[name] + 1
+            for nxt in step.swap_order:
+                if self._issue_at.get(nxt, 1 << 30) <= now and nxt not in step.device_copy \
+                        and step.handles_left.get(nxt, 0) > 0:
+                    step.device_copy[nxt] = self._bring_back(step, nxt)
+            return
+        if self.prefetch_ahead <= 0:
             return
         if name in step.swap_order:
             i = step.swap_order.index(name)
