@@ -44,14 +44,17 @@ def hideable_swaps(graph: ActivationGraph, hw: Hardware, order: np.ndarray) -> n
     slack_d = t_fwd - end[:n]
     # H2D: window from the start of the backward pass to the first use
     slack_h = start[n:] - t_fwd
+    p_d2h = hw.latency_s + nbytes / hw.d2h_bytes_per_s
+    p_h2d = hw.latency_s + nbytes / hw.h2d_bytes_per_s
+    need_at = 2 * n - 1 - graph.first_backward_use - n
     chosen = []
     for t in order:
         if nbytes[t] == 0:
             continue
         q = int(graph.producer[t])
-        pd = hw.d2h_time(nbytes[t])
-        ph = hw.h2d_time(nbytes[t])
-        need = graph.bwd_slot(int(graph.first_backward_use[t])) - n
+        pd = p_d2h[t]
+        ph = p_h2d[t]
+        need = int(need_at[t])
         if slack_d[: q + 1].min() < pd or slack_h[need:].min() < ph:
             continue
         slack_d[: q + 1] -= pd
@@ -73,7 +76,7 @@ def heuristic_codes(graph: ActivationGraph, hw: Hardware, budget: int,
     codes[swaps] = SWAP
     stats = {"hidden_swaps": int(swaps.size), "recomputed": 0, "exposed_swaps": 0, "repairs": 0}
 
-    exp = expand(graph, codes, None, hw, budget_bytes=budget)
+    exp = expand(graph, codes, None, hw)
     if exp.memory().max() <= budget:
         return codes, stats
     # slot-level memory, updated as tensors are recomputed (exact without rebuild chains)
