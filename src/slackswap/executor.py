@@ -100,6 +100,18 @@ class _HostPool:
         self.total += nbytes
         return t.untyped_storage()
 
+    def reserve(self, sizes: dict[str, int]) -> None:
+        """One host slab for a whole step's offloads, carved per tensor (sized from the plan)."""
+        total = sum(sizes.values())
+        if total <= 0:
+            return
+        slab = torch.empty(total, dtype=torch.uint8, pin_memory=self.pinned).untyped_storage()
+        self.total += total
+        offset = 0
+        for name, nbytes in sizes.items():
+            self.free.setdefault(name, []).append(slab[offset:offset + nbytes])
+            offset += nbytes
+
     def give_back(self, taken: list[tuple[str, torch.UntypedStorage]]) -> None:
         for name, buf in taken:
             self.free.setdefault(name, []).append(buf)
@@ -149,6 +161,11 @@ class Run:
         self.copy_stream = torch.cuda.Stream(device) if self.cuda else None
         self.prefetch_ahead = prefetch_ahead
         self._issue_at, self._need_at = self._prefetch_schedule(plan, graph)
+        if graph is not None:
+            # the graph gives every offloaded storage's size: one pinned slab up front
+            self.pool.reserve({name: int(graph.tensors[graph.tensor_index[name]].bytes)
+                               for name, d in plan.decisions.items()
+                               if d == "swap" and name in graph.tensor_index})
         self._live: dict[tuple[str, int], int] = {}
         self._live_bytes = 0
         self._step: _Step | None = None
