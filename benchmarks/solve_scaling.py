@@ -35,10 +35,12 @@ def main() -> int:
     rows = []
     for layers in [int(x) for x in args.layers.split(",")]:
         g = ss.transformer_graph(config(layers), hw, name=f"gpt-{layers}L")
-        heuristic = ss.simulate(g, ss.solve(g, args.budget, hw, solver="heuristic"), hw).retention
-        bound = ss.lp_bound(g, args.budget, hw).retention
+        # the fraction of the keep-all peak, or just above the smallest feasible budget
+        budget = max(ss.parse_budget(args.budget, g, hw), int(1.05 * ss.min_budget(g, hw)))
+        heuristic = ss.simulate(g, ss.solve(g, budget, hw, solver="heuristic"), hw).retention
+        bound = ss.lp_bound(g, budget, hw).retention
         for solver in args.solvers.split(","):
-            plan = ss.solve(g, args.budget, hw, solver=solver, time_limit_s=args.time_limit)
+            plan = ss.solve(g, budget, hw, solver=solver, time_limit_s=args.time_limit)
             sim = ss.simulate(g, plan, hw)
             row = {"layers": layers, "saved_tensors": int(len(g.saved)), "solver": solver,
                    "binaries": plan.info.extra.get("model", {}).get("binaries"),
