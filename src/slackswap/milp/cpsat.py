@@ -50,7 +50,7 @@ class CpSatBackend(ExactBackend):
         from ortools.sat.python import cp_model
 
         deadline = time.perf_counter() + float(time_limit_s)
-        gap_limit = float(options.get("gap", 1e-4))
+        gap_limit = float(options.get("gap", 1e-3))
         hint = dict(options.get("complete_hint") or f.model.hint)
         if fixed and any(hint.get(v, val) != val for v, val in fixed.items()):
             hint = {}  # a hint that contradicts the fixings would only mislead

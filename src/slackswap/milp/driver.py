@@ -84,6 +84,19 @@ class ExactBackend:
         h_codes, free, issue, rebuild, h_sim = heuristic_start(problem)
         hint = (h_codes, free, issue, rebuild) if warm_start else None
         extra = {"free": free, "issue": issue, "rebuild": rebuild} if warm_start else None
+        lp = lp_bound(g, budget, hw)
+        heuristic_time = h_sim.step_time_s if h_sim.fits else float("inf")
+        gap_target = float(options.get("gap", 1e-3))
+        if warm_start and lp.status == "optimal" and np.isfinite(heuristic_time) \
+                and heuristic_time > 0 and heuristic_time - lp.step_time_s <= gap_target * heuristic_time:
+            # the warm start is already within the target of a valid bound: nothing to search
+            gap = max(0.0, (heuristic_time - lp.step_time_s) / heuristic_time)
+            info = SolveInfo(solver=self.name, status="optimal", objective=heuristic_time,
+                             bound=min(lp.step_time_s, heuristic_time), gap=gap,
+                             wall_s=time.perf_counter() - start, predicted_step_time_s=heuristic_time,
+                             extra={"strategy": "warm start proven by the LP bound",
+                                    "lp_bound_s": lp.wall_s, "heuristic_step_time_s": heuristic_time})
+            return Solution(h_codes, None, info)
         f = formulate(g, hw, budget, full=full, hint=hint, extra_candidates=extra)
         if warm_start:
             from .hint import complete_hint
@@ -96,7 +109,6 @@ class ExactBackend:
         if strategy == "auto":
             strategy = "whole" if size["binaries"] <= WHOLE_MODEL_BINARIES else "lp-guided"
         info_extra["strategy"] = strategy
-        heuristic_time = h_sim.step_time_s if h_sim.fits else float("inf")
         best = None  # (simulated time, codes, schedule, predicted)
         bound_s = None
         status = "timeout"
@@ -108,7 +120,6 @@ class ExactBackend:
             if sim.fits and (best is None or sim.step_time_s < best[0]):
                 best = (sim.step_time_s, codes, schedule, f.seconds(obj_units))
 
-        lp = lp_bound(g, budget, hw)
         info_extra["lp_bound_s"] = lp.wall_s
         lp_s = lp.step_time_s if lp.status == "optimal" else None
         if strategy == "whole":

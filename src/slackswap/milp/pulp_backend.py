@@ -62,7 +62,7 @@ class _PulpBackend(ExactBackend):
             # PuLP 3 warns about its own 4.0 API; the calls used here work in both
             warnings.simplefilter("ignore", DeprecationWarning)
             prob, x = _pulp_problem(f, fixed)
-        gap = float(options.get("gap", 1e-4))
+        gap = float(options.get("gap", 1e-3))
         solver = self._solver(time_limit_s, seed, workers, bool(f.model.hint), gap)
         prob.solve(solver)
         status = pulp.LpStatus.get(prob.status, "Undefined")
