@@ -170,14 +170,10 @@ def cmd_simulate(args) -> int:
     exp = sim.expansion
     print(sim.summary())
     print(f"{'t (ms)':>10} {'dur (ms)':>9} {'memory MiB':>11}  what")
-    n = g.n_ops
+    memory = exp.memory()
     for start, end, op, kind in sim.compute_intervals[: args.limit]:
         what = ("forward", "rerun", "backward")[int(kind)]
-        point = None
-        k = int(op) if kind == 0 else None
-        if k is not None:
-            point = k
-        mem = "" if point is None else f"{exp.memory()[point] / 2**20:11.2f}"
+        mem = f"{memory[int(op)] / 2**20:11.2f}" if kind == 0 else ""
         print(f"{1e3 * start:10.3f} {1e3 * (end - start):9.3f} {mem:>11}  {what} {g.ops[int(op)].name}")
     if len(sim.compute_intervals) > args.limit:
         print(f"... {len(sim.compute_intervals) - args.limit} more ops (--limit)")
@@ -188,7 +184,6 @@ def cmd_simulate(args) -> int:
         print("does not fit the budget:")
         for v in sim.violations[:5]:
             print(f"  {v}")
-    _ = n
     return 0 if sim.fits else 1
 
 

@@ -96,16 +96,15 @@ def run_timeline(graph: ActivationGraph, exp: Expansion, hw: Hardware, budget: i
     recompute_s = 0.0
     for k in range(S):
         arrive = now
-        if True:
-            for t in sorted(issue_at.get(k, ()), key=lambda t: (h2d_key[t], t)):
-                lane = h2d_lane if hw.duplex else max(h2d_lane, d2h_lane)
-                start = max(lane, arrive, d2h_done[t])
-                end = start + hw.h2d_time(nbytes[t])
-                h2d_iv.append((start, end, t))
-                arrival[t] = end
-                h2d_lane = end
-                if not hw.duplex:
-                    d2h_lane = end
+        for t in sorted(issue_at.get(k, ()), key=lambda t: (h2d_key[t], t)):
+            lane = h2d_lane if hw.duplex else max(h2d_lane, d2h_lane)
+            start = max(lane, arrive, d2h_done[t])
+            end = start + hw.h2d_time(nbytes[t])
+            h2d_iv.append((start, end, t))
+            arrival[t] = end
+            h2d_lane = end
+            if not hw.duplex:
+                d2h_lane = end
         ready = arrive
         for t in free_after.get(k - 1, ()):
             ready = max(ready, d2h_done[t])

@@ -58,8 +58,6 @@ def complete_hint(f: Formulation, codes: np.ndarray, free: dict, issue: dict, re
     d2h_pos = {t: i for i, t in enumerate(f.d2h_order)}
     lane_d = 0
     lane_h = 0
-    last_d2h_end = 0
-    order_h = sorted(swapped, key=lambda t: (issue[t], f.units["u"][t], t))
     dur = [int(base[k]) + sum(int(fwd[q]) for q in reruns[k]) for k in range(S)]
     arrive = 0
     for k in range(S):
@@ -68,14 +66,13 @@ def complete_hint(f: Formulation, codes: np.ndarray, free: dict, issue: dict, re
         ready = arrive
         for t in free_after.get(k - 1, ()):
             ready = max(ready, d2h[t])
-        if k >= n or issued:
-            for t in [t for t in order_h if issue[t] == k]:
-                lane = lane_h if f.hw.duplex else max(lane_h, lane_d)
-                begin = max(lane, arrive, d2h[t])
-                h2d[t] = begin + int(f.units["h2d"][t])
-                lane_h = h2d[t]
-                if not f.hw.duplex:
-                    lane_d = lane_h
+        for t in sorted(issued.get(k, ()), key=lambda t: (f.units["u"][t], t)):
+            lane = lane_h if f.hw.duplex else max(lane_h, lane_d)
+            begin = max(lane, arrive, d2h[t])
+            h2d[t] = begin + int(f.units["h2d"][t])
+            lane_h = h2d[t]
+            if not f.hw.duplex:
+                lane_d = lane_h
         for t in needs_at[k]:
             ready = max(ready, h2d[t])
         start[k] = ready
@@ -84,7 +81,6 @@ def complete_hint(f: Formulation, codes: np.ndarray, free: dict, issue: dict, re
                 lane = lane_d if f.hw.duplex else max(lane_h, lane_d)
                 d2h[t] = max(lane, start[k] + int(fwd[k])) + int(f.units["d2h"][t])
                 lane_d = d2h[t]
-                last_d2h_end = lane_d
                 if not f.hw.duplex:
                     lane_h = lane_d
     for k in range(S):
@@ -100,7 +96,6 @@ def complete_hint(f: Formulation, codes: np.ndarray, free: dict, issue: dict, re
         order = issue[t] if codes[t] == SWAP else order
         val[f.h2d_done[t]] = carry
         val[f.issue_order[t]] = order
-    _ = last_d2h_end
     _propagate(m, val, f.units.get("cut"))
     return val
 
