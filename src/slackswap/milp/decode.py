@@ -8,6 +8,13 @@ from ..plan import KEEP, RECOMPUTE, SWAP, Schedule
 from .formulate import Formulation
 
 
+def _chosen(options: dict[int, int], value) -> int:
+    """The position whose indicator is set (the largest, against solver tolerances)."""
+    if not options:
+        raise ValueError("decode: a decision has no position to take")
+    return max(options, key=lambda k: value(options[k]))
+
+
 def decode(f: Formulation, value) -> tuple[np.ndarray, Schedule]:
     """``value(var_index) -> number``. Returns decision codes and the schedule."""
     g = f.graph
@@ -17,9 +24,9 @@ def decode(f: Formulation, value) -> tuple[np.ndarray, Schedule]:
         name = g.tensors[t].name
         if value(f.swap[t]) > 0.5:
             codes[t] = SWAP
-            free[name] = next(k for k, v in f.free_after[t].items() if value(v) > 0.5)
-            issue[name] = next(k for k, v in f.issue_at[t].items() if value(v) > 0.5)
+            free[name] = _chosen(f.free_after[t], value)
+            issue[name] = _chosen(f.issue_at[t], value)
         elif value(f.recompute[t]) > 0.5:
             codes[t] = RECOMPUTE
-            rebuild[name] = next(k for k, v in f.rebuild_at[t].items() if value(v) > 0.5)
+            rebuild[name] = _chosen(f.rebuild_at[t], value)
     return codes, Schedule(d2h_free=free, h2d_issue=issue, recompute_at=rebuild)

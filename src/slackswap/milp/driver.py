@@ -115,8 +115,12 @@ class ExactBackend:
 
         def consider(value, obj_units):
             nonlocal best
-            codes, schedule = decode(f, value)
-            sim = run_timeline(g, expand(g, codes, schedule, hw), hw, budget)
+            try:
+                codes, schedule = decode(f, value)
+                sim = run_timeline(g, expand(g, codes, schedule, hw), hw, budget)
+            except ValueError:
+                return  # an inconsistent solver answer is no solution; the simulator decides
+
             if sim.fits and (best is None or sim.step_time_s < best[0]):
                 best = (sim.step_time_s, codes, schedule, f.seconds(obj_units))
 

@@ -67,13 +67,15 @@ class _PulpBackend(ExactBackend):
         prob.solve(solver)
         status = pulp.LpStatus.get(prob.status, "Undefined")
         sol_status = getattr(prob, "sol_status", None)
-        values = [v.varValue for v in x]
         if status == "Infeasible":
             return "infeasible", None, None, None
-        if any(v is None for v in values) or status not in ("Optimal", "Not Solved", "Undefined"):
+        # only a solution the solver vouches for: optimal, or integer-feasible at the time limit
+        found = (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible)
+        values = [v.varValue for v in x]
+        if sol_status not in found or any(v is None for v in values):
             return "timeout", None, None, None
         obj = pulp.value(prob.objective)
-        optimal = status == "Optimal" and sol_status in (None, pulp.LpSolutionOptimal)
+        optimal = status == "Optimal" and sol_status == pulp.LpSolutionOptimal
         bound = obj if optimal else None
         return ("optimal" if optimal else "timeout"), (lambda v: values[v]), obj, bound
 
