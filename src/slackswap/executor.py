@@ -494,7 +494,6 @@ class _RecordingTracer(Tracer):
         if random:
             rng = (torch.get_rng_state(),
                    torch.cuda.get_rng_state(self.run.device) if self.run.cuda else None)
-        before = dict(self.by_storage)
         out = super().__torch_dispatch__(func, types, args, kwargs)
         rec = self.trace.ops[-1]
         step = self.step
@@ -503,12 +502,14 @@ class _RecordingTracer(Tracer):
                 step.dirty.add(w)
         out_names = []
         flat_out, _ = tree_flatten(out)
-        new_keys = {k: v for k, v in self.by_storage.items() if before.get(k) != v}
+        made = set(rec.outputs)
         for t in flat_out:
             if isinstance(t, torch.Tensor):
                 key = storage_key(t)
-                out_names.append(new_keys.get(key))
-                if key in new_keys or key in self.run._live:
+                name = self.by_storage.get(key)
+                new = name in made
+                out_names.append(name if new else None)
+                if new or key in self.run._live:
                     self.run._track(t, key)
         if rec.outputs and not rec.inplace:
             recipe = _Recipe(rec.name, func, spec, args_spec, out_names, rng)
