@@ -36,6 +36,8 @@ def main() -> int:
     p.add_argument("--time-limit", type=float, default=30.0)
     p.add_argument("--out", type=Path, default=Path("benchmarks/results/solver_sweep.jsonl"))
     p.add_argument("--workers", type=int, default=1)
+    p.add_argument("--report-only", action="store_true",
+                   help="write the table and plot from the rows already in --out, run nothing")
     args = p.parse_args()
     hw = ss.hardware("a100-80gb-pcie4")
     graphs = []
@@ -47,10 +49,12 @@ def main() -> int:
             graphs.append(str(path))
         else:
             graphs.append(w)
-    cli(["sweep", "--workloads", ",".join(graphs), "--budgets", args.budgets, "--solvers",
-         args.solvers, "--out", str(args.out), "--time-limit", str(args.time_limit),
-         "--workers", str(args.workers)])
+    if not args.report_only:
+        cli(["sweep", "--workloads", ",".join(graphs), "--budgets", args.budgets, "--solvers",
+             args.solvers, "--out", str(args.out), "--time-limit", str(args.time_limit),
+             "--workers", str(args.workers)])
     rows = [json.loads(line) for line in args.out.read_text().splitlines() if line.strip()]
+    rows = [r for r in rows if r["workload"] in graphs]
     bounds = {}
     for w in graphs:
         g = ss.load_graph(w) if Path(w).exists() else ss.workload(w, hw)
