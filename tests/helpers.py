@@ -70,12 +70,17 @@ def random_graphs(draw, max_ops: int = 7, max_saved: int | None = None):
     return graph(ops, tensors, name="random")
 
 
-def random_decisions(draw, g):
-    import numpy as np
+@st.composite
+def random_plans(draw, low: float = 0.25, high: float = 2.0):
+    """A random graph, a random keep/swap/recompute plan for it, and a budget between ``low``
+    and ``high`` times its keep-all peak."""
+    import slackswap
 
+    g = draw(random_graphs())
     decisions = {}
     for t in g.saved:
         choices = ["keep", "swap"] + (["recompute"] if g.can_recompute[t] else [])
         decisions[g.tensors[t].name] = draw(st.sampled_from(choices))
-    _ = np
-    return decisions
+    peak = slackswap.keep_all_peak(g, LINK)
+    budget = draw(st.integers(max(1, int(peak * low)), max(1, int(peak * high))))
+    return g, plan(g, decisions, budget)

@@ -1,7 +1,7 @@
 """The SlackSwap heuristic and the LP bound."""
 
 import pytest
-from helpers import LINK, graph, op, plan, random_graphs, tensor
+from helpers import LINK, graph, op, random_graphs, random_plans, tensor
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -51,19 +51,8 @@ def test_heuristic_fits_random_graphs_and_lp_is_never_beaten(case):
             assert bsim.retention <= bound.retention + 1e-6
 
 
-@st.composite
-def random_plan(draw):
-    g = draw(random_graphs())
-    decisions = {}
-    for t in g.saved:
-        choices = ["keep", "swap"] + (["recompute"] if g.can_recompute[t] else [])
-        decisions[g.tensors[t].name] = draw(st.sampled_from(choices))
-    peak = ss.keep_all_peak(g, LINK)
-    return g, plan(g, decisions, draw(st.integers(max(1, peak // 3), max(1, peak))))
-
-
 @SETTINGS
-@given(random_plan())
+@given(random_plans(low=1 / 3, high=1.0))
 def test_no_valid_plan_beats_the_lp_bound(case):
     g, p = case
     sim = ss.simulate(g, p, LINK)

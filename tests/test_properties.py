@@ -1,9 +1,8 @@
 """Property tests on random DAGs: the simulator, the validator and the rules agree."""
 
 import numpy as np
-from helpers import LINK, plan, random_graphs
+from helpers import LINK, random_graphs, random_plans
 from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 
 import slackswap as ss
 
@@ -53,20 +52,8 @@ def test_keep_all_retention_is_one_and_peak_follows_rules(g):
     assert sim.peak_bytes == max(reference) == ss.keep_all_peak(g, LINK)
 
 
-@st.composite
-def graph_plan_budget(draw):
-    g = draw(random_graphs())
-    decisions = {}
-    for t in g.saved:
-        choices = ["keep", "swap"] + (["recompute"] if g.can_recompute[t] else [])
-        decisions[g.tensors[t].name] = draw(st.sampled_from(choices))
-    peak = ss.keep_all_peak(g, LINK)
-    budget = draw(st.integers(max(1, peak // 4), max(1, peak * 2)))
-    return g, plan(g, decisions, budget)
-
-
 @SETTINGS
-@given(graph_plan_budget())
+@given(random_plans())
 def test_simulator_and_validator_agree(case):
     g, p = case
     sim = ss.simulate(g, p, LINK)
@@ -83,7 +70,7 @@ def test_simulator_and_validator_agree(case):
 
 
 @SETTINGS
-@given(graph_plan_budget())
+@given(random_plans())
 def test_memory_is_back_to_zero_and_lifetimes_are_ordered(case):
     g, p = case
     exp = ss.simulate(g, p, LINK).expansion
@@ -98,7 +85,7 @@ def test_memory_is_back_to_zero_and_lifetimes_are_ordered(case):
 
 
 @SETTINGS
-@given(graph_plan_budget())
+@given(random_plans())
 def test_plans_round_trip_through_json(case):
     g, p = case
     again = ss.load_plan(p.to_json())
