@@ -3,6 +3,9 @@ whose M comes from the variables' bounds (formulations/milp.md, "Backends")."""
 
 from __future__ import annotations
 
+import contextlib
+import os
+import sys
 from typing import Any
 
 from .driver import ExactBackend
@@ -46,8 +49,25 @@ def _pulp_problem(f: Formulation, fixed: dict[int, int] | None = None):
     return prob, x
 
 
+@contextlib.contextmanager
+def _quiet_stdout():
+    """HiGHS prints its banner from C when the solver object is made, before PuLP can switch its
+    output off; silence file descriptor 1 for the call."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, 1)
+        yield
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
+        os.close(devnull)
+
+
 class _PulpBackend(ExactBackend):
     name = "pulp"
+    quiet = False
 
     def _solver(self, time_limit_s: float, seed: int, workers: int, warm: bool, gap: float):
         raise NotImplementedError
@@ -64,7 +84,11 @@ class _PulpBackend(ExactBackend):
             prob, x = _pulp_problem(f, fixed)
         gap = float(options.get("gap", 1e-3))
         solver = self._solver(time_limit_s, seed, workers, bool(f.model.hint), gap)
-        prob.solve(solver)
+        if self.quiet and not options.get("log"):
+            with _quiet_stdout():
+                prob.solve(solver)
+        else:
+            prob.solve(solver)
         status = pulp.LpStatus.get(prob.status, "Undefined")
         sol_status = getattr(prob, "sol_status", None)
         if status == "Infeasible":
@@ -110,6 +134,7 @@ class CbcBackend(_PulpBackend):
 
 class HighsBackend(_PulpBackend):
     name = "highs"
+    quiet = True
 
     def _solver(self, time_limit_s, seed, workers, warm, gap):
         import pulp
