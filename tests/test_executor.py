@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 torch = pytest.importorskip("torch")
 
-from models import BUILDERS, build  # noqa: E402
+from models import build  # noqa: E402
 
 import slackswap as ss  # noqa: E402
 
@@ -116,9 +116,7 @@ def test_in_place_modification_of_a_saved_tensor_raises():
 
     model = Bad()
     x = torch.randn(2, 4)
-    with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
-        pass
-    # profile the same module without the in-place line to get a plan
+    # a plan naming the tensor the model saves and then modifies
     graph = ss.load_graph({
         "format": "slackswap.graph/1", "name": "bad",
         "ops": [{"name": "lin/addmm#1", "forward_s": 1e-6, "backward_s": 1e-6, "inputs": [],
@@ -221,4 +219,3 @@ def test_checkpoint_policy_export():
                      context_fn=partial(create_selective_checkpoint_contexts, policy))
     loss_fn(out).backward()
     assert all(torch.equal(a, p.grad) for a, p in zip(reference, model.parameters()))
-    assert len(BUILDERS) >= 4

@@ -37,5 +37,9 @@ def __getattr__(name: str):
         import importlib
 
         module, attr = lazy[name]
-        return getattr(importlib.import_module(module), attr)
+        try:
+            return getattr(importlib.import_module(module), attr)
+        except ModuleNotFoundError as exc:
+            raise ImportError(f"slackswap.{name} needs {exc.name!r}, which is not installed: "
+                              "pip install 'slackswap[torch]'") from exc
     raise AttributeError(f"module 'slackswap' has no attribute {name!r}")
