@@ -62,18 +62,16 @@ def test_random_plans_give_bit_identical_gradients(name, data):
     assert run.stats.steps == 1
 
 
-@pytest.mark.parametrize("name", ["mlp", "gpt", "cnn"])
+@pytest.mark.parametrize("name", ["mlp", "encoder", "gpt", "cnn"])
 def test_tracked_peak_within_budget_and_near_the_simulator(name):
     """Plans from the planners: the executor's tracked activation peak stays within the budget
-    (plus its prefetch window) and within 10% of the simulator's peak, plus its prefetch window:
-    the executor brings back ``prefetch_ahead`` offloaded tensors ahead of use (the simulator
-    prefetches as late as still arrives in time) and holds one fetched or rebuilt copy while its
-    readers run, so it may hold up to (prefetch_ahead + 1) tensors more at a point."""
+    and within 5% of the simulator's peak. (The profiler records how long the model itself holds
+    each tensor, so the simulator frees nothing the model still holds; the executor prefetches
+    at the plan's issue positions.)"""
     model, inputs, loss_fn, graph = setup(name)
     hw = ss.hardware("cpu")
     lo, hi = ss.min_budget(graph, hw), ss.keep_all_peak(graph, hw)
-    largest = int(graph.tensor_bytes.max())
-    for solver in ("heuristic", "cpsat", "keep-all"):
+    for solver in ("heuristic", "cpsat", "keep-all", "swap-all"):
         budget = hi if solver == "keep-all" else lo + (hi - lo) // 2
         plan = ss.solve(graph, budget, hw, solver=solver, time_limit_s=10)
         sim = ss.simulate(graph, plan, hw)
@@ -81,9 +79,8 @@ def test_tracked_peak_within_budget_and_near_the_simulator(name):
         got, run = grads(model, inputs, loss_fn, plan, graph)
         assert all(torch.equal(a, b) for a, b in zip(reference, got))
         peak = run.stats.peak_activation_bytes
-        window = (run.prefetch_ahead + 1) * largest
-        assert peak <= budget + window
-        assert abs(peak - sim.peak_bytes) <= 0.10 * sim.peak_bytes + window
+        assert peak <= budget
+        assert abs(peak - sim.peak_bytes) <= 0.05 * sim.peak_bytes
 
 
 def test_no_leak_over_100_steps():
@@ -219,3 +216,36 @@ def test_checkpoint_policy_export():
                      context_fn=partial(create_selective_checkpoint_contexts, policy))
     loss_fn(out).backward()
     assert all(torch.equal(a, p.grad) for a, p in zip(reference, model.parameters()))
+
+
+def test_checkpoint_policy_over_several_steps_with_the_loss_outside():
+    """The loss ops are in the graph but outside the checkpointed call: the policy must find
+    the next step's first op again (a stale cursor saved every op of the second step, and torch
+    then refused the dropout mask it had cached)."""
+    from functools import partial
+
+    from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
+
+    model, inputs, loss_fn, graph = setup("gpt")
+    plan = ss.solve(graph, 0.5, ss.hardware("cpu").with_link(
+        name="no-offload", d2h_bytes_per_s=1e3, h2d_bytes_per_s=1e3), solver="heuristic")
+    assert plan.count("recompute") > 0
+    policy = plan.as_checkpoint_policy(graph)
+    calls = []
+
+    def counting(ctx, func, *args, **kwargs):
+        decision = policy(ctx, func, *args, **kwargs)
+        if not getattr(ctx, "is_recompute", False):
+            calls.append(decision)
+        return decision
+
+    for seed in (1, 2, 3):
+        reference, _ = grads(model, inputs, loss_fn, seed=seed)
+        torch.manual_seed(seed)
+        model.zero_grad(set_to_none=True)
+        out = checkpoint(model, inputs, use_reentrant=False,
+                         context_fn=partial(create_selective_checkpoint_contexts, counting))
+        loss_fn(out).backward()
+        assert all(torch.equal(a, p.grad) for a, p in zip(reference, model.parameters()))
+    per_step = len(calls) // 3
+    assert calls[:per_step] == calls[per_step:2 * per_step] == calls[2 * per_step:]

@@ -145,3 +145,46 @@ def test_grouped_by_module(name):
     with ss.apply(plan, model):
         loss_fn(call()).backward()
     assert all(torch.equal(a, p.grad) for a, p in zip(reference, model.parameters()))
+
+
+class _HoldsItsInput(torch.nn.Module):
+    """``a`` is read by relu only, but the local variable keeps it alive to the end of
+    forward (unless ``drop`` deletes it right after its reader)."""
+
+    def __init__(self, drop: bool):
+        super().__init__()
+        self.l1 = torch.nn.Linear(16, 64)
+        self.l2 = torch.nn.Linear(64, 64)
+        self.drop = drop
+
+    def forward(self, x):
+        a = self.l1(x)
+        b = torch.relu(a)
+        if self.drop:
+            del a
+        c = self.l2(b)
+        return torch.tanh(c)
+
+
+@pytest.mark.parametrize("drop", [False, True])
+def test_profile_observes_tensors_the_model_holds_past_their_last_reader(drop):
+    torch.manual_seed(0)
+    model = _HoldsItsInput(drop)
+    g = ss.profile(model, torch.randn(8, 16), lambda y: y.sum(), warmup=0, repeat=1)
+    a = g.tensors[g.tensor_index["l1#0"]]
+    relu = next(i for i, o in enumerate(g.ops) if o.extra["aten"].startswith("aten.relu"))
+    tanh = next(i for i, o in enumerate(g.ops) if o.extra["aten"].startswith("aten.tanh"))
+    if drop:
+        assert a.alive_until is None
+        assert g.last_forward_use[g.tensor_index["l1#0"]] == relu
+    else:
+        assert a.alive_until == g.ops[tanh].name
+        assert g.last_forward_use[g.tensor_index["l1#0"]] == tanh
+    # a plan that recomputes a: the executor's tracked peak is the simulator's either way
+    cpu = ss.hardware("cpu")
+    plan = ss.Plan(g.name, g.digest, ss.keep_all_peak(g, cpu), {
+        g.tensors[t].name: ("recompute" if g.tensors[t].name == "l1#0" else "keep")
+        for t in g.saved})
+    with ss.apply(plan, model, graph=g) as run:
+        model(torch.randn(8, 16)).sum().backward()
+    assert run.stats.peak_activation_bytes == ss.simulate(g, plan, cpu).peak_bytes

@@ -27,12 +27,11 @@ from typing import Any
 
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
-from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .errors import PlanError
 from .graph import ActivationGraph
 from .plan import Plan
-from .torch_trace import ModulePaths, Tracer, storage_key
+from .torch_trace import ModulePaths, Tracer, collect_tensors, op_info, storage_key
 
 
 @dataclass
@@ -160,13 +159,18 @@ class Run:
         self.pool = _HostPool(pinned=self.cuda)
         self.copy_stream = torch.cuda.Stream(device) if self.cuda else None
         self.prefetch_ahead = prefetch_ahead
+        # recipes (and RNG states) are kept only when something will be rebuilt
+        self.needs_recipes = any(d == "recompute" for d in plan.decisions.values())
         self._issue_at, self._need_at = self._prefetch_schedule(plan, graph)
         if graph is not None:
             # the graph gives every offloaded storage's size: one pinned slab up front
             self.pool.reserve({name: int(graph.tensors[graph.tensor_index[name]].bytes)
                                for name, d in plan.decisions.items()
                                if d == "swap" and name in graph.tensor_index})
-        self._live: dict[tuple[str, int], int] = {}
+        self._live: dict[tuple[int, int], int] = {}
+        self._refs: dict[int, tuple[weakref.ref, tuple[int, int], int]] = {}
+        self._device_index = (device.index if device.index is not None else
+                              torch.cuda.current_device()) if self.cuda else -1
         self._live_bytes = 0
         self._step: _Step | None = None
         self._stack: contextlib.ExitStack | None = None
@@ -177,7 +181,7 @@ class Run:
         """Per swapped tensor, the backward position at which the plan issues its prefetch (its
         schedule, else the step model's default for its budget), and each saved tensor's first
         backward position: the executor's clock in backward is the tensors it is asked for."""
-        if graph is None:
+        if graph is None or not any(d == "swap" for d in plan.decisions.values()):
             return None, None
         from .hardware import hardware as get_hardware
         from .stepmodel import decision_codes, expand
@@ -196,18 +200,22 @@ class Run:
     # ------------------------------------------------------------ memory tracking
     def _track(self, t: torch.Tensor, key=None) -> None:
         """Count a device storage as resident while any tensor object we know of uses it."""
-        if t.device.type != self.device.type:
+        if t.get_device() != self._device_index:
             return
         key = key or storage_key(t)
+        nbytes = t.untyped_storage().nbytes()
         if key not in self._live:
             self._live[key] = 0
-            self._live_bytes += t.untyped_storage().nbytes()
-            self.stats.peak_activation_bytes = max(self.stats.peak_activation_bytes, self._live_bytes)
+            self._live_bytes += nbytes
+            if self._live_bytes > self.stats.peak_activation_bytes:
+                self.stats.peak_activation_bytes = self._live_bytes
         self._live[key] += 1
-        nbytes = t.untyped_storage().nbytes()
-        weakref.finalize(t, self._untrack, key, nbytes)
+        # a weak reference with a callback (cheaper than weakref.finalize, ~300 per step)
+        ref = weakref.ref(t, self._untrack)
+        self._refs[id(ref)] = (ref, key, nbytes)  # by id: refs compare by their tensors
 
-    def _untrack(self, key, nbytes: int) -> None:
+    def _untrack(self, ref) -> None:
+        _, key, nbytes = self._refs.pop(id(ref), (None, None, 0))
         count = self._live.get(key)
         if count is None:
             return
@@ -225,6 +233,7 @@ class Run:
         self._stack.callback(self._paths.remove)
         self._stack.enter_context(torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack))
         self._stack.enter_context(_ForwardHook(self))
+        self._stack.enter_context(_EndForwardOnBackward(self))
         return self
 
     def __exit__(self, *exc) -> None:
@@ -424,14 +433,11 @@ class Run:
         if rec is None:
             raise RuntimeError(f"tensor {name!r} cannot be rebuilt: the op that made it wrote its "
                                "output in place (plan it as keep or swap)")
-        args = []
-        for kind, value in rec.args_spec:
-            if kind == "graph":
-                tname, view = value
-                args.append(view.on(self._storage_of(step, tname, transients), self.device))
-            else:
-                args.append(value)
-        call_args, call_kwargs = tree_unflatten(args, rec.spec)
+        def resolve(ref: _Ref) -> torch.Tensor:
+            return ref.view.on(self._storage_of(step, ref.name, transients), self.device)
+
+        call_args = _fill(rec.args, resolve)
+        call_kwargs = {k: _fill(v, resolve) for k, v in rec.kwargs.items()}
         rng = rec.rng
         if rng is not None:
             saved_state = torch.get_rng_state()
@@ -447,8 +453,7 @@ class Run:
                 torch.set_rng_state(saved_state)
                 if cuda_state is not None:
                     torch.cuda.set_rng_state(cuda_state, self.device)
-        flat, _ = tree_flatten(out)
-        tensors = [x for x in flat if isinstance(x, torch.Tensor)]
+        tensors = [out] if isinstance(out, torch.Tensor) else collect_tensors(out, [])
         for t, out_name in zip(tensors, rec.out_names, strict=False):
             if out_name == name:
                 return t.untyped_storage()
@@ -459,63 +464,86 @@ class Run:
 class _Recipe:
     op: str
     func: Any
-    spec: Any
-    args_spec: list
+    args: Any  # the op's arguments, graph tensors replaced by _Ref
+    kwargs: Any
     out_names: list
     rng: Any
 
 
+@dataclass(frozen=True)
+class _Ref:
+    """A graph tensor in a recipe's arguments: its name and how it sat in its storage."""
+
+    name: str
+    view: _View
+
+
+def _template(obj, tracer: Tracer):
+    """The op's arguments with every traced tensor replaced by a _Ref (nothing else is held)."""
+    if isinstance(obj, torch.Tensor):
+        name = tracer.tensor_name(obj)
+        return obj if name is None else _Ref(name, _View.of(obj))
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_template(a, tracer) for a in obj)
+    return obj
+
+
+def _fill(obj, resolve):
+    if isinstance(obj, _Ref):
+        return resolve(obj)
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_fill(a, resolve) for a in obj)
+    return obj
+
+
 class _RecordingTracer(Tracer):
-    """The profiler's tracer, also keeping for every op a recipe to run it again."""
+    """The profiler's tracer, also tracking device storages and, when the plan recomputes
+    anything, keeping for every op a recipe to run it again."""
 
     def __init__(self, run: Run, step: _Step, paths: ModulePaths):
         super().__init__(run.model, paths)
         self.run = run
         self.step = step
+        self.recipes = run.needs_recipes
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        # the profiler's naming (name_outputs) without its timing and records: this runs on
+        # every forward op of every step
         kwargs = kwargs or {}
         if torch._C._current_autograd_node() is not None:
             return func(*args, **kwargs)
-        flat, spec = tree_flatten((args, kwargs))
-        args_spec = []
-        for a in flat:
-            if isinstance(a, torch.Tensor):
-                name = self.tensor_name(a)
-                if name is not None:
-                    args_spec.append(("graph", (name, _View.of(a))))
-                    continue
-                args_spec.append(("value", a))
-            else:
-                args_spec.append(("value", a))
-        aten = func.overloadpacket.__name__ if hasattr(func, "overloadpacket") else str(func)
-        random = any(r in aten for r in ("dropout", "bernoulli", "rand", "normal", "uniform"))
+        aten, _, random, inplace = op_info(func)
+        inplace = inplace or "out" in kwargs
+        _, in_keys = self.input_keys(args, kwargs)
         rng = None
-        if random:
+        if random and self.recipes:
             rng = (torch.get_rng_state(),
                    torch.cuda.get_rng_state(self.run.device) if self.run.cuda else None)
-        out = super().__torch_dispatch__(func, types, args, kwargs)
-        rec = self.trace.ops[-1]
+        out = func(*args, **kwargs)
+        module = self.paths.current
+        out_tensors, made, writes = self.name_outputs(out, in_keys, inplace, module, None)
         step = self.step
-        for w in rec.writes:
+        for w in writes:
             if w in step.packed:
                 step.dirty.add(w)
-        out_names = []
-        flat_out, _ = tree_flatten(out)
-        made = set(rec.outputs)
-        for t in flat_out:
-            if isinstance(t, torch.Tensor):
-                key = storage_key(t)
-                name = self.by_storage.get(key)
-                new = name in made
-                out_names.append(name if new else None)
-                if new or key in self.run._live:
-                    self.run._track(t, key)
-        if rec.outputs and not rec.inplace:
-            recipe = _Recipe(rec.name, func, spec, args_spec, out_names, rng)
-            for n in rec.outputs:
+        live = self.run._live
+        track = self.run._track
+        for t in out_tensors:
+            key = storage_key(t)
+            if key in live or self.by_storage.get(key) in made:
+                track(t, key)
+        if not self.recipes:
+            return out
+        if made and not inplace:
+            out_names = []
+            for t in out_tensors:
+                name = self.by_storage.get(storage_key(t))
+                out_names.append(name if name in made else None)
+            recipe = _Recipe(f"{module}/{aten}", func, _template(args, self),
+                             {k: _template(v, self) for k, v in kwargs.items()}, out_names, rng)
+            for n in made:
                 step.recipes[n] = recipe
-        for w in rec.writes:
+        for w in writes:
             step.recipes.pop(w, None)  # written in place: its producer cannot rebuild it
         return out
 
@@ -539,6 +567,40 @@ class _ForwardHook:
     def __exit__(self, *exc):
         for h in self.handles:
             h.remove()
+
+
+class _EndForwardOnBackward:
+    """Stops tracing when backward is called: autograd runs its ops under the dispatch modes
+    active at that call, so a mode left on would see (and slow down) every backward op. Wraps
+    ``torch.autograd.backward`` and ``torch.autograd.grad`` (``Tensor.backward`` calls the
+    former) for the life of the context; code holding its own reference to them still trains
+    correctly, as the tracer ignores backward ops, only more slowly. A backward run inside the
+    model's forward (a gradient penalty) leaves tracing on, as the forward goes on after it."""
+
+    def __init__(self, run: Run):
+        self.run = run
+        self.saved: tuple = ()
+
+    def __enter__(self):
+        backward, grad = torch.autograd.backward, torch.autograd.grad
+        run = self.run
+
+        def traced_backward(*args, **kwargs):
+            if not run._paths.stack:
+                run._end_forward()
+            return backward(*args, **kwargs)
+
+        def traced_grad(*args, **kwargs):
+            if not run._paths.stack:
+                run._end_forward()
+            return grad(*args, **kwargs)
+
+        self.saved = (backward, grad)
+        torch.autograd.backward, torch.autograd.grad = traced_backward, traced_grad
+        return self
+
+    def __exit__(self, *exc):
+        torch.autograd.backward, torch.autograd.grad = self.saved
 
 
 def apply(plan: Plan, model: torch.nn.Module, graph: ActivationGraph | None = None) -> Run:

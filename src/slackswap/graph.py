@@ -25,7 +25,7 @@ _OP_FIELDS = {
     "name", "forward_s", "backward_s", "inputs", "outputs",
     "forward_workspace_bytes", "backward_workspace_bytes", "recomputable",
 }
-_TENSOR_FIELDS = {"name", "bytes", "saved_for", "group"}
+_TENSOR_FIELDS = {"name", "bytes", "saved_for", "group", "alive_until"}
 _GRAPH_FIELDS = {"format", "name", "ops", "tensors", "optimizer_s"}
 
 
@@ -49,13 +49,16 @@ class Tensor:
     """An op output. ``saved_for`` names the ops whose backward reads it (empty: not saved).
 
     Tensors sharing a ``group`` (random ops drawing from one RNG stream) are recomputed all
-    together or not at all.
+    together or not at all. ``alive_until`` names the last forward op during which the model
+    itself still holds the tensor when that is later than its last reader (a Python variable
+    alive to the end of a function): the profiler observes it, and no plan can free it sooner.
     """
 
     name: str
     bytes: int
     saved_for: tuple[str, ...] = ()
     group: str | None = None
+    alive_until: str | None = None
     extra: Mapping[str, Any] = field(default_factory=dict, compare=False)
 
 
@@ -173,6 +176,12 @@ class ActivationGraph:
                     raise GraphError(
                         f"{where}: saved_for names op {opname!r}, which neither produces nor reads it"
                     )
+            if t.alive_until is not None:
+                if t.alive_until not in op_index:
+                    raise GraphError(f"{where}: alive_until names unknown op {t.alive_until!r}")
+                if op_index[t.alive_until] < p:
+                    raise GraphError(f"{where}: alive_until names op {t.alive_until!r}, which runs "
+                                     f"before its producer {self.ops[p].name!r}")
 
     # ---------------------------------------------------------------- (de)serialisation
     @classmethod
@@ -219,11 +228,15 @@ class ActivationGraph:
             group = raw.get("group")
             if group is not None and not isinstance(group, str):
                 raise GraphError(f"{where}: group must be a string or null, got {group!r}")
+            alive_until = raw.get("alive_until")
+            if alive_until is not None and not isinstance(alive_until, str):
+                raise GraphError(f"{where}: alive_until must be an op name or null, got {alive_until!r}")
             tensors.append(Tensor(
                 name=raw["name"],
                 bytes=_check_bytes(raw["bytes"], where, "bytes"),
                 saved_for=_names(raw.get("saved_for", []), where, "saved_for"),
                 group=group,
+                alive_until=alive_until,
                 extra={k: v for k, v in raw.items() if k not in _TENSOR_FIELDS},
             ))
         return cls(
@@ -253,6 +266,8 @@ class ActivationGraph:
             d.update(name=t.name, bytes=t.bytes, saved_for=list(t.saved_for))
             if t.group is not None:
                 d["group"] = t.group
+            if t.alive_until is not None:
+                d["alive_until"] = t.alive_until
             tensors.append(d)
         out: dict[str, Any] = dict(self.extra)
         out.update(format=GRAPH_FORMAT, name=self.name, ops=ops, tensors=tensors,
@@ -269,7 +284,10 @@ class ActivationGraph:
             "ops": [[o.name, o.forward_s, o.backward_s, list(o.inputs), list(o.outputs),
                      o.forward_workspace_bytes, o.backward_workspace_bytes, o.recomputable]
                     for o in self.ops],
-            "tensors": [[t.name, t.bytes, list(t.saved_for), t.group] for t in self.tensors],
+            # alive_until only where set, so graphs without it keep their digests
+            "tensors": [[t.name, t.bytes, list(t.saved_for), t.group]
+                        + ([t.alive_until] if t.alive_until is not None else [])
+                        for t in self.tensors],
             "optimizer_s": self.optimizer_s,
         }
         text = json.dumps(core, sort_keys=True, separators=(",", ":"))
@@ -337,11 +355,15 @@ class ActivationGraph:
 
     @cached_property
     def last_forward_use(self) -> np.ndarray:
-        """Index of the last op reading each tensor in forward (its producer if none)."""
+        """Index of the last forward op each tensor is alive at: its last reader (its producer if
+        none), or its ``alive_until`` op when the model holds it longer."""
         last = self.producer.copy()
         for i, ins in enumerate(self.op_inputs):
             for t in ins:
                 last[t] = max(last[t], i)
+        for j, t in enumerate(self.tensors):
+            if t.alive_until is not None:
+                last[j] = max(last[j], self.op_index[t.alive_until])
         return last
 
     @cached_property

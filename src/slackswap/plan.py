@@ -143,7 +143,8 @@ class Plan:
         drawn in place): torch must rerun those with the in-place op, so they get
         PREFER_RECOMPUTE too (checkpoint restores the RNG state). Calls are matched to the graph's ops in order, so checkpoint the same
         forward that was profiled (the whole model call); a call that does not match the graph's
-        next op is saved. Use with ``create_selective_checkpoint_contexts``.
+        next op is saved; the graph's first op with no match ahead starts the next step. Use with
+        ``create_selective_checkpoint_contexts``.
         """
         from torch.utils.checkpoint import CheckpointPolicy
 
@@ -164,7 +165,11 @@ class Plan:
             while i < len(steps) and steps[i][0] != name:
                 i += 1
             if i >= len(steps):
-                return CheckpointPolicy.MUST_SAVE
+                if name != steps[0][0]:
+                    return CheckpointPolicy.MUST_SAVE
+                # the graph's first op again with no match ahead: a new step (the graph's tail,
+                # the loss, ran outside the checkpointed call)
+                i = 0
             cursor[key] = i + 1
             if cursor[key] >= len(steps):
                 cursor[key] = 0

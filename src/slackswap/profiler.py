@@ -52,17 +52,22 @@ def _to(inputs, device):
 def run_traced_step(model, inputs, loss_fn, sync=None, keep_calls=False):
     """One forward + backward under the tracer; returns the StepTrace."""
     import torch
+    from torch.utils._python_dispatch import _disable_current_modes
 
     from .torch_trace import ModulePaths, Tracer, time_backward
 
     paths = ModulePaths(model)
-    tracer = Tracer(model, paths, keep_calls=keep_calls, sync=sync)
+    tracer = Tracer(model, paths, keep_calls=keep_calls, sync=sync, observe_lifetimes=True)
     saved: list[tuple[int, str]] = []
 
     def pack(t):
         name = tracer.tensor_name(t)
         if name is not None:
             saved.append((torch._C._autograd._get_sequence_nr() - 1, name))
+            # autograd holds an alias (made outside the trace), so the model's own tensor object
+            # dies when the model drops it: that is when a plan that does not keep it can free it
+            with _disable_current_modes():
+                return t.detach()
         return t
 
     try:
@@ -140,13 +145,23 @@ def graph_from_traces(traces, graph_name: str, extra: dict[str, Any] | None = No
     for name, rec in first.tensors.items():
         if first.ops[rec.producer].random and saved_for[name]:
             random_saved.setdefault(rec.producer, []).append(name)
+    last_read = {name: rec.producer for name, rec in first.tensors.items()}
+    for i, rec in enumerate(first.ops):
+        for name in rec.inputs:
+            if name in last_read:
+                last_read[name] = max(last_read[name], i)
+    end = len(first.ops) - 1
     tensors = []
     for name, rec in first.tensors.items():
+        # the model may hold a tensor past its last reader (a variable alive to the end of a
+        # function); the latest release over the traces bounds when any plan can free it
+        released = max(t.released_after.get(name, end) for t in traces)
+        alive_until = first.ops[released].name if released > last_read[name] else None
         group = None
         if first.ops[rec.producer].random and len(random_saved.get(rec.producer, [])) > 1:
             group = f"rng:{first.ops[rec.producer].name}"
         tensors.append(Tensor(name=name, bytes=rec.bytes, saved_for=tuple(saved_for[name]),
-                              group=group, extra={"shape": list(rec.shape), "dtype": rec.dtype}))
+                              group=group, alive_until=alive_until, extra={"shape": list(rec.shape), "dtype": rec.dtype}))
     info = dict(extra or {})
     if unattributed:
         info["unattributed_saves"] = unattributed
