@@ -46,6 +46,10 @@ def main() -> int:
     parser.add_argument("--time-limit", type=float, default=20.0)
     args = parser.parse_args()
     summary: dict = {"ok": False}
+
+    def save() -> None:  # after every measurement, so a run cut short still reports
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(summary, indent=1, default=str))
     if not torch.cuda.is_available():
         summary["error"] = "no CUDA device"
         args.out.write_text(json.dumps(summary, indent=1))
@@ -85,7 +89,13 @@ def main() -> int:
                 with ss.apply(plan, model, graph=graph):
                     loss_fn(model(**inputs)).backward()
 
-            got = measure(step)
+            try:
+                got = measure(step)
+            except Exception as exc:  # report it and go on with the other rows
+                rows.append({"budget": fraction, "solver": solver, "error": f"{type(exc).__name__}: {exc}"})
+                summary["rows"] = rows
+                save()
+                continue
             rows.append({"budget": fraction, "solver": solver, "status": plan.info.status,
                          "budget_bytes": plan.budget_bytes, **got,
                          "activation_bytes_measured": got["max_memory_allocated"] - params,
@@ -93,6 +103,8 @@ def main() -> int:
                          "simulated_step_s": sim.step_time_s, "retention_simulated": sim.retention,
                          "retention_measured": base["step_s"] / got["step_s"]})
             print(rows[-1], flush=True)
+            summary["rows"] = rows
+            save()
     model.gradient_checkpointing_enable()
     ckpt = measure(plain)
     model.gradient_checkpointing_disable()
@@ -103,8 +115,7 @@ def main() -> int:
             loss_fn(model(**inputs)).backward()
 
     summary.update(rows=rows, torch_checkpoint=ckpt, offload_everything=measure(offload), ok=True)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(summary, indent=1, default=str))
+    save()
     print(json.dumps({k: v for k, v in summary.items() if k != "rows"}, default=str))
     return 0
 

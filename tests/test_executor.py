@@ -249,3 +249,37 @@ def test_checkpoint_policy_over_several_steps_with_the_loss_outside():
         assert all(torch.equal(a, p.grad) for a, p in zip(reference, model.parameters()))
     per_step = len(calls) // 3
     assert calls[:per_step] == calls[per_step:2 * per_step] == calls[2 * per_step:]
+
+
+class _GradPenalty(torch.nn.Module):
+    """Calls torch.autograd.grad inside its forward (a gradient penalty), then goes on."""
+
+    def __init__(self):
+        super().__init__()
+        self.l1 = torch.nn.Linear(8, 16)
+        self.l2 = torch.nn.Linear(16, 1)
+
+    def forward(self, x):
+        x = x.requires_grad_()
+        h = torch.tanh(self.l1(x))
+        y = self.l2(h)
+        (gx,) = torch.autograd.grad(y.sum(), x, create_graph=True)
+        return torch.sigmoid(y).sum() + gx.pow(2).sum()
+
+
+def test_backward_inside_forward_keeps_tracing_and_wrappers_are_restored():
+    """Tracing stops when backward is called after the forward, not when the forward itself
+    calls autograd.grad; torch.autograd is restored when the context closes."""
+    torch.manual_seed(0)
+    model = _GradPenalty()
+    x = torch.randn(4, 8)
+    loss_fn = lambda out: out  # noqa: E731
+    graph = ss.profile(model, x.clone(), loss_fn, warmup=0, repeat=1)
+    plan = plan_from(graph, ["recompute", "swap", "keep"] * len(graph.saved))
+    backward, grad = torch.autograd.backward, torch.autograd.grad
+    reference, _ = grads(model, x.clone(), loss_fn)
+    got, run = grads(model, x.clone(), loss_fn, plan, graph)
+    assert all(torch.equal(a, b) for a, b in zip(reference, got))
+    assert torch.autograd.backward is backward and torch.autograd.grad is grad
+    # every saved tensor of the step, including those after the inner grad call, was planned
+    assert run._step.packed == set(plan.decisions)

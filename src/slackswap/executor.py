@@ -198,12 +198,13 @@ class Run:
         return issue, need
 
     # ------------------------------------------------------------ memory tracking
-    def _track(self, t: torch.Tensor, key=None) -> None:
+    def _track(self, t: torch.Tensor, key=None, nbytes: int | None = None) -> None:
         """Count a device storage as resident while any tensor object we know of uses it."""
         if t.get_device() != self._device_index:
             return
         key = key or storage_key(t)
-        nbytes = t.untyped_storage().nbytes()
+        if nbytes is None:
+            nbytes = t.untyped_storage().nbytes()
         if key not in self._live:
             self._live[key] = 0
             self._live_bytes += nbytes
@@ -521,23 +522,22 @@ class _RecordingTracer(Tracer):
                    torch.cuda.get_rng_state(self.run.device) if self.run.cuda else None)
         out = func(*args, **kwargs)
         module = self.paths.current
-        out_tensors, made, writes = self.name_outputs(out, in_keys, inplace, module, None)
+        out_tensors, stored, made, writes = self.name_outputs(out, in_keys, inplace, module, None)
         step = self.step
         for w in writes:
             if w in step.packed:
                 step.dirty.add(w)
         live = self.run._live
         track = self.run._track
-        for t in out_tensors:
-            key = storage_key(t)
+        for t, (key, storage) in zip(out_tensors, stored):
             if key in live or self.by_storage.get(key) in made:
-                track(t, key)
+                track(t, key, storage.nbytes())
         if not self.recipes:
             return out
         if made and not inplace:
             out_names = []
-            for t in out_tensors:
-                name = self.by_storage.get(storage_key(t))
+            for key, _ in stored:
+                name = self.by_storage.get(key)
                 out_names.append(name if name in made else None)
             recipe = _Recipe(f"{module}/{aten}", func, _template(args, self),
                              {k: _template(v, self) for k, v in kwargs.items()}, out_names, rng)

@@ -177,7 +177,8 @@ class Tracer(TorchDispatchMode):
     def name_outputs(self, out, in_keys: set, inplace: bool, module: str, producer: int | None):
         """Name the storages an op made (``module#counter``, in the order of its outputs) and
         note the traced storages it wrote in place. The profiler and the executor share this,
-        so a tensor has the same name in both. Returns (output tensors, new names, writes)."""
+        so a tensor has the same name in both. Returns (output tensors, their (storage key,
+        storage) pairs, new names, writes)."""
         if isinstance(out, torch.Tensor):
             out_tensors = [out]
         elif isinstance(out, (list, tuple)):
@@ -186,9 +187,12 @@ class Tracer(TorchDispatchMode):
             out_tensors = []
         outputs = []
         writes = []
+        stored = []
         by_storage = self.by_storage
         for t in out_tensors:
-            key = storage_key(t)
+            storage = t.untyped_storage()
+            key = (t.get_device(), storage.data_ptr())  # storage_key, without a second lookup
+            stored.append((key, storage))
             if key in in_keys:
                 # a view or an in-place result: same storage, same tensor
                 if inplace and by_storage.get(key) is not None:
@@ -199,10 +203,10 @@ class Tracer(TorchDispatchMode):
             by_storage[key] = name
             if producer is not None:
                 self.trace.tensors[name] = TensorRecord(
-                    name=name, bytes=int(t.untyped_storage().nbytes()), shape=tuple(t.shape),
+                    name=name, bytes=int(storage.nbytes()), shape=tuple(t.shape),
                     dtype=str(t.dtype).replace("torch.", ""), producer=producer)
             outputs.append(name)
-        return out_tensors, outputs, writes
+        return out_tensors, stored, outputs, writes
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -225,8 +229,8 @@ class Tracer(TorchDispatchMode):
             self.sync()
         elapsed = time.perf_counter() - start
         module = self.paths.current
-        out_tensors, outputs, writes = self.name_outputs(out, in_keys, inplace, module,
-                                                         len(self.trace.ops))
+        out_tensors, _, outputs, writes = self.name_outputs(out, in_keys, inplace, module,
+                                                            len(self.trace.ops))
         if self.observe_lifetimes:
             for t in out_tensors:
                 name = self.tensor_name(t)
