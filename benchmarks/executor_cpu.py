@@ -129,7 +129,7 @@ def main() -> int:
     row = {
         "model": {"width": args.width, "layers": args.layers, "seq": args.seq, "batch": args.batch},
         "forward_ops": int(graph.n_ops),
-        "overhead_us_per_op": (keep_s - plain) / graph.n_ops * 1e6,
+        "overhead_us_per_op": overhead * plain / graph.n_ops * 1e6,
         "saved_tensors": int(len(graph.saved)), "recomputed": plan.count("recompute"),
         "plain_step_s": plain, "keep_all_step_s": keep_s,
         "hook_overhead": overhead, "hook_overhead_context_per_step": overhead_per_step,
