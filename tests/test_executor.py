@@ -94,7 +94,7 @@ def test_no_leak_over_100_steps():
             loss_fn(model(inputs)).backward()
             gc.collect()
             if step in (10, 99):
-                sizes.append((len(run._live), run._live_bytes, run.pool.nbytes))
+                sizes.append((len(run._live), run._live.total, run.pool.nbytes))
     assert sizes[0] == sizes[1]  # device tracking and host pool flat
     assert run.stats.steps == 100
 

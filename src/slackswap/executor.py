@@ -31,7 +31,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 from .errors import PlanError
 from .graph import ActivationGraph
 from .plan import Plan
-from .torch_trace import ModulePaths, Tracer, collect_tensors, op_info, storage_key
+from .torch_trace import LiveStorages, ModulePaths, Tracer, collect_tensors, op_info, storage_key
 
 
 @dataclass
@@ -167,11 +167,9 @@ class Run:
             self.pool.reserve({name: int(graph.tensors[graph.tensor_index[name]].bytes)
                                for name, d in plan.decisions.items()
                                if d == "swap" and name in graph.tensor_index})
-        self._live: dict[tuple[int, int], int] = {}
-        self._refs: dict[int, tuple[weakref.ref, tuple[int, int], int]] = {}
+        self._live = LiveStorages()  # device storages by storage key
         self._device_index = (device.index if device.index is not None else
                               torch.cuda.current_device()) if self.cuda else -1
-        self._live_bytes = 0
         self._step: _Step | None = None
         self._stack: contextlib.ExitStack | None = None
         self._checked = False
@@ -202,29 +200,10 @@ class Run:
         """Count a device storage as resident while any tensor object we know of uses it."""
         if t.get_device() != self._device_index:
             return
-        key = key or storage_key(t)
         if nbytes is None:
             nbytes = t.untyped_storage().nbytes()
-        if key not in self._live:
-            self._live[key] = 0
-            self._live_bytes += nbytes
-            if self._live_bytes > self.stats.peak_activation_bytes:
-                self.stats.peak_activation_bytes = self._live_bytes
-        self._live[key] += 1
-        # a weak reference with a callback (cheaper than weakref.finalize, ~300 per step)
-        ref = weakref.ref(t, self._untrack)
-        self._refs[id(ref)] = (ref, key, nbytes)  # by id: refs compare by their tensors
-
-    def _untrack(self, ref) -> None:
-        _, key, nbytes = self._refs.pop(id(ref), (None, None, 0))
-        count = self._live.get(key)
-        if count is None:
-            return
-        if count <= 1:
-            del self._live[key]
-            self._live_bytes -= nbytes
-        else:
-            self._live[key] = count - 1
+        self._live.add(t, key or storage_key(t), nbytes)
+        self.stats.peak_activation_bytes = max(self.stats.peak_activation_bytes, self._live.peak)
 
     # ------------------------------------------------------------ context
     def __enter__(self) -> Run:

@@ -48,6 +48,46 @@ def op_info(func) -> tuple[str, str, bool, bool]:
     return info
 
 
+class LiveStorages:
+    """Storages alive while any tensor object registered on them is alive, counted per key with
+    weak references: the profiler learns when the model lets go of a tensor (``on_release``),
+    the executor how many bytes are resident (``total``, ``peak``)."""
+
+    def __init__(self, on_release=None):
+        self.on_release = on_release
+        self.count: dict[Any, int] = {}
+        self.total = 0
+        self.peak = 0
+        self._refs: dict[int, tuple[weakref.ref, Any, int]] = {}
+
+    def __contains__(self, key) -> bool:
+        return key in self.count
+
+    def __len__(self) -> int:
+        return len(self.count)
+
+    def add(self, t: torch.Tensor, key, nbytes: int = 0) -> None:
+        if key not in self.count:
+            self.count[key] = 0
+            self.total += nbytes
+            if self.total > self.peak:
+                self.peak = self.total
+        self.count[key] += 1
+        ref = weakref.ref(t, self._drop)
+        self._refs[id(ref)] = (ref, key, nbytes)  # by id: weak references compare by their tensors
+
+    def _drop(self, ref) -> None:
+        _, key, nbytes = self._refs.pop(id(ref))
+        left = self.count[key] - 1
+        if left:
+            self.count[key] = left
+            return
+        del self.count[key]
+        self.total -= nbytes
+        if self.on_release is not None:
+            self.on_release(key)
+
+
 @dataclass
 class OpRecord:
     name: str
@@ -122,8 +162,7 @@ class Tracer(TorchDispatchMode):
                  sync=None, observe_lifetimes: bool = False):
         super().__init__()
         self.observe_lifetimes = observe_lifetimes
-        self._holders: dict[str, int] = {}
-        self._refs: dict[int, tuple[weakref.ref, str]] = {}
+        self.held = LiveStorages(on_release=self._released)  # by tensor name
         self.paths = paths
         self.trace = StepTrace()
         self.keep_calls = keep_calls
@@ -147,19 +186,7 @@ class Tracer(TorchDispatchMode):
             return None
         return self.by_storage.get(key)
 
-    def _hold(self, t: torch.Tensor, name: str) -> None:
-        """Count the tensor objects the model holds on a storage; note when the last goes."""
-        self._holders[name] = self._holders.get(name, 0) + 1
-        ref = weakref.ref(t, self._released)
-        self._refs[id(ref)] = (ref, name)  # by id: weak references compare by their tensors
-
-    def _released(self, ref) -> None:
-        _, name = self._refs.pop(id(ref))
-        left = self._holders[name] - 1
-        if left:
-            self._holders[name] = left
-            return
-        del self._holders[name]
+    def _released(self, name: str) -> None:
         if self.observe_lifetimes:
             self.trace.released_after[name] = len(self.trace.ops) - 1
 
@@ -229,13 +256,13 @@ class Tracer(TorchDispatchMode):
             self.sync()
         elapsed = time.perf_counter() - start
         module = self.paths.current
-        out_tensors, _, outputs, writes = self.name_outputs(out, in_keys, inplace, module,
-                                                            len(self.trace.ops))
+        out_tensors, stored, outputs, writes = self.name_outputs(out, in_keys, inplace, module,
+                                                                 len(self.trace.ops))
         if self.observe_lifetimes:
-            for t in out_tensors:
-                name = self.tensor_name(t)
-                if name is not None:
-                    self._hold(t, name)
+            for t, (key, _) in zip(out_tensors, stored):
+                name = self.by_storage.get(key)
+                if name is not None and key not in self.external:
+                    self.held.add(t, name)
         op_name = f"{module}/{aten}#{self.op_counters[module]}"
         self.op_counters[module] += 1
         self.trace.ops.append(OpRecord(
