@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass
 
 import numpy as np
-from scipy.optimize import linprog
+from scipy.optimize import Bounds, LinearConstraint, linprog, milp
 from scipy.sparse import coo_matrix
 
 from .budget import parse_budget
@@ -35,6 +35,8 @@ class LPBound:
     keep: dict[str, float]
     swap: dict[str, float]
     recompute: dict[str, float]
+    integral: bool = False  # decisions were integer variables (a MILP), not fractions
+    gap: float = 0.0  # integral: the MILP's remaining gap between its decisions and its bound
 
 
 class _LP:
@@ -93,13 +95,32 @@ class _LP:
         return linprog(np.array(self.c), A_ub=A_ub, b_ub=b_ub, A_eq=A_eq, b_eq=b_eq,
                        bounds=list(zip(self.lb, self.ub)), method="highs")
 
+    def solve_integral(self, integer_vars: np.ndarray, time_limit_s: float, gap: float):
+        """The same model with ``integer_vars`` integral (HiGHS branch and bound)."""
+        A_ub, b_ub = self._matrix(self.rows_ub, self.n)
+        A_eq, b_eq = self._matrix(self.rows_eq, self.n)
+        integrality = np.zeros(self.n)
+        integrality[integer_vars] = 1
+        constraints = [LinearConstraint(A_ub, -np.inf, b_ub), LinearConstraint(A_eq, b_eq, b_eq)]
+        return milp(np.array(self.c), constraints=constraints, integrality=integrality,
+                    bounds=Bounds(self.lb, self.ub),
+                    options={"time_limit": max(0.1, float(time_limit_s)), "mip_rel_gap": gap,
+                             "disp": False})
+
 
 def _add(d: dict, k: int, item) -> None:
     d.setdefault(int(k), []).append(item)
 
 
-def lp_bound(graph: ActivationGraph, budget, hw: Hardware | str) -> LPBound:
-    """Upper bound on the retention of any plan for ``graph`` within ``budget`` on ``hw``."""
+def lp_bound(graph: ActivationGraph, budget, hw: Hardware | str, *, integral: bool = False,
+             time_limit_s: float = 10.0, gap: float = 1e-4) -> LPBound:
+    """Upper bound on the retention of any plan for ``graph`` within ``budget`` on ``hw``.
+
+    integral: make the keep/swap/recompute fractions binary and solve the MILP (HiGHS) for at
+    most ``time_limit_s``. Every plan's decisions are integral, so its dual bound is still a valid
+    bound, usually a little tighter; its decisions (the incumbent) are a good starting point for
+    a plan, whose schedule the relaxation does not model (formulations/lp-bound.md).
+    """
     start_clock = time.perf_counter()
     hw = hardware(hw)
     budget_bytes = parse_budget(budget, graph, hw)
@@ -195,24 +216,51 @@ def lp_bound(graph: ActivationGraph, budget, hw: Hardware | str) -> LPBound:
         lp.le([Qp[k], dep[k], M[k]], [1, -1, -1], 0.0)
         lp.le([F[k], M[k]], [1, -1], 0.0)
         lp.le([G[k], M[k], A[k]], [1, 1, 1], budget_bytes / bu - unsaved_mem[k] - ws[k])
-    res = lp.solve()
-    wall = time.perf_counter() - start_clock
     ideal = graph.ideal_step_time_s
     names = [graph.tensors[t].name for t in saved]
-    if res.status == 2:
-        return LPBound(0.0, np.inf, ideal, budget_bytes, "infeasible", wall, {}, {}, {})
-    if res.status != 0:
-        raise RuntimeError(f"lp_bound: HiGHS returned status {res.status}: {res.message}")
+    mip_gap = 0.0
+    if integral:
+        res = lp.solve_integral(np.concatenate([K, W, R]), time_limit_s, gap)
+        wall = time.perf_counter() - start_clock
+        if res.status == 2:
+            return LPBound(0.0, np.inf, ideal, budget_bytes, "infeasible", wall, {}, {}, {},
+                           integral=True)
+        if res.status not in (0, 1):
+            raise RuntimeError(f"lp_bound: HiGHS returned status {res.status}: {res.message}")
+        dual = getattr(res, "mip_dual_bound", None)
+        if res.x is None:  # time limit before any integral point: the bound alone, if any
+            bound_units = max(0.0, float(dual)) if dual is not None and np.isfinite(dual) else 0.0
+            step = ideal + bound_units * tu
+            return LPBound(min(1.0, ideal / step) if step > 0 else 1.0, step, ideal, budget_bytes,
+                           "timeout", wall, {}, {}, {}, integral=True, gap=np.inf)
+        objective = float(res.fun)
+        if dual is None or not np.isfinite(dual):
+            # optimal means within the relative gap; otherwise no bound is known but the trivial
+            dual = objective * (1.0 - gap) if res.status == 0 else 0.0
+        bound_units = max(0.0, min(objective, float(dual)))
+        mip_gap = max(0.0, (objective - bound_units) / max(ideal / tu + objective, 1e-12))
+        status = "optimal" if res.status == 0 else "timeout"
+    else:
+        res = lp.solve()
+        wall = time.perf_counter() - start_clock
+        if res.status == 2:
+            return LPBound(0.0, np.inf, ideal, budget_bytes, "infeasible", wall, {}, {}, {})
+        if res.status != 0:
+            raise RuntimeError(f"lp_bound: HiGHS returned status {res.status}: {res.message}")
+        bound_units = float(res.fun)
+        status = "optimal"
     x = res.x
-    step = ideal + float(res.fun) * tu
+    step = ideal + bound_units * tu
     return LPBound(
         retention=min(1.0, ideal / step) if step > 0 else 1.0,
         step_time_s=step,
         ideal_step_time_s=ideal,
         budget_bytes=budget_bytes,
-        status="optimal",
+        status=status,
         wall_s=wall,
         keep=dict(zip(names, x[K].round(6).tolist())),
         swap=dict(zip(names, x[W].round(6).tolist())),
         recompute=dict(zip(names, x[R].round(6).tolist())),
+        integral=integral,
+        gap=mip_gap,
     )

@@ -23,22 +23,7 @@ from .formulate import Formulation, formulate
 
 DEFAULT_TIME_LIMIT_S = 60.0
 WHOLE_MODEL_BINARIES = 2500
-
-
-def heuristic_start(problem: Problem):
-    """The heuristic's plan with its default schedule, as candidates and a hint."""
-    from ..heuristic import SlackSwapHeuristic
-
-    g, hw, budget = problem.graph, problem.hardware, problem.budget_bytes
-    codes = SlackSwapHeuristic().solve(problem).codes
-    exp = expand(g, codes, None, hw, budget_bytes=budget)
-    swapped = [int(t) for t in g.saved if codes[t] == SWAP]
-    rebuilt = [int(t) for t in g.saved if codes[t] == RECOMPUTE]
-    free = {t: int(exp.d2h_free[t]) for t in swapped}
-    issue = {t: int(exp.h2d_issue[t]) for t in swapped}
-    rebuild = {t: int(exp.materialize_at[t]) for t in rebuilt}
-    sim = run_timeline(g, exp, hw, budget)
-    return codes, free, issue, rebuild, sim
+OPTIMAL_GAP = 1e-3  # status "optimal": proven within 0.1% of the best possible step time
 
 
 def lp_fixings(f: Formulation, lp, threshold: float = 0.999, agree_with=None) -> dict[int, int]:
@@ -74,43 +59,53 @@ class ExactBackend:
 
     def solve(self, problem: Problem, time_limit_s: float | None = None, seed: int = 0,
               workers: int = 2, warm_start: bool = True, full: bool | None = None,
-              strategy: str = "auto", **options: Any) -> Solution:
+              strategy: str = "auto", polish: bool = True, **options: Any) -> Solution:
         from ..lpbound import lp_bound
         from .decode import decode
+        from .warmstart import warm_start as build_warm_start
 
         start = time.perf_counter()
         limit = DEFAULT_TIME_LIMIT_S if time_limit_s is None else float(time_limit_s)
         g, hw, budget = problem.graph, problem.hardware, problem.budget_bytes
-        h_codes, free, issue, rebuild, h_sim = heuristic_start(problem)
-        hint = (h_codes, free, issue, rebuild) if warm_start else None
-        extra = {"free": free, "issue": issue, "rebuild": rebuild} if warm_start else None
-        lp = lp_bound(g, budget, hw)
-        heuristic_time = h_sim.step_time_s if h_sim.fits else float("inf")
         gap_target = float(options.get("gap", 1e-3))
-        if warm_start and lp.status == "optimal" and np.isfinite(heuristic_time) \
-                and heuristic_time > 0 and heuristic_time - lp.step_time_s <= gap_target * heuristic_time:
+        lp = lp_bound(g, budget, hw)
+        lp_s = lp.step_time_s if lp.status == "optimal" else None
+        ws = build_warm_start(problem, polish=polish and warm_start, bound_s=lp_s, gap=gap_target,
+                              integral_lp_s=min(5.0, 0.15 * limit),
+                              search_s=min(10.0, 0.3 * limit))
+        heuristic_time = ws.heuristic_sim.step_time_s if ws.heuristic_sim.fits else float("inf")
+        warm_time = ws.step_time_s
+        bounds = [b for b in (lp_s, ws.bound_s) if b is not None]
+        bound_s = max(bounds) if bounds else None
+        hint = ws.hint if warm_start else None
+        extra = {"free": ws.free, "issue": ws.issue, "rebuild": ws.rebuild} if warm_start else None
+        base_extra: dict[str, Any] = {"lp_bound_s": lp.wall_s, "heuristic_step_time_s": heuristic_time,
+                                      "warm_start": ws.source, "warm_start_step_time_s": warm_time,
+                                      **ws.notes}
+        if warm_start and bound_s is not None and np.isfinite(warm_time) and warm_time > 0 \
+                and warm_time - bound_s <= gap_target * warm_time:
             # the warm start is already within the target of a valid bound: nothing to search
-            gap = max(0.0, (heuristic_time - lp.step_time_s) / heuristic_time)
-            info = SolveInfo(solver=self.name, status="optimal", objective=heuristic_time,
-                             bound=min(lp.step_time_s, heuristic_time), gap=gap,
-                             wall_s=time.perf_counter() - start, predicted_step_time_s=heuristic_time,
-                             extra={"strategy": "warm start proven by the LP bound",
-                                    "lp_bound_s": lp.wall_s, "heuristic_step_time_s": heuristic_time})
-            return Solution(h_codes, None, info)
+            gap = max(0.0, (warm_time - bound_s) / warm_time)
+            info = SolveInfo(solver=self.name, status="optimal" if gap <= OPTIMAL_GAP else "feasible",
+                             objective=warm_time,
+                             bound=min(bound_s, warm_time), gap=gap,
+                             wall_s=time.perf_counter() - start, predicted_step_time_s=warm_time,
+                             extra={"strategy": "warm start proven by the bound", **base_extra})
+            return Solution(ws.codes, None, info)
         f = formulate(g, hw, budget, full=full, hint=hint, extra_candidates=extra)
         if warm_start:
             from .hint import complete_hint
 
-            full_hint = complete_hint(f, h_codes, free, issue, rebuild)
+            full_hint = complete_hint(f, *ws.hint)
             if full_hint:
                 options = {**options, "complete_hint": full_hint}
         size = f.model.size()
-        info_extra: dict[str, Any] = {"model": size, "build_s": time.perf_counter() - start}
+        info_extra: dict[str, Any] = {"model": size, "build_s": time.perf_counter() - start,
+                                      **base_extra}
         if strategy == "auto":
             strategy = "whole" if size["binaries"] <= WHOLE_MODEL_BINARIES else "lp-guided"
         info_extra["strategy"] = strategy
-        best = None  # (simulated time, codes, schedule, predicted)
-        bound_s = None
+        best = None  # (simulated time, codes, schedule, model objective in seconds)
         status = "timeout"
 
         def consider(value, obj_units):
@@ -124,24 +119,22 @@ class ExactBackend:
             if sim.fits and (best is None or sim.step_time_s < best[0]):
                 best = (sim.step_time_s, codes, schedule, f.seconds(obj_units))
 
-        info_extra["lp_bound_s"] = lp.wall_s
-        lp_s = lp.step_time_s if lp.status == "optimal" else None
         if strategy == "whole":
             remaining = max(0.1, limit - (time.perf_counter() - start))
             status, value, obj, bound = self.run(f, remaining, seed, workers, options)
             if value is not None:
                 consider(value, obj)
-            # the better of two valid bounds: the MILP's own and the LP bound's
-            candidates = [b for b in (None if bound is None else f.seconds(bound), lp_s) if b is not None]
+            # the best of the valid bounds: the MILP's own and the relaxations'
+            candidates = [b for b in (None if bound is None else f.seconds(bound), bound_s)
+                          if b is not None]
             bound_s = max(candidates) if candidates else None
             if status != "optimal" and best is not None and bound_s is not None \
-                    and best[3] - bound_s <= 1e-3 * best[3]:
+                    and best[0] - bound_s <= OPTIMAL_GAP * best[0]:
                 status = "optimal"
         else:
-            bound_s = lp_s
             # first round: free what the LP and the warm start disagree on (the warm start stays
             # a complete feasible hint); then trust the LP alone
-            rounds = [(0.999, h_codes if warm_start else None), (0.999, None)]
+            rounds = [(0.999, ws.codes if warm_start else None), (0.999, None)]
             for threshold, agree in rounds:
                 remaining = limit - (time.perf_counter() - start)
                 if remaining <= 0.5:
@@ -152,37 +145,37 @@ class ExactBackend:
                     {"threshold": threshold, "fixed_tensors": len(fixed) // 3, "status": st})
                 if value is not None:
                     consider(value, obj)
-                if best is not None and bound_s is not None and best[3] - bound_s <= 1e-3 * best[3]:
+                if best is not None and bound_s is not None and best[0] - bound_s <= OPTIMAL_GAP * best[0]:
                     break
             if best is not None and bound_s is not None:
-                status = "optimal" if (best[3] - bound_s) <= 1e-3 * best[3] else "feasible"
+                status = "optimal" if (best[0] - bound_s) <= OPTIMAL_GAP * best[0] else "feasible"
         wall = time.perf_counter() - start
-        info_extra["heuristic_step_time_s"] = heuristic_time
-        if best is not None and best[0] <= heuristic_time * (1 + 1e-9) + 1e-12:
-            sim_time, codes, schedule, predicted = best
+        if best is not None and best[0] <= warm_time * (1 + 1e-9) + 1e-12:
+            # the plan's step time is the simulator's (exact); the model's objective, rounded up
+            # per op and copy (milp.md, "Scaling"), is kept as the objective
+            predicted, codes, schedule, objective = best
             bound = None if bound_s is None else min(bound_s, predicted)
             gap = None if bound is None else (
                 max(0.0, (predicted - bound) / predicted) if predicted > 0 else 0.0)
-            if status == "optimal" and gap is not None and gap > 1e-3:
+            if status == "optimal" and gap is not None and gap > OPTIMAL_GAP:
                 status = "feasible"
-            info_extra["simulated_step_time_s"] = sim_time
-            info = SolveInfo(solver=self.name, status=status, objective=predicted, bound=bound,
+            info = SolveInfo(solver=self.name, status=status, objective=objective, bound=bound,
                              gap=gap, wall_s=wall, predicted_step_time_s=predicted, extra=info_extra)
             return Solution(codes, schedule, info)
-        # no solution, or none better than the warm start: the heuristic's plan, said so
-        info_extra.update(fallback="heuristic", reason="no solution within the time limit"
-                          if best is None else "solver's best was worse than the heuristic")
+        # no solution, or none better than the warm start: the warm start's plan, said so
+        info_extra.update(fallback=ws.source, reason="no solution within the time limit"
+                          if best is None else "solver's best was not better than the warm start")
         gap = None
-        if bound_s is not None and np.isfinite(heuristic_time):
-            bound_s = min(bound_s, heuristic_time)
-            gap = max(0.0, (heuristic_time - bound_s) / heuristic_time) if heuristic_time > 0 else 0.0
+        if bound_s is not None and np.isfinite(warm_time):
+            bound_s = min(bound_s, warm_time)
+            gap = max(0.0, (warm_time - bound_s) / warm_time) if warm_time > 0 else 0.0
         if status == "infeasible":
             final = "infeasible"
-        elif gap is not None and gap <= 1e-3:
+        elif gap is not None and gap <= OPTIMAL_GAP:
             final = "optimal"  # the warm start is itself within 0.1% of a valid bound
         else:
             final = "timeout"
         info = SolveInfo(solver=self.name, status=final,
-                         objective=heuristic_time, bound=bound_s, gap=gap, wall_s=wall,
-                         predicted_step_time_s=heuristic_time, extra=info_extra)
-        return Solution(h_codes, None, info)
+                         objective=warm_time, bound=bound_s, gap=gap, wall_s=wall,
+                         predicted_step_time_s=warm_time, extra=info_extra)
+        return Solution(ws.codes, None, info)

@@ -1,0 +1,141 @@
+"""Improve a plan's decisions one tensor at a time, each move judged by the simulator.
+
+Planners that reason about memory and copy lanes in aggregate (the SlackSwap heuristic, the LP
+relaxation with integral decisions) get most decisions right and a few wrong: a D2H backlog at
+the end of the forward pass, one tensor too many recomputed. The step model's exact rules decide
+here: a move changes one tensor's decision (a whole RNG group when recompute is involved), the
+plan is expanded with its default schedule (yielding to the budget) and simulated, and the move
+is kept when it lowers (bytes over the budget, step time, peak). Moves are tried latest-produced
+tensor first; while the plan stalls or tops the budget the best move of a tier is taken (below),
+otherwise the first improving one, until no move improves or time runs out.
+formulations/local-search.md has the moves and why they are the ones tried.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from .graph import ActivationGraph
+from .hardware import Hardware
+from .plan import KEEP, RECOMPUTE, SWAP
+from .simulate import SimResult, run_timeline
+from .stepmodel import expand
+
+
+@dataclass(frozen=True)
+class SearchResult:
+    codes: np.ndarray
+    sim: SimResult
+    moves: int  # accepted moves
+    evaluations: int  # plans simulated
+    wall_s: float
+    complete: bool  # a full pass found no improving move (a local optimum), not cut by time
+
+
+def evaluate(graph: ActivationGraph, hw: Hardware, budget: int, codes: np.ndarray) -> SimResult:
+    """The plan with these decisions and the default schedule, simulated."""
+    return run_timeline(graph, expand(graph, codes, None, hw, budget_bytes=budget), hw, budget)
+
+
+def _key(sim: SimResult, budget: int) -> tuple[int, float, int]:
+    return (max(0, sim.peak_bytes - budget), round(sim.step_time_s, 15), sim.peak_bytes)
+
+
+def _units(graph: ActivationGraph) -> dict[int, tuple[int, ...]]:
+    """For each saved tensor, the tensors that must change with it when recompute is involved."""
+    groups: dict[str, list[int]] = {}
+    for t in graph.saved:
+        g = graph.tensors[int(t)].group
+        if g is not None:
+            groups.setdefault(g, []).append(int(t))
+    return {int(t): tuple(groups[graph.tensors[int(t)].group]) if graph.tensors[int(t)].group
+            else (int(t),) for t in graph.saved}
+
+
+# Moves tried. With no overflow and no stall: those that can shorten the step (fewer reruns,
+# fewer copies), the first improving one taken. With a stall or an overflow, in tiers, the best
+# move of the first tier that has an improving one: dropping a copy (swap -> keep; the first
+# that helps, as it costs no compute), then trading it for a rerun (swap -> recompute), then
+# every other move.
+_CLEAN = {RECOMPUTE: (KEEP, SWAP), SWAP: (KEEP,), KEEP: ()}
+_TIERS = (
+    {RECOMPUTE: (), SWAP: (KEEP,), KEEP: ()},
+    {RECOMPUTE: (), SWAP: (RECOMPUTE,), KEEP: ()},
+    {RECOMPUTE: (KEEP, SWAP), SWAP: (), KEEP: (SWAP, RECOMPUTE)},
+)
+STALL_TOLERANCE_S = 1e-9
+
+
+def improve(graph: ActivationGraph, hw: Hardware, budget: int, codes: np.ndarray,
+            time_limit_s: float = 5.0) -> SearchResult:
+    """Descent from ``codes`` until no single move improves; never worse than the start."""
+    start = time.perf_counter()
+    codes = np.array(codes, dtype=np.int8, copy=True)
+    units = _units(graph)
+    can_recompute = graph.can_recompute
+    order = sorted((int(t) for t in graph.saved), key=lambda t: (-int(graph.producer[t]), t))
+    best_sim = evaluate(graph, hw, budget, codes)
+    best_key = _key(best_sim, budget)
+    evaluations, moves = 1, 0
+
+    def trial_of(t: int, target: int) -> np.ndarray | None:
+        members = units[t] if RECOMPUTE in (target, int(codes[t])) else (t,)
+        if target == RECOMPUTE and not all(can_recompute[m] for m in members):
+            return None
+        trial = codes.copy()
+        trial[list(members)] = target
+        return trial
+
+    def out_of_time() -> bool:
+        return time.perf_counter() - start > time_limit_s
+
+    position = 0  # where the clean scan resumes
+    unimproved = 0  # clean moves tried in a row without improvement
+    while not out_of_time():
+        clean = best_key[0] == 0 and best_sim.stall_s <= STALL_TOLERANCE_S
+        if clean:
+            if unimproved >= len(order):
+                break  # a full cycle found nothing: a local optimum
+            t = order[position]
+            position = (position + 1) % len(order)
+            unimproved += 1
+            for target in _CLEAN[int(codes[t])]:
+                trial = trial_of(t, target)
+                if trial is None:
+                    continue
+                sim = evaluate(graph, hw, budget, trial)
+                evaluations += 1
+                key = _key(sim, budget)
+                if key < best_key:
+                    codes, best_sim, best_key = trial, sim, key
+                    moves += 1
+                    unimproved = 0
+                    break
+            continue
+        candidate = None
+        for first_found, tier in zip((True, False, False), _TIERS):
+            for t in order:
+                if out_of_time() or (first_found and candidate is not None):
+                    break
+                for target in tier[int(codes[t])]:
+                    trial = trial_of(t, target)
+                    if trial is None:
+                        continue
+                    sim = evaluate(graph, hw, budget, trial)
+                    evaluations += 1
+                    key = _key(sim, budget)
+                    if key < best_key and (candidate is None or key < candidate[2]):
+                        candidate = (trial, sim, key)
+            if candidate is not None:
+                break
+        if candidate is None:
+            break  # no move helps: a local optimum (or out of time)
+        codes, best_sim, best_key = candidate
+        moves += 1
+        unimproved = 0
+    complete = not out_of_time()
+    return SearchResult(codes=codes, sim=best_sim, moves=moves, evaluations=evaluations,
+                        wall_s=time.perf_counter() - start, complete=complete)

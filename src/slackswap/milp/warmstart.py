@@ -1,0 +1,121 @@
+"""The exact planner's starting plan: the best of the heuristic and two local searches.
+
+The SlackSwap heuristic is fast but greedy. The LP relaxation with integral decisions
+(lpbound.py, ``integral=True``) chooses decisions against the whole step's memory and copy-lane
+capacity at once, but in aggregate: its plan may wait on a D2H backlog or top the budget where a
+whole tensor, not a fraction of one, is still on the device. The local search (local_search.py)
+repairs that with the step model's exact rules. The better plan is the MILP's hint and the
+floor of what the exact planner returns; the integral relaxation's bound tightens the proof.
+formulations/milp.md, "Solving", steps 1-2.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ..local_search import improve
+from ..plan import KEEP, RECOMPUTE, SWAP
+from ..simulate import SimResult, run_timeline
+from ..solve import Problem
+from ..stepmodel import expand
+
+
+@dataclass
+class WarmStart:
+    """A plan (decisions and the default schedule it was simulated with) and where it came from."""
+
+    codes: np.ndarray
+    free: dict[int, int]
+    issue: dict[int, int]
+    rebuild: dict[int, int]
+    sim: SimResult
+    source: str
+    heuristic_codes: np.ndarray
+    heuristic_sim: SimResult
+    bound_s: float | None = None  # the integral relaxation's bound on the step time, if solved
+    notes: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def step_time_s(self) -> float:
+        return self.sim.step_time_s if self.sim.fits else float("inf")
+
+    @property
+    def hint(self):
+        return self.codes, self.free, self.issue, self.rebuild
+
+
+def default_schedule_of(problem: Problem, codes: np.ndarray):
+    """The default schedule (yielding to the budget) of these decisions, and its simulation."""
+    g, hw, budget = problem.graph, problem.hardware, problem.budget_bytes
+    exp = expand(g, codes, None, hw, budget_bytes=budget)
+    free = {int(t): int(exp.d2h_free[t]) for t in g.saved if codes[t] == SWAP}
+    issue = {int(t): int(exp.h2d_issue[t]) for t in g.saved if codes[t] == SWAP}
+    rebuild = {int(t): int(exp.materialize_at[t]) for t in g.saved if codes[t] == RECOMPUTE}
+    return free, issue, rebuild, run_timeline(g, exp, hw, budget)
+
+
+def _better(a: SimResult, b: SimResult) -> bool:
+    """a is a better plan than b: it fits where b does not, or it is faster."""
+    if a.fits != b.fits:
+        return a.fits
+    return a.step_time_s < b.step_time_s
+
+
+def _integral_codes(problem: Problem, relaxation) -> np.ndarray:
+    g = problem.graph
+    codes = np.full(len(g.tensors), -1, dtype=np.int8)
+    for t in g.saved:
+        name = g.tensors[int(t)].name
+        values = (relaxation.keep[name], relaxation.swap[name], relaxation.recompute[name])
+        codes[t] = (KEEP, SWAP, RECOMPUTE)[int(np.argmax(values))]
+    return codes
+
+
+def warm_start(problem: Problem, polish: bool = True, bound_s: float | None = None,
+               gap: float = 1e-3, integral_lp_s: float = 5.0, search_s: float = 10.0) -> WarmStart:
+    """The heuristic's plan, improved (``polish``) by local search from the integral
+    relaxation's decisions and from the heuristic's, whichever simulates faster. Polishing stops
+    once the plan is within ``gap`` of the best known bound (``bound_s`` or the relaxation's)."""
+    from ..heuristic import SlackSwapHeuristic
+    from ..lpbound import lp_bound
+
+    g, hw, budget = problem.graph, problem.hardware, problem.budget_bytes
+    h_codes = SlackSwapHeuristic().solve(problem).codes
+    free, issue, rebuild, h_sim = default_schedule_of(problem, h_codes)
+    best = WarmStart(h_codes, free, issue, rebuild, h_sim, "heuristic", h_codes, h_sim)
+
+    def proven() -> bool:
+        known = [b for b in (bound_s, best.bound_s) if b is not None]
+        return bool(known) and best.sim.fits and \
+            best.step_time_s - max(known) <= gap * best.step_time_s
+
+    if not polish or proven():
+        return best
+    notes: dict[str, Any] = {}
+    begin = time.perf_counter()
+    relaxation = lp_bound(g, budget, hw, integral=True, time_limit_s=integral_lp_s)
+    notes["integral_lp"] = {"status": relaxation.status, "wall_s": relaxation.wall_s,
+                            "retention": relaxation.retention}
+    if relaxation.status in ("optimal", "timeout") and np.isfinite(relaxation.step_time_s):
+        best.bound_s = relaxation.step_time_s
+    starts = [("heuristic", h_codes)]
+    if relaxation.keep:  # it found integral decisions
+        starts.insert(0, ("integral LP", _integral_codes(problem, relaxation)))
+    for label, codes in starts:
+        remaining = search_s - (time.perf_counter() - begin - relaxation.wall_s)
+        if remaining <= 0 or proven():
+            break
+        result = improve(g, hw, budget, codes, time_limit_s=remaining)
+        notes[f"local_search_from_{label.replace(' ', '_')}"] = {
+            "retention": result.sim.retention, "fits": result.sim.fits, "moves": result.moves,
+            "evaluations": result.evaluations, "wall_s": result.wall_s, "complete": result.complete}
+        if _better(result.sim, best.sim):
+            free, issue, rebuild, sim = default_schedule_of(problem, result.codes)
+            best = WarmStart(result.codes, free, issue, rebuild, sim, f"{label} + local search",
+                             h_codes, h_sim, best.bound_s)
+    best.notes = notes
+    return best
