@@ -57,9 +57,9 @@ def _units(graph: ActivationGraph) -> dict[int, tuple[int, ...]]:
 
 # Moves tried. With no overflow and no stall: those that can shorten the step (fewer reruns,
 # fewer copies), the first improving one taken. With a stall or an overflow, in tiers, the best
-# move of the first tier that has an improving one: dropping a copy (swap -> keep; the first
-# that helps, as it costs no compute), then trading it for a rerun (swap -> recompute), then
-# every other move.
+# move of the first tier that has an improving one: dropping a copy (swap -> keep), then
+# trading it for a rerun (swap -> recompute), then every other move. Moves to keep whose extra
+# residency would top the budget where it is added are not simulated.
 _CLEAN = {RECOMPUTE: (KEEP, SWAP), SWAP: (KEEP,), KEEP: ()}
 _TIERS = (
     {RECOMPUTE: (), SWAP: (KEEP,), KEEP: ()},
@@ -67,6 +67,29 @@ _TIERS = (
     {RECOMPUTE: (KEEP, SWAP), SWAP: (), KEEP: (SWAP, RECOMPUTE)},
 )
 STALL_TOLERANCE_S = 1e-9
+
+
+def _gaps(sim: SimResult) -> dict[int, tuple[int, int]]:
+    """Per tensor resident in two pieces (offloaded, or freed and rebuilt): the points between."""
+    exp = sim.expansion
+    keep = ~exp.iv_transient
+    tensors, starts, ends = exp.iv_tensor[keep], exp.iv_start[keep], exp.iv_end[keep]
+    first_end: dict[int, int] = {}
+    last_start: dict[int, int] = {}
+    for t, s_, e_ in zip(tensors.tolist(), starts.tolist(), ends.tolist()):
+        first_end[t] = min(first_end.get(t, e_), e_)
+        last_start[t] = max(last_start.get(t, s_), s_)
+    return {t: (first_end[t] + 1, last_start[t] - 1) for t in first_end
+            if last_start[t] - 1 >= first_end[t] + 1}
+
+
+def _keeping_fits(sim: SimResult, gaps: dict, t: int, nbytes: int, budget: int) -> bool:
+    """Would keeping ``t`` resident through its gap stay within the budget (others unchanged)?
+    A move that fails this could only fit by making other copies wait: not worth simulating."""
+    if t not in gaps:
+        return True
+    lo, hi = gaps[t]
+    return int(sim.memory_bytes[lo:hi + 1].max()) + nbytes <= budget
 
 
 def improve(graph: ActivationGraph, hw: Hardware, budget: int, codes: np.ndarray,
@@ -81,9 +104,15 @@ def improve(graph: ActivationGraph, hw: Hardware, budget: int, codes: np.ndarray
     best_key = _key(best_sim, budget)
     evaluations, moves = 1, 0
 
+    nbytes = graph.tensor_bytes
+    gaps = _gaps(best_sim)
+
     def trial_of(t: int, target: int) -> np.ndarray | None:
         members = units[t] if RECOMPUTE in (target, int(codes[t])) else (t,)
         if target == RECOMPUTE and not all(can_recompute[m] for m in members):
+            return None
+        if target == KEEP and not all(_keeping_fits(best_sim, gaps, m, int(nbytes[m]), budget)
+                                      for m in members):
             return None
         trial = codes.copy()
         trial[list(members)] = target
@@ -111,14 +140,15 @@ def improve(graph: ActivationGraph, hw: Hardware, budget: int, codes: np.ndarray
                 key = _key(sim, budget)
                 if key < best_key:
                     codes, best_sim, best_key = trial, sim, key
+                    gaps = _gaps(best_sim)
                     moves += 1
                     unimproved = 0
                     break
             continue
         candidate = None
-        for first_found, tier in zip((True, False, False), _TIERS):
+        for tier in _TIERS:
             for t in order:
-                if out_of_time() or (first_found and candidate is not None):
+                if out_of_time():
                     break
                 for target in tier[int(codes[t])]:
                     trial = trial_of(t, target)
@@ -134,6 +164,7 @@ def improve(graph: ActivationGraph, hw: Hardware, budget: int, codes: np.ndarray
         if candidate is None:
             break  # no move helps: a local optimum (or out of time)
         codes, best_sim, best_key = candidate
+        gaps = _gaps(best_sim)
         moves += 1
         unimproved = 0
     complete = not out_of_time()
