@@ -124,9 +124,10 @@ class ExactBackend:
             status, value, obj, bound = self.run(f, remaining, seed, workers, options)
             if value is not None:
                 consider(value, obj)
-            # the best of the valid bounds: the MILP's own and the relaxations'
-            candidates = [b for b in (None if bound is None else f.seconds(bound), bound_s)
-                          if b is not None]
+            # the best of the valid bounds: the relaxations' and, for a model over every
+            # schedule, the MILP's own (less its rounding)
+            milp_bound = None if bound is None else f.proven_bound_s(bound)
+            candidates = [b for b in (milp_bound, bound_s) if b is not None]
             bound_s = max(candidates) if candidates else None
             if status != "optimal" and best is not None and bound_s is not None \
                     and best[0] - bound_s <= OPTIMAL_GAP * best[0]:

@@ -55,9 +55,20 @@ class Formulation:
     h2d_order: list[int] = field(default_factory=list)
     units: dict = field(default_factory=dict)
     objective_offset_s: float = 0.0
+    full: bool = False  # every schedule position a candidate (Section "Candidates")
 
     def seconds(self, objective_units: float) -> float:
         return objective_units * self.scaling.time_unit + self.objective_offset_s
+
+    def proven_bound_s(self, bound_units: float) -> float | None:
+        """A lower bound on the simulated step time of every plan, from the solver's bound, or
+        None. Only a model with every candidate position bounds every schedule; and each op,
+        rerun and copy on the critical path is rounded up by under one time unit (Section
+        "Scaling"), so that many units are taken off."""
+        if not self.full:
+            return None
+        rounded = 2 * self.graph.n_ops + len(self.rerun) + 2 * len(self.keep)
+        return self.seconds(bound_units) - rounded * self.scaling.time_unit
 
 
 def _candidates(graph: ActivationGraph, hw: Hardware, full: bool, extra=None,
@@ -152,7 +163,8 @@ def formulate(graph: ActivationGraph, hw: Hardware, budget_bytes: int, *, full: 
     F, G, RC, frontier, coproduced, u, lb = _candidates(graph, hw, full, extra_candidates)
     saved = [int(t) for t in graph.saved]
     m = Model()
-    f = Formulation(m, graph, hw, budget_bytes, sc, objective_offset_s=graph.optimizer_s)
+    f = Formulation(m, graph, hw, budget_bytes, sc, objective_offset_s=graph.optimizer_s,
+                    full=bool(full))
 
     # --- decisions: keep / swap / recompute, exactly one (one_decision)
     for t in saved:
