@@ -47,7 +47,11 @@ def main() -> int:
                    "strategy": plan.info.extra.get("strategy"),
                    "wall_s": plan.info.wall_s, "status": plan.info.status, "gap": plan.info.gap,
                    "retention": sim.retention, "heuristic_retention": heuristic,
-                   "lp_bound_retention": bound}
+                   "lp_bound_retention": bound,
+                   "warm_start": plan.info.extra.get("warm_start"),
+                   "warm_start_retention": g.ideal_step_time_s / plan.info.extra[
+                       "warm_start_step_time_s"] if plan.info.extra.get("warm_start_step_time_s")
+                   else None}
             rows.append(row)
             gap = "-" if row["gap"] is None else f"{100 * row['gap']:.3f}%"
             print(f"{layers:4d} layers {row['saved_tensors']:5d} saved  {solver:6s} "
