@@ -89,13 +89,13 @@ def _pct(value) -> str:
 
 
 def _gap(value) -> str:
-    return "" if value is None else f"{100 * value:5.2f}%"
+    return "" if value is None else f"{100 * value:6.3f}%"
 
 
 def format_rows(rows: list[dict]) -> str:
     lines = []
     head = (f"{'model':<11} {'budget':>6} {'paper':>6} {'optimal':>7} {'heur.':>6} {'LP bd':>6} "
-            f"{'rec-all':>7} {'swap-all':>8} {'keep-all':>8}  {'opt. solve':>10} {'gap':>6}")
+            f"{'rec-all':>7} {'swap-all':>8} {'keep-all':>8}  {'opt. solve':>10} {'gap':>7}")
     lines.append(head)
     lines.append("-" * len(head))
     for r in rows:
@@ -106,7 +106,7 @@ def format_rows(rows: list[dict]) -> str:
             f"{_pct(r.get('lp_bound_retention'))} {_pct(r.get('recompute_all_retention')):>7} "
             f"{_pct(r.get('swap_all_retention')):>8} {_pct(r.get('keep_all_retention')):>8}  "
             f"{'' if solve_s is None else f'{solve_s:9.2f}s':>10} "
-            f"{_gap(r.get('optimal_gap')):>6}")
+            f"{_gap(r.get('optimal_gap')):>7}")
     lines.append("retention in % of ideal throughput (simulated); '-' = does not fit the budget; "
                  "gap: the optimal plan's proven distance to the best bound (LP, integral LP, MILP)")
     return "\n".join(lines)
