@@ -105,3 +105,12 @@ def test_warm_start_is_never_worse_than_the_heuristic():
     # the integral relaxation's bound is a bound: no plan, the warm start included, beats it
     assert ws.bound_s is not None and ws.bound_s <= ws.step_time_s
     assert set(ws.notes) >= {"integral_lp"}
+
+
+def test_time_limit_stops_the_search_and_says_so():
+    g = unhidden_copy_graph()
+    start = decision_codes(g, {"a": "swap"})
+    result = improve(g, LINK, 1000, start, time_limit_s=0.0)
+    assert not result.complete and result.moves == 0
+    assert np.array_equal(result.codes, start)
+    assert result.sim.step_time_s == pytest.approx(9.0)

@@ -32,7 +32,7 @@ class SearchResult:
     moves: int  # accepted moves
     evaluations: int  # plans simulated
     wall_s: float
-    complete: bool  # a full pass found no improving move (a local optimum), not cut by time
+    complete: bool  # stopped at a local optimum (no single move improves), not by the time limit
 
 
 def evaluate(graph: ActivationGraph, hw: Hardware, budget: int, codes: np.ndarray) -> SimResult:
@@ -118,8 +118,12 @@ def improve(graph: ActivationGraph, hw: Hardware, budget: int, codes: np.ndarray
         trial[list(members)] = target
         return trial
 
+    timed_out = False
+
     def out_of_time() -> bool:
-        return time.perf_counter() - start > time_limit_s
+        nonlocal timed_out
+        timed_out = timed_out or time.perf_counter() - start > time_limit_s
+        return timed_out
 
     position = 0  # where the clean scan resumes
     unimproved = 0  # clean moves tried in a row without improvement
@@ -167,6 +171,5 @@ def improve(graph: ActivationGraph, hw: Hardware, budget: int, codes: np.ndarray
         gaps = _gaps(best_sim)
         moves += 1
         unimproved = 0
-    complete = not out_of_time()
     return SearchResult(codes=codes, sim=best_sim, moves=moves, evaluations=evaluations,
-                        wall_s=time.perf_counter() - start, complete=complete)
+                        wall_s=time.perf_counter() - start, complete=not timed_out)
