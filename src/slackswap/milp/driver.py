@@ -1,11 +1,13 @@
-"""What every exact backend shares: warm start from the heuristic, the solve strategy, the decode,
-and the guarantee that the returned plan is never worse than the heuristic's.
+"""What every exact backend shares: the warm start, the solve strategy, the decode, and the
+guarantee that the returned plan is never worse than the warm start (so never worse than the
+heuristic's).
 
-Strategy (formulations/milp.md, "Solving"): small models are solved whole. Large ones are solved
-LP-guided: the LP bound (lpbound.py) is solved first; tensors it decides integrally are fixed to
-that decision (their schedule positions stay free) and the MILP decides the rest; the LP bound
-is the proof, so the gap reported is against it (or against the MILP's own bound when the whole
-model was solved).
+Strategy (formulations/milp.md, "Solving"): the LP bound first; the warm start (warmstart.py:
+the heuristic, improved by local search from the integral relaxation's decisions) is returned at
+once when it is within the gap target of the bound. Otherwise small models are solved whole;
+large ones LP-guided: tensors the LP decides integrally are fixed to that decision (their
+schedule positions stay free) and the MILP decides the rest. The proof is the best valid bound:
+the LP's, the integral relaxation's, and the MILP's own for a model over every schedule position.
 """
 
 from __future__ import annotations
@@ -79,16 +81,16 @@ class ExactBackend:
         bound_s = max(bounds) if bounds else None
         hint = ws.hint if warm_start else None
         extra = {"free": ws.free, "issue": ws.issue, "rebuild": ws.rebuild} if warm_start else None
-        base_extra: dict[str, Any] = {"lp_bound_s": lp.wall_s, "heuristic_step_time_s": heuristic_time,
-                                      "warm_start": ws.source, "warm_start_step_time_s": warm_time,
-                                      **ws.notes}
+        base_extra: dict[str, Any] = {
+            "lp_bound_s": lp.wall_s, "heuristic_step_time_s": heuristic_time,
+            "warm_start": ws.source, "warm_start_step_time_s": warm_time, **ws.notes}
         if warm_start and bound_s is not None and np.isfinite(warm_time) and warm_time > 0 \
                 and warm_time - bound_s <= gap_target * warm_time:
             # the warm start is already within the target of a valid bound: nothing to search
             gap = max(0.0, (warm_time - bound_s) / warm_time)
-            info = SolveInfo(solver=self.name, status="optimal" if gap <= OPTIMAL_GAP else "feasible",
-                             objective=warm_time,
-                             bound=min(bound_s, warm_time), gap=gap,
+            info = SolveInfo(solver=self.name,
+                             status="optimal" if gap <= OPTIMAL_GAP else "feasible",
+                             objective=warm_time, bound=min(bound_s, warm_time), gap=gap,
                              wall_s=time.perf_counter() - start, predicted_step_time_s=warm_time,
                              extra={"strategy": "warm start proven by the bound", **base_extra})
             return Solution(ws.codes, None, info)
