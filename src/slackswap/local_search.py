@@ -125,10 +125,21 @@ def improve(graph: ActivationGraph, hw: Hardware, budget: int, codes: np.ndarray
         timed_out = timed_out or time.perf_counter() - start > time_limit_s
         return timed_out
 
+    def attempt(t: int, target: int):
+        """(decisions, simulation, value) of one move, or None if it is not worth simulating."""
+        nonlocal evaluations
+        trial = trial_of(t, target)
+        if trial is None:
+            return None
+        sim = evaluate(graph, hw, budget, trial)
+        evaluations += 1
+        return trial, sim, _key(sim, budget)
+
     position = 0  # where the clean scan resumes
     unimproved = 0  # clean moves tried in a row without improvement
     while not out_of_time():
         clean = best_key[0] == 0 and best_sim.stall_s <= STALL_TOLERANCE_S
+        candidate = None
         if clean:
             if unimproved >= len(order):
                 break  # a full cycle found nothing: a local optimum
@@ -136,37 +147,26 @@ def improve(graph: ActivationGraph, hw: Hardware, budget: int, codes: np.ndarray
             position = (position + 1) % len(order)
             unimproved += 1
             for target in _CLEAN[int(codes[t])]:
-                trial = trial_of(t, target)
-                if trial is None:
-                    continue
-                sim = evaluate(graph, hw, budget, trial)
-                evaluations += 1
-                key = _key(sim, budget)
-                if key < best_key:
-                    codes, best_sim, best_key = trial, sim, key
-                    gaps = _gaps(best_sim)
-                    moves += 1
-                    unimproved = 0
+                tried = attempt(t, target)
+                if tried is not None and tried[2] < best_key:
+                    candidate = tried
                     break
-            continue
-        candidate = None
-        for tier in _TIERS:
-            for t in order:
-                if out_of_time():
+            if candidate is None:
+                continue
+        else:
+            for tier in _TIERS:
+                for t in order:
+                    if out_of_time():
+                        break
+                    for target in tier[int(codes[t])]:
+                        tried = attempt(t, target)
+                        if tried is not None and tried[2] < best_key and \
+                                (candidate is None or tried[2] < candidate[2]):
+                            candidate = tried
+                if candidate is not None:
                     break
-                for target in tier[int(codes[t])]:
-                    trial = trial_of(t, target)
-                    if trial is None:
-                        continue
-                    sim = evaluate(graph, hw, budget, trial)
-                    evaluations += 1
-                    key = _key(sim, budget)
-                    if key < best_key and (candidate is None or key < candidate[2]):
-                        candidate = (trial, sim, key)
-            if candidate is not None:
-                break
-        if candidate is None:
-            break  # no move helps: a local optimum (or out of time)
+            if candidate is None:
+                break  # no move helps: a local optimum (or out of time)
         codes, best_sim, best_key = candidate
         gaps = _gaps(best_sim)
         moves += 1
