@@ -132,3 +132,16 @@ def test_integral_relaxation_hand_case():
     r = ss.lp_bound(g, 110, LINK, integral=True)
     assert r.status == "optimal" and r.retention == pytest.approx(1.0)
     assert r.swap["a"] == 1.0 and r.gap == pytest.approx(0.0, abs=1e-4)
+
+
+def test_lp_bound_a_copy_starts_only_when_its_producer_ends():
+    # A (1 s) -> a (100 B, saved for A); B (1 s) -> b (60 B, not saved). Budget 130 B: during B,
+    # a + b = 160 B unless a has left. a's copy can only start when A ends, i.e. when B starts,
+    # so B must wait 0.3 s for 30 B of it to leave (100 B/s), or pay 0.3 of a 1 s rerun: either
+    # way the bound is 4 / 4.3 (it was 1.0 when the relaxation let a leave the instant it exists).
+    # Real plans lose more: the whole copy must land (B waits 1 s) or A reruns (1 s): 4 / 5.
+    g = graph([op("A", 1, 1, ["x"], ["a"]), op("B", 1, 1, ["x"], ["b"])],
+              [tensor("a", 100, ["A"]), tensor("b", 60)])
+    assert ss.lp_bound(g, 130, LINK).retention == pytest.approx(4 / 4.3)
+    best = ss.simulate(g, ss.solve(g, 130, LINK, solver="cpsat", gap=0.0), LINK)
+    assert best.retention == pytest.approx(4 / 5)

@@ -231,7 +231,12 @@ def lp_bound(graph: ActivationGraph, budget, hw: Hardware | str, *, integral: bo
             if not hw.duplex:
                 lp.le([dep[k], arr[k], dep[k - 1], arr[k - 1], sigma[k], E[k - 1]],
                       [1, 1, -1, -1, -bw_d, -bw_d], bw_d * dur[k - 1])
-            lp.le([dep[k], Qp[k - 1]], [1, -1], 0.0)  # only what was produced before can leave
+            # only what was produced before can leave, and what op k-1 produced only once it
+            # ends: by the start of k (after its stall) at most the stall's worth of it
+            if k >= 2:
+                lp.le([dep[k], Qp[k - 2], sigma[k]], [1, -1, -bw_d], 0.0)
+            else:
+                lp.le([dep[k], sigma[k]], [1, -bw_d], 0.0)
         lp.le([arr[k], dep[k]], [1, -1], 0.0)
         lp.le([Need[k], arr[k]], [1, -1], 0.0)
         lp.le([arr[k], Freed[k], A[k]], [1, -1, -1], 0.0)
