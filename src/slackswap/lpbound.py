@@ -135,13 +135,15 @@ def _add(d: dict, k: int, item) -> None:
 
 
 def lp_bound(graph: ActivationGraph, budget, hw: Hardware | str, *, integral: bool = False,
-             time_limit_s: float = 10.0, gap: float = 1e-4) -> LPBound:
+             time_limit_s: float = 10.0, gap: float = 1e-4, producer_delay: bool = True) -> LPBound:
     """Upper bound on the retention of any plan for ``graph`` within ``budget`` on ``hw``.
 
     integral: make the keep/swap/recompute fractions binary and solve the MILP (HiGHS) for at
     most ``time_limit_s``. Every plan's decisions are integral, so its dual bound is still a valid
     bound, usually a little tighter; its decisions (the incumbent) are a good starting point for
     a plan, whose schedule the relaxation does not model (formulations/lp-bound.md).
+    producer_delay=False lets a tensor start to leave the instant it exists: a looser relaxation
+    whose integral decisions are another starting point for a plan.
     """
     start_clock = time.perf_counter()
     hw = hardware(hw)
@@ -233,7 +235,9 @@ def lp_bound(graph: ActivationGraph, budget, hw: Hardware | str, *, integral: bo
                       [1, 1, -1, -1, -bw_d, -bw_d], bw_d * dur[k - 1])
             # only what was produced before can leave, and what op k-1 produced only once it
             # ends: by the start of k (after its stall) at most the stall's worth of it
-            if k >= 2:
+            if not producer_delay:
+                lp.le([dep[k], Qp[k - 1]], [1, -1], 0.0)
+            elif k >= 2:
                 lp.le([dep[k], Qp[k - 2], sigma[k]], [1, -1, -bw_d], 0.0)
             else:
                 lp.le([dep[k], sigma[k]], [1, -bw_d], 0.0)

@@ -105,20 +105,22 @@ def warm_start(problem: Problem, polish: bool = True, bound_s: float | None = No
     notes: dict[str, Any] = {}
     searched = 0.0
 
-    def relaxed_codes(label: str, lanes: float) -> np.ndarray | None:
+    def relaxed_codes(label: str, lanes: float = 1.0, tight: bool = True) -> np.ndarray | None:
         planning_hw = hw if lanes == 1.0 else hw.with_link(
             d2h_bytes_per_s=hw.d2h_bytes_per_s * lanes, h2d_bytes_per_s=hw.h2d_bytes_per_s * lanes)
-        relaxation = lp_bound(g, budget, planning_hw, integral=True, time_limit_s=integral_lp_s)
+        relaxation = lp_bound(g, budget, planning_hw, integral=True, time_limit_s=integral_lp_s,
+                              producer_delay=tight)
         notes[label] = {"status": relaxation.status, "wall_s": relaxation.wall_s,
-                        "retention": relaxation.retention, "lanes": lanes}
-        if lanes == 1.0 and relaxation.status in ("optimal", "timeout") \
+                        "retention": relaxation.retention, "lanes": lanes, "tight": tight}
+        if lanes == 1.0 and tight and relaxation.status in ("optimal", "timeout") \
                 and np.isfinite(relaxation.step_time_s):
             best.bound_s = relaxation.step_time_s  # the real lanes: a valid bound
         return _integral_codes(problem, relaxation) if relaxation.keep else None
 
-    starts = (("integral LP", lambda: relaxed_codes("integral_lp", 1.0)),
+    starts = (("integral LP", lambda: relaxed_codes("integral_lp")),
+              ("looser integral LP", lambda: relaxed_codes("integral_lp_loose", tight=False)),
               ("integral LP with lane headroom",
-               lambda: relaxed_codes("integral_lp_headroom", LANE_HEADROOM)),
+               lambda: relaxed_codes("integral_lp_headroom", lanes=LANE_HEADROOM)),
               ("heuristic", lambda: h_codes))
     for label, make in starts:
         if search_s - searched <= 0 or proven():
