@@ -10,9 +10,6 @@ a feasible point, so the optimum bounds the best retention from above.
 
 from __future__ import annotations
 
-import contextlib
-import os
-import sys
 import time
 from dataclasses import dataclass
 
@@ -24,6 +21,7 @@ from .budget import parse_budget
 from .graph import ActivationGraph
 from .hardware import Hardware, hardware
 from .plan import KEEP
+from .quiet import quiet_stdout
 from .stepmodel import expand
 
 
@@ -105,29 +103,11 @@ class _LP:
         integrality = np.zeros(self.n)
         integrality[integer_vars] = 1
         constraints = [LinearConstraint(A_ub, -np.inf, b_ub), LinearConstraint(A_eq, b_eq, b_eq)]
-        with _quiet_stdout():
+        with quiet_stdout():
             return milp(np.array(self.c), constraints=constraints, integrality=integrality,
                     bounds=Bounds(self.lb, self.ub),
                         options={"time_limit": max(0.1, float(time_limit_s)),
                                  "mip_rel_gap": gap, "disp": False})
-
-
-@contextlib.contextmanager
-def _quiet_stdout():
-    """HiGHS's MIP solver prints some diagnostics from C even with ``disp`` off: silence fd 1."""
-    sys.stdout.flush()
-    try:
-        saved = os.dup(1)
-    except OSError:
-        yield
-        return
-    try:
-        with open(os.devnull, "w") as null:
-            os.dup2(null.fileno(), 1)
-            yield
-    finally:
-        os.dup2(saved, 1)
-        os.close(saved)
 
 
 def _add(d: dict, k: int, item) -> None:

@@ -4,10 +4,11 @@ whose M comes from the variables' bounds (formulations/milp.md, "Backends")."""
 from __future__ import annotations
 
 import contextlib
-import os
-import sys
+import subprocess
+import time
 from typing import Any
 
+from ..quiet import quiet_stdout
 from .driver import ExactBackend
 from .formulate import Formulation
 
@@ -49,25 +50,43 @@ def _pulp_problem(f: Formulation, fixed: dict[int, int] | None = None):
     return prob, x
 
 
+class _DeadlinePopen(subprocess.Popen):
+    """CBC checks its time limit only between nodes: a long root solve can run far past it.
+    PuLP waits for the process; this wait gives up at the deadline and kills it."""
+
+    deadline = float("inf")
+
+    def wait(self, timeout=None):
+        try:
+            return super().wait(timeout=max(0.1, self.deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            self.kill()
+            return super().wait()
+
+
 @contextlib.contextmanager
-def _quiet_stdout():
-    """HiGHS prints its banner from C when the solver object is made, before PuLP can switch its
-    output off; silence file descriptor 1 for the call."""
-    sys.stdout.flush()
-    saved = os.dup(1)
-    devnull = os.open(os.devnull, os.O_WRONLY)
+def _hard_deadline(seconds: float):
+    """PuLP's CBC runs under a wall-clock deadline (the time limit plus a grace period)."""
+    from pulp.apis import coin_api
+
+    shim = type("subprocess_with_deadline", (), {})()
+    for name in dir(subprocess):
+        if not name.startswith("__"):
+            setattr(shim, name, getattr(subprocess, name))
+    popen = type("Popen", (_DeadlinePopen,), {"deadline": time.monotonic() + seconds})
+    shim.Popen = popen
+    original = coin_api.subprocess
+    coin_api.subprocess = shim
     try:
-        os.dup2(devnull, 1)
         yield
     finally:
-        os.dup2(saved, 1)
-        os.close(saved)
-        os.close(devnull)
+        coin_api.subprocess = original
 
 
 class _PulpBackend(ExactBackend):
     name = "pulp"
     quiet = False
+    hard_deadline = False
 
     def _solver(self, time_limit_s: float, seed: int, workers: int, warm: bool, gap: float):
         raise NotImplementedError
@@ -84,11 +103,17 @@ class _PulpBackend(ExactBackend):
             prob, x = _pulp_problem(f, fixed)
         gap = float(options.get("gap", 1e-3))
         solver = self._solver(time_limit_s, seed, workers, bool(f.model.hint), gap)
-        if self.quiet and not options.get("log"):
-            with _quiet_stdout():
+        try:
+            with contextlib.ExitStack() as stack:
+                if self.quiet and not options.get("log"):
+                    stack.enter_context(quiet_stdout())
+                if self.hard_deadline:
+                    stack.enter_context(_hard_deadline(time_limit_s * 1.1 + 2.0))
                 prob.solve(solver)
-        else:
-            prob.solve(solver)
+        except pulp.PulpSolverError:
+            if not self.hard_deadline:
+                raise
+            return "timeout", None, None, None  # killed at the deadline: no solution to read
         status = pulp.LpStatus.get(prob.status, "Undefined")
         sol_status = getattr(prob, "sol_status", None)
         if status == "Infeasible":
@@ -106,6 +131,7 @@ class _PulpBackend(ExactBackend):
 
 class CbcBackend(_PulpBackend):
     name = "cbc"
+    hard_deadline = True
     _extra: tuple[str, ...] = ()
 
     def run(self, f, time_limit_s, seed, workers, options, fixed=None):
