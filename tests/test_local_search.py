@@ -7,8 +7,9 @@ from helpers import LINK, graph, op, plan, random_plans, tensor
 from hypothesis import HealthCheck, given, settings
 
 import slackswap as ss
-from slackswap.local_search import evaluate, improve
+from slackswap.local_search import improve
 from slackswap.plan import KEEP, RECOMPUTE
+from slackswap.simulate import simulate_decisions
 from slackswap.solve import Problem
 from slackswap.stepmodel import codes_to_decisions, decision_codes
 
@@ -28,7 +29,7 @@ def test_swap_that_stalls_becomes_keep_when_memory_allows():
     # swap: the 3 s D2H copy (t=1..4) cannot be hidden by 1.5 s of compute, so backward B
     # waits for it and for the prefetch: 9 s. Keeping a peaks at a + b + c = 320 B <= 1000.
     start = decision_codes(g, {"a": "swap"})
-    assert evaluate(g, LINK, 1000, start).step_time_s == pytest.approx(9.0)
+    assert simulate_decisions(g, start, LINK, 1000).step_time_s == pytest.approx(9.0)
     result = improve(g, LINK, 1000, start)
     assert int(result.codes[g.tensor_index["a"]]) == KEEP
     assert result.sim.step_time_s == pytest.approx(5.0)
@@ -40,7 +41,7 @@ def test_swap_that_stalls_becomes_recompute_when_keep_does_not_fit():
     # budget 315 B: keep peaks at 320 B (over), recompute frees a after B (forward C holds
     # b + c = 20 B) and rebuilds it before backward B (A runs again: +1 s): 6 s, peak a + b = 310 B.
     start = decision_codes(g, {"a": "swap"})
-    assert evaluate(g, LINK, 315, start).step_time_s >= 9.0
+    assert simulate_decisions(g, start, LINK, 315).step_time_s >= 9.0
     assert not ss.simulate(g, plan(g, {"a": "keep"}, 315), LINK).fits
     result = improve(g, LINK, 315, start)
     assert int(result.codes[g.tensor_index["a"]]) == RECOMPUTE
@@ -54,7 +55,7 @@ def test_never_worse_than_the_start_and_the_plan_checks_out(case):
     g, start_plan = case
     budget = start_plan.budget_bytes
     start = decision_codes(g, start_plan)
-    before = evaluate(g, LINK, budget, start)
+    before = simulate_decisions(g, start, LINK, budget)
     result = improve(g, LINK, budget, start)
     after = result.sim
     over = (max(0, before.peak_bytes - budget), max(0, after.peak_bytes - budget))
@@ -86,7 +87,7 @@ def test_random_groups_move_together():
     # recomputing both (A runs again, 0.1 s) is 2.5 s, but only as a pair: one mask alone may
     # not be recomputed.
     start = decision_codes(g, {"m1": "keep", "m2": "swap", "b": "keep"})
-    assert evaluate(g, LINK, 300, start).step_time_s == pytest.approx(3.3)
+    assert simulate_decisions(g, start, LINK, 300).step_time_s == pytest.approx(3.3)
     result = improve(g, LINK, 300, start)
     assert [int(result.codes[g.tensor_index[n]]) for n in ("m1", "m2")] == [RECOMPUTE, RECOMPUTE]
     assert result.sim.step_time_s == pytest.approx(2.5)

@@ -162,11 +162,11 @@ def heuristic_codes(graph: ActivationGraph, hw: Hardware, budget: int,
 
 def _best_of(graph: ActivationGraph, hw: Hardware, budget: int, candidates) -> np.ndarray:
     """The candidate plan with the shortest simulated step that fits."""
-    from .simulate import run_timeline
+    from .simulate import simulate_decisions
 
     best, best_time = None, np.inf
     for codes in candidates:
-        sim = run_timeline(graph, expand(graph, codes, None, hw, budget_bytes=budget), hw, budget)
+        sim = simulate_decisions(graph, codes, hw, budget)
         if sim.fits and sim.step_time_s < best_time:
             best, best_time = codes, sim.step_time_s
     return best if best is not None else candidates[0]

@@ -21,8 +21,7 @@ import numpy as np
 from .graph import ActivationGraph
 from .hardware import Hardware
 from .plan import KEEP, RECOMPUTE, SWAP
-from .simulate import SimResult, run_timeline
-from .stepmodel import expand
+from .simulate import SimResult, simulate_decisions
 
 
 @dataclass(frozen=True)
@@ -33,11 +32,6 @@ class SearchResult:
     evaluations: int  # plans simulated
     wall_s: float
     complete: bool  # stopped at a local optimum (no single move improves), not by the time limit
-
-
-def evaluate(graph: ActivationGraph, hw: Hardware, budget: int, codes: np.ndarray) -> SimResult:
-    """The plan with these decisions and the default schedule, simulated."""
-    return run_timeline(graph, expand(graph, codes, None, hw, budget_bytes=budget), hw, budget)
 
 
 def _key(sim: SimResult, budget: int) -> tuple[int, float, int]:
@@ -100,7 +94,7 @@ def improve(graph: ActivationGraph, hw: Hardware, budget: int, codes: np.ndarray
     units = _units(graph)
     can_recompute = graph.can_recompute
     order = sorted((int(t) for t in graph.saved), key=lambda t: (-int(graph.producer[t]), t))
-    best_sim = evaluate(graph, hw, budget, codes)
+    best_sim = simulate_decisions(graph, codes, hw, budget)
     best_key = _key(best_sim, budget)
     evaluations, moves = 1, 0
 
@@ -131,7 +125,7 @@ def improve(graph: ActivationGraph, hw: Hardware, budget: int, codes: np.ndarray
         trial = trial_of(t, target)
         if trial is None:
             return None
-        sim = evaluate(graph, hw, budget, trial)
+        sim = simulate_decisions(graph, trial, hw, budget)
         evaluations += 1
         return trial, sim, _key(sim, budget)
 

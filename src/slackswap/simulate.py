@@ -65,6 +65,13 @@ def simulate(graph: ActivationGraph, plan: Plan, hw: Hardware | str) -> SimResul
     return run_timeline(graph, exp, hw, plan.budget_bytes)
 
 
+def simulate_decisions(graph: ActivationGraph, codes: np.ndarray, hw: Hardware,
+                       budget: int) -> SimResult:
+    """Decision codes with the default schedule (yielding to ``budget``), simulated: how planners
+    compare candidate decisions. The schedule used is ``result.expansion``'s."""
+    return run_timeline(graph, expand(graph, codes, None, hw, budget_bytes=budget), hw, budget)
+
+
 def run_timeline(graph: ActivationGraph, exp: Expansion, hw: Hardware, budget: int) -> SimResult:
     n = graph.n_ops
     S = graph.n_slots

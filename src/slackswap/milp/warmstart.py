@@ -19,9 +19,8 @@ import numpy as np
 
 from ..local_search import improve
 from ..plan import KEEP, RECOMPUTE, SWAP
-from ..simulate import SimResult, run_timeline
+from ..simulate import SimResult, simulate_decisions
 from ..solve import Problem
-from ..stepmodel import expand
 
 
 @dataclass
@@ -48,14 +47,16 @@ class WarmStart:
         return self.codes, self.free, self.issue, self.rebuild
 
 
-def default_schedule_of(problem: Problem, codes: np.ndarray):
-    """The default schedule (yielding to the budget) of these decisions, and its simulation."""
-    g, hw, budget = problem.graph, problem.hardware, problem.budget_bytes
-    exp = expand(g, codes, None, hw, budget_bytes=budget)
+def _warm(problem: Problem, codes: np.ndarray, sim: SimResult, source: str, heuristic_codes,
+          heuristic_sim, bound_s=None) -> WarmStart:
+    """A warm start from decisions and their simulation (whose expansion holds the default
+    schedule, yielding to the budget, that the plan was simulated with)."""
+    g, exp = problem.graph, sim.expansion
     free = {int(t): int(exp.d2h_free[t]) for t in g.saved if codes[t] == SWAP}
     issue = {int(t): int(exp.h2d_issue[t]) for t in g.saved if codes[t] == SWAP}
     rebuild = {int(t): int(exp.materialize_at[t]) for t in g.saved if codes[t] == RECOMPUTE}
-    return free, issue, rebuild, run_timeline(g, exp, hw, budget)
+    return WarmStart(codes, free, issue, rebuild, sim, source, heuristic_codes, heuristic_sim,
+                     bound_s)
 
 
 def _better(a: SimResult, b: SimResult) -> bool:
@@ -92,8 +93,8 @@ def warm_start(problem: Problem, polish: bool = True, bound_s: float | None = No
 
     g, hw, budget = problem.graph, problem.hardware, problem.budget_bytes
     h_codes = SlackSwapHeuristic().solve(problem).codes
-    free, issue, rebuild, h_sim = default_schedule_of(problem, h_codes)
-    best = WarmStart(h_codes, free, issue, rebuild, h_sim, "heuristic", h_codes, h_sim)
+    h_sim = simulate_decisions(g, h_codes, hw, budget)
+    best = _warm(problem, h_codes, h_sim, "heuristic", h_codes, h_sim)
 
     def proven() -> bool:
         known = [b for b in (bound_s, best.bound_s) if b is not None]
@@ -134,8 +135,7 @@ def warm_start(problem: Problem, polish: bool = True, bound_s: float | None = No
             "retention": result.sim.retention, "fits": result.sim.fits, "moves": result.moves,
             "evaluations": result.evaluations, "wall_s": result.wall_s, "complete": result.complete}
         if _better(result.sim, best.sim):
-            free, issue, rebuild, sim = default_schedule_of(problem, result.codes)
-            best = WarmStart(result.codes, free, issue, rebuild, sim, f"{label} + local search",
-                             h_codes, h_sim, best.bound_s)
+            best = _warm(problem, result.codes, result.sim, f"{label} + local search", h_codes,
+                         h_sim, best.bound_s)
     best.notes = notes
     return best
