@@ -13,8 +13,8 @@ import time
 from pathlib import Path
 
 import slackswap as ss
-from slackswap.budget import parse_budget
-from slackswap.heuristic import heuristic_codes
+from slackswap.core.budget import parse_budget
+from slackswap.planners.heuristic import heuristic_codes
 
 
 def main() -> int:

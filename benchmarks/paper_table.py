@@ -6,7 +6,7 @@ Per model and budget: the seed's reported figure, the optimal (CP-SAT) and heuri
 the LP bound, and the baselines, all simulated; with step time, peak and stall per planner.
 """
 
-from slackswap.reference_table import main
+from reference_table import main
 
 if __name__ == "__main__":
     raise SystemExit(main())

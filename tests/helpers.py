@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 from hypothesis import strategies as st
 
 import slackswap as ss
@@ -25,9 +26,15 @@ def graph(ops, tensors, name="g", optimizer_s=0.0):
                           "tensors": tensors, "optimizer_s": optimizer_s})
 
 
-def plan(g, decisions, budget, schedule=None):
+def open_plan(g, decisions, budget, schedule=None):
+    """A hand-made plan as a user writes one: decisions, maybe some positions, no hardware."""
     return ss.Plan(graph_name=g.name, graph_digest=g.digest, budget_bytes=int(budget),
                    decisions=decisions, schedule=None if schedule is None else ss.Schedule(**schedule))
+
+
+def plan(g, decisions, budget, schedule=None, hw=None):
+    """A hand-made plan closed once by ss.complete (on the test link unless told otherwise)."""
+    return ss.complete(open_plan(g, decisions, budget, schedule), g, LINK if hw is None else hw)
 
 
 @st.composite
@@ -84,3 +91,57 @@ def random_plans(draw, low: float = 0.25, high: float = 2.0):
     peak = slackswap.keep_all_peak(g, LINK)
     budget = draw(st.integers(max(1, int(peak * low)), max(1, int(peak * high))))
     return g, plan(g, decisions, budget)
+
+
+def seeded_graph(seed: int, n_ops: int = 8, groups: bool = True):
+    """A random graph from a numpy seed (deterministic, for tests that count what they find):
+    chains, skips, multi-reader saves, workspaces, RNG groups and non-recomputable ops."""
+    rng = np.random.default_rng(seed)
+    ops, tensors, produced = [], [], []
+    for i in range(n_ops):
+        k = int(rng.integers(0, min(2, len(produced)) + 1))
+        inputs = list(rng.choice(produced, size=k, replace=False)) if k else []
+        if rng.random() < 0.3:
+            inputs.append("batch")
+        outs = [f"t{i}_{j}" for j in range(int(rng.integers(1, 3)))]
+        kw = {}
+        if rng.random() < 0.3:
+            kw["forward_workspace_bytes"] = int(rng.integers(1, 300))
+        if rng.random() < 0.3:
+            kw["backward_workspace_bytes"] = int(rng.integers(1, 300))
+        if rng.random() < 0.1:
+            kw["recomputable"] = False
+        ops.append(op(f"op{i}", float(rng.uniform(0.1, 2.0)), float(rng.uniform(0.1, 3.0)),
+                      inputs, outs, **kw))
+        for o in outs:
+            tensors.append(tensor(o, int(rng.integers(1, 500))))
+        for name in inputs + outs:
+            if name != "batch" and rng.random() < 0.6:
+                entry = next(x for x in tensors if x["name"] == name)
+                if f"op{i}" not in entry["saved_for"]:
+                    entry["saved_for"].append(f"op{i}")
+        produced.extend(outs)
+    if groups:
+        saved = [t for t in tensors if t["saved_for"]]
+        if len(saved) >= 2 and rng.random() < 0.5:
+            for t in rng.choice(saved, size=2, replace=False):
+                t["group"] = "rng0"
+    return graph(ops, tensors, name=f"seeded-{seed}")
+
+
+def seeded_decisions(g, seed: int) -> dict:
+    """Random keep / swap / recompute for ``g`` that respects recomputability and RNG groups."""
+    rng = np.random.default_rng(seed)
+    decisions = {}
+    for t in g.saved:
+        choices = ["keep", "swap"] + (["recompute"] if g.can_recompute[t] else [])
+        decisions[g.tensors[t].name] = str(rng.choice(choices))
+    for members in g.rng_groups.values():
+        rebuild = all(g.can_recompute[m] for m in members) and rng.random() < 0.5
+        for m in members:
+            name = g.tensors[m].name
+            if rebuild:
+                decisions[name] = "recompute"
+            elif decisions[name] == "recompute":
+                decisions[name] = "keep"
+    return decisions

@@ -6,7 +6,8 @@ import sys
 
 import pytest
 
-from slackswap.cli import SWEEP_FIELDS, main
+from slackswap.cli import main
+from slackswap.solve import RESULT_FIELDS
 
 GRAPH = {
     "format": "slackswap.graph/1", "name": "tiny",
@@ -30,7 +31,11 @@ def test_solve_simulate_plot(graph_file, tmp_path, capsys):
     plan = tmp_path / "plan.json"
     assert main(["solve", str(graph_file), "--budget", "0.9", "--solver", "cpsat", "--out", str(plan)]) == 0
     data = json.loads(plan.read_text())
-    assert data["format"] == "slackswap.plan/1" and set(data["decisions"]) == {"a", "b", "c"}
+    assert data["format"] == "slackswap.plan/2" and set(data["decisions"]) == {"a", "b", "c"}
+    # closed: the hardware and a position for every swap and recompute travel with the plan
+    assert data["hardware"]["name"] == "a100-80gb-pcie4"
+    swapped = {t for t, d in data["decisions"].items() if d == "swap"}
+    assert set(data["schedule"]["d2h_free"]) == set(data["schedule"]["h2d_issue"]) == swapped
     assert main(["simulate", str(graph_file), str(plan)]) == 0
     out = capsys.readouterr().out
     assert "retention" in out and "forward A" in out and "D2H" in out
@@ -54,7 +59,9 @@ def test_sweep_schema_and_resumption(tmp_path):
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert len(rows) == 4
     for r in rows:
-        assert set(SWEEP_FIELDS) <= set(r)
+        # the one row schema of compare(), the sweep and the benchmarks
+        assert set(RESULT_FIELDS) | {"workload", "budget_fraction"} <= set(r)
+        assert r["status"] in ("heuristic", "baseline", "infeasible")
         assert r["workload"] == "bert-large" and r["solver"] in ("heuristic", "swap-all")
     # resumable: nothing is run twice, missing rows are added
     assert main(args) == 0
@@ -85,6 +92,9 @@ def test_profile_command(tmp_path, monkeypatch):
     (["solve", "bert-large", "--budget", "1e-9", "--solver", "heuristic"], "cannot fit"),
     (["solve", "bert-large", "--budget", "0.5", "--solver", "gurobi"], "unknown solver"),
     (["solve", "bert-large", "--budget", "0.5", "--hardware", "tpu"], "unknown hardware"),
+    (["solve", "bert-large", "--budget", "0.5", "--time-limit", "abc"], "--time-limit"),
+    (["solve", "bert-large"], "--budget"),
+    (["frobnicate"], "invalid choice"),
 ])
 def test_bad_input_is_one_line_and_exit_2(argv, message, capsys):
     assert main(argv) == 2

@@ -45,7 +45,7 @@ def plan_from(graph, choices, budget=10**12):
         if c == "recompute" and not graph.can_recompute[t]:
             c = "swap"
         decisions[graph.tensors[t].name] = c
-    return ss.Plan(graph.name, graph.digest, budget, decisions)
+    return ss.complete(ss.Plan(graph.name, graph.digest, budget, decisions), graph, "cpu")
 
 
 @pytest.mark.parametrize("name", MODELS)
@@ -119,7 +119,7 @@ def test_in_place_modification_of_a_saved_tensor_raises():
         "ops": [{"name": "lin/addmm#1", "forward_s": 1e-6, "backward_s": 1e-6, "inputs": [],
                  "outputs": ["lin#0"]}],
         "tensors": [{"name": "lin#0", "bytes": 32, "saved_for": ["lin/addmm#1"]}]})
-    plan = ss.Plan(graph.name, graph.digest, 10**6, {"lin#0": "keep"})
+    plan = ss.complete(ss.Plan(graph.name, graph.digest, 10**6, {"lin#0": "keep"}), graph, "cpu")
     with pytest.raises(RuntimeError, match="modified in place"):
         with ss.apply(plan, model):
             model(x).sum().backward()
@@ -283,3 +283,30 @@ def test_backward_inside_forward_keeps_tracing_and_wrappers_are_restored():
     assert torch.autograd.backward is backward and torch.autograd.grad is grad
     # every saved tensor of the step, including those after the inner grad call, was planned
     assert run._step.packed == set(plan.decisions)
+
+
+@pytest.mark.parametrize("solver", ["keep-all", "recompute-all", "swap-all", "heuristic", "cpsat",
+                                    "cbc", "highs"])
+def test_every_planners_plan_reloaded_executes_on_its_own_schedule(solver, tmp_path):
+    """Saved and reloaded, a plan runs with its own schedule and hardware: exact gradients, and
+    the tracked peak is the one simulated on that schedule."""
+    if not ss.is_available(solver):
+        pytest.skip(f"{solver} is not installed")
+    model, inputs, loss_fn, graph = setup("gpt")
+    cpu = ss.hardware("cpu")
+    plan = ss.solve(graph, 0.6, cpu, solver=solver, strict=False, time_limit_s=5)
+    path = tmp_path / "plan.json"
+    plan.save(path)
+    again = ss.load_plan(path)
+    assert again.hardware == cpu and again.schedule == plan.schedule
+    expected, _ = grads(model, inputs, loss_fn)
+    got, run = grads(model, inputs, loss_fn, again, graph)
+    assert all(a is None and b is None or torch.equal(a, b) for a, b in zip(expected, got))
+    assert run.stats.peak_activation_bytes == ss.simulate(graph, again).peak_bytes
+
+
+def test_a_plan_for_other_hardware_warns_naming_both():
+    model, inputs, loss_fn, graph = setup("mlp")
+    plan = ss.solve(graph, 0.8, "a100-80gb-pcie4", solver="heuristic")
+    with pytest.warns(UserWarning, match="a100-80gb-pcie4.*cpu"):
+        grads(model, inputs, loss_fn, plan, graph)

@@ -7,11 +7,11 @@ from helpers import LINK, graph, op, plan, random_plans, tensor
 from hypothesis import HealthCheck, given, settings
 
 import slackswap as ss
-from slackswap.local_search import improve
-from slackswap.plan import KEEP, RECOMPUTE
-from slackswap.simulate import simulate_decisions
-from slackswap.solve import Problem
-from slackswap.stepmodel import codes_to_decisions, decision_codes
+from slackswap.check.simulate import simulate_decisions
+from slackswap.core.plan import KEEP, RECOMPUTE
+from slackswap.core.stepmodel import codes_to_decisions, decision_codes
+from slackswap.planners.base import Problem
+from slackswap.planners.local_search import improve
 
 
 def unhidden_copy_graph():
@@ -95,7 +95,7 @@ def test_random_groups_move_together():
 
 
 def test_warm_start_is_never_worse_than_the_heuristic():
-    from slackswap.milp.warmstart import warm_start
+    from slackswap.planners.exact.warmstart import warm_start
 
     g = ss.workload("bert-large", "a100-80gb-pcie4")
     hw = ss.hardware("a100-80gb-pcie4")

@@ -159,7 +159,7 @@ def test_cbc_runs_under_a_hard_deadline():
 
     from pulp.apis import coin_api
 
-    from slackswap.milp.pulp_backend import _hard_deadline
+    from slackswap.planners.exact.pulp_backend import _hard_deadline
 
     with _hard_deadline(0.5):
         proc = coin_api.subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])

@@ -7,7 +7,7 @@ torch = pytest.importorskip("torch")
 from models import BUILDERS, build  # noqa: E402
 
 import slackswap as ss  # noqa: E402
-from slackswap.profiler import ProfileError  # noqa: E402
+from slackswap.runtime.profiler import ProfileError  # noqa: E402
 
 MODELS = [m for m in BUILDERS if not m.startswith("hf-")] + [
     pytest.param(m, marks=pytest.mark.skipif(
@@ -117,8 +117,19 @@ def test_clear_errors():
         ss.profile(lambda x: x, inputs, loss_fn)
 
 
-def test_calibrate_link_on_cpu_is_the_documented_preset():
-    assert ss.calibrate_link() == ss.hardware("cpu")
+def test_calibrate_link_keeps_its_promise_on_this_machine():
+    """A CPU device has no link to measure: the documented preset, on any machine. A CUDA device,
+    where there is one, gets measured figures under a "measured:" name."""
+    import math
+
+    assert ss.calibrate_link("cpu") == ss.hardware("cpu")
+    hw = ss.calibrate_link()
+    if torch.cuda.is_available():
+        assert hw.name.startswith("measured:")
+        for figure in (hw.d2h_bytes_per_s, hw.h2d_bytes_per_s, hw.latency_s):
+            assert math.isfinite(figure) and figure > 0
+    else:
+        assert hw == ss.hardware("cpu")
 
 
 @pytest.mark.parametrize("name", ["gpt", "hf-llama"] if __import__("importlib").util.find_spec("transformers") else ["gpt"])
@@ -185,6 +196,7 @@ def test_profile_observes_tensors_the_model_holds_past_their_last_reader(drop):
     plan = ss.Plan(g.name, g.digest, ss.keep_all_peak(g, cpu), {
         g.tensors[t].name: ("recompute" if g.tensors[t].name == "l1#0" else "keep")
         for t in g.saved})
+    plan = ss.complete(plan, g, cpu)
     with ss.apply(plan, model, graph=g) as run:
         model(torch.randn(8, 16)).sum().backward()
     assert run.stats.peak_activation_bytes == ss.simulate(g, plan, cpu).peak_bytes

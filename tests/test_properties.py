@@ -60,8 +60,7 @@ def test_simulator_and_validator_agree(case):
     check = ss.validate(g, p, LINK)
     assert sim.fits == check.ok
     assert sim.peak_bytes == check.peak_bytes
-    if sim.fits:
-        assert sim.peak_bytes <= p.budget_bytes
+    assert sim.fits == (sim.peak_bytes <= p.budget_bytes)
     assert sim.step_time_s >= sim.ideal_step_time_s - 1e-9
     assert 0 < sim.retention <= 1.0 + 1e-12
     # the timeline ends where the step time says (stalls and reruns are the only extra time)

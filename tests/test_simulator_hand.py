@@ -1,7 +1,9 @@
 """Hand-worked steps: every time, stall and peak below is computed in the comments."""
 
+import dataclasses
+
 import pytest
-from helpers import HALF_DUPLEX, LINK, graph, op, plan, tensor
+from helpers import HALF_DUPLEX, LINK, graph, op, open_plan, plan, tensor
 
 import slackswap as ss
 
@@ -124,9 +126,17 @@ def test_plan_over_budget_is_reported_where():
 
 def test_schedule_errors_are_named():
     g = chain_graph()
-    bad = plan(g, {"a": "swap"}, 1000, {"d2h_free": {"a": 0}})
+    # completing a partial schedule that breaks a rule names the rule
     with pytest.raises(ss.PlanError, match=r"d2h_free\['a'\].*before its last forward reader"):
-        ss.simulate(g, bad, LINK)
-    late = plan(g, {"a": "swap"}, 1000, {"h2d_issue": {"a": 5}})
+        plan(g, {"a": "swap"}, 1000, {"d2h_free": {"a": 0}})
+    # a complete schedule that breaks a rule: the simulator refuses, the checker names it
+    bad = dataclasses.replace(open_plan(g, {"a": "swap"}, 1000, {"d2h_free": {"a": 0},
+                                                                 "h2d_issue": {"a": 3}}), hardware=LINK)
+    with pytest.raises(ss.PlanError, match=r"d2h_free\['a'\].*before its last forward reader"):
+        ss.simulate(g, bad)
+    assert "before its last forward reader" in ss.validate(g, bad).report()
+    late = dataclasses.replace(open_plan(g, {"a": "swap"}, 1000, {"d2h_free": {"a": 1},
+                                                                  "h2d_issue": {"a": 5}}), hardware=LINK)
     with pytest.raises(ss.PlanError, match=r"h2d_issue\['a'\].*after its first use"):
-        ss.simulate(g, late, LINK)
+        ss.simulate(g, late)
+    assert "after its first use" in ss.validate(g, late).report()

@@ -1,42 +1,47 @@
 """slackswap: plan the activation memory of a training step.
 
 For every activation saved for backward: keep it on the device, swap it to host memory over the
-copy lanes, or recompute it, under a device-memory budget. torch is imported only by the
-profiler and the executor.
+copy lanes, or recompute it, under a device-memory budget. Layers, each importing only those
+before it: core (data types and the step model), check (simulator, independent checker),
+planners, solve; runtime (profiler, executor; torch) depends on core only and loads lazily.
 """
 
-from .budget import keep_all_peak, min_budget, parse_budget
-from .errors import GraphError, InfeasibleBudget, PlanError
-from .graph import ActivationGraph, Op, Tensor, load_graph
-from .hardware import Hardware, hardware, hardware_names
-from .plan import Plan, Schedule, SolveInfo, load_plan
-from .simulate import SimResult, simulate
-from .solve import compare, register_solver, solve, solver_names
-from .validate import Validation, Violation, validate
+from .check.simulate import SimResult, simulate
+from .check.validate import Validation, Violation, validate
+from .core.budget import keep_all_peak, min_budget, parse_budget
+from .core.complete import complete, load_plan
+from .core.errors import GraphError, InfeasibleBudget, PlanError
+from .core.graph import ActivationGraph, Op, Tensor, load_graph
+from .core.hardware import Hardware, hardware, hardware_names
+from .core.plan import Decision, Plan, Schedule, SolveInfo
+from .planners.base import is_available
+from .solve import compare, register_solver, result_row, solve, solver_names
 from .workloads import WORKLOADS, TransformerConfig, transformer_graph, workload
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
-    "ActivationGraph", "GraphError", "Hardware", "InfeasibleBudget", "Op", "Plan", "PlanError",
-    "Schedule", "SimResult", "SolveInfo", "Tensor", "TransformerConfig", "Validation", "Violation",
-    "WORKLOADS", "compare", "hardware", "hardware_names", "keep_all_peak", "load_graph",
-    "load_plan", "min_budget", "parse_budget", "register_solver", "simulate", "solve",
-    "solver_names", "transformer_graph", "validate", "workload",
+    "ActivationGraph", "Decision", "GraphError", "Hardware", "InfeasibleBudget", "Op", "Plan",
+    "PlanError", "Schedule", "SimResult", "SolveInfo", "Tensor", "TransformerConfig", "Validation",
+    "Violation", "WORKLOADS", "compare", "complete", "hardware", "hardware_names", "is_available",
+    "keep_all_peak", "load_graph", "load_plan", "min_budget", "parse_budget", "register_solver",
+    "result_row", "simulate", "solve", "solver_names", "transformer_graph", "validate", "workload",
 ]
+
+_LAZY = {
+    "lp_bound": ("slackswap.planners.lpbound", "lp_bound"),
+    "profile": ("slackswap.runtime.profiler", "profile"),
+    "calibrate_link": ("slackswap.runtime.profiler", "calibrate_link"),
+    "apply": ("slackswap.runtime.executor", "apply"),
+    "checkpoint_policy": ("slackswap.runtime.checkpoint", "checkpoint_policy"),
+}
 
 
 def __getattr__(name: str):
-    lazy = {
-        "lp_bound": ("slackswap.lpbound", "lp_bound"),
-        "profile": ("slackswap.profiler", "profile"),
-        "calibrate_link": ("slackswap.profiler", "calibrate_link"),
-        "apply": ("slackswap.executor", "apply"),
-    }
-    if name in lazy:
+    if name in _LAZY:
         import importlib
 
-        module, attr = lazy[name]
+        module, attr = _LAZY[name]
         try:
             return getattr(importlib.import_module(module), attr)
         except ModuleNotFoundError as exc:

@@ -9,10 +9,7 @@ import sys
 from pathlib import Path
 
 from . import __version__
-from .errors import GraphError, InfeasibleBudget, PlanError
-
-SWEEP_FIELDS = ("workload", "budget_fraction", "budget_bytes", "solver", "status", "retention",
-                "step_time_s", "peak_bytes", "objective", "bound", "gap", "wall_s")
+from .core.errors import GraphError, InfeasibleBudget, PlanError
 
 
 class CliError(Exception):
@@ -20,7 +17,7 @@ class CliError(Exception):
 
 
 def _graph(spec: str, hw):
-    from .graph import load_graph
+    from .core.graph import load_graph
     from .workloads import WORKLOADS, workload
 
     if Path(spec).exists():
@@ -30,16 +27,10 @@ def _graph(spec: str, hw):
     raise CliError(f"{spec!r} is neither a graph file nor a workload ({', '.join(sorted(WORKLOADS))})")
 
 
-def _budget(text: str):
-    try:
-        value = float(text)
-    except ValueError:
-        return text
-    if value <= 1.0:
-        return value
-    if value.is_integer():
-        return int(value)
-    raise CliError(f"budget {text!r}: a fraction in (0, 1], bytes, or a size such as 12GiB")
+def _budget(text: str) -> str:
+    """The budget as the API reads a string (core/units.py): "0.5" and "50%" are fractions,
+    "1000000" and "12GiB" bytes."""
+    return text
 
 
 def _pct(x) -> str:
@@ -47,15 +38,15 @@ def _pct(x) -> str:
 
 
 def cmd_solve(args) -> int:
-    from .hardware import hardware
-    from .simulate import simulate
+    from .check.simulate import simulate
+    from .core.hardware import hardware
     from .solve import solve
 
     hw = hardware(args.hardware)
     g = _graph(args.graph, hw)
     with _Spinner(f"solving {g.name} with {args.solver}"):
         plan = solve(g, _budget(args.budget), hw, solver=args.solver, time_limit_s=args.time_limit)
-    sim = simulate(g, plan, hw)
+    sim = simulate(g, plan)
     print(f"{g.name}: {plan.count('keep')} keep, {plan.count('swap')} swap, "
           f"{plan.count('recompute')} recompute; status {plan.info.status}, gap "
           f"{_pct(plan.info.gap)}, solved in {plan.info.wall_s:.2f} s")
@@ -67,7 +58,7 @@ def cmd_solve(args) -> int:
 
 
 def cmd_compare(args) -> int:
-    from .hardware import hardware
+    from .core.hardware import hardware
     from .solve import compare
 
     hw = hardware(args.hardware)
@@ -93,29 +84,19 @@ def cmd_compare(args) -> int:
 
 def _sweep_row(task):
     workload_name, fraction, solver, hw_name, time_limit = task
-    from .budget import parse_budget
-    from .hardware import hardware
-    from .simulate import simulate
-    from .solve import solve
-    from .workloads import workload
+    from .core.budget import parse_budget
+    from .core.hardware import hardware
+    from .solve import infeasible_row, result_row, solve
 
     hw = hardware(hw_name)
-    g = workload(workload_name, hw) if not Path(workload_name).exists() else \
-        importlib.import_module("slackswap.graph").load_graph(workload_name)
+    g = _graph(workload_name, hw)
     budget = parse_budget(fraction, g, hw)
-    row = {"workload": workload_name, "budget_fraction": fraction, "budget_bytes": budget, "solver": solver}
+    context = {"workload": workload_name, "budget_fraction": fraction}
     try:
         plan = solve(g, budget, hw, solver=solver, time_limit_s=time_limit, strict=False)
     except InfeasibleBudget as exc:
-        row.update(status="infeasible", retention=None, step_time_s=None, peak_bytes=None,
-                   objective=None, bound=None, gap=None, wall_s=0.0, min_budget_bytes=exc.min_budget_bytes)
-        return row
-    sim = simulate(g, plan, hw)
-    row.update(status=plan.info.status if sim.fits else "over-budget",
-               retention=sim.retention if sim.fits else None, step_time_s=sim.step_time_s,
-               peak_bytes=sim.peak_bytes, objective=plan.info.objective, bound=plan.info.bound,
-               gap=plan.info.gap, wall_s=plan.info.wall_s)
-    return row
+        return infeasible_row(solver, exc, **context)
+    return result_row(g, plan, **context)
 
 
 def cmd_sweep(args) -> int:
@@ -159,14 +140,13 @@ def cmd_sweep(args) -> int:
 
 
 def cmd_simulate(args) -> int:
-    from .hardware import hardware
-    from .plan import load_plan
-    from .simulate import simulate
+    from .check.simulate import simulate
+    from .core.complete import load_plan
+    from .core.hardware import hardware
 
-    hw = hardware(args.hardware)
-    g = _graph(args.graph, hw)
-    plan = load_plan(args.plan)
-    sim = simulate(g, plan, hw)
+    g = _graph(args.graph, hardware(args.hardware or "a100-80gb-pcie4"))
+    plan = load_plan(args.plan, graph=g, hardware=args.hardware)
+    sim = simulate(g, plan, args.hardware)
     exp = sim.expansion
     print(sim.summary())
     print(f"{'t (ms)':>10} {'dur (ms)':>9} {'memory MiB':>11}  what")
@@ -188,18 +168,17 @@ def cmd_simulate(args) -> int:
 
 
 def cmd_plot(args) -> int:
-    from .hardware import hardware
-    from .plan import load_plan
+    from .check.simulate import simulate
+    from .core.complete import load_plan
+    from .core.hardware import hardware
     from .plot import plot_gantt, plot_memory
-    from .simulate import simulate
 
-    hw = hardware(args.hardware)
-    g = _graph(args.graph, hw)
+    g = _graph(args.graph, hardware(args.hardware or "a100-80gb-pcie4"))
     sims = {}
     budget = 0
     for p in args.plans:
-        plan = load_plan(p)
-        sims[f"{Path(p).stem} ({plan.info.solver})"] = simulate(g, plan, hw)
+        plan = load_plan(p, graph=g, hardware=args.hardware)
+        sims[f"{Path(p).stem} ({plan.info.solver})"] = simulate(g, plan, args.hardware)
         budget = max(budget, plan.budget_bytes)
     written = plot_memory(sims, budget, f"{args.out}-memory", title=f"{g.name}: activation memory")
     first = next(iter(sims.values()))
@@ -210,7 +189,7 @@ def cmd_plot(args) -> int:
 
 
 def cmd_profile(args) -> int:
-    from .profiler import profile
+    from .runtime.profiler import profile
 
     module_name, _, func_name = args.target.partition(":")
     if not func_name:
@@ -255,11 +234,18 @@ class _Spinner(_Progress):
         self.bar.set_description(what)
 
 
+class _Parser(argparse.ArgumentParser):
+    """Bad arguments are bad input like any other: one line, exit status 2."""
+
+    def error(self, message: str):
+        raise CliError(f"{self.prog}: {message}")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="slackswap", description="Plan the activation memory of "
+    parser = _Parser(prog="slackswap", description="Plan the activation memory of "
                                      "a training step: keep, swap to host, or recompute.")
     parser.add_argument("--version", action="version", version=f"slackswap {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     def common(p, budget=True):
         p.add_argument("--hardware", default="a100-80gb-pcie4", help="hardware preset (default %(default)s)")
@@ -292,14 +278,14 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("simulate", help="the step's timeline under a plan, in text")
     p.add_argument("graph")
     p.add_argument("plan")
-    p.add_argument("--hardware", default="a100-80gb-pcie4")
+    p.add_argument("--hardware", help="simulate on this preset instead of the plan's hardware")
     p.add_argument("--limit", type=int, default=60, help="ops to list")
     p.set_defaults(func=cmd_simulate)
 
     p = sub.add_parser("plot", help="memory against the budget and a Gantt chart of the lanes")
     p.add_argument("graph")
     p.add_argument("plans", nargs="+")
-    p.add_argument("--hardware", default="a100-80gb-pcie4")
+    p.add_argument("--hardware", help="simulate on this preset instead of each plan's hardware")
     p.add_argument("--out", default="slackswap-plot")
     p.set_defaults(func=cmd_plot)
 
@@ -315,8 +301,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
     try:
+        args = parser.parse_args(argv)
         return args.func(args)
     except (CliError, GraphError, PlanError, InfeasibleBudget, ValueError, FileNotFoundError,
             ImportError, KeyError) as exc:

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .graph import ActivationGraph
-from .simulate import SimResult
+from .check.simulate import SimResult
+from .core.graph import ActivationGraph
 
 
 def plot_memory(results: dict[str, SimResult], budget: int, path: str | Path, title: str = "") -> list[Path]:

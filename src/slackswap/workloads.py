@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from .graph import ActivationGraph, Op, Tensor
-from .hardware import Hardware, hardware
+from .core.graph import ActivationGraph, Op, Tensor
+from .core.hardware import Hardware, hardware
 
 
 @dataclass(frozen=True)

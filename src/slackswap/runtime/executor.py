@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+import warnings
 import weakref
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -28,10 +29,10 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
-from .errors import PlanError
-from .graph import ActivationGraph
-from .plan import Plan
-from .torch_trace import LiveStorages, ModulePaths, Tracer, collect_tensors, op_info, storage_key
+from ..core.errors import PlanError
+from ..core.graph import ActivationGraph
+from ..core.plan import Plan
+from .trace import LiveStorages, ModulePaths, Tracer, collect_tensors, op_info, storage_key
 
 
 @dataclass
@@ -145,10 +146,9 @@ class Run:
 
     def __init__(self, plan: Plan, model: torch.nn.Module, graph: ActivationGraph | None,
                  prefetch_ahead: int = 2):
-        if graph is not None and graph.digest != plan.graph_digest:
-            raise PlanError(f"plan was made for graph {plan.graph_name!r} (digest "
-                            f"{plan.graph_digest[:12]}), not for graph {graph.name!r} "
-                            f"(digest {graph.digest[:12]})")
+        if graph is not None:
+            plan.check_graph(graph)
+        plan.require_complete("apply")
         self.plan = plan
         self.model = model
         self.graph = graph
@@ -162,6 +162,7 @@ class Run:
         # recipes (and RNG states) are kept only when something will be rebuilt
         self.needs_recipes = any(d == "recompute" for d in plan.decisions.values())
         self._issue_at, self._need_at = self._prefetch_schedule(plan, graph)
+        self._check_device()
         if graph is not None:
             # the graph gives every offloaded storage's size: one pinned slab up front
             self.pool.reserve({name: int(graph.tensors[graph.tensor_index[name]].bytes)
@@ -176,24 +177,33 @@ class Run:
 
     @staticmethod
     def _prefetch_schedule(plan: Plan, graph: ActivationGraph | None):
-        """Per swapped tensor, the backward position at which the plan issues its prefetch (its
-        schedule, else the step model's default for its budget), and each saved tensor's first
-        backward position: the executor's clock in backward is the tensors it is asked for."""
+        """Per swapped tensor, the backward position at which the plan issues its prefetch (the
+        plan's own schedule), and each saved tensor's first backward position (where the plan
+        rebuilds or reads it): the executor's clock in backward is the tensors it is asked for."""
         if graph is None or not any(d == "swap" for d in plan.decisions.values()):
             return None, None
-        from .hardware import hardware as get_hardware
-        from .stepmodel import decision_codes, expand
+        from ..core.stepmodel import decision_codes, first_backward_need
 
-        try:  # the preset the graph was made for, else the CPU transport's
-            hw = get_hardware(str(graph.extra.get("hardware", "cpu")))
-        except ValueError:
-            hw = get_hardware("cpu")
-        exp = expand(graph, decision_codes(graph, plan), plan.schedule, hw,
-                     budget_bytes=plan.budget_bytes if plan.schedule is None else None)
-        issue = {graph.tensors[t].name: int(exp.h2d_issue[t]) for t in graph.saved
-                 if exp.h2d_issue[t] >= 0}
-        need = {graph.tensors[t].name: int(exp.first_need[t]) for t in graph.saved}
+        issue = dict(plan.schedule.h2d_issue)
+        first = first_backward_need(graph, decision_codes(graph, plan), plan.schedule)
+        need = {graph.tensors[t].name: int(first[t]) for t in graph.saved}
         return issue, need
+
+    def _check_device(self) -> None:
+        """A plan's times are the hardware's it was made for: warn when this device is another."""
+        hw = self.plan.hardware
+        if self.cuda:
+            here = torch.cuda.get_device_name(self.device)
+            tokens = [tok for tok in ("a100", "h100", "h200", "l4", "l40", "v100", "a10")
+                      if tok in hw.name.lower()]
+            differs = hw.name == "cpu" or (tokens and not any(tok in here.lower() for tok in tokens))
+        else:
+            here = "cpu"
+            differs = hw.name != "cpu"
+        if differs:
+            warnings.warn(f"plan was made for hardware {hw.name!r} but runs on {here!r} "
+                          f"({self.device}): its copy and rebuild positions were timed for the "
+                          "former", stacklevel=3)
 
     # ------------------------------------------------------------ memory tracking
     def _track(self, t: torch.Tensor, key=None, nbytes: int | None = None) -> None:

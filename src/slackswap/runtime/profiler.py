@@ -13,9 +13,9 @@ import statistics
 from collections.abc import Callable
 from typing import Any
 
-from .errors import GraphError
-from .graph import ActivationGraph, Op, Tensor
-from .hardware import Hardware, hardware
+from ..core.errors import GraphError
+from ..core.graph import ActivationGraph, Op, Tensor
+from ..core.hardware import Hardware, hardware
 
 
 class ProfileError(ValueError):
@@ -54,7 +54,7 @@ def run_traced_step(model, inputs, loss_fn, sync=None, keep_calls=False):
     import torch
     from torch.utils._python_dispatch import _disable_current_modes
 
-    from .torch_trace import ModulePaths, Tracer, time_backward
+    from .trace import ModulePaths, Tracer, time_backward
 
     paths = ModulePaths(model)
     tracer = Tracer(model, paths, keep_calls=keep_calls, sync=sync, observe_lifetimes=True)

@@ -17,12 +17,12 @@ import numpy as np
 from scipy.optimize import Bounds, LinearConstraint, linprog, milp
 from scipy.sparse import coo_matrix
 
-from .budget import parse_budget
-from .graph import ActivationGraph
-from .hardware import Hardware, hardware
-from .plan import KEEP
-from .quiet import quiet_stdout
-from .stepmodel import expand
+from ..core.budget import parse_budget
+from ..core.graph import ActivationGraph
+from ..core.hardware import Hardware, hardware
+from ..core.plan import KEEP
+from ..core.stepmodel import expand
+from .native import quiet_stdout
 
 
 @dataclass(frozen=True)

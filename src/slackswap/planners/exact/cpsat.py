@@ -45,6 +45,13 @@ def _build(f: Formulation, fixed: dict[int, int] | None = None):
 class CpSatBackend(ExactBackend):
     name = "cpsat"
 
+    def is_available(self) -> bool:
+        try:
+            from ortools.sat.python import cp_model  # noqa: F401
+        except ImportError:
+            return False
+        return True
+
     def run(self, f: Formulation, time_limit_s: float, seed: int, workers: int,
             options: dict[str, Any], fixed: dict[int, int] | None = None):
         from ortools.sat.python import cp_model

@@ -1,7 +1,8 @@
 """Discrete-event simulation of one step: the compute stream and the D2H / H2D copy lanes.
 
-Memory follows the step model's points (stepmodel.expand); time follows the plan's schedule:
-an op waits for the offloads that must leave before it and the prefetches it reads.
+Memory follows the step model's points (stepmodel.expand); time follows the plan's own schedule:
+an op waits for the offloads that must leave before it and the prefetches it reads. A plan is
+simulated as it is: an open plan (no complete schedule or no hardware) is refused, never planned.
 """
 
 from __future__ import annotations
@@ -10,11 +11,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .errors import PlanError
-from .graph import ActivationGraph
-from .hardware import Hardware, hardware
-from .plan import RECOMPUTE, SWAP, Plan
-from .stepmodel import Expansion, decision_codes, expand
+from ..core.graph import ActivationGraph
+from ..core.hardware import Hardware, hardware
+from ..core.plan import RECOMPUTE, SWAP, Plan
+from ..core.stepmodel import Expansion, decision_codes, expand
 
 
 @dataclass(frozen=True)
@@ -46,22 +46,15 @@ class SimResult:
                 f"recompute {self.recompute_s * 1e3:.2f} ms")
 
 
-def check_plan_graph(graph: ActivationGraph, plan: Plan) -> None:
-    if plan.graph_digest != graph.digest:
-        raise PlanError(
-            f"plan was made for graph {plan.graph_name!r} (digest {plan.graph_digest[:12]}), "
-            f"not for graph {graph.name!r} (digest {graph.digest[:12]})"
-        )
-
-
-def simulate(graph: ActivationGraph, plan: Plan, hw: Hardware | str) -> SimResult:
-    """Simulate one step under ``plan``. A plan without a schedule gets the step model's default
-    one, which frees offloaded tensors earlier / prefetches later when memory tops the budget."""
-    hw = hardware(hw)
-    check_plan_graph(graph, plan)
-    codes = decision_codes(graph, plan)
-    exp = expand(graph, codes, plan.schedule, hw,
-                 budget_bytes=plan.budget_bytes if plan.schedule is None else None)
+def simulate(graph: ActivationGraph, plan: Plan, hw: Hardware | str | None = None) -> SimResult:
+    """Simulate one step under ``plan`` on its own schedule, on the plan's hardware (or on ``hw``:
+    the same schedule on other copy lanes, a what-if)."""
+    if not isinstance(plan, Plan):
+        raise TypeError(f"simulate: plan must be a slackswap.Plan, got {type(plan).__name__}")
+    plan.check_graph(graph)
+    plan.require_complete("simulate")
+    hw = hardware(hw) if hw is not None else plan.hardware
+    exp = expand(graph, decision_codes(graph, plan), plan.schedule, hw)
     return run_timeline(graph, exp, hw, plan.budget_bytes)
 
 
@@ -70,6 +63,11 @@ def simulate_decisions(graph: ActivationGraph, codes: np.ndarray, hw: Hardware,
     """Decision codes with the default schedule (yielding to ``budget``), simulated: how planners
     compare candidate decisions. The schedule used is ``result.expansion``'s."""
     return run_timeline(graph, expand(graph, codes, None, hw, budget_bytes=budget), hw, budget)
+
+
+def lane_start(lane_free_at: float, earliest: float) -> float:
+    """A copy starts when its lane is free and it may start: one transfer at a time per lane."""
+    return max(lane_free_at, earliest)
 
 
 def run_timeline(graph: ActivationGraph, exp: Expansion, hw: Hardware, budget: int) -> SimResult:
@@ -105,7 +103,7 @@ def run_timeline(graph: ActivationGraph, exp: Expansion, hw: Hardware, budget: i
         arrive = now
         for t in sorted(issue_at.get(k, ()), key=lambda t: (h2d_key[t], t)):
             lane = h2d_lane if hw.duplex else max(h2d_lane, d2h_lane)
-            start = max(lane, arrive, d2h_done[t])
+            start = lane_start(lane, max(arrive, d2h_done[t]))
             end = start + hw.h2d_time(nbytes[t])
             h2d_iv.append((start, end, t))
             arrival[t] = end
@@ -126,7 +124,7 @@ def run_timeline(graph: ActivationGraph, exp: Expansion, hw: Hardware, budget: i
             now += fwd[k]
             for t in outputs_swapped.get(k, ()):
                 lane = d2h_lane if hw.duplex else max(h2d_lane, d2h_lane)
-                start = max(lane, now)
+                start = lane_start(lane, now)
                 end = start + hw.d2h_time(nbytes[t])
                 d2h_iv.append((start, end, t))
                 d2h_done[t] = end

@@ -17,10 +17,10 @@ from typing import Any
 
 import numpy as np
 
-from ..plan import KEEP, RECOMPUTE, SWAP, SolveInfo
-from ..simulate import run_timeline
-from ..solve import Problem, Solution
-from ..stepmodel import expand
+from ...check.simulate import run_timeline
+from ...core.plan import KEEP, RECOMPUTE, SWAP, SolveInfo
+from ...core.stepmodel import expand
+from ..base import Problem, Solution
 from .formulate import Formulation, formulate
 
 DEFAULT_TIME_LIMIT_S = 60.0
@@ -54,6 +54,9 @@ class ExactBackend:
     return (status, value function or None, objective units, bound units)."""
 
     name = "exact"
+
+    def is_available(self) -> bool:
+        return True
 
     def run(self, f: Formulation, time_limit_s: float, seed: int, workers: int,
             options: dict[str, Any], fixed: dict[int, int] | None = None):

@@ -16,9 +16,12 @@ import numpy as np
 from .errors import PlanError
 from .graph import ActivationGraph
 from .hardware import Hardware
-from .plan import DECISIONS, KEEP, RECOMPUTE, SWAP, Plan, Schedule
+from .plan import DECISIONS, KEEP, RECOMPUTE, SWAP, UNSAVED, Plan, Schedule
 
-UNSAVED = -1
+
+def keep_all_codes(graph: ActivationGraph) -> np.ndarray:
+    """Decision codes with every saved tensor kept (UNSAVED for the others)."""
+    return np.where(graph.is_saved, KEEP, UNSAVED).astype(np.int8)
 
 
 def decision_codes(graph: ActivationGraph, decisions: Mapping[str, str] | Plan) -> np.ndarray:
@@ -47,18 +50,14 @@ def decision_codes(graph: ActivationGraph, decisions: Mapping[str, str] | Plan) 
         raise PlanError(
             f"plan: tensor {graph.tensors[t].name!r} cannot be recomputed: op {blocker!r} may not run again"
         )
-    groups: dict[str, set[bool]] = {}
-    for t in graph.saved:
-        g = graph.tensors[t].group
-        if g is not None:
-            groups.setdefault(g, set()).add(bool(codes[t] == RECOMPUTE))
-    for g, kinds in groups.items():
-        if len(kinds) > 1:
+    for g, members in graph.rng_groups.items():
+        if len({bool(codes[t] == RECOMPUTE) for t in members}) > 1:
             raise PlanError(f"plan: tensors of group {g!r} must be recomputed all together or not at all")
     return codes
 
 
 def codes_to_decisions(graph: ActivationGraph, codes: np.ndarray) -> dict[str, str]:
+    """The plan's decisions (tensor name -> keep|swap|recompute) from decision codes."""
     return {graph.tensors[t].name: DECISIONS[int(codes[t])] for t in graph.saved}
 
 
@@ -202,6 +201,13 @@ def trace_reruns(graph: ActivationGraph, codes: np.ndarray, recompute_at: np.nda
                 f"first use at position {materialized[t]} ({_slot_label(graph, int(materialized[t]))})"
             )
     return reruns, needs_at, first_need, materialized
+
+
+def first_backward_need(graph: ActivationGraph, codes: np.ndarray, schedule: Schedule) -> np.ndarray:
+    """Per tensor, the first backward position at which it must be on the device (-1 if never):
+    its first reader, or the first rebuild that reads it, under the schedule's rebuild positions."""
+    _, _, rec = _schedule_arrays(graph, codes, schedule)
+    return trace_reruns(graph, codes, rec)[2]
 
 
 def nominal_slot_times(graph: ActivationGraph, reruns) -> tuple[np.ndarray, np.ndarray]:

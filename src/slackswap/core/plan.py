@@ -1,6 +1,8 @@
-"""Plans: a decision per saved tensor, an optional schedule, and how the planner fared.
+"""Plans: a decision per saved tensor, the complete schedule, the hardware, how the planner fared.
 
-A plan is data. It names its graph by digest, so it cannot be applied to another graph by mistake.
+A plan is data. It names its graph by digest, so it cannot be applied to another graph by mistake,
+and it is closed: the positions of every copy and rebuild and the hardware they were planned for
+travel with it, so nothing downstream (checker, simulator, executor) plans again.
 """
 
 from __future__ import annotations
@@ -8,17 +10,43 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from enum import IntEnum
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
 from .errors import PlanError
+from .hardware import Hardware
 
-PLAN_FORMAT = "slackswap.plan/1"
+PLAN_FORMAT = "slackswap.plan/2"
+PLAN_FORMATS = ("slackswap.plan/1", PLAN_FORMAT)  # /1: no hardware, schedule optional
 DECISIONS = ("keep", "swap", "recompute")
-KEEP, SWAP, RECOMPUTE = 0, 1, 2
 STATUSES = ("optimal", "feasible", "timeout", "heuristic", "baseline")
+
+
+class Decision(IntEnum):
+    """What a plan does with one tensor; the value is the code in numpy decision columns."""
+
+    UNSAVED = -1  # not saved for backward: it takes no decision
+    KEEP = 0
+    SWAP = 1
+    RECOMPUTE = 2
+
+    @property
+    def label(self) -> str:
+        """The word plans use in JSON ("keep", "swap", "recompute")."""
+        return DECISIONS[self.value]
+
+    @classmethod
+    def of(cls, label: str) -> Decision:
+        try:
+            return cls(DECISIONS.index(label))
+        except ValueError:
+            raise PlanError(f"decision {label!r}: expected one of {DECISIONS}") from None
+
+
+UNSAVED, KEEP, SWAP, RECOMPUTE = Decision.UNSAVED, Decision.KEEP, Decision.SWAP, Decision.RECOMPUTE
 
 
 @dataclass(frozen=True)
@@ -103,6 +131,7 @@ class Plan:
     schedule: Schedule | None = None
     info: SolveInfo = field(default_factory=lambda: SolveInfo(solver="user", status="feasible"))
     extra: Mapping[str, Any] = field(default_factory=dict, compare=False)
+    hardware: Hardware | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.decisions, Mapping):
@@ -116,6 +145,34 @@ class Plan:
         if isinstance(self.budget_bytes, bool) or not isinstance(self.budget_bytes, int) \
                 or self.budget_bytes < 0:
             raise PlanError(f"plan: budget_bytes must be a non-negative integer, got {self.budget_bytes!r}")
+        if self.hardware is not None and not isinstance(self.hardware, Hardware):
+            raise PlanError(f"plan: hardware must be a slackswap.Hardware, got {self.hardware!r}")
+
+    @property
+    def is_complete(self) -> bool:
+        """Closed: the hardware is named and every swap has its two copy positions and every
+        recompute its rebuild position."""
+        s = self.schedule
+        if self.hardware is None or s is None:
+            return False
+        return all((d != "swap" or (t in s.d2h_free and t in s.h2d_issue))
+                   and (d != "recompute" or t in s.recompute_at)
+                   for t, d in self.decisions.items())
+
+    def check_graph(self, graph) -> None:
+        """Raise PlanError unless ``graph`` is the graph this plan was made for (by digest)."""
+        if graph.digest != self.graph_digest:
+            raise PlanError(f"plan was made for graph {self.graph_name!r} (digest "
+                            f"{self.graph_digest[:12]}), not for graph {graph.name!r} "
+                            f"(digest {graph.digest[:12]})")
+
+    def require_complete(self, what: str) -> None:
+        """Raise PlanError naming ``what`` refused an open plan, and how to close it."""
+        if not self.is_complete:
+            lacks = "hardware" if self.hardware is None else "a complete schedule"
+            raise PlanError(f"{what}: plan for graph {self.graph_name!r} has no {lacks}; plans "
+                            "from solve() are complete, a hand-made one is completed once with "
+                            "slackswap.complete(plan, graph, hw)")
 
     def count(self, decision: str) -> int:
         return sum(1 for d in self.decisions.values() if d == decision)
@@ -126,56 +183,19 @@ class Plan:
     def with_info(self, **changes: Any) -> Plan:
         data = self.info.to_dict()
         data.update(changes)
-        return Plan(self.graph_name, self.graph_digest, self.budget_bytes, self.decisions,
-                    self.schedule, SolveInfo.from_dict(data), self.extra)
+        return replace(self, info=SolveInfo.from_dict(data))
 
     def without_schedule(self) -> Plan:
-        return Plan(self.graph_name, self.graph_digest, self.budget_bytes, self.decisions,
-                    None, self.info, self.extra)
+        """The decisions alone (an open plan: schedule and hardware dropped)."""
+        return replace(self, schedule=None, hardware=None)
 
     def as_checkpoint_policy(self, graph):
-        """A torch.utils.checkpoint selective-checkpoint policy with this plan's recomputes.
+        """A torch selective-checkpoint policy with this plan's recomputes: see
+        :func:`slackswap.runtime.checkpoint.checkpoint_policy` (imported lazily: torch stays out
+        of the core)."""
+        from ..runtime.checkpoint import checkpoint_policy
 
-        Ops of ``graph`` that produce a saved tensor the plan keeps or offloads get MUST_SAVE;
-        all others PREFER_RECOMPUTE: those whose tensors the plan recomputes, those whose outputs
-        backward never reads (views, in-place ops, intermediates), and ops whose outputs are
-        later written in place (a dropout mask
-        drawn in place): torch must rerun those with the in-place op, so they get
-        PREFER_RECOMPUTE too (checkpoint restores the RNG state). Calls are matched to the graph's ops in order, so checkpoint the same
-        forward that was profiled (the whole model call); a call that does not match the graph's
-        next op is saved; the graph's first op with no match ahead starts the next step. Use with
-        ``create_selective_checkpoint_contexts``.
-        """
-        from torch.utils.checkpoint import CheckpointPolicy
-
-        if graph.digest != self.graph_digest:
-            raise PlanError(f"plan was made for graph {self.graph_name!r}, not {graph.name!r}")
-        steps = []
-        for i, op in enumerate(graph.ops):
-            keeps = [graph.tensors[t].name for t in graph.op_outputs[i] if graph.is_saved[t]]
-            recompute = not op.recomputable or not keeps or any(
-                self.decisions.get(name) == "recompute" for name in keeps)
-            steps.append((str(op.extra.get("aten", "")), recompute))
-        cursor = {False: 0, True: 0}
-
-        def policy(ctx, func, *args, **kwargs):
-            key = bool(getattr(ctx, "is_recompute", False))
-            i = cursor[key]
-            name = str(func)
-            while i < len(steps) and steps[i][0] != name:
-                i += 1
-            if i >= len(steps):
-                if name != steps[0][0]:
-                    return CheckpointPolicy.MUST_SAVE
-                # the graph's first op again with no match ahead: a new step (the graph's tail,
-                # the loss, ran outside the checkpointed call)
-                i = 0
-            cursor[key] = i + 1
-            if cursor[key] >= len(steps):
-                cursor[key] = 0
-            return CheckpointPolicy.PREFER_RECOMPUTE if steps[i][1] else CheckpointPolicy.MUST_SAVE
-
-        return policy
+        return checkpoint_policy(self, graph)
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = dict(self.extra)
@@ -188,6 +208,8 @@ class Plan:
         })
         if self.schedule is not None:
             out["schedule"] = self.schedule.to_dict()
+        if self.hardware is not None:
+            out["hardware"] = self.hardware.to_dict()
         out["info"] = {k: (None if isinstance(v, float) and not math.isfinite(v) else v)
                        for k, v in self.info.to_dict().items()}
         return out
@@ -202,26 +224,51 @@ class Plan:
     def from_dict(cls, data: Mapping[str, Any]) -> Plan:
         if not isinstance(data, Mapping):
             raise PlanError("plan: expected a JSON object")
-        if data.get("format") != PLAN_FORMAT:
-            raise PlanError(f"plan: field 'format' must be {PLAN_FORMAT!r}, got {data.get('format')!r}")
-        for key in ("graph", "graph_digest", "budget_bytes", "decisions"):
+        fmt = data.get("format")
+        if fmt not in PLAN_FORMATS:
+            raise PlanError(f"plan: field 'format' must be {PLAN_FORMAT!r} (or the older "
+                            f"{PLAN_FORMATS[0]!r}), got {fmt!r}")
+        required = ("graph", "graph_digest", "budget_bytes", "decisions")
+        if fmt == PLAN_FORMAT:
+            required += ("schedule", "hardware")
+        for key in required:
             if key not in data:
                 raise PlanError(f"plan: missing field {key!r}")
-        known = {"format", "graph", "graph_digest", "budget_bytes", "decisions", "schedule", "info"}
+        for key in ("graph", "graph_digest"):
+            if not isinstance(data[key], str):
+                raise PlanError(f"plan: field {key!r} must be a string, got {data[key]!r}")
+        info = data.get("info", {})
+        if not isinstance(info, Mapping):
+            raise PlanError(f"plan: field 'info' must be an object, got {info!r}")
+        known = {"format", "graph", "graph_digest", "budget_bytes", "decisions", "schedule", "info",
+                 "hardware"}
         schedule = data.get("schedule")
-        return cls(
+        hw = data.get("hardware")
+        if hw is not None:
+            if not isinstance(hw, Mapping):
+                raise PlanError(f"plan: field 'hardware' must be an object, got {hw!r}")
+            try:
+                hw = Hardware.from_dict(hw)
+            except (TypeError, ValueError) as exc:
+                raise PlanError(f"plan: field 'hardware': {exc}") from None
+        plan = cls(
             graph_name=data["graph"],
             graph_digest=data["graph_digest"],
             budget_bytes=data["budget_bytes"],
             decisions=data["decisions"],
             schedule=None if schedule is None else Schedule.from_dict(schedule),
-            info=SolveInfo.from_dict(data.get("info", {})),
+            info=SolveInfo.from_dict(info),
             extra={k: v for k, v in data.items() if k not in known},
+            hardware=hw,
         )
+        if fmt == PLAN_FORMAT and not plan.is_complete:
+            raise PlanError(f"plan: format {PLAN_FORMAT!r} needs a complete schedule (a position "
+                            "for every swap's d2h_free and h2d_issue and every recompute_at)")
+        return plan
 
 
-def load_plan(source: str | Path | Mapping[str, Any]) -> Plan:
-    """Load a plan from a path, JSON text or dict."""
+def read_plan(source: str | Path | Mapping[str, Any]) -> Plan:
+    """A plan from a path, JSON text or dict, as written: a ``/1`` plan may be open."""
     if isinstance(source, Plan):
         return source
     if isinstance(source, Mapping):

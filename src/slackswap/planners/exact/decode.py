@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..plan import KEEP, RECOMPUTE, SWAP, Schedule
+from ...core.plan import KEEP, RECOMPUTE, SWAP, Schedule
 from .formulate import Formulation
 
 

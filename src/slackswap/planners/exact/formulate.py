@@ -12,9 +12,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..graph import ActivationGraph
-from ..hardware import Hardware
-from ..stepmodel import nominal_slot_times
+from ...core.graph import ActivationGraph
+from ...core.hardware import Hardware
+from ...core.stepmodel import nominal_slot_times
 from .model import Model
 
 

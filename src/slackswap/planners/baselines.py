@@ -2,19 +2,22 @@
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 
-from .graph import ActivationGraph
-from .plan import KEEP, RECOMPUTE, SWAP
+from ..core.graph import ActivationGraph
+from ..core.plan import RECOMPUTE, SWAP, UNSAVED, SolveInfo
+from ..core.stepmodel import keep_all_codes
+from .base import Problem, Solution
 
-
-def keep_all_codes(graph: ActivationGraph) -> np.ndarray:
-    return np.where(graph.is_saved, KEEP, -1).astype(np.int8)
+__all__ = ["KeepAll", "RecomputeAll", "SwapAll", "keep_all_codes", "rebuild_cost",
+           "recompute_all_codes", "swap_all_codes"]
 
 
 def swap_all_codes(graph: ActivationGraph) -> np.ndarray:
     """Offload every saved tensor (vDNN's policy)."""
-    return np.where(graph.is_saved, SWAP, -1).astype(np.int8)
+    return np.where(graph.is_saved, SWAP, UNSAVED).astype(np.int8)
 
 
 def rebuild_cost(graph: ActivationGraph) -> np.ndarray:
@@ -39,16 +42,11 @@ def recompute_all_codes(graph: ActivationGraph) -> np.ndarray:
     for t in graph.saved:
         for f in graph.rerun_frontier[t]:
             readers.setdefault(f, []).append(int(t))
-    groups: dict[str, list[int]] = {}
-    for t in graph.saved:
-        g = graph.tensors[t].group
-        if g is not None:
-            groups.setdefault(g, []).append(int(t))
     order = sorted(graph.saved, key=lambda t: (cost[t] / nbytes[t], t))
     for t in order:
         if codes[t] == RECOMPUTE or not graph.can_recompute[t]:
             continue
-        members = groups.get(graph.tensors[t].group, [int(t)]) if graph.tensors[t].group else [int(t)]
+        members = list(graph.group_of(int(t)))
         ok = all(
             graph.can_recompute[m]
             and all(codes[f] != RECOMPUTE for f in graph.rerun_frontier[m])
@@ -58,3 +56,32 @@ def recompute_all_codes(graph: ActivationGraph) -> np.ndarray:
         if ok:
             codes[members] = RECOMPUTE
     return codes
+
+
+class _Baseline:
+    name = "baseline"
+    make = staticmethod(keep_all_codes)
+
+    def is_available(self) -> bool:
+        return True
+
+    def solve(self, problem: Problem, **options) -> Solution:
+        start = time.perf_counter()
+        codes = self.make(problem.graph)
+        return Solution(codes, None, SolveInfo(solver=self.name, status="baseline",
+                                               wall_s=time.perf_counter() - start))
+
+
+class KeepAll(_Baseline):
+    name = "keep-all"
+    make = staticmethod(keep_all_codes)
+
+
+class RecomputeAll(_Baseline):
+    name = "recompute-all"
+    make = staticmethod(recompute_all_codes)
+
+
+class SwapAll(_Baseline):
+    name = "swap-all"
+    make = staticmethod(swap_all_codes)

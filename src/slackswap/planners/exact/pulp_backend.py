@@ -8,7 +8,7 @@ import subprocess
 import time
 from typing import Any
 
-from ..quiet import quiet_stdout
+from ..native import quiet_stdout
 from .driver import ExactBackend
 from .formulate import Formulation
 
@@ -87,6 +87,12 @@ class _PulpBackend(ExactBackend):
     name = "pulp"
     quiet = False
     hard_deadline = False
+
+    def is_available(self) -> bool:
+        try:
+            return bool(self._solver(1.0, 0, 1, False, 1e-3).available())
+        except Exception:  # pulp missing or its solver binary / library absent
+            return False
 
     def _solver(self, time_limit_s: float, seed: int, workers: int, warm: bool, gap: float):
         raise NotImplementedError

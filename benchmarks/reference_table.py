@@ -1,4 +1,8 @@
-"""The reference table: the seed's three workloads, every planner, simulated side by side."""
+"""The reference table: the seed's three workloads, every planner, simulated side by side.
+
+Run through benchmarks/paper_table.py. Rows carry each planner's result row (slackswap.result_row,
+the schema compare() and the CLI's sweep use) under its key.
+"""
 
 from __future__ import annotations
 
@@ -7,26 +11,21 @@ import json
 import sys
 from pathlib import Path
 
-from .budget import keep_all_peak, parse_budget
-from .errors import InfeasibleBudget
-from .hardware import hardware
-from .simulate import simulate
-from .solve import solve
-from .workloads import workload
+from slackswap import (
+    InfeasibleBudget,
+    hardware,
+    is_available,
+    keep_all_peak,
+    lp_bound,
+    parse_budget,
+    result_row,
+    solve,
+    workload,
+)
 
 PAPER = {"bert-large": 96.3, "gpt2-xl": 97.6, "llama-7b": 99.6}
 BASELINES = ("keep-all", "recompute-all", "swap-all")
 PLANNERS = ("heuristic", "cpsat")
-
-
-def _solver_available(name: str) -> bool:
-    from .solve import get_backend
-
-    try:
-        get_backend(name)
-    except (ImportError, ModuleNotFoundError, AttributeError, ValueError):
-        return False
-    return True
 
 
 def table_rows(models=tuple(PAPER), budgets=(0.5,), hw_name="a100-80gb-pcie4",
@@ -34,7 +33,7 @@ def table_rows(models=tuple(PAPER), budgets=(0.5,), hw_name="a100-80gb-pcie4",
     """One row per (model, budget): the paper's figure, each planner's simulated retention (%),
     the LP bound, and each baseline's retention, step time, peak and stall."""
     hw = hardware(hw_name)
-    planners = tuple(p for p in planners if _solver_available(p))
+    planners = tuple(p for p in planners if is_available(p))
     rows = []
     for model in models:
         g = workload(model, hw)
@@ -53,35 +52,24 @@ def table_rows(models=tuple(PAPER), budgets=(0.5,), hw_name="a100-80gb-pcie4",
                     row[f"{key}_retention"] = None
                     row[f"{key}_fits"] = False
                     continue
-                sim = simulate(g, plan, hw)
-                row[f"{key}_retention"] = 100.0 * sim.retention if sim.fits else None
-                row[f"{key}_fits"] = sim.fits
-                row[f"{key}_step_time_s"] = sim.step_time_s
-                row[f"{key}_peak_bytes"] = sim.peak_bytes
-                row[f"{key}_stall_s"] = sim.stall_s
+                result = result_row(g, plan)
+                row[f"{key}_retention"] = 100.0 * result["retention"] if result["fits"] else None
+                row[f"{key}_fits"] = result["fits"]
+                row[f"{key}_step_time_s"] = result["step_time_s"]
+                row[f"{key}_peak_bytes"] = result["peak_bytes"]
+                row[f"{key}_stall_s"] = result["stall_s"]
                 if name not in BASELINES:
-                    row[f"{key}_solve_s"] = plan.info.wall_s
-                    row[f"{key}_status"] = plan.info.status
-                    row[f"{key}_gap"] = plan.info.gap
+                    row[f"{key}_solve_s"] = result["wall_s"]
+                    row[f"{key}_status"] = result["status"]
+                    row[f"{key}_gap"] = result["gap"]
                     if plan.info.bound:
                         row[f"{key}_bound_retention"] = 100.0 * min(
                             1.0, g.ideal_step_time_s / plan.info.bound)
-            if _lp_available():
-                from .lpbound import lp_bound
-
-                row["lp_bound_retention"] = 100.0 * lp_bound(g, budget, hw).retention
+            row["lp_bound_retention"] = 100.0 * lp_bound(g, budget, hw).retention
             rows.append(row)
             if progress is not None:
                 progress(row)
     return rows
-
-
-def _lp_available() -> bool:
-    try:
-        import slackswap.lpbound  # noqa: F401
-    except ImportError:
-        return False
-    return True
 
 
 def _pct(value) -> str:
@@ -135,10 +123,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--budgets", help="comma-separated fractions (default 0.5)")
     parser.add_argument("--hardware", default="a100-80gb-pcie4")
     parser.add_argument("--time-limit", type=float, default=60.0, help="per exact solve, seconds")
-    parser.add_argument("--demo", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--results", action="store_true",
+                        help="write the table into benchmarks/RESULTS.md")
     args = parser.parse_args(argv)
-    if args.demo:
-        args.time_limit = min(args.time_limit, 20.0)
     budgets = [0.5]
     if args.sweep:
         budgets = [round(0.1 * k, 1) for k in range(2, 11)]
@@ -155,4 +142,26 @@ def main(argv: list[str] | None = None) -> int:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(rows, indent=1))
         print(f"wrote {args.json}", file=sys.stderr)
+    if args.results:
+        from results_md import command_line, markdown_table, write_section
+
+        table = markdown_table(
+            ["model", "budget", "seed", "exact", "heuristic", "LP bound", "recompute-all",
+             "swap-all", "exact status", "gap", "solve s"],
+            [[r["model"], f"{100 * r['budget_fraction']:.0f}%", _cell(r.get("paper_retention")),
+              _cell(r.get("optimal_retention")), _cell(r.get("heuristic_retention")),
+              _cell(r.get("lp_bound_retention")), _cell(r.get("recompute_all_retention")),
+              _cell(r.get("swap_all_retention")), r.get("optimal_status", "-"),
+              "-" if r.get("optimal_gap") is None else f"{100 * r['optimal_gap']:.3f}%",
+              "-" if r.get("optimal_solve_s") is None else f"{r['optimal_solve_s']:.2f}"]
+             for r in rows])
+        note = ("Retention in % of ideal throughput, simulated on each plan's own schedule; "
+                "'-': does not fit the budget. gap: the exact plan's proven distance to the best "
+                "bound (step time).")
+        print(f"wrote {write_section('paper_table', 'Reference table (' + args.hardware + ')', command_line(), table + chr(10) + chr(10) + note)}",
+              file=sys.stderr)
     return 0
+
+
+def _cell(value) -> str:
+    return "-" if value is None else f"{value:.2f}"

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..plan import RECOMPUTE, SWAP
-from ..stepmodel import trace_reruns
+from ...core.plan import RECOMPUTE, SWAP
+from ...core.stepmodel import trace_reruns
 from .formulate import Formulation
 
 

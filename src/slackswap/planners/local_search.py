@@ -18,10 +18,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .graph import ActivationGraph
-from .hardware import Hardware
-from .plan import KEEP, RECOMPUTE, SWAP
-from .simulate import SimResult, simulate_decisions
+from ..check.simulate import SimResult, simulate_decisions
+from ..core.graph import ActivationGraph
+from ..core.hardware import Hardware
+from ..core.plan import KEEP, RECOMPUTE, SWAP
 
 
 @dataclass(frozen=True)

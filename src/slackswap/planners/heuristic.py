@@ -24,12 +24,12 @@ import time
 
 import numpy as np
 
+from ..core.graph import ActivationGraph
+from ..core.hardware import Hardware
+from ..core.plan import KEEP, RECOMPUTE, SWAP, SolveInfo
+from ..core.stepmodel import expand, nominal_slot_times
+from .base import Problem, Solution
 from .baselines import rebuild_cost, swap_all_codes
-from .graph import ActivationGraph
-from .hardware import Hardware
-from .plan import KEEP, RECOMPUTE, SWAP, SolveInfo
-from .solve import Problem, Solution
-from .stepmodel import expand, nominal_slot_times
 
 NO_RERUNS = None
 
@@ -162,7 +162,7 @@ def heuristic_codes(graph: ActivationGraph, hw: Hardware, budget: int,
 
 def _best_of(graph: ActivationGraph, hw: Hardware, budget: int, candidates) -> np.ndarray:
     """The candidate plan with the shortest simulated step that fits."""
-    from .simulate import simulate_decisions
+    from ..check.simulate import simulate_decisions
 
     best, best_time = None, np.inf
     for codes in candidates:
@@ -174,6 +174,9 @@ def _best_of(graph: ActivationGraph, hw: Hardware, budget: int, candidates) -> n
 
 class SlackSwapHeuristic:
     name = "heuristic"
+
+    def is_available(self) -> bool:
+        return True
 
     def solve(self, problem: Problem, **options) -> Solution:
         from .baselines import keep_all_codes, recompute_all_codes

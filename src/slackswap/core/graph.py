@@ -391,6 +391,21 @@ class ActivationGraph:
         return np.array([min(s) if s else -1 for s in self.saved_for_index], dtype=np.int64)
 
     @cached_property
+    def rng_groups(self) -> dict[str, tuple[int, ...]]:
+        """Saved tensors by RNG group (recomputed all together or not at all), graph order."""
+        groups: dict[str, list[int]] = {}
+        for t in self.saved:
+            g = self.tensors[int(t)].group
+            if g is not None:
+                groups.setdefault(g, []).append(int(t))
+        return {g: tuple(members) for g, members in groups.items()}
+
+    def group_of(self, t: int) -> tuple[int, ...]:
+        """The saved tensors recomputed together with ``t`` (``t`` alone if it has no group)."""
+        g = self.tensors[t].group
+        return self.rng_groups.get(g, (t,)) if g is not None else (t,)
+
+    @cached_property
     def ideal_step_time_s(self) -> float:
         return float(self.forward_s.sum() + self.backward_s.sum() + self.optimizer_s)
 

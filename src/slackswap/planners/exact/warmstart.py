@@ -17,10 +17,10 @@ from typing import Any
 
 import numpy as np
 
+from ...check.simulate import SimResult, simulate_decisions
+from ...core.plan import KEEP, RECOMPUTE, SWAP
+from ..base import Problem
 from ..local_search import improve
-from ..plan import KEEP, RECOMPUTE, SWAP
-from ..simulate import SimResult, simulate_decisions
-from ..solve import Problem
 
 
 @dataclass

@@ -1,0 +1,45 @@
+"""benchmarks/RESULTS.md is written by the benchmarks: each owns one section, between markers,
+with the command that produced it; nothing in it is typed by hand."""
+
+from __future__ import annotations
+
+import platform
+import re
+import sys
+from datetime import date
+from pathlib import Path
+
+RESULTS = Path(__file__).with_name("RESULTS.md")
+HEADER = ("# Results\n\nEvery table below is written by the benchmark named in its section, with "
+          "the command that produced it. Re-run the command to refresh it.\n")
+
+
+def machine() -> str:
+    import os
+
+    return f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}"
+
+
+def write_section(name: str, title: str, command: str, body: str) -> Path:
+    """Replace (or append) section ``name`` of RESULTS.md."""
+    text = RESULTS.read_text() if RESULTS.exists() else HEADER
+    block = (f"<!-- BEGIN {name} -->\n## {title}\n\n`{command}`\n\n_{date.today().isoformat()}, "
+             f"{machine()}_\n\n{body.rstrip()}\n<!-- END {name} -->")
+    pattern = re.compile(rf"<!-- BEGIN {re.escape(name)} -->.*?<!-- END {re.escape(name)} -->",
+                         re.S)
+    if pattern.search(text):
+        text = pattern.sub(lambda _: block, text)
+    else:
+        text = text.rstrip() + "\n\n" + block + "\n"
+    RESULTS.write_text(text)
+    return RESULTS
+
+
+def markdown_table(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def command_line() -> str:
+    return "python " + " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]])

@@ -1,1 +1,0 @@
-"""Planner backends that are not integer programs."""

@@ -1,0 +1,476 @@
+"""The independent checker: a plan's feasibility and step time, from the rules alone.
+
+It reads the graph's raw fields (ops, tensors, names, bytes, times), the plan's decisions and its
+complete schedule, and the hardware's figures, and walks the step as formulations/step-model.md
+describes it: positions and points, rerun closures and their frontiers, residency of every read,
+memory at every point against the budget, and the copy lanes. It imports the core data types
+only (graph, plan, hardware, budget, errors), never the step model, the simulator or a planner:
+code shared with what it checks would share its bugs (tests/test_checker_mutations.py patches
+bugs into the step model and shows that this module still catches the plans they let through).
+It evaluates one complete assignment, as CP-SAT's solution checker does, and searches nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..core.errors import PlanError
+from ..core.graph import ActivationGraph
+from ..core.hardware import Hardware, hardware
+from ..core.plan import Plan
+from ..core.units import budget_bytes_from
+
+# relative tolerance when the plan's claimed step time is held against the derived one
+CLAIM_TOLERANCE = 1e-9
+_MAX_MEMORY_VIOLATIONS = 20
+
+
+@dataclass(frozen=True)
+class Violation:
+    """One broken rule: which op (position), which tensor, and by how many bytes if memory."""
+
+    kind: str
+    message: str
+    op: str | None = None
+    tensor: str | None = None
+    bytes_over: int = 0
+
+    def __str__(self) -> str:
+        return self.message
+
+
+@dataclass(frozen=True)
+class Validation:
+    """The checker's verdict, with what it derived: the peak and the step's time."""
+
+    ok: bool
+    violations: tuple[Violation, ...]
+    peak_bytes: int
+    budget_bytes: int
+    step_time_s: float | None = None
+    stall_s: float | None = None
+    recompute_s: float | None = None
+
+    def __bool__(self) -> bool:
+        return self.ok
+
+    def report(self) -> str:
+        if self.ok:
+            return (f"ok: peak {self.peak_bytes} bytes within budget {self.budget_bytes}, "
+                    f"step {self.step_time_s:.6g} s")
+        return "\n".join(str(v) for v in self.violations)
+
+
+def validate(graph: ActivationGraph, plan: Plan, hw: Hardware | str | None = None,
+             budget: int | float | str | None = None) -> Validation:
+    """Check ``plan`` against ``graph``: decisions, its complete schedule, every read, memory at
+    every point against the budget (the plan's, or ``budget``), and the step time on the copy
+    lanes of ``hw`` (the plan's hardware by default)."""
+    if not isinstance(plan, Plan):
+        raise TypeError(f"validate: plan must be a slackswap.Plan, got {type(plan).__name__}")
+    step = _Step(graph)
+    if budget is None:
+        limit = plan.budget_bytes
+    else:
+        limit = budget_bytes_from(budget, lambda: step.keep_all_peak())
+    if plan.graph_digest != graph.digest:
+        msg = (f"plan was made for graph {plan.graph_name!r} (digest {plan.graph_digest[:12]}), "
+               f"not for graph {graph.name!r} (digest {graph.digest[:12]})")
+        return Validation(False, (Violation("graph", msg),), 0, limit)
+    if hw is None:
+        if plan.hardware is None:
+            return Validation(False, (Violation(
+                "plan", "plan names no hardware: it is not closed; complete it once with "
+                "slackswap.complete(plan, graph, hw)"),), 0, limit)
+        hw = plan.hardware
+    hw = hardware(hw)
+    try:
+        decisions = step.read_decisions(plan)
+    except PlanError as exc:
+        return Validation(False, (Violation("plan", str(exc)),), 0, limit)
+    walk = step.walk(decisions, plan)
+    violations = list(walk.violations)
+    if walk.points is None:  # the schedule could not be walked at all
+        return Validation(False, tuple(violations), 0, limit)
+    peak, over = step.memory(walk, limit)
+    violations.extend(over)
+    step_time, stall, recompute = step.timeline(walk, decisions, plan, hw)
+    claimed = plan.info.predicted_step_time_s
+    same_hw = plan.hardware is None or plan.hardware == hw
+    if claimed is not None and same_hw and step_time > 0 and \
+            abs(claimed - step_time) > CLAIM_TOLERANCE * step_time:
+        violations.append(Violation(
+            "claim", f"plan claims a step time of {claimed!r} s; its schedule gives {step_time!r} s"))
+    return Validation(not violations, tuple(violations), peak, limit, step_time, stall, recompute)
+
+
+@dataclass
+class _Walk:
+    """The step under one plan: its points and every tensor's residency over them."""
+
+    violations: list[Violation]
+    points: list[tuple[int, int, str]] | None = None  # (slot, op, "forward"|"rerun"|"backward")
+    slot_points: list[list[int]] | None = None
+    intervals: list[tuple[int, int, int]] | None = None  # (tensor, first point, last point)
+    reruns: list[list[int]] | None = None
+    swap_reads: list[set[int]] | None = None  # per slot, swapped tensors read there
+
+
+class _Step:
+    """The graph's raw fields, indexed; every rule below is written from the step model's text."""
+
+    def __init__(self, graph: ActivationGraph):
+        self.graph = graph
+        ops = graph.ops
+        self.n = len(ops)
+        self.op_of = {op.name: i for i, op in enumerate(ops)}
+        self.tensor_of = {t.name: j for j, t in enumerate(graph.tensors)}
+        self.nbytes = [int(t.bytes) for t in graph.tensors]
+        self.producer = [0] * len(graph.tensors)
+        for i, op in enumerate(ops):
+            for name in op.outputs:
+                self.producer[self.tensor_of[name]] = i
+        self.reads = [[self.tensor_of[x] for x in op.inputs if x in self.tensor_of] for op in ops]
+        self.makes = [[self.tensor_of[x] for x in op.outputs] for op in ops]
+        self.saved = [bool(t.saved_for) for t in graph.tensors]
+        self.readers_bwd = [[self.op_of[o] for o in t.saved_for] for t in graph.tensors]
+        self.bwd_reads: list[list[int]] = [[] for _ in ops]
+        for t, readers in enumerate(self.readers_bwd):
+            for i in readers:
+                self.bwd_reads[i].append(t)
+        self.last_fwd = list(self.producer)
+        for i, ins in enumerate(self.reads):
+            for t in ins:
+                self.last_fwd[t] = max(self.last_fwd[t], i)
+        for j, t in enumerate(graph.tensors):
+            if t.alive_until is not None:
+                self.last_fwd[j] = max(self.last_fwd[j], self.op_of[t.alive_until])
+        self._closure: dict[int, tuple[frozenset[int], frozenset[int]]] = {}
+
+    # ------------------------------------------------------------------ rerun closures
+    def closure(self, op: int) -> tuple[frozenset[int], frozenset[int]]:
+        """Ops that run again to rebuild ``op``'s outputs (it, and the producers of every unsaved
+        tensor they read, recursively) and the saved tensors those reruns read (the frontier)."""
+        known = self._closure.get(op)
+        if known is not None:
+            return known
+        ops, frontier = {op}, set()
+        todo = [op]
+        while todo:
+            q = todo.pop()
+            for t in self.reads[q]:
+                if self.saved[t]:
+                    frontier.add(t)
+                elif self.producer[t] not in ops:
+                    ops.add(self.producer[t])
+                    todo.append(self.producer[t])
+        result = (frozenset(ops), frozenset(frontier))
+        self._closure[op] = result
+        return result
+
+    # ------------------------------------------------------------------ decisions
+    def read_decisions(self, plan: Plan) -> list[str | None]:
+        """One decision per saved tensor, None for the others; raises on any that breaks a rule."""
+        g = self.graph
+        decisions: list[str | None] = [None] * len(g.tensors)
+        for name, decision in plan.decisions.items():
+            t = self.tensor_of.get(name)
+            if t is None:
+                raise PlanError(f"plan: tensor {name!r} is not in graph {g.name!r}")
+            if not self.saved[t]:
+                raise PlanError(f"plan: tensor {name!r} is not saved for backward; it takes no decision")
+            if decision not in ("keep", "swap", "recompute"):
+                raise PlanError(f"plan: tensor {name!r} has decision {decision!r}")
+            decisions[t] = str(decision)
+        for t, tensor in enumerate(g.tensors):
+            if self.saved[t] and decisions[t] is None:
+                raise PlanError(f"plan: no decision for saved tensor {tensor.name!r}")
+            if decisions[t] == "recompute":
+                ops, _ = self.closure(self.producer[t])
+                blocked = sorted(q for q in ops if not g.ops[q].recomputable)
+                if blocked:
+                    raise PlanError(f"plan: tensor {tensor.name!r} cannot be recomputed: op "
+                                    f"{g.ops[blocked[0]].name!r} may not run again")
+        groups: dict[str, set[bool]] = {}
+        for t, tensor in enumerate(g.tensors):
+            if self.saved[t] and tensor.group is not None:
+                groups.setdefault(tensor.group, set()).add(decisions[t] == "recompute")
+        for group, kinds in groups.items():
+            if len(kinds) > 1:
+                raise PlanError(f"plan: tensors of RNG group {group!r} must be recomputed all "
+                                "together or not at all")
+        return decisions
+
+    def keep_all_peak(self) -> int:
+        """The keep-all peak, walked by this checker itself (a budget given as a fraction)."""
+        keep = ["keep" if s else None for s in self.saved]
+        walk = self.walk(keep, None)
+        return self.memory(walk, None)[0]
+
+    # ------------------------------------------------------------------ the walk
+    def _position(self, plan: Plan | None, table: str, t: int, violations: list[Violation]) -> int | None:
+        name = self.graph.tensors[t].name
+        schedule = None if plan is None else plan.schedule
+        entries = {} if schedule is None else getattr(schedule, table)
+        if name not in entries:
+            violations.append(Violation("schedule", f"schedule: {table} has no position for tensor "
+                                        f"{name!r}: the plan is not complete", tensor=name))
+            return None
+        pos = int(entries[name])
+        if not 0 <= pos < 2 * self.n:
+            violations.append(Violation("schedule", f"schedule: {table}[{name!r}] = {pos} is not a "
+                                        f"position of the step (0..{2 * self.n - 1})", tensor=name))
+            return None
+        return pos
+
+    def _label(self, slot: int) -> str:
+        if slot < self.n:
+            return f"forward of op {self.graph.ops[slot].name!r}"
+        return f"backward of op {self.graph.ops[2 * self.n - 1 - slot].name!r}"
+
+    def walk(self, decisions: list[str | None], plan: Plan | None) -> _Walk:
+        g, n = self.graph, self.n
+        S = 2 * n
+        out: list[Violation] = []
+        names = [t.name for t in g.tensors]
+        # the schedule, complete and naming only tensors with that decision
+        free_after: dict[int, int] = {}
+        issue_at: dict[int, int] = {}
+        rebuild_at: dict[int, int] = {}
+        if plan is not None:
+            schedule = plan.schedule
+            for table, wanted in (("d2h_free", "swap"), ("h2d_issue", "swap"),
+                                  ("recompute_at", "recompute")):
+                for name in ({} if schedule is None else getattr(schedule, table)):
+                    t = self.tensor_of.get(name)
+                    if t is None or decisions[t] != wanted:
+                        out.append(Violation("schedule", f"schedule: {table} names tensor {name!r}, "
+                                             f"which the plan does not {wanted}", tensor=name))
+            for t, d in enumerate(decisions):
+                if d == "swap":
+                    f = self._position(plan, "d2h_free", t, out)
+                    i = self._position(plan, "h2d_issue", t, out)
+                    if f is not None and i is not None:
+                        free_after[t], issue_at[t] = f, i
+                elif d == "recompute":
+                    r = self._position(plan, "recompute_at", t, out)
+                    if r is not None:
+                        rebuild_at[t] = r
+            if out:
+                return _Walk(out)
+        # backward: which ops run again before each backward op, and what each position reads
+        rebuilt: dict[int, int] = {}
+        first_read: dict[int, int] = {}
+        reruns: list[list[int]] = [[] for _ in range(S)]
+        swap_reads: list[set[int]] = [set() for _ in range(S)]
+        planned: dict[int, list[int]] = {}
+        for t, slot in rebuild_at.items():
+            planned.setdefault(slot, []).append(t)
+        for k in range(n, S):
+            j = S - 1 - k
+            here: set[int] = set()
+            todo = list(self.bwd_reads[j]) + planned.get(k, [])
+            while todo:
+                t = todo.pop()
+                first_read.setdefault(t, k)
+                if decisions[t] == "swap":
+                    swap_reads[k].add(t)
+                elif decisions[t] == "recompute" and t not in rebuilt:
+                    rebuilt[t] = k
+                    ops, frontier = self.closure(self.producer[t])
+                    here |= ops
+                    todo.extend(frontier)
+                if not todo:  # what the reruns make that the plan recomputes is rebuilt too
+                    todo = [x for q in here for x in self.makes[q]
+                            if decisions[x] == "recompute" and x not in rebuilt]
+            reruns[k] = sorted(here)
+        for t, slot in rebuild_at.items():
+            if slot < n:
+                out.append(Violation("schedule", f"schedule: recompute_at[{names[t]!r}] = {slot} is "
+                                     "in the forward pass", tensor=names[t]))
+            elif rebuilt.get(t) != slot:
+                out.append(Violation("schedule", f"schedule: recompute_at[{names[t]!r}] = {slot} is "
+                                     f"after its first use at position {rebuilt.get(t)} "
+                                     f"({self._label(rebuilt.get(t, slot))})", tensor=names[t]))
+        for t in free_after:
+            if free_after[t] < self.last_fwd[t]:
+                out.append(Violation("schedule", f"schedule: d2h_free[{names[t]!r}] = {free_after[t]} "
+                                     f"is before its last forward reader at position "
+                                     f"{self.last_fwd[t]}", tensor=names[t]))
+            if issue_at[t] <= free_after[t]:
+                out.append(Violation("schedule", f"schedule: tensor {names[t]!r} is prefetched at "
+                                     f"position {issue_at[t]}, before it has left (d2h_free "
+                                     f"{free_after[t]})", tensor=names[t]))
+            if issue_at[t] > first_read[t]:
+                out.append(Violation("schedule", f"schedule: h2d_issue[{names[t]!r}] = {issue_at[t]} "
+                                     f"is after its first use at position {first_read[t]} "
+                                     f"({self._label(first_read[t])})", tensor=names[t]))
+        if out:
+            return _Walk(out)
+        # points: forward ops; before each backward op its reruns in forward order, then the op
+        points: list[tuple[int, int, str]] = []
+        slot_points: list[list[int]] = []
+        for k in range(S):
+            mine = []
+            if k < n:
+                mine.append(len(points))
+                points.append((k, k, "forward"))
+            else:
+                for q in reruns[k]:
+                    mine.append(len(points))
+                    points.append((k, q, "rerun"))
+                mine.append(len(points))
+                points.append((k, S - 1 - k, "backward"))
+            slot_points.append(mine)
+        # residency: from where a tensor appears to the last point that reads it
+        last_read: dict[int, int] = {}
+        comes_back: dict[int, int] = {}  # recomputed tensor -> the rerun point that rebuilds it
+        intervals: list[tuple[int, int, int]] = []
+        for k in range(n, S):
+            made_at: dict[int, int] = {}
+            read_last: dict[int, int] = {}
+            for p in slot_points[k]:
+                _, op, kind = points[p]
+                if kind == "backward":
+                    for t in self.bwd_reads[op]:
+                        last_read[t] = p
+                    continue
+                for t in self.reads[op]:
+                    if self.saved[t]:
+                        last_read[t] = p
+                    else:
+                        read_last[t] = p
+                for t in self.makes[op]:
+                    if decisions[t] == "recompute" and rebuilt.get(t) == k:
+                        comes_back[t] = p
+                    else:
+                        made_at[t] = p
+                        read_last[t] = p
+            for t, p in made_at.items():  # rerun by-products live within the position
+                intervals.append((t, p, read_last[t]))
+        transient = len(intervals)
+        for t, d in enumerate(decisions):
+            made = self.producer[t]
+            if d is None or d == "recompute":
+                intervals.append((t, made, self.last_fwd[t]))
+                if d == "recompute":
+                    intervals.append((t, comes_back[t], last_read[t]))
+            elif d == "keep":
+                intervals.append((t, made, last_read[t]))
+            else:
+                gone = free_after[t]
+                intervals.append((t, made, slot_points[gone][-1]))
+                intervals.append((t, slot_points[issue_at[t]][0], last_read[t]))
+        walk = _Walk(out, points, slot_points, intervals, reruns, swap_reads)
+        self._check_reads(walk, transient)
+        return walk
+
+    def _check_reads(self, walk: _Walk, transient: int) -> None:
+        """Every read finds its tensor on the device (forward, rerun and backward reads)."""
+        g = self.graph
+        spans: dict[int, list[tuple[int, int]]] = {}
+        for t, a, b in walk.intervals:
+            spans.setdefault(t, []).append((a, b))
+        for p, (_, op, kind) in enumerate(walk.points):
+            wanted = self.bwd_reads[op] if kind == "backward" else self.reads[op]
+            for t in wanted:
+                if not any(a <= p <= b for a, b in spans.get(t, ())):
+                    walk.violations.append(Violation(
+                        "residency", f"{kind} of op {g.ops[op].name!r} reads tensor "
+                        f"{g.tensors[t].name!r}, which is not on the device",
+                        g.ops[op].name, g.tensors[t].name))
+
+    # ------------------------------------------------------------------ memory
+    def memory(self, walk: _Walk, limit: int | None) -> tuple[int, list[Violation]]:
+        """Bytes on the device at every point (live tensors and the running op's workspace)."""
+        g = self.graph
+        comes: list[list[int]] = [[] for _ in walk.points]
+        goes: list[list[int]] = [[] for _ in walk.points]
+        for t, a, b in walk.intervals:
+            comes[a].append(t)
+            goes[b].append(t)
+        live = 0
+        resident: dict[int, int] = {}
+        peak = 0
+        out: list[Violation] = []
+        for p, (_, op, kind) in enumerate(walk.points):
+            for t in comes[p]:
+                live += self.nbytes[t]
+                resident[t] = resident.get(t, 0) + 1
+            ops = g.ops[op]
+            work = ops.backward_workspace_bytes if kind == "backward" else ops.forward_workspace_bytes
+            now = live + int(work)
+            peak = max(peak, now)
+            if limit is not None and now > limit:
+                if len(out) < _MAX_MEMORY_VIOLATIONS:
+                    top = max(resident, key=lambda t: (self.nbytes[t], -t), default=None)
+                    tname = None if top is None else g.tensors[top].name
+                    out.append(Violation(
+                        "memory", f"{kind} of op {ops.name!r}: {now} bytes on the device, "
+                        f"{now - limit} over the budget of {limit} (largest resident tensor {tname!r})",
+                        ops.name, tname, now - limit))
+            for t in goes[p]:
+                live -= self.nbytes[t]
+                resident[t] -= 1
+                if not resident[t]:
+                    del resident[t]
+        return peak, out
+
+    # ------------------------------------------------------------------ time
+    def timeline(self, walk: _Walk, decisions: list[str | None], plan: Plan,
+                 hw: Hardware) -> tuple[float, float, float]:
+        """Step time on one compute stream and the D2H / H2D lanes (one transfer at a time each,
+        or one link when not full duplex): the ideal time, plus every stall, plus every rerun."""
+        g, n = self.graph, self.n
+        S = 2 * n
+        schedule = plan.schedule
+        tensor = self.tensor_of
+        swapped = [t for t, d in enumerate(decisions) if d == "swap"]
+        free_after = {t: int(schedule.d2h_free[g.tensors[t].name]) for t in swapped}
+        issue_at = {t: int(schedule.h2d_issue[g.tensors[t].name]) for t in swapped}
+        wait_for_free: dict[int, list[int]] = {}
+        prefetch_at: dict[int, list[int]] = {}
+        offload_after: dict[int, list[int]] = {}
+        for t in swapped:
+            wait_for_free.setdefault(free_after[t] + 1, []).append(t)
+            prefetch_at.setdefault(issue_at[t], []).append(t)
+            offload_after.setdefault(self.producer[t], []).append(t)
+        first_reader = {t: max(self.readers_bwd[t]) for t in swapped}
+        offloaded: dict[int, float] = {}
+        landed: dict[int, float] = {}
+        d2h_free_at = h2d_free_at = 0.0
+        clock = stall = rerun = 0.0
+        del tensor
+        for k in range(S):
+            issued = clock
+            # prefetches issued here, in the order of their tensors' first backward reader
+            for t in sorted(prefetch_at.get(k, ()), key=lambda t: (S - 1 - first_reader[t], t)):
+                lane = h2d_free_at if hw.duplex else max(h2d_free_at, d2h_free_at)
+                begin = max(lane, issued, offloaded[t])
+                landed[t] = begin + hw.latency_s + self.nbytes[t] / hw.h2d_bytes_per_s
+                h2d_free_at = landed[t]
+                if not hw.duplex:
+                    d2h_free_at = landed[t]
+            go = issued
+            for t in wait_for_free.get(k, ()):  # offloads that must be done before this op
+                go = max(go, offloaded[t])
+            for t in walk.swap_reads[k]:  # prefetches this position reads must have landed
+                go = max(go, landed[t])
+            stall += go - issued
+            clock = go
+            if k < n:
+                clock += g.ops[k].forward_s
+                for t in sorted(offload_after.get(k, ())):
+                    lane = d2h_free_at if hw.duplex else max(h2d_free_at, d2h_free_at)
+                    begin = max(lane, clock)
+                    offloaded[t] = begin + hw.latency_s + self.nbytes[t] / hw.d2h_bytes_per_s
+                    d2h_free_at = offloaded[t]
+                    if not hw.duplex:
+                        h2d_free_at = offloaded[t]
+            else:
+                for q in walk.reruns[k]:
+                    clock += g.ops[q].forward_s
+                    rerun += g.ops[q].forward_s
+                clock += g.ops[S - 1 - k].backward_s
+        ideal = sum(op.forward_s + op.backward_s for op in g.ops) + g.optimizer_s
+        return ideal + stall + rerun, stall, rerun

@@ -1,0 +1,79 @@
+"""Closing plans: the one place a schedule is completed with the step model's defaults.
+
+Planners hand their decisions (and whatever positions they chose) to :func:`close`, which fills
+the rest with the defaults of formulations/step-model.md ("Default schedule", yielding to the
+budget) and names the hardware. A user's hand-made plan goes through :func:`complete` once, which
+says so; ``/1`` plan files are completed the same way when loaded with their graph. Downstream
+(checker, simulator, executor) only ever reads a closed plan's schedule.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .graph import ActivationGraph
+from .hardware import Hardware, hardware
+from .plan import Plan, Schedule, SolveInfo, read_plan
+from .stepmodel import codes_to_decisions, decision_codes, expand
+
+log = logging.getLogger("slackswap")
+
+COMPLETED_NOTE = "schedule completed with the step model's defaults (slackswap.complete)"
+
+
+def full_schedule(graph: ActivationGraph, codes: np.ndarray, schedule: Schedule | None,
+                  hw: Hardware, budget_bytes: int) -> Schedule:
+    """Every position the decisions need: the given ones, the step model's defaults for the rest
+    (the defaults yield to ``budget_bytes`` where memory tops it)."""
+    return expand(graph, codes, schedule, hw, budget_bytes=budget_bytes).schedule(graph)
+
+
+def close(graph: ActivationGraph, codes: np.ndarray, schedule: Schedule | None, hw: Hardware,
+          budget_bytes: int, info: SolveInfo) -> Plan:
+    """A closed plan from a planner's decisions and (possibly partial) schedule."""
+    return Plan(graph_name=graph.name, graph_digest=graph.digest, budget_bytes=int(budget_bytes),
+                decisions=codes_to_decisions(graph, codes),
+                schedule=full_schedule(graph, codes, schedule, hw, budget_bytes), info=info,
+                hardware=hw)
+
+
+def complete(plan: Plan, graph: ActivationGraph, hw: Hardware | str | None = None) -> Plan:
+    """``plan`` closed for ``graph`` on ``hw`` (default: the plan's hardware): positions it does
+    not give get the step model's defaults; a plan already complete is returned as it is (its
+    hardware included). The
+    completed plan records it in ``info.extra["schedule"]``, and the completion is logged."""
+    plan.check_graph(graph)
+    hw = hardware(hw if hw is not None else plan.hardware if plan.hardware is not None
+                  else _need_hardware(plan))
+    if plan.is_complete:
+        return plan
+    codes = decision_codes(graph, plan)
+    schedule = full_schedule(graph, codes, plan.schedule, hw, plan.budget_bytes)
+    log.warning("plan for graph %r: %s for hardware %r", plan.graph_name, COMPLETED_NOTE, hw.name)
+    info = plan.info.to_dict()
+    info["schedule"] = COMPLETED_NOTE
+    return Plan(plan.graph_name, plan.graph_digest, plan.budget_bytes, plan.decisions, schedule,
+                SolveInfo.from_dict(info), plan.extra, hw)
+
+
+def _need_hardware(plan: Plan):
+    from .errors import PlanError
+
+    raise PlanError(f"plan for graph {plan.graph_name!r} names no hardware: pass the hardware it "
+                    "is for, complete(plan, graph, hw)")
+
+
+def load_plan(source: str | Path | Mapping[str, Any] | Plan, graph: ActivationGraph | None = None,
+              hardware: Hardware | str | None = None) -> Plan:
+    """Load a plan from a path, JSON text or dict. A ``slackswap.plan/1`` plan (no hardware, maybe
+    no schedule) is completed on load when ``graph`` is given, for ``hardware`` (default
+    a100-80gb-pcie4, what /1 plans were made for unless told otherwise)."""
+    plan = read_plan(source)
+    if graph is not None and not plan.is_complete:
+        plan = complete(plan, graph, hardware or plan.hardware or "a100-80gb-pcie4")
+    return plan

@@ -1,0 +1,98 @@
+"""The planners' contract: what a planner is given, what it returns, and the registry by name.
+
+Every planner takes a :class:`Problem` and returns a :class:`Solution` (decision codes, the
+positions it chose, a :class:`SolveInfo`): the same type whatever the planner, as Checkmate's
+strategies return one scheduled result, so comparisons and sweeps are trivial. Planners are
+registered as "module:Class" and imported on first use (as cvxpy's solver interfaces are), so a
+missing optional package only disables its planner; ``is_available()`` says which are usable.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
+
+from ..core.graph import ActivationGraph
+from ..core.hardware import Hardware
+from ..core.plan import Schedule, SolveInfo
+
+
+@dataclass(frozen=True)
+class Problem:
+    """What every planner solves: a graph, the hardware, a budget in bytes."""
+
+    graph: ActivationGraph
+    hardware: Hardware
+    budget_bytes: int
+
+
+@dataclass(frozen=True)
+class Solution:
+    """Decision codes per tensor (core.plan.Decision), the positions the planner chose (None or
+    partial: solve() closes the plan with the step model's defaults), and how it fared."""
+
+    codes: np.ndarray
+    schedule: Schedule | None
+    info: SolveInfo
+
+
+@runtime_checkable
+class Planner(Protocol):
+    name: str
+
+    def is_available(self) -> bool: ...
+
+    def solve(self, problem: Problem, **options: Any) -> Solution: ...
+
+
+_REGISTRY: dict[str, str] = {
+    "keep-all": "slackswap.planners.baselines:KeepAll",
+    "recompute-all": "slackswap.planners.baselines:RecomputeAll",
+    "swap-all": "slackswap.planners.baselines:SwapAll",
+    "heuristic": "slackswap.planners.heuristic:SlackSwapHeuristic",
+    "cpsat": "slackswap.planners.exact.cpsat:CpSatBackend",
+    "cbc": "slackswap.planners.exact.pulp_backend:CbcBackend",
+    "highs": "slackswap.planners.exact.pulp_backend:HighsBackend",
+}
+
+
+def solver_names() -> list[str]:
+    """Every registered planner's name (available or not)."""
+    return list(_REGISTRY)
+
+
+def register_solver(name: str, target: str) -> None:
+    """Register a planner as "module:Class" (imported on first use)."""
+    if ":" not in target:
+        raise ValueError(f"register_solver: target must be 'module:Class', got {target!r}")
+    _REGISTRY[name] = target
+
+
+def get_planner(name: str) -> Planner:
+    """The planner registered as ``name``; ImportError names a missing package."""
+    try:
+        target = _REGISTRY[name]
+    except KeyError:
+        raise ValueError(f"unknown solver {name!r}; known: {', '.join(_REGISTRY)}") from None
+    module, _, cls = target.partition(":")
+    try:
+        mod = importlib.import_module(module)
+    except ImportError as exc:
+        raise ImportError(f"solver {name!r} needs a package that is not installed: {exc}") from exc
+    planner = getattr(mod, cls)()
+    available = getattr(planner, "is_available", None)
+    if available is not None and not available():
+        raise ImportError(f"solver {name!r} is not available here (its solver library is missing)")
+    return planner
+
+
+def is_available(name: str) -> bool:
+    """Whether ``name`` is registered and its packages are installed."""
+    try:
+        get_planner(name)
+    except (ImportError, ValueError, AttributeError):
+        return False
+    return True

@@ -1,0 +1,112 @@
+"""The package's folders are its architecture: every import goes one way, and the checker
+imports nothing but the core data types (a walk over every module's imports, lazy ones too)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import slackswap
+
+ROOT = Path(slackswap.__file__).parent
+
+# lower layers never import higher ones; runtime sits beside the chain, on core alone
+LAYER = {"core": 0, "check": 1, "planners": 2, "solve": 3, "workloads": 3, "plot": 3,
+         "cli": 4, "demo": 4}
+APPLICATION = 4  # the command line and the demo may drive the runtime (profile, apply)
+RUNTIME = "runtime"
+# the checker's whole world: data types and what a budget means, no model, no planner
+CHECKER_MAY_IMPORT = {"core.graph", "core.plan", "core.hardware", "core.errors", "core.units"}
+# Plan.as_checkpoint_policy: a convenience the README promises, importing runtime lazily so that
+# the core never loads torch
+ALLOWED_UPWARD = {("core.plan", "runtime.checkpoint")}
+
+
+def _module(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _imports(path: Path, top_only: bool = False) -> set[str]:
+    """Every slackswap module ``path`` imports, at the top or (unless ``top_only``) inside a
+    function."""
+    mod = _module(path)
+    package = mod.split(".") if path.name == "__init__.py" else mod.split(".")[:-1]
+    found = set()
+    tree = ast.parse(path.read_text())
+    for node in (tree.body if top_only else ast.walk(tree)):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package[:len(package) - node.level + 1]
+                target = ".".join(base + ([node.module] if node.module else []))
+            elif node.module and node.module.startswith("slackswap"):
+                target = node.module.removeprefix("slackswap").lstrip(".")
+            else:
+                continue
+            names = [a.name for a in node.names]
+            for name in names:  # "from . import x" may name a module
+                full = f"{target}.{name}" if target else name
+                found.add(full if (ROOT / full.replace(".", "/")).with_suffix(".py").exists()
+                           else target)
+        elif isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name.startswith("slackswap."):
+                    found.add(a.name.removeprefix("slackswap."))
+    found.discard("")
+    return found
+
+
+def _modules(top_only: bool = False) -> dict[str, set[str]]:
+    return {_module(p): _imports(p, top_only) for p in ROOT.rglob("*.py") if _module(p)}
+
+
+def _layer(mod: str):
+    top = mod.split(".")[0]
+    return RUNTIME if top == RUNTIME else LAYER[top]
+
+
+def test_every_module_has_a_layer():
+    for mod in _modules():
+        _layer(mod)  # KeyError names a module outside the layout
+
+
+def test_no_import_goes_up_the_chain():
+    bad = []
+    for mod, deps in _modules().items():
+        mine = _layer(mod)
+        for dep in deps:
+            theirs = _layer(dep)
+            if (mod, dep) in ALLOWED_UPWARD:
+                continue
+            if mine == RUNTIME:
+                ok = theirs == RUNTIME or theirs == 0
+            elif theirs == RUNTIME:
+                ok = mine == APPLICATION
+            else:
+                ok = theirs <= mine
+            if not ok:
+                bad.append(f"{mod} imports {dep}")
+    assert not bad, bad
+
+
+def test_checker_imports_only_core_data_types():
+    """Everything check/validate.py imports (lazily too), and what those load with them."""
+    mods = _modules(top_only=True)
+    seen, todo = set(), ["check.validate"]
+    mods["check.validate"] = _imports(ROOT / "check" / "validate.py")
+    while todo:
+        mod = todo.pop()
+        for dep in mods[mod]:
+            if dep not in seen:
+                seen.add(dep)
+                todo.append(dep)
+    assert seen <= CHECKER_MAY_IMPORT, sorted(seen - CHECKER_MAY_IMPORT)
+    assert "core.stepmodel" not in seen and "check.simulate" not in seen
+
+
+def test_the_walk_sees_imports(tmp_path):
+    """The walk itself: an upward import written inside a function is found."""
+    deps = _imports(ROOT / "core" / "plan.py")
+    assert "runtime.checkpoint" in deps and "core.errors" in deps

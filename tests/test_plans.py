@@ -1,0 +1,82 @@
+"""Closed plans: every planner's plan carries its complete schedule and hardware, round-trips
+through JSON unchanged, and is simulated and checked on that schedule alone; old /1 files load."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+from helpers import LINK, open_plan, seeded_decisions, seeded_graph
+
+import slackswap as ss
+
+
+@pytest.mark.parametrize("solver", ss.solver_names())
+def test_every_planner_returns_a_closed_plan_that_round_trips(solver, tmp_path):
+    if not ss.is_available(solver):
+        pytest.skip(f"{solver} is not installed")
+    g = seeded_graph(11)
+    plan = ss.solve(g, 0.6, LINK, solver=solver, strict=False, time_limit_s=5)
+    assert plan.is_complete and plan.hardware == LINK
+    swapped = set(plan.tensors("swap"))
+    assert set(plan.schedule.d2h_free) == set(plan.schedule.h2d_issue) == swapped
+    assert set(plan.schedule.recompute_at) == set(plan.tensors("recompute"))
+    path = tmp_path / "plan.json"
+    plan.save(path)
+    assert json.loads(path.read_text())["format"] == "slackswap.plan/2"
+    again = ss.load_plan(path)
+    assert again == plan and again.hardware == LINK
+    sim, sim_again = ss.simulate(g, plan), ss.simulate(g, again)
+    assert sim_again.step_time_s == sim.step_time_s == plan.info.predicted_step_time_s
+    assert sim_again.peak_bytes == sim.peak_bytes
+    check = ss.validate(g, again)
+    assert check.ok == sim.fits and check.peak_bytes == sim.peak_bytes
+
+
+def test_open_plans_are_refused_downstream_and_completed_once(caplog):
+    g = seeded_graph(4)
+    hand = open_plan(g, seeded_decisions(g, 4), ss.keep_all_peak(g, LINK))
+    with pytest.raises(ss.PlanError, match="complete"):
+        ss.simulate(g, hand, LINK)
+    with caplog.at_level(logging.WARNING, logger="slackswap"):
+        closed = ss.complete(hand, g, LINK)
+    assert "completed" in caplog.text
+    assert closed.is_complete and closed.info.extra["schedule"].startswith("schedule completed")
+    assert ss.complete(closed, g, LINK) is closed  # a closed plan is never planned again
+    # the completion is the one solve() uses: same decisions, same schedule, same time
+    assert closed.schedule == ss.complete(hand, g, LINK).schedule
+
+
+def test_version_1_files_still_load_and_complete_deterministically():
+    g = ss.workload("bert-large", "a100-80gb-pcie4")
+    plan = ss.solve(g, 0.5, "a100-80gb-pcie4", solver="heuristic")
+    old = {"format": "slackswap.plan/1", "graph": g.name, "graph_digest": g.digest,
+           "budget_bytes": plan.budget_bytes, "decisions": dict(plan.decisions),
+           "info": {"solver": "heuristic", "status": "heuristic"}}
+    loaded = ss.load_plan(json.dumps(old))
+    assert not loaded.is_complete and loaded.hardware is None  # without its graph: as written
+    done = ss.load_plan(json.dumps(old), graph=g)
+    assert done.is_complete and done.hardware == ss.hardware("a100-80gb-pcie4")
+    assert done.schedule == plan.schedule  # /1 plans were made for the A100 preset by default
+    assert ss.simulate(g, done).step_time_s == ss.simulate(g, plan).step_time_s
+    # a /1 plan with a partial schedule keeps the positions it gives
+    first = next(iter(plan.schedule.d2h_free))
+    partial = {**old, "schedule": {"d2h_free": {first: plan.schedule.d2h_free[first]}}}
+    assert ss.load_plan(partial, graph=g).schedule.d2h_free[first] == plan.schedule.d2h_free[first]
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("format", "slackswap.plan/9", "format"),
+    ("graph_digest", 12345, "graph_digest"),
+    ("info", 5, "info"),
+    ("hardware", "a100", "hardware"),
+    ("hardware", {"name": "x", "d2h_bytes_per_s": -1}, "hardware"),
+    ("schedule", None, "complete schedule"),
+])
+def test_bad_plan_files_get_named_errors(field, value, message):
+    g = seeded_graph(2)
+    data = ss.solve(g, 0.7, LINK, solver="heuristic").to_dict()
+    data[field] = value
+    with pytest.raises(ss.PlanError, match=message):
+        ss.load_plan(data)
