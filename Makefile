@@ -2,7 +2,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint bench clean
+.PHONY: demo test test-fast lint bench clean
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -18,11 +18,14 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest
 
+test-fast: $(STAMP)
+	$(PY) -m pytest -m "not slow"
+
 lint: $(STAMP)
-	$(VENV)/bin/ruff check src tests benchmarks
+	$(VENV)/bin/ruff check src tests benchmarks examples
 
 bench: $(STAMP)
-	$(PY) benchmarks/paper_table.py --json benchmarks/results/paper_table.json
+	$(PY) benchmarks/paper_table.py --budgets 0.3,0.4,0.5,0.6 --time-limit 30 --json benchmarks/results/paper_table.json --results
 
 clean:
 	rm -rf $(VENV) build *.egg-info src/*.egg-info

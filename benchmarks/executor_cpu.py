@@ -149,6 +149,20 @@ def main() -> int:
           f"{row['keep_all_peak_bytes'] / 2**20:.2f} MiB)")
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(row, indent=1))
+    from results_md import command_line, markdown_table, write_section
+
+    write_section(f"executor_cpu_w{args.width}", f"Executor on CPU (width {args.width}, seq "
+                  f"{args.seq})", command_line(), markdown_table(
+                      ["what", "figure"],
+                      [["plain step", f"{1e3 * plain:.2f} ms"],
+                       ["apply(), keep-all", f"{1e3 * keep_s:.2f} ms ({100 * overhead:+.1f}%, "
+                        f"median of {args.rounds} paired rounds)"],
+                       ["overhead per forward op", f"{row['overhead_us_per_op']:.0f} us ({graph.n_ops} ops)"],
+                       ["apply(), recompute plan", f"{1e3 * rec_s:.2f} ms"],
+                       ["torch selective checkpointing, same decisions", f"{1e3 * ckpt_s:.2f} ms"],
+                       ["tracked / simulated activation peak",
+                        f"{run.stats.peak_activation_bytes / 2**20:.2f} / {sim.peak_bytes / 2**20:.2f} MiB "
+                        f"(budget {plan.budget_bytes / 2**20:.2f} MiB)"]]))
     return 0
 
 

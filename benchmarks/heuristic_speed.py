@@ -46,6 +46,12 @@ def main() -> int:
               f"{row['solve_with_validation_ms']:7.1f} ms)")
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(rows, indent=1))
+    from results_md import command_line, markdown_table, write_section
+
+    write_section("heuristic_speed", "Heuristic speed", command_line(), markdown_table(
+        ["layers", "ops", "saved tensors", "heuristic ms (median)", "solve() ms (closed, checked, simulated)"],
+        [[r["layers"], r["ops"], r["saved_tensors"], f"{r['plan_ms_median']:.1f}",
+          f"{r['solve_with_validation_ms']:.1f}"] for r in rows]))
     return 0
 
 

@@ -37,6 +37,13 @@ def main() -> int:
               f"{row['saved_tensors']} saved tensors, profiled (1 warmup + 3 steps) in {wall:.2f} s")
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(rows, indent=1))
+    from results_md import command_line, markdown_table, write_section
+
+    write_section("profile_speed", "Profiler speed (Hugging Face GPT-2, CPU)", command_line(),
+                  markdown_table(["layers", "width", "seq", "ops", "saved tensors",
+                                  "profile s (1 warmup + 3 steps)"],
+                                 [[r["layers"], r["width"], r["seq"], r["ops"], r["saved_tensors"],
+                                   f"{r['profile_s_4_steps']:.2f}"] for r in rows]))
     return 0
 
 

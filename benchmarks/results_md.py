@@ -42,4 +42,10 @@ def markdown_table(header: list[str], rows: list[list[str]]) -> str:
 
 
 def command_line() -> str:
-    return "python " + " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]])
+    """The command that ran, as typed from the repository's root."""
+    script = Path(sys.argv[0]).resolve()
+    try:
+        script = script.relative_to(RESULTS.parent.parent)
+    except ValueError:
+        pass
+    return "python " + " ".join([script.as_posix(), *sys.argv[1:]])

@@ -60,6 +60,20 @@ def main() -> int:
                   f"{100 * bound:6.2f}%)", flush=True)
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(rows, indent=1))
+    from results_md import command_line, markdown_table, write_section
+
+    table = markdown_table(
+        ["layers", "saved", "solver", "wall s", "status", "gap", "exact", "warm start", "heuristic",
+         "LP bound"],
+        [[r["layers"], r["saved_tensors"], r["solver"], f"{r['wall_s']:.1f}", r["status"],
+          "-" if r["gap"] is None else f"{100 * r['gap']:.2f}%", f"{100 * r['retention']:.2f}%",
+          r["warm_start"] or "-", f"{100 * r['heuristic_retention']:.2f}%",
+          f"{100 * r['lp_bound_retention']:.2f}%"] for r in rows])
+    write_section("solve_scaling", "Exact planner: solve time against size", command_line(),
+                  table + "\n\nGPT-style layers (hidden 1024, seq 1024, batch 4); budget "
+                  f"{args.budget:.0%} of the keep-all peak or 1.05x the smallest feasible budget. "
+                  "gap: proven distance of the step time to the best bound.\n\n"
+                  "![solve time](results/solve_scaling.png)")
     try:
         import matplotlib
 

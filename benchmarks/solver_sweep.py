@@ -83,6 +83,12 @@ def main() -> int:
                      + f" | {'-' if lb is None else f'{100 * lb:.2f}'} |")
     md = args.out.with_suffix(".md")
     md.write_text("\n".join(lines) + "\n")
+    from results_md import command_line, write_section
+
+    write_section("solver_sweep", "Every solver across budgets", command_line(),
+                  "\n".join(lines) + "\n\nRetention (%) simulated on each plan's own schedule, with "
+                  "each exact solver's proven gap (step time); '-' or a status: no plan fits.\n\n"
+                  "![retention against budget](results/solver_sweep.png)")
     print("\n".join(lines))
     import matplotlib
 

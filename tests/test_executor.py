@@ -83,6 +83,7 @@ def test_tracked_peak_within_budget_and_near_the_simulator(name):
         assert abs(peak - sim.peak_bytes) <= 0.05 * sim.peak_bytes
 
 
+@pytest.mark.slow
 def test_no_leak_over_100_steps():
     model, inputs, loss_fn, graph = setup("gpt")
     plan = plan_from(graph, ["swap", "recompute", "keep"] * len(graph.saved))

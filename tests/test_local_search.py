@@ -94,6 +94,7 @@ def test_random_groups_move_together():
     assert result.sim.peak_bytes == 300
 
 
+@pytest.mark.slow
 def test_warm_start_is_never_worse_than_the_heuristic():
     from slackswap.planners.exact.warmstart import warm_start
 

@@ -12,6 +12,7 @@ pytest.importorskip("torch")
 NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["01_quickstart.ipynb", "02_budget_sweep.ipynb", "03_real_model.ipynb"])
 def test_notebook_runs(name, tmp_path, monkeypatch):
     import sys

@@ -46,7 +46,9 @@ class Decision(IntEnum):
             raise PlanError(f"decision {label!r}: expected one of {DECISIONS}") from None
 
 
-UNSAVED, KEEP, SWAP, RECOMPUTE = Decision.UNSAVED, Decision.KEEP, Decision.SWAP, Decision.RECOMPUTE
+# the codes as plain ints for numpy columns (numpy compares an IntEnum member far more slowly)
+UNSAVED, KEEP, SWAP, RECOMPUTE = (int(d) for d in (Decision.UNSAVED, Decision.KEEP, Decision.SWAP,
+                                                    Decision.RECOMPUTE))
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ import numpy as np
 from ..core.graph import ActivationGraph
 from ..core.hardware import Hardware
 from ..core.plan import KEEP, RECOMPUTE, SWAP, SolveInfo
-from ..core.stepmodel import expand, nominal_slot_times
+from ..core.stepmodel import expand, keep_all_codes, nominal_slot_times
 from .base import Problem, Solution
 from .baselines import rebuild_cost, swap_all_codes
 
@@ -70,7 +70,7 @@ def heuristic_codes(graph: ActivationGraph, hw: Hardware, budget: int,
     nbytes = graph.tensor_bytes
     cost = rebuild_cost(graph)
     per_byte = np.where(graph.can_recompute, cost / np.maximum(nbytes, 1), np.inf)
-    codes = np.where(graph.is_saved, KEEP, -1).astype(np.int8)
+    codes = keep_all_codes(graph)
     dearest = saved[np.argsort(-per_byte[saved], kind="stable")]
     swaps = hideable_swaps(graph, hw, dearest)
     codes[swaps] = SWAP
@@ -89,15 +89,8 @@ def heuristic_codes(graph: ActivationGraph, hw: Hardware, budget: int,
     for t in saved:
         for f in graph.rerun_frontier[t]:
             readers_of.setdefault(int(f), []).append(int(t))
-    group_of = {}
-    for t in saved:
-        g = graph.tensors[t].group
-        if g is not None:
-            group_of.setdefault(g, []).append(int(t))
-
-    def members(t: int) -> list[int]:
-        g = graph.tensors[t].group
-        return group_of[g] if g is not None else [t]
+    def members(t: int) -> tuple[int, ...]:
+        return graph.group_of(t)
 
     def can_rebuild(t: int, chains: bool = False) -> bool:
         return all(

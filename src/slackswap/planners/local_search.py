@@ -40,13 +40,7 @@ def _key(sim: SimResult, budget: int) -> tuple[int, float, int]:
 
 def _units(graph: ActivationGraph) -> dict[int, tuple[int, ...]]:
     """For each saved tensor, the tensors that must change with it when recompute is involved."""
-    groups: dict[str, list[int]] = {}
-    for t in graph.saved:
-        g = graph.tensors[int(t)].group
-        if g is not None:
-            groups.setdefault(g, []).append(int(t))
-    return {int(t): tuple(groups[graph.tensors[int(t)].group]) if graph.tensors[int(t)].group
-            else (int(t),) for t in graph.saved}
+    return {int(t): graph.group_of(int(t)) for t in graph.saved}
 
 
 # Moves tried. With no overflow and no stall: those that can shorten the step (fewer reruns,

@@ -20,8 +20,7 @@ from scipy.sparse import coo_matrix
 from ..core.budget import parse_budget
 from ..core.graph import ActivationGraph
 from ..core.hardware import Hardware, hardware
-from ..core.plan import KEEP
-from ..core.stepmodel import expand
+from ..core.stepmodel import expand, keep_all_codes
 from .native import quiet_stdout
 
 
@@ -150,12 +149,9 @@ def lp_bound(graph: ActivationGraph, budget, hw: Hardware | str, *, integral: bo
         lp.eq([K[i], W[i], R[i]], [1, 1, 1], 1.0)
         if not graph.can_recompute[t]:
             lp.ub[R[i]] = 0.0
-    groups: dict[str, list[int]] = {}
-    for i, t in enumerate(saved):
-        g = graph.tensors[t].group
-        if g is not None:
-            groups.setdefault(g, []).append(i)
-    for members in groups.values():
+    column = {int(t): i for i, t in enumerate(saved)}
+    for group in graph.rng_groups.values():
+        members = [column[t] for t in group]
         for a, b in zip(members, members[1:]):
             lp.eq([R[a], R[b]], [1, -1], 0.0)
     rerun_ops = sorted({q for t in saved for q in graph.rerun_ops[t]})
@@ -196,7 +192,7 @@ def lp_bound(graph: ActivationGraph, budget, hw: Hardware | str, *, integral: bo
     M = lp.vars(S)
     bw_d, bw_h = hw.d2h_bytes_per_s * tu / bu, hw.h2d_bytes_per_s * tu / bu
     # everything not saved, and workspaces, as keep-all has them
-    base = expand(graph, np.where(graph.is_saved, KEEP, -1).astype(np.int8), None, hw)
+    base = expand(graph, keep_all_codes(graph), None, hw)
     main_points = base.slot_first_point
     unsaved_mem = np.zeros(S)
     for t, s_, e_ in zip(base.iv_tensor, base.iv_start, base.iv_end):

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ...core.plan import KEEP, RECOMPUTE, SWAP, Schedule
+from ...core.plan import RECOMPUTE, SWAP, Schedule
+from ...core.stepmodel import keep_all_codes
 from .formulate import Formulation
 
 
@@ -18,7 +19,7 @@ def _chosen(options: dict[int, int], value) -> int:
 def decode(f: Formulation, value) -> tuple[np.ndarray, Schedule]:
     """``value(var_index) -> number``. Returns decision codes and the schedule."""
     g = f.graph
-    codes = np.where(g.is_saved, KEEP, -1).astype(np.int8)
+    codes = keep_all_codes(g)
     free, issue, rebuild = {}, {}, {}
     for t in f.keep:
         name = g.tensors[t].name

@@ -185,11 +185,7 @@ def formulate(graph: ActivationGraph, hw: Hardware, budget_bytes: int, *, full: 
         # rebuild_once
         m.eq(f"rebuild_once[{name}]", [(v, 1) for v in f.rebuild_at[t].values()] + [(f.recompute[t], -1)], 0)
     # random_groups: recomputed together or not at all
-    groups: dict[str, list[int]] = {}
-    for t in saved:
-        if graph.tensors[t].group is not None:
-            groups.setdefault(graph.tensors[t].group, []).append(t)
-    for g, members in groups.items():
+    for g, members in graph.rng_groups.items():
         for a, b in zip(members, members[1:]):
             m.eq(f"random_group[{g}]", [(f.recompute[a], 1), (f.recompute[b], -1)], 0)
 
