@@ -8,6 +8,8 @@ A plan that does not fit raises :class:`InfeasibleBudget`; it never escapes as a
 
 from __future__ import annotations
 
+import math
+import numbers
 import time
 from typing import Any
 
@@ -39,6 +41,9 @@ def solve(graph: ActivationGraph, budget: float | int | str, hardware: Hardware 
     plan does not fit and ``strict`` is true.
     """
     hw = get_hardware(hardware)
+    if not isinstance(graph, ActivationGraph):
+        raise TypeError(f"solve: graph must be an ActivationGraph, got {type(graph).__name__}")
+    time_limit_s = check_time_limit(time_limit_s)
     budget_bytes = parse_budget(budget, graph, hw)
     floor = min_budget(graph, hw)
     if budget_bytes < floor:
@@ -60,6 +65,16 @@ def solve(graph: ActivationGraph, budget: float | int | str, hardware: Hardware 
             f"solver {solver!r} found no plan for graph {graph.name!r} within {budget_bytes} bytes: "
             f"{check.violations[0]}", min_budget_bytes=floor, budget_bytes=budget_bytes)
     return plan
+
+
+def check_time_limit(time_limit_s: float | None) -> float | None:
+    """None (the planner's default) or a finite number of seconds >= 0."""
+    if time_limit_s is None:
+        return None
+    if isinstance(time_limit_s, bool) or not isinstance(time_limit_s, numbers.Real) \
+            or not math.isfinite(time_limit_s) or time_limit_s < 0:
+        raise ValueError(f"time_limit_s must be a finite number of seconds >= 0, got {time_limit_s!r}")
+    return float(time_limit_s)
 
 
 # one row schema for compare(), the CLI's sweep and the benchmarks' tables

@@ -20,6 +20,11 @@ import numpy as np
 from .errors import GraphError
 
 GRAPH_FORMAT = "slackswap.graph/1"
+# every byte sum of a step (resident tensors plus a workspace) must stay exact in int64 and in the
+# float64 the solvers see: bytes are refused once their total passes 2**53 (about 9 PB)
+MAX_TOTAL_BYTES = 2**53
+# every time sum of a step must stay finite: times are refused once their total passes 1e12 s
+MAX_TOTAL_SECONDS = 1e12
 
 _OP_FIELDS = {
     "name", "forward_s", "backward_s", "inputs", "outputs",
@@ -77,12 +82,22 @@ def _check_time(value: Any, where: str, fieldname: str) -> float:
 
 def _check_bytes(value: Any, where: str, fieldname: str) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        if isinstance(value, float) and value.is_integer() and value >= 0:
-            return int(value)
-        raise GraphError(f"{where}: {fieldname} must be a non-negative integer, got {value!r}")
+        if isinstance(value, float) and math.isfinite(value) and value.is_integer() and value >= 0:
+            value = int(value)
+        else:
+            raise GraphError(f"{where}: {fieldname} must be a non-negative integer, got {value!r}")
     if value < 0:
         raise GraphError(f"{where}: {fieldname} must be a non-negative integer, got {value!r}")
+    if value > MAX_TOTAL_BYTES:
+        raise GraphError(f"{where}: {fieldname} = {value} is more than the {MAX_TOTAL_BYTES} bytes "
+                         "a step may hold in all")
     return int(value)
+
+
+def _check_bool(value: Any, where: str, fieldname: str) -> bool:
+    if not isinstance(value, bool):
+        raise GraphError(f"{where}: {fieldname} must be true or false (a JSON boolean), got {value!r}")
+    return value
 
 
 def _names(value: Any, where: str, fieldname: str) -> tuple[str, ...]:
@@ -128,6 +143,7 @@ class ActivationGraph:
             _check_time(op.backward_s, where, "backward_s")
             _check_bytes(op.forward_workspace_bytes, where, "forward_workspace_bytes")
             _check_bytes(op.backward_workspace_bytes, where, "backward_workspace_bytes")
+            _check_bool(op.recomputable, where, "recomputable")
             if len(set(op.outputs)) != len(op.outputs):
                 raise GraphError(f"{where}: an output is listed twice")
         tensor_index: dict[str, int] = {}
@@ -139,6 +155,7 @@ class ActivationGraph:
                 raise GraphError(f"{where}: duplicate tensor name")
             tensor_index[t.name] = j
             _check_bytes(t.bytes, where, "bytes")
+        self._check_totals()
         producer: dict[str, int] = {}
         for i, op in enumerate(self.ops):
             for out in op.outputs:
@@ -183,6 +200,23 @@ class ActivationGraph:
                     raise GraphError(f"{where}: alive_until names op {t.alive_until!r}, which runs "
                                      f"before its producer {self.ops[p].name!r}")
 
+    def _check_totals(self) -> None:
+        """Sums that every planner and the simulator form must stay exact and finite: refuse,
+        naming the tensor or op at which the running total passes the limit."""
+        total = max((max(op.forward_workspace_bytes, op.backward_workspace_bytes) for op in self.ops),
+                    default=0)
+        for t in self.tensors:
+            total += int(t.bytes)
+            if total > MAX_TOTAL_BYTES:
+                raise GraphError(f"tensor {t.name!r}: the step's bytes pass {MAX_TOTAL_BYTES} with "
+                                 "it (with the largest workspace): sums would not be exact")
+        seconds = float(self.optimizer_s)
+        for op in self.ops:
+            seconds += float(op.forward_s) * 2 + float(op.backward_s)  # a rerun runs forward again
+            if not seconds <= MAX_TOTAL_SECONDS:
+                raise GraphError(f"op {op.name!r}: the step's time passes {MAX_TOTAL_SECONDS:g} s "
+                                 "with it: times must be seconds, and finite in sum")
+
     # ---------------------------------------------------------------- (de)serialisation
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> ActivationGraph:
@@ -214,7 +248,7 @@ class ActivationGraph:
                     raw.get("forward_workspace_bytes", 0), where, "forward_workspace_bytes"),
                 backward_workspace_bytes=_check_bytes(
                     raw.get("backward_workspace_bytes", 0), where, "backward_workspace_bytes"),
-                recomputable=bool(raw.get("recomputable", True)),
+                recomputable=_check_bool(raw.get("recomputable", True), where, "recomputable"),
                 extra={k: v for k, v in raw.items() if k not in _OP_FIELDS},
             ))
         tensors = []
@@ -471,15 +505,36 @@ def load_graph(source: str | Path | Mapping[str, Any] | ActivationGraph) -> Acti
         return source
     if isinstance(source, Mapping):
         return ActivationGraph.from_dict(source)
-    if isinstance(source, Path) or (isinstance(source, str) and not source.lstrip().startswith("{")):
-        path = Path(source)
-        if not path.exists():
-            raise GraphError(f"graph file {str(path)!r} does not exist")
-        text = path.read_text()
-    else:
-        text = str(source)
+    text = read_json_source(source, "graph", GraphError)
+    return ActivationGraph.from_dict(parse_json(text, "graph", GraphError))
+
+
+def read_json_source(source: str | Path, what: str, error: type[Exception]) -> str:
+    """The JSON text of ``source``: a path (str or Path) to a file, or JSON text itself (a string
+    starting with "{" or "["). Anything else is refused by name, never taken as a file name."""
+    if not isinstance(source, (str, Path)):
+        raise error(f"{what}: expected a path, JSON text or a dict, got {type(source).__name__}")
+    if isinstance(source, str) and source.lstrip()[:1] in ("{", "["):
+        return source
+    text = str(source)
+    if isinstance(source, str) and ("\n" in text or len(text) > 4096):
+        raise error(f"{what}: not JSON (it does not start with '{{') and not a file name")
+    path = Path(text)
     try:
-        data = json.loads(text)
+        if not path.is_file():
+            raise error(f"{what} file {text!r} does not exist")
+        return path.read_text()
+    except OSError as exc:
+        raise error(f"{what} file {text!r} cannot be read: {exc.strerror or exc}") from None
+    except UnicodeDecodeError:
+        raise error(f"{what} file {text!r} is not text (UTF-8)") from None
+
+
+def parse_json(text: str, what: str, error: type[Exception]) -> Any:
+    """JSON text as Python data; malformed or absurdly nested text is refused by name."""
+    try:
+        return json.loads(text)
     except json.JSONDecodeError as exc:
-        raise GraphError(f"graph: not valid JSON ({exc})") from None
-    return ActivationGraph.from_dict(data)
+        raise error(f"{what}: not valid JSON ({exc})") from None
+    except RecursionError:
+        raise error(f"{what}: JSON nested too deeply to be a {what}") from None

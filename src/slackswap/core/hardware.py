@@ -5,6 +5,8 @@ Every figure names its source in ``sources``; nothing here is fitted to a result
 
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import asdict, dataclass, field, replace
 
 
@@ -32,16 +34,32 @@ class Hardware:
     sources: dict = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise ValueError(f"hardware: name must be a non-empty string, got {self.name!r}")
+        for name in ("d2h_bytes_per_s", "h2d_bytes_per_s", "latency_s", "peak_flops",
+                     "hbm_bytes_per_s", "gemm_efficiency", "attention_efficiency",
+                     "memory_efficiency"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Real) \
+                    or not math.isfinite(value):
+                raise ValueError(f"hardware {self.name!r}: {name} must be a finite number, got {value!r}")
+            object.__setattr__(self, name, float(value))
         for name in ("d2h_bytes_per_s", "h2d_bytes_per_s", "peak_flops", "hbm_bytes_per_s"):
             value = getattr(self, name)
             if not value > 0:
                 raise ValueError(f"hardware {self.name!r}: {name} must be > 0, got {value!r}")
         if self.latency_s < 0:
-            raise ValueError(f"hardware {self.name!r}: latency_s must be >= 0")
+            raise ValueError(f"hardware {self.name!r}: latency_s must be >= 0, got {self.latency_s!r}")
         for name in ("gemm_efficiency", "attention_efficiency", "memory_efficiency"):
             value = getattr(self, name)
             if not 0 < value <= 1:
                 raise ValueError(f"hardware {self.name!r}: {name} must be in (0, 1], got {value!r}")
+        if not isinstance(self.duplex, bool):
+            raise ValueError(f"hardware {self.name!r}: duplex must be true or false, got {self.duplex!r}")
+        if isinstance(self.memory_bytes, bool) or not isinstance(self.memory_bytes, numbers.Integral) \
+                or self.memory_bytes < 0:
+            raise ValueError(f"hardware {self.name!r}: memory_bytes must be a non-negative integer, "
+                             f"got {self.memory_bytes!r}")
 
     def d2h_time(self, nbytes: float) -> float:
         """Seconds one device-to-host transfer of ``nbytes`` occupies its lane."""
@@ -61,6 +79,12 @@ class Hardware:
     @classmethod
     def from_dict(cls, data: dict) -> Hardware:
         known = {k: data[k] for k in cls.__dataclass_fields__ if k in data}
+        missing = [k for k in ("name", "d2h_bytes_per_s", "h2d_bytes_per_s", "latency_s", "duplex",
+                               "peak_flops", "hbm_bytes_per_s") if k not in known]
+        if missing:
+            raise ValueError(f"hardware: missing field(s) {', '.join(missing)}")
+        if not isinstance(known.get("sources", {}), dict):
+            raise ValueError("hardware: sources must be an object")
         return cls(**known)
 
 

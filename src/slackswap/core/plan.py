@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import numbers
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from enum import IntEnum
@@ -105,6 +106,22 @@ class SolveInfo:
     predicted_step_time_s: float | None = None
     extra: Mapping[str, Any] = field(default_factory=dict, compare=False)
 
+    def __post_init__(self) -> None:
+        if not isinstance(self.solver, str):
+            raise PlanError(f"plan: info.solver must be a string, got {self.solver!r}")
+        if self.status not in STATUSES:
+            raise PlanError(f"plan: info.status must be one of {STATUSES}, got {self.status!r}")
+        for name in ("objective", "bound", "gap", "predicted_step_time_s", "wall_s"):
+            value = getattr(self, name)
+            if value is None and name != "wall_s":
+                continue
+            if isinstance(value, bool) or not isinstance(value, numbers.Real) or math.isnan(value) \
+                    or value < 0:
+                raise PlanError(f"plan: info.{name} must be a non-negative number, got {value!r}")
+            object.__setattr__(self, name, float(value))
+        if not isinstance(self.extra, Mapping):
+            raise PlanError(f"plan: info extras must be an object, got {self.extra!r}")
+
     def to_dict(self) -> dict[str, Any]:
         d = dict(self.extra)
         d.update(solver=self.solver, status=self.status, objective=self.objective,
@@ -115,9 +132,9 @@ class SolveInfo:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> SolveInfo:
         known = ("solver", "status", "objective", "bound", "gap", "wall_s", "predicted_step_time_s")
-        return cls(solver=str(data.get("solver", "unknown")), status=str(data.get("status", "feasible")),
+        return cls(solver=data.get("solver", "unknown"), status=data.get("status", "feasible"),
                    objective=data.get("objective"), bound=data.get("bound"), gap=data.get("gap"),
-                   wall_s=float(data.get("wall_s", 0.0) or 0.0),
+                   wall_s=data.get("wall_s", 0.0) or 0.0,
                    predicted_step_time_s=data.get("predicted_step_time_s"),
                    extra={k: v for k, v in data.items() if k not in known})
 
@@ -144,9 +161,15 @@ class Plan:
                     f"plan: tensor {tensor!r} has decision {decision!r}; expected one of {DECISIONS}"
                 )
         object.__setattr__(self, "decisions", MappingProxyType(dict(self.decisions)))
-        if isinstance(self.budget_bytes, bool) or not isinstance(self.budget_bytes, int) \
+        for name in ("graph_name", "graph_digest"):
+            if not isinstance(getattr(self, name), str):
+                raise PlanError(f"plan: {name} must be a string, got {getattr(self, name)!r}")
+        if isinstance(self.budget_bytes, bool) or not isinstance(self.budget_bytes, numbers.Integral) \
                 or self.budget_bytes < 0:
             raise PlanError(f"plan: budget_bytes must be a non-negative integer, got {self.budget_bytes!r}")
+        object.__setattr__(self, "budget_bytes", int(self.budget_bytes))
+        if not isinstance(self.info, SolveInfo):
+            raise PlanError(f"plan: info must be a SolveInfo, got {self.info!r}")
         if self.hardware is not None and not isinstance(self.hardware, Hardware):
             raise PlanError(f"plan: hardware must be a slackswap.Hardware, got {self.hardware!r}")
 
@@ -271,17 +294,10 @@ class Plan:
 
 def read_plan(source: str | Path | Mapping[str, Any]) -> Plan:
     """A plan from a path, JSON text or dict, as written: a ``/1`` plan may be open."""
+    from .graph import parse_json, read_json_source
+
     if isinstance(source, Plan):
         return source
     if isinstance(source, Mapping):
         return Plan.from_dict(source)
-    text = str(source)
-    if not text.lstrip().startswith("{"):
-        path = Path(text)
-        if not path.exists():
-            raise PlanError(f"plan file {text!r} does not exist")
-        text = path.read_text()
-    try:
-        return Plan.from_dict(json.loads(text))
-    except json.JSONDecodeError as exc:
-        raise PlanError(f"plan: not valid JSON ({exc})") from None
+    return Plan.from_dict(parse_json(read_json_source(source, "plan", PlanError), "plan", PlanError))

@@ -47,8 +47,8 @@ def budget_bytes_from(budget: object, keep_all_peak: Callable[[], int]) -> int:
             raise _bad(budget)
         return budget_bytes_from(int(value), keep_all_peak)
     if isinstance(budget, numbers.Integral):
-        if budget <= 0:
-            raise ValueError(f"budget: bytes must be > 0, got {budget}")
+        if budget < 0:
+            raise ValueError(f"budget: bytes must be >= 0, got {budget}")
         return int(budget)
     if isinstance(budget, numbers.Real):
         value = float(budget)

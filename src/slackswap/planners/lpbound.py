@@ -14,14 +14,13 @@ import time
 from dataclasses import dataclass
 
 import numpy as np
-from scipy.optimize import Bounds, LinearConstraint, linprog, milp
+from scipy.optimize import linprog
 from scipy.sparse import coo_matrix
 
-from ..core.budget import parse_budget
+from ..core.budget import min_budget, parse_budget
 from ..core.graph import ActivationGraph
 from ..core.hardware import Hardware, hardware
 from ..core.stepmodel import expand, keep_all_codes
-from .native import quiet_stdout
 
 
 @dataclass(frozen=True)
@@ -37,6 +36,7 @@ class LPBound:
     recompute: dict[str, float]
     integral: bool = False  # decisions were integer variables (a MILP), not fractions
     gap: float = 0.0  # integral: the MILP's remaining gap between its decisions and its bound
+    note: str = ""  # why no bound was proven ("unsolved", "timeout")
 
 
 class _LP:
@@ -89,24 +89,59 @@ class _LP:
             b.append(rhs)
         return coo_matrix((data, (ri, ci)), shape=(len(rows), n)).tocsr(), np.array(b)
 
-    def solve(self):
+    def solve(self, time_limit_s: float | None = None, max_iterations: int | None = None):
+        """The LP (HiGHS through scipy, in this process: an LP solve is robust and fast)."""
         A_ub, b_ub = self._matrix(self.rows_ub, self.n)
         A_eq, b_eq = self._matrix(self.rows_eq, self.n)
-        return linprog(np.array(self.c), A_ub=A_ub, b_ub=b_ub, A_eq=A_eq, b_eq=b_eq,
-                       bounds=list(zip(self.lb, self.ub)), method="highs")
+        options = {}
+        if time_limit_s is not None:
+            options["time_limit"] = max(0.01, float(time_limit_s))
+        if max_iterations is not None:
+            options["maxiter"] = int(max_iterations)
+        res = linprog(np.array(self.c), A_ub=A_ub, b_ub=b_ub, A_eq=A_eq, b_eq=b_eq,
+                      bounds=list(zip(self.lb, self.ub)), method="highs", options=options)
+        return _Result(int(res.status), str(res.message), res.x,
+                       None if res.fun is None else float(res.fun), None)
 
-    def solve_integral(self, integer_vars: np.ndarray, time_limit_s: float, gap: float):
-        """The same model with ``integer_vars`` integral (HiGHS branch and bound)."""
+    def solve_integral(self, integer_vars: np.ndarray, time_limit_s: float, gap: float,
+                       node_limit: int | None = None):
+        """The same model with ``integer_vars`` integral (HiGHS branch and bound), in a child
+        process (planners/native.py): a crash is an error, the deadline holds."""
+        from .native import GRACE_S, NativeSolverError, NativeTimeout, run_in_child
+
         A_ub, b_ub = self._matrix(self.rows_ub, self.n)
         A_eq, b_eq = self._matrix(self.rows_eq, self.n)
         integrality = np.zeros(self.n)
         integrality[integer_vars] = 1
-        constraints = [LinearConstraint(A_ub, -np.inf, b_ub), LinearConstraint(A_eq, b_eq, b_eq)]
-        with quiet_stdout():
-            return milp(np.array(self.c), constraints=constraints, integrality=integrality,
-                    bounds=Bounds(self.lb, self.ub),
-                        options={"time_limit": max(0.1, float(time_limit_s)),
-                                 "mip_rel_gap": gap, "disp": False})
+        arrays = {"c": np.array(self.c), "b_ub": b_ub, "b_eq": b_eq, "integrality": integrality,
+                  "lb": np.array(self.lb), "ub_vars": np.array(self.ub)}
+        for name, A in (("ub", A_ub), ("eq", A_eq)):
+            arrays.update({f"{name}_data": A.data, f"{name}_indices": A.indices,
+                           f"{name}_indptr": A.indptr, f"{name}_shape": np.array(A.shape)})
+        limit = max(0.1, float(time_limit_s))
+        options = {"time_limit_s": limit, "gap": gap}
+        if node_limit is not None:
+            options["node_limit"] = int(node_limit)
+        try:
+            answer = run_in_child("scipy", {"problem": "milp", "options": options}, arrays,
+                                  limit + GRACE_S + 1.0)
+        except NativeTimeout:
+            return _Result(1, "killed at the deadline", None, None, None)
+        except NativeSolverError as exc:
+            return _Result(4, str(exc), None, None, None)
+        x = None if answer["x"] is None else np.array(answer["x"])
+        return _Result(answer["status"], answer["message"], x, answer["fun"], answer["dual_bound"])
+
+
+@dataclass(frozen=True)
+class _Result:
+    """What scipy's HiGHS answered: 0 optimal, 1 limit reached, 2 infeasible, others failures."""
+
+    status: int
+    message: str
+    x: np.ndarray | None
+    fun: float | None
+    mip_dual_bound: float | None
 
 
 def _add(d: dict, k: int, item) -> None:
@@ -114,7 +149,8 @@ def _add(d: dict, k: int, item) -> None:
 
 
 def lp_bound(graph: ActivationGraph, budget, hw: Hardware | str, *, integral: bool = False,
-             time_limit_s: float = 10.0, gap: float = 1e-4, producer_delay: bool = True) -> LPBound:
+             time_limit_s: float | None = None, gap: float = 1e-4, producer_delay: bool = True,
+             node_limit: int | None = None, max_iterations: int | None = None) -> LPBound:
     """Upper bound on the retention of any plan for ``graph`` within ``budget`` on ``hw``.
 
     integral: make the keep/swap/recompute fractions binary and solve the MILP (HiGHS) for at
@@ -123,18 +159,30 @@ def lp_bound(graph: ActivationGraph, budget, hw: Hardware | str, *, integral: bo
     a plan, whose schedule the relaxation does not model (formulations/lp-bound.md).
     producer_delay=False lets a tensor start to leave the instant it exists: a looser relaxation
     whose integral decisions are another starting point for a plan.
+
+    Limits: ``node_limit`` (integral) and ``max_iterations`` (LP) are deterministic work limits;
+    ``time_limit_s`` (default 10 s integral, none for the LP) is a hard cap. The status says what
+    the bound is: "optimal", "timeout" (a limit stopped it; the bound is what was proven),
+    "infeasible" (the budget is below the smallest feasible one), or "unsolved" (HiGHS failed;
+    the bound is the trivial one, the ideal step, and ``note`` says why). Never a wrong bound.
     """
     start_clock = time.perf_counter()
     hw = hardware(hw)
     budget_bytes = parse_budget(budget, graph, hw)
+    if integral and time_limit_s is None:
+        time_limit_s = 10.0
     n = graph.n_ops
     S = graph.n_slots
     saved = graph.saved
     m = len(saved)
     # scale bytes and seconds so the budget and the ideal step are both about 1000 units: HiGHS
     # tolerances are absolute, and raw bytes (1e9) beside seconds (1e-5) lose feasible points
-    bu = max(budget_bytes, 1) / 1000.0
-    tu = max(graph.ideal_step_time_s, 1e-12) / 1000.0
+    # (the larger of the ideal step and the time to copy every saved tensor once, so a step of
+    # zero-time ops still has lanes of sane bandwidth in these units)
+    saved_bytes = float(graph.tensor_bytes[graph.saved].sum())
+    copy_s = saved_bytes / min(hw.d2h_bytes_per_s, hw.h2d_bytes_per_s) + hw.latency_s * len(graph.saved)
+    bu = max(budget_bytes, int(graph.tensor_bytes.max(initial=0)), 1) / 1000.0
+    tu = max(graph.ideal_step_time_s, copy_s, 1e-12) / 1000.0
     nbytes = graph.tensor_bytes.astype(float) / bu
     fwd_s = graph.forward_s / tu
     prod = graph.producer
@@ -226,16 +274,29 @@ def lp_bound(graph: ActivationGraph, budget, hw: Hardware | str, *, integral: bo
     ideal = graph.ideal_step_time_s
     names = [graph.tensors[t].name for t in saved]
     mip_gap = 0.0
+
+    def no_bound(status: str, reason: str, integral_: bool = integral) -> LPBound:
+        """Nothing proven: the trivial bound (the ideal step), which every plan respects."""
+        return LPBound(1.0, ideal, ideal, budget_bytes, status, time.perf_counter() - start_clock,
+                       {}, {}, {}, integral=integral_, gap=np.inf, note=reason)
+
+    def infeasible(reason: str) -> LPBound:
+        # HiGHS's "infeasible" is believed only below the smallest feasible budget; above it a
+        # plan exists (every tensor offloaded), so the answer is numerical trouble: no bound
+        if budget_bytes < min_budget(graph, hw):
+            return LPBound(0.0, np.inf, ideal, budget_bytes, "infeasible",
+                           time.perf_counter() - start_clock, {}, {}, {}, integral=integral)
+        return no_bound("unsolved", f"HiGHS reported infeasible at a feasible budget ({reason})")
+
     if integral:
-        res = lp.solve_integral(np.concatenate([K, W, R]), time_limit_s, gap)
+        res = lp.solve_integral(np.concatenate([K, W, R]), time_limit_s, gap, node_limit)
         wall = time.perf_counter() - start_clock
         if res.status == 2:
-            return LPBound(0.0, np.inf, ideal, budget_bytes, "infeasible", wall, {}, {}, {},
-                           integral=True)
+            return infeasible(res.message)
         if res.status not in (0, 1):
-            raise RuntimeError(f"lp_bound: HiGHS returned status {res.status}: {res.message}")
-        dual = getattr(res, "mip_dual_bound", None)
-        if res.x is None:  # time limit before any integral point: the bound alone, if any
+            return no_bound("unsolved", f"HiGHS status {res.status}: {res.message}")
+        dual = res.mip_dual_bound
+        if res.x is None:  # a limit before any integral point: the bound alone, if any
             bound_units = max(0.0, float(dual)) if dual is not None and np.isfinite(dual) else 0.0
             step = ideal + bound_units * tu
             return LPBound(min(1.0, ideal / step) if step > 0 else 1.0, step, ideal, budget_bytes,
@@ -248,13 +309,15 @@ def lp_bound(graph: ActivationGraph, budget, hw: Hardware | str, *, integral: bo
         mip_gap = max(0.0, (objective - bound_units) / max(ideal / tu + objective, 1e-12))
         status = "optimal" if res.status == 0 else "timeout"
     else:
-        res = lp.solve()
+        res = lp.solve(time_limit_s=time_limit_s, max_iterations=max_iterations)
         wall = time.perf_counter() - start_clock
         if res.status == 2:
-            return LPBound(0.0, np.inf, ideal, budget_bytes, "infeasible", wall, {}, {}, {})
-        if res.status != 0:
-            raise RuntimeError(f"lp_bound: HiGHS returned status {res.status}: {res.message}")
-        bound_units = float(res.fun)
+            return infeasible(res.message)
+        if res.status == 1:
+            return no_bound("timeout", f"LP stopped at its limit: {res.message}")
+        if res.status != 0 or res.fun is None or not np.isfinite(res.fun):
+            return no_bound("unsolved", f"HiGHS status {res.status}: {res.message}")
+        bound_units = max(0.0, float(res.fun))
         status = "optimal"
     x = res.x
     step = ideal + bound_units * tu

@@ -1,26 +1,78 @@
-"""Silence what native solvers print from C (HiGHS's banner and MIP diagnostics): Python-level
-switches do not reach it, so file descriptor 1 is pointed at /dev/null for the call."""
+"""Native solvers run in a child process: a crash in a C library (HiGHS, CBC) becomes an error,
+a hard deadline holds (the child's whole process group is killed at it), and nothing the solver
+prints reaches the user's stdout. No process-wide state of the caller is touched: no file
+descriptor is redirected and nothing is patched.
+
+The child runs ``native_worker.py`` by path, so it imports only the solver's own package.
+"""
 
 from __future__ import annotations
 
-import contextlib
+import json
 import os
+import signal
+import subprocess
 import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+WORKER = Path(__file__).with_name("native_worker.py")
+GRACE_S = 0.3  # past the solver's own limit, before the child is killed
 
 
-@contextlib.contextmanager
-def quiet_stdout():
-    sys.stdout.flush()
+class NativeSolverError(RuntimeError):
+    """The native solver died (a crash, a signal) or answered nothing readable."""
+
+
+class NativeTimeout(RuntimeError):
+    """The native solver ran past its hard deadline and was killed."""
+
+
+def run_in_child(kind: str, payload: dict[str, Any], arrays: dict[str, np.ndarray] | None,
+                 deadline_s: float) -> dict[str, Any]:
+    """Run ``kind`` ("pulp" or "scipy") on ``payload`` (JSON) and ``arrays`` (npz) in a child
+    process; its answer (JSON) or NativeSolverError / NativeTimeout."""
+    with tempfile.TemporaryDirectory(prefix="slackswap-") as tmp:
+        inp, out = Path(tmp) / "in.json", Path(tmp) / "out.json"
+        inp.write_text(json.dumps(payload))
+        if arrays:
+            np.savez(Path(tmp) / "in.npz", **arrays)
+        env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")}
+        proc = subprocess.Popen([sys.executable, "-I", str(WORKER), kind, tmp],
+                                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.PIPE, start_new_session=True, env=env)
+        try:
+            _, err = proc.communicate(timeout=max(0.05, deadline_s))
+        except subprocess.TimeoutExpired:
+            _kill_group(proc)
+            raise NativeTimeout(f"{kind} solver killed at its {deadline_s:.2f} s deadline") from None
+        except BaseException:
+            _kill_group(proc)
+            raise
+        if proc.returncode != 0:
+            raise NativeSolverError(f"{kind} solver {_died(proc.returncode)}: "
+                                    f"{err.decode(errors='replace').strip()[-300:]}")
+        try:
+            return json.loads(out.read_text())
+        except (OSError, ValueError) as exc:
+            raise NativeSolverError(f"{kind} solver left no answer ({exc})") from None
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
     try:
-        saved = os.dup(1)
-    except OSError:  # no real stdout (embedded interpreters): nothing to silence
-        yield
-        return
-    try:
-        with open(os.devnull, "w") as null:
-            os.dup2(null.fileno(), 1)
-            yield
-    finally:
-        sys.stdout.flush()
-        os.dup2(saved, 1)
-        os.close(saved)
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    proc.communicate()
+
+
+def _died(code: int) -> str:
+    if code < 0:
+        try:
+            return f"crashed ({signal.Signals(-code).name})"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with status {code}"

@@ -17,6 +17,8 @@ from ...core.hardware import Hardware
 from ...core.stepmodel import nominal_slot_times
 from .model import Model
 
+BYTE_RANGE = 10**6  # model units for the largest of the budget and the sizes, at most
+
 
 @dataclass
 class Scaling:
@@ -24,6 +26,7 @@ class Scaling:
 
     byte_unit: int
     time_unit: float
+    exact_bytes: bool = True  # the byte unit divides every size: memory sums are exact
 
     def bytes_up(self, value) -> np.ndarray:
         return -(-np.asarray(value, dtype=np.int64) // self.byte_unit)
@@ -65,8 +68,8 @@ class Formulation:
         None. Only a model with every candidate position bounds every schedule; and each op,
         rerun and copy on the critical path is rounded up by under one time unit (Section
         "Scaling"), so that many units are taken off."""
-        if not self.full:
-            return None
+        if not self.full or not self.scaling.exact_bytes:
+            return None  # windows bound only their schedules; rounded-up sizes, only their model
         rounded = 2 * self.graph.n_ops + len(self.rerun) + 2 * len(self.keep)
         return self.seconds(bound_units) - rounded * self.scaling.time_unit
 
@@ -150,9 +153,15 @@ def formulate(graph: ActivationGraph, hw: Hardware, budget_bytes: int, *, full: 
     # the largest unit that divides every size exactly: memory sums are then exact, and only the
     # budget is rounded (down)
     sizes = np.concatenate([graph.tensor_bytes, graph.forward_ws, graph.backward_ws])
-    unit = int(np.gcd.reduce(sizes[sizes > 0])) if (sizes > 0).any() else 1
-    sc = Scaling(byte_unit=max(1, unit),
-                 time_unit=max(span, 1e-12) / 10_000_000)
+    unit = max(1, int(np.gcd.reduce(sizes[sizes > 0])) if (sizes > 0).any() else 1)
+    # at most BYTE_RANGE units for the largest of the budget and the sizes, so that every
+    # backend sees coefficients of like magnitude; sizes are then rounded up (the model never
+    # under-counts memory) and the MILP's own bound no longer proves anything (Section "Scaling")
+    largest = int(max(budget_bytes, int(sizes.max()) if sizes.size else 0, 1))
+    exact = largest // unit <= BYTE_RANGE
+    if not exact:
+        unit = -(-largest // BYTE_RANGE)
+    sc = Scaling(byte_unit=unit, time_unit=max(span, 1e-12) / 10_000_000, exact_bytes=exact)
     nbytes = sc.bytes_up(graph.tensor_bytes)
     budget_u = budget_bytes // sc.byte_unit
     fwd_u = sc.time_up(graph.forward_s)

@@ -1,16 +1,17 @@
 """CBC and HiGHS through PuLP: the same formulation, enforcement literals turned into big-M rows
-whose M comes from the variables' bounds (formulations/milp.md, "Backends")."""
+whose M comes from the variables' bounds (formulations/milp.md, "Backends"), each solved in a
+child process (planners/native.py)."""
 
 from __future__ import annotations
 
-import contextlib
-import subprocess
+import logging
 import time
 from typing import Any
 
-from ..native import quiet_stdout
 from .driver import ExactBackend
 from .formulate import Formulation
+
+log = logging.getLogger("slackswap")
 
 
 def _pulp_problem(f: Formulation, fixed: dict[int, int] | None = None):
@@ -50,52 +51,23 @@ def _pulp_problem(f: Formulation, fixed: dict[int, int] | None = None):
     return prob, x
 
 
-class _DeadlinePopen(subprocess.Popen):
-    """CBC checks its time limit only between nodes: a long root solve can run far past it.
-    PuLP waits for the process; this wait gives up at the deadline and kills it."""
-
-    deadline = float("inf")
-
-    def wait(self, timeout=None):
-        try:
-            return super().wait(timeout=max(0.1, self.deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            self.kill()
-            return super().wait()
-
-
-@contextlib.contextmanager
-def _hard_deadline(seconds: float):
-    """PuLP's CBC runs under a wall-clock deadline (the time limit plus a grace period)."""
-    from pulp.apis import coin_api
-
-    shim = type("subprocess_with_deadline", (), {})()
-    for name in dir(subprocess):
-        if not name.startswith("__"):
-            setattr(shim, name, getattr(subprocess, name))
-    popen = type("Popen", (_DeadlinePopen,), {"deadline": time.monotonic() + seconds})
-    shim.Popen = popen
-    original = coin_api.subprocess
-    coin_api.subprocess = shim
-    try:
-        yield
-    finally:
-        coin_api.subprocess = original
-
-
 class _PulpBackend(ExactBackend):
+    """PuLP's model, solved in a child process (planners/native.py): a crash in the native
+    solver becomes a failed run (the driver falls back to the best plan found), the time limit is
+    a hard deadline, and nothing in this process is patched or redirected."""
+
     name = "pulp"
-    quiet = False
-    hard_deadline = False
+    solver = "pulp"
+    cbc_options: tuple[str, ...] = ()
 
     def is_available(self) -> bool:
         try:
-            return bool(self._solver(1.0, 0, 1, False, 1e-3).available())
-        except Exception:  # pulp missing or its solver binary / library absent
+            import pulp
+        except ImportError:
             return False
-
-    def _solver(self, time_limit_s: float, seed: int, workers: int, warm: bool, gap: float):
-        raise NotImplementedError
+        if self.solver == "cbc":
+            return bool(pulp.PULP_CBC_CMD(msg=False).available())
+        return bool(pulp.HiGHS(msg=False).available())
 
     def run(self, f: Formulation, time_limit_s: float, seed: int, workers: int,
             options: dict[str, Any], fixed: dict[int, int] | None = None):
@@ -103,73 +75,57 @@ class _PulpBackend(ExactBackend):
 
         import pulp
 
+        from ..native import GRACE_S, NativeSolverError, NativeTimeout, run_in_child
+
         with warnings.catch_warnings():
             # PuLP 3 warns about its own 4.0 API; the calls used here work in both
             warnings.simplefilter("ignore", DeprecationWarning)
             prob, x = _pulp_problem(f, fixed)
+            data = prob.to_dict()
         gap = float(options.get("gap", 1e-3))
-        solver = self._solver(time_limit_s, seed, workers, bool(f.model.hint), gap)
+        request = {"problem": data, "solver": self.solver, "options": {
+            "time_limit_s": float(time_limit_s), "workers": int(workers), "seed": int(seed),
+            "warm": bool(f.model.hint), "gap": gap,
+            "cbc_options": [f"randomCbcSeed {seed + 1}", *self.cbc_options]}}
         try:
-            with contextlib.ExitStack() as stack:
-                if self.quiet and not options.get("log"):
-                    stack.enter_context(quiet_stdout())
-                if self.hard_deadline:
-                    stack.enter_context(_hard_deadline(time_limit_s * 1.1 + 2.0))
-                prob.solve(solver)
-        except pulp.PulpSolverError:
-            if not self.hard_deadline:
-                raise
+            answer = run_in_child("pulp", request, None, time_limit_s + GRACE_S)
+        except NativeTimeout:
             return "timeout", None, None, None  # killed at the deadline: no solution to read
-        status = pulp.LpStatus.get(prob.status, "Undefined")
-        sol_status = getattr(prob, "sol_status", None)
+        except NativeSolverError as exc:
+            log.warning("%s: %s", self.name, exc)
+            return "failed", None, None, None
+        status = answer["status"]
         if status == "Infeasible":
             return "infeasible", None, None, None
         # only a solution the solver vouches for: optimal, or integer-feasible at the time limit
-        found = (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible)
-        values = [v.varValue for v in x]
-        if sol_status not in found or any(v is None for v in values):
+        values = [answer["values"].get(v.name) for v in x]
+        if answer["solution"] is None or any(v is None for v in values):
             return "timeout", None, None, None
-        obj = pulp.value(prob.objective)
-        optimal = status == "Optimal" and sol_status == pulp.LpSolutionOptimal
+        for var, value in zip(x, values):
+            var.varValue = value
+        obj = pulp.value(prob.objective)  # here: the child's copy of the model drops its constant
+        optimal = status == "Optimal" and answer["solution"] == "optimal"
         bound = obj if optimal else None
         return ("optimal" if optimal else "timeout"), (lambda v: values[v]), obj, bound
 
 
 class CbcBackend(_PulpBackend):
     name = "cbc"
-    hard_deadline = True
-    _extra: tuple[str, ...] = ()
+    solver = "cbc"
 
     def run(self, f, time_limit_s, seed, workers, options, fixed=None):
+        start = time.perf_counter()
         result = super().run(f, time_limit_s, seed, workers, options, fixed)
-        if result[0] == "infeasible":
+        left = time_limit_s - (time.perf_counter() - start)
+        if result[0] == "infeasible" and left > 0.5:
             # CBC's integer preprocessing wrongly reports some degenerate models infeasible
             # (all times zero, say); confirm without it before believing it
-            self._extra = ("preprocess off",)
-            try:
-                result = super().run(f, time_limit_s, seed, workers, options, fixed)
-            finally:
-                self._extra = ()
+            again = CbcBackend()
+            again.cbc_options = ("preprocess off",)
+            result = _PulpBackend.run(again, f, left, seed, workers, options, fixed)
         return result
-
-    def _solver(self, time_limit_s, seed, workers, warm, gap):
-        import warnings
-
-        import pulp
-
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", DeprecationWarning)
-            return pulp.PULP_CBC_CMD(msg=False, timeLimit=max(1, int(round(time_limit_s))),
-                                 threads=workers, warmStart=warm, gapRel=gap,
-                                     options=[f"randomCbcSeed {seed + 1}", *self._extra])
 
 
 class HighsBackend(_PulpBackend):
     name = "highs"
-    quiet = True
-
-    def _solver(self, time_limit_s, seed, workers, warm, gap):
-        import pulp
-
-        return pulp.HiGHS(msg=False, timeLimit=float(time_limit_s), threads=workers, gapRel=gap,
-                          warmStart=warm, random_seed=seed, output_flag=False)
+    solver = "highs"

@@ -1,0 +1,78 @@
+"""The child side of native.run_in_child: read a model, solve it, write the answer.
+
+Run as ``python -I native_worker.py KIND FOLDER``; imports only the solver's package, never
+slackswap. KIND "pulp": a PuLP problem (``LpProblem.to_dict``) and a solver spec; KIND "scipy":
+scipy.optimize linprog / milp on arrays from FOLDER/in.npz.
+"""
+
+import json
+import sys
+from pathlib import Path
+
+
+def solve_pulp(req: dict) -> dict:
+    import warnings
+
+    warnings.simplefilter("ignore")
+    import pulp
+
+    variables, prob = pulp.LpProblem.from_dict(req["problem"])
+    opts = req["options"]
+    if req["solver"] == "cbc":
+        solver = pulp.PULP_CBC_CMD(msg=False, timeLimit=max(1, int(round(opts["time_limit_s"]))),
+                                   threads=opts["workers"], warmStart=opts["warm"],
+                                   gapRel=opts["gap"], options=opts.get("cbc_options", []))
+    else:
+        solver = pulp.HiGHS(msg=False, timeLimit=float(opts["time_limit_s"]),
+                            threads=opts["workers"], gapRel=opts["gap"], warmStart=opts["warm"],
+                            random_seed=opts["seed"], output_flag=False)
+    prob.solve(solver)
+    return {"status": pulp.LpStatus.get(prob.status, "Undefined"),
+            "solution": {1: "optimal", 2: "feasible"}.get(getattr(prob, "sol_status", None)),
+            "values": {name: v.varValue for name, v in variables.items()},
+            "objective": pulp.value(prob.objective)}
+
+
+def solve_scipy(req: dict, folder: Path) -> dict:
+    import numpy as np
+    from scipy.optimize import Bounds, LinearConstraint, linprog, milp
+    from scipy.sparse import csr_matrix
+
+    data = np.load(folder / "in.npz")
+
+    def matrix(name):
+        return csr_matrix((data[f"{name}_data"], data[f"{name}_indices"], data[f"{name}_indptr"]),
+                          shape=tuple(data[f"{name}_shape"]))
+
+    A_ub, A_eq = matrix("ub"), matrix("eq")
+    opts = req["options"]
+    if req["problem"] == "lp":
+        res = linprog(data["c"], A_ub=A_ub, b_ub=data["b_ub"], A_eq=A_eq, b_eq=data["b_eq"],
+                      bounds=np.stack([data["lb"], data["ub_vars"]], axis=1), method="highs",
+                      options={"time_limit": opts["time_limit_s"]})
+        bound = None
+    else:
+        res = milp(data["c"], integrality=data["integrality"],
+                   constraints=[LinearConstraint(A_ub, -np.inf, data["b_ub"]),
+                                LinearConstraint(A_eq, data["b_eq"], data["b_eq"])],
+                   bounds=Bounds(data["lb"], data["ub_vars"]),
+                   options={"time_limit": opts["time_limit_s"], "mip_rel_gap": opts["gap"],
+                            "disp": False,
+                            **({"node_limit": opts["node_limit"]} if "node_limit" in opts else {})})
+        bound = getattr(res, "mip_dual_bound", None)
+    x = None if res.x is None else [float(v) for v in res.x]
+    return {"status": int(res.status), "message": str(res.message), "x": x,
+            "fun": None if res.fun is None else float(res.fun),
+            "dual_bound": None if bound is None else float(bound)}
+
+
+def main() -> int:
+    kind, folder = sys.argv[1], Path(sys.argv[2])
+    req = json.loads((folder / "in.json").read_text())
+    answer = solve_pulp(req) if kind == "pulp" else solve_scipy(req, folder)
+    (folder / "out.json").write_text(json.dumps(answer))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
