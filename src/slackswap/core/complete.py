@@ -39,7 +39,13 @@ def close(graph: ActivationGraph, codes: np.ndarray, schedule: Schedule | None, 
     return Plan(graph_name=graph.name, graph_digest=graph.digest, budget_bytes=int(budget_bytes),
                 decisions=codes_to_decisions(graph, codes),
                 schedule=full_schedule(graph, codes, schedule, hw, budget_bytes), info=info,
-                hardware=hw)
+                hardware=hw, extra={"tensor_bytes": tensor_bytes(graph)})
+
+
+def tensor_bytes(graph: ActivationGraph) -> dict[str, int]:
+    """Bytes of every saved tensor: the executor checks them when it runs without the graph, so
+    a plan for another width or batch size with the same tensor names is refused."""
+    return {graph.tensors[t].name: int(graph.tensor_bytes[t]) for t in graph.saved}
 
 
 def complete(plan: Plan, graph: ActivationGraph, hw: Hardware | str | None = None) -> Plan:
@@ -58,7 +64,7 @@ def complete(plan: Plan, graph: ActivationGraph, hw: Hardware | str | None = Non
     info = plan.info.to_dict()
     info["schedule"] = COMPLETED_NOTE
     return Plan(plan.graph_name, plan.graph_digest, plan.budget_bytes, plan.decisions, schedule,
-                SolveInfo.from_dict(info), plan.extra, hw)
+                SolveInfo.from_dict(info), {**plan.extra, "tensor_bytes": tensor_bytes(graph)}, hw)
 
 
 def _need_hardware(plan: Plan):

@@ -31,7 +31,8 @@ class SearchResult:
     moves: int  # accepted moves
     evaluations: int  # plans simulated
     wall_s: float
-    complete: bool  # stopped at a local optimum (no single move improves), not by the time limit
+    complete: bool  # stopped at a local optimum (no single move improves), not by a limit
+    work: int = 0  # positions simulated in all (evaluations x the step's positions)
 
 
 def _key(sim: SimResult, budget: int) -> tuple[int, float, int]:
@@ -81,9 +82,14 @@ def _keeping_fits(sim: SimResult, gaps: dict, t: int, nbytes: int, budget: int) 
 
 
 def improve(graph: ActivationGraph, hw: Hardware, budget: int, codes: np.ndarray,
-            time_limit_s: float = 5.0) -> SearchResult:
-    """Descent from ``codes`` until no single move improves; never worse than the start."""
+            time_limit_s: float = 5.0, max_work: int | None = None) -> SearchResult:
+    """Descent from ``codes`` until no single move improves; never worse than the start.
+
+    ``max_work`` bounds the positions simulated in all (each evaluation simulates the step's
+    ``2n`` positions): a limit on work, the same on any machine, so the same start gives the same
+    plan; ``time_limit_s`` is only a cap on the clock."""
     start = time.perf_counter()
+    per_evaluation = graph.n_slots
     codes = np.array(codes, dtype=np.int8, copy=True)
     units = _units(graph)
     can_recompute = graph.can_recompute
@@ -110,7 +116,8 @@ def improve(graph: ActivationGraph, hw: Hardware, budget: int, codes: np.ndarray
 
     def out_of_time() -> bool:
         nonlocal timed_out
-        timed_out = timed_out or time.perf_counter() - start > time_limit_s
+        timed_out = timed_out or time.perf_counter() - start > time_limit_s or (
+            max_work is not None and evaluations * per_evaluation >= max_work)
         return timed_out
 
     def attempt(t: int, target: int):
@@ -160,4 +167,5 @@ def improve(graph: ActivationGraph, hw: Hardware, budget: int, codes: np.ndarray
         moves += 1
         unimproved = 0
     return SearchResult(codes=codes, sim=best_sim, moves=moves, evaluations=evaluations,
-                        wall_s=time.perf_counter() - start, complete=not timed_out)
+                        wall_s=time.perf_counter() - start, complete=not timed_out,
+                        work=evaluations * per_evaluation)

@@ -104,9 +104,11 @@ class _LP:
                        None if res.fun is None else float(res.fun), None)
 
     def solve_integral(self, integer_vars: np.ndarray, time_limit_s: float, gap: float,
-                       node_limit: int | None = None):
+                       improving_solutions: int | None = None, abs_gap: float | None = None):
         """The same model with ``integer_vars`` integral (HiGHS branch and bound), in a child
-        process (planners/native.py): a crash is an error, the deadline holds."""
+        process (planners/native.py): a crash is an error, the deadline holds.
+        ``improving_solutions`` stops it after that many improving solutions: a work limit,
+        where the time limit is only a cap."""
         from .native import GRACE_S, NativeSolverError, NativeTimeout, run_in_child
 
         A_ub, b_ub = self._matrix(self.rows_ub, self.n)
@@ -120,17 +122,28 @@ class _LP:
                            f"{name}_indptr": A.indptr, f"{name}_shape": np.array(A.shape)})
         limit = max(0.1, float(time_limit_s))
         options = {"time_limit_s": limit, "gap": gap}
-        if node_limit is not None:
-            options["node_limit"] = int(node_limit)
+        if abs_gap is not None:
+            options["abs_gap"] = float(abs_gap)
+        if improving_solutions is not None:
+            options["mip_max_improving_sols"] = int(improving_solutions)
         try:
-            answer = run_in_child("scipy", {"problem": "milp", "options": options}, arrays,
-                                  limit + GRACE_S + 1.0)
+            if abs_gap is None and improving_solutions is None:
+                answer = run_in_child("scipy", {"problem": "milp", "options": options}, arrays,
+                                      limit + GRACE_S + 1.0)
+                answer["status"] = {0: "optimal", 1: "time limit", 2: "infeasible"}.get(
+                    answer["status"], "failed")
+            else:
+                answer = run_in_child("highs-mip", {"options": options}, arrays,
+                                      limit + GRACE_S + 1.0)
         except NativeTimeout:
             return _Result(1, "killed at the deadline", None, None, None)
         except NativeSolverError as exc:
             return _Result(4, str(exc), None, None, None)
+        code = {"optimal": 0, "infeasible": 2, "time limit": 1, "work limit": 1}.get(
+            answer["status"], 4)
         x = None if answer["x"] is None else np.array(answer["x"])
-        return _Result(answer["status"], answer["message"], x, answer["fun"], answer["dual_bound"])
+        return _Result(code, f"{answer['status']}: {answer['message']}", x, answer["fun"],
+                       answer["dual_bound"], answer["status"] == "time limit")
 
 
 @dataclass(frozen=True)
@@ -142,6 +155,7 @@ class _Result:
     x: np.ndarray | None
     fun: float | None
     mip_dual_bound: float | None
+    timed_out: bool = False  # the wall-clock cap, not a work limit, stopped it
 
 
 def _add(d: dict, k: int, item) -> None:
@@ -150,7 +164,8 @@ def _add(d: dict, k: int, item) -> None:
 
 def lp_bound(graph: ActivationGraph, budget, hw: Hardware | str, *, integral: bool = False,
              time_limit_s: float | None = None, gap: float = 1e-4, producer_delay: bool = True,
-             node_limit: int | None = None, max_iterations: int | None = None) -> LPBound:
+             improving_solutions: int | None = None, max_iterations: int | None = None,
+             gap_on_step: bool = True) -> LPBound:
     """Upper bound on the retention of any plan for ``graph`` within ``budget`` on ``hw``.
 
     integral: make the keep/swap/recompute fractions binary and solve the MILP (HiGHS) for at
@@ -160,7 +175,10 @@ def lp_bound(graph: ActivationGraph, budget, hw: Hardware | str, *, integral: bo
     producer_delay=False lets a tensor start to leave the instant it exists: a looser relaxation
     whose integral decisions are another starting point for a plan.
 
-    Limits: ``node_limit`` (integral) and ``max_iterations`` (LP) are deterministic work limits;
+    ``gap_on_step``: the integral relaxation stops once its gap is ``gap`` of the whole step
+    (False: of the extra time alone, HiGHS's own measure, which runs much longer).
+    Limits: ``improving_solutions`` (integral: stop after that many) and ``max_iterations`` (LP)
+    are work limits, the same on any machine;
     ``time_limit_s`` (default 10 s integral, none for the LP) is a hard cap. The status says what
     the bound is: "optimal", "timeout" (a limit stopped it; the bound is what was proven),
     "infeasible" (the budget is below the smallest feasible one), or "unsolved" (HiGHS failed;
@@ -289,7 +307,10 @@ def lp_bound(graph: ActivationGraph, budget, hw: Hardware | str, *, integral: bo
         return no_bound("unsolved", f"HiGHS reported infeasible at a feasible budget ({reason})")
 
     if integral:
-        res = lp.solve_integral(np.concatenate([K, W, R]), time_limit_s, gap, node_limit)
+        # the gap is on the whole step (ideal + the objective's extra time), not on the extra
+        # time alone: HiGHS stops once the absolute gap is that fraction of the ideal step
+        res = lp.solve_integral(np.concatenate([K, W, R]), time_limit_s, gap, improving_solutions,
+                                abs_gap=gap * ideal / tu if gap_on_step else None)
         wall = time.perf_counter() - start_clock
         if res.status == 2:
             return infeasible(res.message)

@@ -66,10 +66,75 @@ def solve_scipy(req: dict, folder: Path) -> dict:
             "dual_bound": None if bound is None else float(bound)}
 
 
+def solve_highs_mip(req: dict, folder: Path) -> dict:
+    """The integral relaxation with highspy directly: every HiGHS option is reachable, among them
+    ``mip_max_improving_sols``, a limit on work that (unlike time) does not depend on the load of
+    the machine: HiGHS's path is deterministic, so the k-th improving solution is the same on
+    every run."""
+    import highspy
+    import numpy as np
+    from scipy.sparse import csr_matrix, vstack
+
+    data = np.load(folder / "in.npz")
+
+    def matrix(name):
+        return csr_matrix((data[f"{name}_data"], data[f"{name}_indices"], data[f"{name}_indptr"]),
+                          shape=tuple(data[f"{name}_shape"]))
+
+    A = vstack([matrix("ub"), matrix("eq")]).tocsc()
+    inf = highspy.kHighsInf
+    lp = highspy.HighsLp()
+    n = A.shape[1]
+    lp.num_col_, lp.num_row_ = n, A.shape[0]
+    lp.col_cost_ = data["c"]
+    lp.col_lower_ = np.where(np.isfinite(data["lb"]), data["lb"], -inf)
+    lp.col_upper_ = np.where(np.isfinite(data["ub_vars"]), data["ub_vars"], inf)
+    lp.row_lower_ = np.concatenate([np.full(len(data["b_ub"]), -inf), data["b_eq"]])
+    lp.row_upper_ = np.concatenate([data["b_ub"], data["b_eq"]])
+    lp.a_matrix_.format_ = highspy.MatrixFormat.kColwise
+    lp.a_matrix_.start_ = A.indptr
+    lp.a_matrix_.index_ = A.indices
+    lp.a_matrix_.value_ = A.data
+    lp.integrality_ = [highspy.HighsVarType.kInteger if v else highspy.HighsVarType.kContinuous
+                       for v in data["integrality"]]
+    h = highspy.Highs()
+    opts = req["options"]
+    h.setOptionValue("output_flag", False)
+    h.setOptionValue("threads", 1)
+    h.setOptionValue("random_seed", 0)
+    h.setOptionValue("time_limit", float(opts["time_limit_s"]))
+    h.setOptionValue("mip_rel_gap", float(opts["gap"]))
+    if "abs_gap" in opts:
+        h.setOptionValue("mip_abs_gap", float(opts["abs_gap"]))
+    for name in ("mip_max_improving_sols", "mip_max_nodes"):
+        if name in opts:
+            h.setOptionValue(name, int(opts[name]))
+    h.passModel(lp)
+    h.run()
+    status = h.getModelStatus()
+    ms = highspy.HighsModelStatus
+    info = h.getInfo()
+    has_x = info.primal_solution_status == 2  # a feasible point
+    x = list(map(float, h.getSolution().col_value)) if has_x else None
+    kind = {ms.kOptimal: "optimal", ms.kInfeasible: "infeasible"}.get(status)
+    if kind is None:
+        limits = {ms.kTimeLimit: "time", ms.kSolutionLimit: "work", ms.kIterationLimit: "work"}
+        limits[getattr(ms, "kNodeLimit", ms.kSolutionLimit)] = "work"
+        kind = f"{limits[status]} limit" if status in limits else "failed"
+    return {"status": kind, "message": h.modelStatusToString(status), "x": x,
+            "fun": float(info.objective_function_value) if has_x else None,
+            "dual_bound": float(info.mip_dual_bound)}
+
+
 def main() -> int:
     kind, folder = sys.argv[1], Path(sys.argv[2])
     req = json.loads((folder / "in.json").read_text())
-    answer = solve_pulp(req) if kind == "pulp" else solve_scipy(req, folder)
+    if kind == "pulp":
+        answer = solve_pulp(req)
+    elif kind == "highs-mip":
+        answer = solve_highs_mip(req, folder)
+    else:
+        answer = solve_scipy(req, folder)
     (folder / "out.json").write_text(json.dumps(answer))
     return 0
 

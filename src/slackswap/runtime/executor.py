@@ -139,6 +139,8 @@ class _Step:
     recipes: dict[str, Any] = field(default_factory=dict)
     active: bool = False
     checked: bool = False
+    finished: bool = False  # the model's forward returned (it did not raise)
+    verified: set[str] = field(default_factory=set)  # tensors whose dtype and bytes were checked
 
 
 class Run:
@@ -169,6 +171,7 @@ class Run:
                                for name, d in plan.decisions.items()
                                if d == "swap" and name in graph.tensor_index})
         self._live = LiveStorages()  # device storages by storage key
+        self._planned_bytes = dict(plan.extra.get("tensor_bytes", {}))
         self._device_index = (device.index if device.index is not None else
                               torch.cuda.current_device()) if self.cuda else -1
         self._step: _Step | None = None
@@ -226,10 +229,19 @@ class Run:
         self._stack.enter_context(_EndForwardOnBackward(self))
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, exc_type, exc, tb) -> None:
         stack, self._stack = self._stack, None
         try:
-            self._end_forward()
+            if exc_type is None:
+                self._end_forward()
+            else:  # the user's exception propagates unchanged; the step is dropped unchecked
+                step = self._step
+                if step is not None:
+                    step.finished = False
+                    try:
+                        self._end_forward()
+                    except Exception:  # noqa: BLE001 - never mask the user's exception
+                        pass
         finally:
             if stack is not None:
                 stack.close()
@@ -238,6 +250,7 @@ class Run:
     # ------------------------------------------------------------ forward tracing
     def _begin_forward(self) -> None:
         self._end_forward()
+        self._paths.reset(self._paths.stack[-1] if self._paths.stack else "model")
         step = _Step(tracer=None, paths=self._paths)
         self._step = step
         step.tracer = _RecordingTracer(self, step, self._paths)
@@ -249,10 +262,13 @@ class Run:
         if step is None or not step.active:
             return
         step.active = False
+        tracer, step.tracer = step.tracer, None  # no cycle keeps the step (and its host buffers)
         try:
-            step.tracer.__exit__(None, None, None)
+            tracer.__exit__(None, None, None)
         finally:
-            if not step.checked:
+            tracer.step = None
+            if not step.checked and step.finished:
+                # a forward that raised proves nothing about the plan: the user's error stands
                 step.checked = True
                 self._check_plan(step)
 
@@ -278,10 +294,9 @@ class Run:
             raise PlanError(f"tensor {name!r} (shape {tuple(t.shape)}, {t.dtype}) is saved by this "
                             f"model but is not in plan for graph {self.plan.graph_name!r}: the plan "
                             "was made for another model or input shape")
-        if self.graph is not None and name in self.graph.tensor_index:
-            extra = self.graph.tensors[self.graph.tensor_index[name]].extra
-            if "dtype" in extra and extra["dtype"] != str(t.dtype).replace("torch.", ""):
-                raise PlanError(f"tensor {name!r} is {t.dtype} here but {extra['dtype']} in the graph")
+        if name not in step.verified:
+            self._check_tensor(name, t)
+            step.verified.add(name)
         step.packed.add(name)
         step.seen.add(name)
         step.handles_left[name] += 1
@@ -299,6 +314,29 @@ class Run:
         else:
             handle.ref = weakref.ref(t)
         return handle
+
+    def _check_tensor(self, name: str, t: torch.Tensor) -> None:
+        """The tensor the model saves is the one the plan was made for: same dtype and bytes
+        (and shape, where the graph recorded it). Names alone coincide across widths and batch
+        sizes of one architecture."""
+        nbytes = t.untyped_storage().nbytes()
+        graph = self.graph
+        if graph is not None and name in graph.tensor_index:
+            rec = graph.tensors[graph.tensor_index[name]]
+            dtype = rec.extra.get("dtype")
+            if dtype is not None and dtype != str(t.dtype).replace("torch.", ""):
+                raise PlanError(f"tensor {name!r} is {t.dtype} here but {dtype} in the graph")
+            planned = int(rec.bytes)
+            shape = rec.extra.get("shape")
+        else:
+            planned = self._planned_bytes.get(name)
+            shape = None
+        if planned is not None and planned != nbytes:
+            seen = f"shape {tuple(t.shape)}, {nbytes} bytes"
+            was = f"{planned} bytes" + (f", shape {tuple(shape)}" if shape is not None else "")
+            raise PlanError(f"tensor {name!r} is {seen} here but the plan was made for {was}: "
+                            "the plan is for another input shape or model size; profile and plan "
+                            "this one")
 
     def _unpack(self, handle):
         if not isinstance(handle, _Handle):
@@ -461,6 +499,24 @@ class _Recipe:
 
 
 @dataclass(frozen=True)
+class _External:
+    """A tensor a rerun reads that is not a graph tensor (the batch, a parameter): rebuilding
+    from it after it was modified in place would give wrong gradients, so that raises (as torch's
+    own checkpointing does)."""
+
+    tensor: torch.Tensor
+    version: int
+
+    def check(self) -> torch.Tensor:
+        if self.tensor._version != self.version:
+            raise RuntimeError(
+                f"a tensor of shape {tuple(self.tensor.shape)} that a recomputed op reads (an input "
+                "of the model, or a parameter) was modified in place between forward and "
+                "backward; rebuilding from it would give wrong gradients")
+        return self.tensor
+
+
+@dataclass(frozen=True)
 class _Ref:
     """A graph tensor in a recipe's arguments: its name and how it sat in its storage."""
 
@@ -469,10 +525,11 @@ class _Ref:
 
 
 def _template(obj, tracer: Tracer):
-    """The op's arguments with every traced tensor replaced by a _Ref (nothing else is held)."""
+    """The op's arguments with every traced tensor replaced by a _Ref (nothing else is held);
+    other tensors (the batch, parameters) are kept with their version, checked at rerun."""
     if isinstance(obj, torch.Tensor):
         name = tracer.tensor_name(obj)
-        return obj if name is None else _Ref(name, _View.of(obj))
+        return _External(obj, obj._version) if name is None else _Ref(name, _View.of(obj))
     if isinstance(obj, (list, tuple)):
         return type(obj)(_template(a, tracer) for a in obj)
     return obj
@@ -481,6 +538,8 @@ def _template(obj, tracer: Tracer):
 def _fill(obj, resolve):
     if isinstance(obj, _Ref):
         return resolve(obj)
+    if isinstance(obj, _External):
+        return obj.check()
     if isinstance(obj, (list, tuple)):
         return type(obj)(_fill(a, resolve) for a in obj)
     return obj
@@ -550,7 +609,13 @@ class _ForwardHook:
             self.run._begin_forward()
             self.run.stats.steps += 1
 
-        self.handles = [self.run.model.register_forward_pre_hook(pre)]
+        def post(module, args, output):
+            step = self.run._step
+            if step is not None:
+                step.finished = True
+
+        self.handles = [self.run.model.register_forward_pre_hook(pre),
+                        self.run.model.register_forward_hook(post)]
         return self
 
     def __exit__(self, *exc):

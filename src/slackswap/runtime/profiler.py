@@ -139,7 +139,7 @@ def graph_from_traces(traces, graph_name: str, extra: dict[str, Any] | None = No
         ops.append(Op(
             name=rec.name, forward_s=float(fwd), backward_s=float(statistics.median(bwd_samples)),
             inputs=tuple(rec.inputs), outputs=tuple(rec.outputs),
-            recomputable=not rec.inplace and i not in frozen,
+            recomputable=not rec.mutates and i not in frozen,
             extra={"aten": rec.aten, "module": rec.module, **({"random": True} if rec.random else {})}))
     random_saved: dict[int, list[str]] = {}
     for name, rec in first.tensors.items():

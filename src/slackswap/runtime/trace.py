@@ -48,6 +48,22 @@ def op_info(func) -> tuple[str, str, bool, bool]:
     return info
 
 
+_MUTATES: dict[Any, bool] = {}
+
+
+def mutates_state(func) -> bool:
+    """Whether the op writes into one of its arguments (its schema marks it ``(a!)``): BatchNorm's
+    running statistics, a counter's ``add_``. Running it again would update that state twice,
+    so the profiler marks it not recomputable."""
+    known = _MUTATES.get(func)
+    if known is None:
+        schema = getattr(func, "_schema", None)
+        known = bool(schema is not None and any(
+            a.alias_info is not None and a.alias_info.is_write for a in schema.arguments))
+        _MUTATES[func] = known
+    return known
+
+
 class LiveStorages:
     """Storages alive while any tensor object registered on them is alive, counted per key with
     weak references: the profiler learns when the model lets go of a tensor (``on_release``),
@@ -100,6 +116,7 @@ class OpRecord:
     random: bool
     inplace: bool
     writes: list[str] = field(default_factory=list)
+    mutates: bool = False  # writes into an argument: not to be run twice
     func: Any = None
     args: Any = None
     kwargs: Any = None
@@ -132,7 +149,8 @@ class ModulePaths:
         self.handles = []
         for name, module in model.named_modules():
             self.handles.append(module.register_forward_pre_hook(self._enter(name or "model")))
-            self.handles.append(module.register_forward_hook(self._leave()))
+            # always_call: the path is popped even when the module's forward raises
+            self.handles.append(module.register_forward_hook(self._leave(), always_call=True))
 
     def _enter(self, name):
         def hook(module, args):
@@ -144,6 +162,10 @@ class ModulePaths:
             if self.stack:
                 self.stack.pop()
         return hook
+
+    def reset(self, name: str = "model") -> None:
+        """A new step starts at the root: whatever an interrupted step left on the stack goes."""
+        self.stack[:] = [name]
 
     @property
     def current(self) -> str:
@@ -268,6 +290,7 @@ class Tracer(TorchDispatchMode):
         self.trace.ops.append(OpRecord(
             name=op_name, aten=full, module=module, inputs=inputs, outputs=outputs, seq=seq,
             forward_s=elapsed, random=random, inplace=inplace, writes=writes,
+            mutates=inplace or mutates_state(func),
             func=func if self.keep_calls else None,
             args=args if self.keep_calls else None, kwargs=kwargs if self.keep_calls else None))
         return out

@@ -66,7 +66,14 @@ class CpSatBackend(ExactBackend):
             if not (fixed and v in fixed):
                 model.AddHint(x[v], val)
         solver = cp_model.CpSolver()
-        solver.parameters.max_time_in_seconds = max(0.1, deadline - time.perf_counter())
+        # work, not the clock, ends the search: deterministic time, and the workers' subsolvers
+        # interleaved in a fixed order, so the same model gives the same answer on any machine;
+        # the clock is only the hard cap
+        solver.parameters.max_time_in_seconds = max(0.05, deadline - time.perf_counter())
+        dtime = options.get("deterministic_time_s")
+        if dtime is not None:
+            solver.parameters.max_deterministic_time = max(0.01, float(dtime))
+            solver.parameters.interleave_search = True
         solver.parameters.num_workers = int(workers)
         solver.parameters.random_seed = int(seed)
         solver.parameters.relative_gap_limit = gap_limit

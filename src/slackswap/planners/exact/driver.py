@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -27,6 +28,37 @@ from .formulate import Formulation, formulate
 log = logging.getLogger("slackswap")
 
 DEFAULT_TIME_LIMIT_S = 60.0
+MIN_SEARCH_S = 0.3  # below this much time left, no MILP is built
+
+
+@dataclass(frozen=True)
+class WorkLimits:
+    """How much work each phase may do, fixed by the time limit alone, never by the clock: the
+    same input gives the same plan and proof on a fast, slow or loaded machine, as long as the
+    time limit (a hard cap on the clock) is not what stops it (formulations/milp.md, "Solving").
+    The factors are this project's 2-core machine's rates, so that the work fits the limit."""
+
+    relax_solutions: int | None  # improving solutions of each relaxation (None: to its gap)
+    relax_cap_s: float  # each relaxation's clock cap (HiGHS measures no other work)
+    search_cap_s: float  # the local searches' clock cap, beside their work limit
+    search_work: int  # simulated positions, all local searches together
+    milp_deterministic_s: float  # CP-SAT's deterministic time (CBC, HiGHS: the clock alone)
+
+    @classmethod
+    def for_time_limit(cls, limit_s: float) -> WorkLimits:
+        search_s = min(10.0, 0.3 * limit_s)
+        return cls(relax_solutions=None, relax_cap_s=min(5.0, 0.15 * limit_s),
+                   search_cap_s=2.0 * search_s,
+                   search_work=int(SEARCH_POSITIONS_PER_S * search_s),
+                   milp_deterministic_s=0.5 * limit_s)
+
+    def as_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+# simulated positions per second of local search on the reference machine (GPT-2 XL: 1,170
+# positions per evaluation, about 11 ms each)
+SEARCH_POSITIONS_PER_S = 100_000
 WHOLE_MODEL_BINARIES = 2500
 OPTIMAL_GAP = 1e-3  # status "optimal": proven within 0.1% of the best possible step time
 
@@ -74,13 +106,20 @@ class ExactBackend:
 
         start = time.perf_counter()
         limit = DEFAULT_TIME_LIMIT_S if time_limit_s is None else float(time_limit_s)
+        deadline = start + limit
+        work = WorkLimits.for_time_limit(limit)
+
+        def left() -> float:
+            return deadline - time.perf_counter()
+
         g, hw, budget = problem.graph, problem.hardware, problem.budget_bytes
         gap_target = float(options.get("gap", 1e-3))
-        lp = lp_bound(g, budget, hw)
+        lp = lp_bound(g, budget, hw, time_limit_s=max(0.01, 0.5 * left()))
         lp_s = lp.step_time_s if lp.status == "optimal" else None
         ws = build_warm_start(problem, polish=polish and warm_start, bound_s=lp_s, gap=gap_target,
-                              integral_lp_s=min(5.0, 0.15 * limit),
-                              search_s=min(10.0, 0.3 * limit))
+                              relax_solutions=work.relax_solutions, search_work=work.search_work,
+                              deadline=deadline, relax_cap_s=work.relax_cap_s,
+                              search_cap_s=work.search_cap_s)
         heuristic_time = ws.heuristic_sim.step_time_s if ws.heuristic_sim.fits else float("inf")
         warm_time = ws.step_time_s
         bounds = [b for b in (lp_s, ws.bound_s) if b is not None]
@@ -88,10 +127,15 @@ class ExactBackend:
         hint = ws.hint if warm_start else None
         extra = {"free": ws.free, "issue": ws.issue, "rebuild": ws.rebuild} if warm_start else None
         base_extra: dict[str, Any] = {
-            "lp_bound_s": lp.wall_s, "heuristic_step_time_s": heuristic_time,
+            "lp_bound_s": lp.wall_s, "lp_bound_status": lp.status,
+            "heuristic_step_time_s": heuristic_time, "work_limits": work.as_dict(),
             "warm_start": ws.source, "warm_start_step_time_s": warm_time, **ws.notes}
-        if warm_start and bound_s is not None and np.isfinite(warm_time) and warm_time > 0 \
-                and warm_time - bound_s <= gap_target * warm_time:
+
+        def proven(bound) -> bool:
+            return bound is not None and np.isfinite(warm_time) and warm_time > 0 \
+                and warm_time - bound <= gap_target * warm_time
+
+        if warm_start and proven(bound_s):
             # the warm start is already within the target of a valid bound: nothing to search
             gap = max(0.0, (warm_time - bound_s) / warm_time)
             info = SolveInfo(solver=self.name,
@@ -100,6 +144,9 @@ class ExactBackend:
                              wall_s=time.perf_counter() - start, predicted_step_time_s=warm_time,
                              extra={"strategy": "warm start proven by the bound", **base_extra})
             return Solution(ws.codes, None, info)
+        if left() < MIN_SEARCH_S and np.isfinite(warm_time):
+            return self._fallback(ws, bound_s, warm_time, "timeout", start, {
+                **base_extra, "reason": "no time left for the MILP"})
         f = formulate(g, hw, budget, full=full, hint=hint, extra_candidates=extra)
         if warm_start:
             from .hint import complete_hint
@@ -127,8 +174,9 @@ class ExactBackend:
             if sim.fits and (best is None or sim.step_time_s < best[0]):
                 best = (sim.step_time_s, codes, schedule, f.seconds(obj_units))
 
+        options = {**options, "deterministic_time_s": work.milp_deterministic_s}
         if strategy == "whole":
-            remaining = max(0.1, limit - (time.perf_counter() - start))
+            remaining = max(0.05, left())
             status, value, obj, bound = self.run(f, remaining, seed, workers, options)
             if value is not None:
                 consider(value, obj)
@@ -145,8 +193,8 @@ class ExactBackend:
             # a complete feasible hint); then trust the LP alone
             rounds = [(0.999, ws.codes if warm_start else None), (0.999, None)]
             for threshold, agree in rounds:
-                remaining = limit - (time.perf_counter() - start)
-                if remaining <= 0.5:
+                remaining = left()
+                if remaining <= MIN_SEARCH_S:
                     break
                 fixed = lp_fixings(f, lp, threshold, agree) if lp.status == "optimal" else {}
                 st, value, obj, _ = self.run(f, remaining, seed, workers, options, fixed=fixed)
@@ -174,10 +222,6 @@ class ExactBackend:
         # no solution, or none better than the warm start: the warm start's plan, said so
         info_extra.update(fallback=ws.source, reason="no solution within the time limit"
                           if best is None else "solver's best was not better than the warm start")
-        gap = None
-        if bound_s is not None and np.isfinite(warm_time):
-            bound_s = min(bound_s, warm_time)
-            gap = max(0.0, (warm_time - bound_s) / warm_time) if warm_time > 0 else 0.0
         if status == "infeasible":
             # the budget is at or above the smallest feasible one (solve() checked), so the warm
             # start proves a plan exists: the backend's "infeasible" is its own failure
@@ -185,13 +229,21 @@ class ExactBackend:
             info_extra["backend_failure"] = (f"{self.name} reported the model infeasible, but the "
                                              "warm start is a valid plan")
             log.warning("%s: %s", self.name, info_extra["backend_failure"])
+        return self._fallback(ws, bound_s, warm_time, status, start, info_extra)
+
+    def _fallback(self, ws, bound_s, warm_time, status: str, start: float, extra) -> Solution:
+        """The warm start's plan, under the status that is true of it."""
+        gap = None
+        if bound_s is not None and np.isfinite(warm_time):
+            bound_s = min(bound_s, warm_time)
+            gap = max(0.0, (warm_time - bound_s) / warm_time) if warm_time > 0 else 0.0
         if gap is not None and gap <= OPTIMAL_GAP:
             final = "optimal"  # the warm start is itself within 0.1% of a valid bound
         elif status == "timeout":
             final = "timeout"  # the time limit stopped the search
         else:
             final = "feasible"  # the search ended without proving the warm start optimal
-        info = SolveInfo(solver=self.name, status=final,
-                         objective=warm_time, bound=bound_s, gap=gap, wall_s=wall,
-                         predicted_step_time_s=warm_time, extra=info_extra)
+        info = SolveInfo(solver=self.name, status=final, objective=warm_time, bound=bound_s,
+                         gap=gap, wall_s=time.perf_counter() - start,
+                         predicted_step_time_s=warm_time, extra=extra)
         return Solution(ws.codes, None, info)

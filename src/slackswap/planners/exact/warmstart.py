@@ -12,6 +12,7 @@ formulations/milp.md, "Solving", steps 1-2.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -79,15 +80,25 @@ def _integral_codes(problem: Problem, relaxation) -> np.ndarray:
 # the second integral relaxation plans with copy lanes this much slower: decisions that leave the
 # lanes some headroom for what the fluid model does not see (whole tensors, in production order)
 LANE_HEADROOM = 0.98
+# each relaxation runs until its decisions are proven within this fraction of the step (a point
+# HiGHS reaches by the same path on any machine); the clock is only a cap
+RELAXATION_GAP = 1e-4
+RELAXATION_CAP_S = 20.0
 
 
 def warm_start(problem: Problem, polish: bool = True, bound_s: float | None = None,
-               gap: float = 1e-3, integral_lp_s: float = 5.0, search_s: float = 10.0) -> WarmStart:
+               gap: float = 1e-3, relax_solutions: int | None = None, search_work: int | None = None,
+               deadline: float | None = None, relax_cap_s: float = RELAXATION_CAP_S,
+               search_cap_s: float | None = None) -> WarmStart:
     """The heuristic's plan, improved (``polish``) by local search from the decisions of the
-    integral relaxation, of the same with 2% slower lanes, and of the heuristic, whichever
-    simulates fastest. Each further start is tried only while the plan is not yet within ``gap``
-    of the best known bound (``bound_s`` or the relaxation's). ``integral_lp_s`` limits each
-    integral relaxation, ``search_s`` the local searches together."""
+    integral relaxation, of its looser form, of it with 2% slower lanes, and of the heuristic,
+    whichever simulates fastest. Each further start is tried only while the plan is not yet
+    within ``gap`` of the best known bound (``bound_s`` or the relaxation's).
+
+    Work, not time, limits each phase (the same plan on any machine): each relaxation stops once
+    proven within RELAXATION_GAP of the step (or after ``relax_solutions`` improving solutions),
+    the local searches after ``search_work`` simulated positions in all. ``deadline`` (a ``time.perf_counter()`` value) is only a cap: what would
+    start after it is skipped."""
     from ..heuristic import SlackSwapHeuristic
     from ..lpbound import lp_bound
 
@@ -95,6 +106,9 @@ def warm_start(problem: Problem, polish: bool = True, bound_s: float | None = No
     h_codes = SlackSwapHeuristic().solve(problem).codes
     h_sim = simulate_decisions(g, h_codes, hw, budget)
     best = _warm(problem, h_codes, h_sim, "heuristic", h_codes, h_sim)
+
+    def left() -> float:
+        return float("inf") if deadline is None else deadline - time.perf_counter()
 
     def proven() -> bool:
         known = [b for b in (bound_s, best.bound_s) if b is not None]
@@ -104,13 +118,19 @@ def warm_start(problem: Problem, polish: bool = True, bound_s: float | None = No
     if not polish or proven():
         return best
     notes: dict[str, Any] = {}
+    work_left = search_work
     searched = 0.0
 
     def relaxed_codes(label: str, lanes: float = 1.0, tight: bool = True) -> np.ndarray | None:
+        if left() <= 0.2:
+            notes[label] = {"status": "skipped", "reason": "deadline"}
+            return None
         planning_hw = hw if lanes == 1.0 else hw.with_link(
             d2h_bytes_per_s=hw.d2h_bytes_per_s * lanes, h2d_bytes_per_s=hw.h2d_bytes_per_s * lanes)
-        relaxation = lp_bound(g, budget, planning_hw, integral=True, time_limit_s=integral_lp_s,
-                              producer_delay=tight)
+        relaxation = lp_bound(g, budget, planning_hw, integral=True,
+                              time_limit_s=max(0.1, min(relax_cap_s, 0.6 * left())),
+                              gap=RELAXATION_GAP, improving_solutions=relax_solutions,
+                              producer_delay=tight, gap_on_step=False)
         notes[label] = {"status": relaxation.status, "wall_s": relaxation.wall_s,
                         "retention": relaxation.retention, "lanes": lanes, "tight": tight}
         if lanes == 1.0 and tight and relaxation.status in ("optimal", "timeout") \
@@ -124,13 +144,17 @@ def warm_start(problem: Problem, polish: bool = True, bound_s: float | None = No
                lambda: relaxed_codes("integral_lp_headroom", lanes=LANE_HEADROOM)),
               ("heuristic", lambda: h_codes))
     for label, make in starts:
-        if search_s - searched <= 0 or proven():
+        if (work_left is not None and work_left <= 0) or left() <= 0.2 or proven() or (
+                search_cap_s is not None and searched >= search_cap_s):
             break
         codes = make()
         if codes is None or proven():
             continue
-        result = improve(g, hw, budget, codes, time_limit_s=search_s - searched)
+        cap = left() if search_cap_s is None else min(left(), search_cap_s - searched)
+        result = improve(g, hw, budget, codes, time_limit_s=max(0.0, cap), max_work=work_left)
         searched += result.wall_s
+        if work_left is not None:
+            work_left -= result.work
         notes[f"local_search_from_{label.replace(' ', '_')}"] = {
             "retention": result.sim.retention, "fits": result.sim.fits, "moves": result.moves,
             "evaluations": result.evaluations, "wall_s": result.wall_s, "complete": result.complete}

@@ -1,0 +1,159 @@
+"""The executor under faults: inputs changed in place, exceptions in the user's forward, no
+garbage collector, a plan for another shape, and ops that update state (BatchNorm)."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from models import SkipCNN, build  # noqa: E402
+from torch import nn  # noqa: E402
+
+import slackswap as ss  # noqa: E402
+
+CPU = ss.hardware("cpu")
+
+
+def _plan(graph, decision, budget=None):
+    """Every tensor that may take ``decision`` takes it (the others are kept), closed on cpu."""
+    decisions = {}
+    for t in graph.saved:
+        d = decision if decision != "recompute" or graph.can_recompute[t] else "keep"
+        decisions[graph.tensors[t].name] = d
+    for members in graph.rng_groups.values():
+        if len({decisions[graph.tensors[m].name] for m in members}) > 1:
+            for m in members:
+                decisions[graph.tensors[m].name] = "keep"
+    plan = ss.Plan(graph.name, graph.digest, budget or 10**12, decisions)
+    return ss.complete(plan, graph, CPU)
+
+
+def _grads(model):
+    return [None if p.grad is None else p.grad.clone() for p in model.parameters()]
+
+
+def test_an_input_modified_in_place_before_backward_raises_when_a_rerun_reads_it():
+    model, x, loss_fn = build("mlp")
+    graph = ss.profile(model, x, loss_fn, warmup=0, repeat=1)
+    plan = _plan(graph, "recompute")
+    assert plan.count("recompute") > 0
+    batch = x.clone()
+    with ss.apply(plan, model, graph=graph):
+        loss = loss_fn(model(batch))
+        batch.mul_(2.0)  # the batch a recomputed op reads changes under it
+        with pytest.raises(RuntimeError, match="modified in place"):
+            loss.backward()
+    # untouched, the same plan trains with plain gradients
+    model.zero_grad()
+    loss_fn(model(x)).backward()
+    plain = _grads(model)
+    model.zero_grad()
+    with ss.apply(plan, model, graph=graph):
+        loss_fn(model(x)).backward()
+    assert all(torch.equal(a, b) for a, b in zip(plain, _grads(model)))
+
+
+class Flaky(nn.Module):
+    """A model whose inner block raises when told to."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner = nn.Sequential(nn.Linear(8, 16), nn.Tanh())
+        self.head = nn.Linear(16, 2)
+        self.fail = False
+
+    def forward(self, x):
+        h = self.inner(x)
+        if self.fail:
+            raise ValueError("user's own error")
+        return self.head(h)
+
+
+@pytest.mark.parametrize("with_graph", [False, True])
+def test_the_users_exception_surfaces_unchanged_and_training_goes_on(with_graph):
+    torch.manual_seed(0)
+    model, x = Flaky(), torch.randn(4, 8)
+
+    def loss_fn(out):
+        return out.pow(2).mean()
+
+    graph = ss.profile(model, x, loss_fn, warmup=0, repeat=1)
+    plan = _plan(graph, "recompute")
+    model.zero_grad()
+    loss_fn(model(x)).backward()
+    plain = _grads(model)
+    run = ss.apply(plan, model, graph=graph if with_graph else None)
+    with pytest.raises(ValueError, match="user's own error") as caught:
+        with run:
+            model.fail = True
+            model(x)
+    assert type(caught.value) is ValueError
+    model.fail = False
+    with run:  # the same context trains on, inside and across `with` blocks
+        model.fail = True
+        with pytest.raises(ValueError, match="user's own error"):
+            model(x)
+        model.fail = False
+        model.zero_grad()
+        loss_fn(model(x)).backward()
+    assert all(torch.equal(a, b) for a, b in zip(plain, _grads(model)))
+
+
+def test_host_pool_stays_flat_over_200_steps_without_the_garbage_collector():
+    model, x, loss_fn = build("mlp")
+    graph = ss.profile(model, x, loss_fn, warmup=0, repeat=1)
+    plan = _plan(graph, "swap")
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        with ss.apply(plan, model, graph=graph) as run:
+            sizes = []
+            for _ in range(200):
+                model.zero_grad(set_to_none=True)
+                loss_fn(model(x)).backward()
+                sizes.append(run.pool.nbytes)
+        assert sizes[-1] == sizes[0] > 0
+    finally:
+        if enabled:
+            gc.enable()
+
+
+@pytest.mark.parametrize("with_graph", [False, True])
+def test_a_plan_for_another_batch_size_is_refused_naming_what_differs(with_graph):
+    model, x, loss_fn = build("mlp")
+    graph = ss.profile(model, x, loss_fn, warmup=0, repeat=1)
+    plan = ss.load_plan(_plan(graph, "keep").to_json())  # the bytes travel with the plan
+    bigger = torch.randn(2 * x.shape[0], x.shape[1])
+    with pytest.raises(ss.PlanError, match=r"bytes here but the plan was made for \d+ bytes"):
+        with ss.apply(plan, model, graph=graph if with_graph else None):
+            loss_fn(model(bigger)).backward()
+
+
+def test_batchnorm_state_is_updated_once_per_step():
+    """The op that updates BatchNorm's running statistics is never run twice: the profiler
+    marks it not recomputable, and buffers and gradients match plain training over 3 steps."""
+    torch.manual_seed(0)
+    model, x = SkipCNN().train(), torch.randn(2, 3, 8, 8)
+
+    def loss_fn(out):
+        return out.pow(2).mean()
+
+    graph = ss.profile(model, x, loss_fn, warmup=0, repeat=1)
+    stateful = [op for op in graph.ops if "batch_norm" in str(op.extra.get("aten", ""))]
+    assert stateful and not any(op.recomputable for op in stateful)
+    plan = _plan(graph, "recompute")
+    assert plan.count("recompute") > 0
+    twin = SkipCNN().train()
+    twin.load_state_dict(model.state_dict())
+    for _ in range(3):
+        twin.zero_grad()
+        loss_fn(twin(x)).backward()
+        model.zero_grad()
+        with ss.apply(plan, model, graph=graph):
+            loss_fn(model(x)).backward()
+        for (name, a), b in zip(model.named_buffers(), twin.buffers()):
+            assert torch.equal(a, b), name
+        assert all(torch.equal(a, b) for a, b in zip(_grads(model), _grads(twin)))
