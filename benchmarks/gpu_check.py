@@ -75,14 +75,20 @@ def main() -> int:
     summary["plain"] = {**base, "param_bytes": params}
     summary["keep_all_peak_simulated"] = ss.keep_all_peak(graph, hw)
     rows = []
+    torch.manual_seed(0)  # dropout is on: the same masks for the reference and each plan
+    plain()
+    reference = [None if p.grad is None else p.grad.clone() for p in model.parameters()]
+    solvers = [s for s in ("heuristic", "cpsat") if ss.is_available(s)]
+    summary["solvers"] = solvers
     for fraction in (1.0, 0.7, 0.5):
-        for solver in ("heuristic", "cpsat"):
+        for solver in solvers:
             try:
                 plan = ss.solve(graph, fraction, hw, solver=solver, time_limit_s=args.time_limit)
             except ss.InfeasibleBudget as exc:
                 rows.append({"budget": fraction, "solver": solver, "error": str(exc)})
                 continue
-            sim = ss.simulate(graph, plan, hw)
+            sim = ss.simulate(graph, plan)
+            check = ss.validate(graph, plan)
 
             def step(plan=plan):
                 model.zero_grad(set_to_none=True)
@@ -90,6 +96,11 @@ def main() -> int:
                     loss_fn(model(**inputs)).backward()
 
             try:
+                torch.manual_seed(0)
+                step()
+                same = all((a is None and b is None) or (a is not None and b is not None
+                                                         and torch.equal(a, b))
+                           for a, b in zip(reference, (p.grad for p in model.parameters())))
                 got = measure(step)
             except Exception as exc:  # report it and go on with the other rows
                 rows.append({"budget": fraction, "solver": solver, "error": f"{type(exc).__name__}: {exc}"})
@@ -97,6 +108,8 @@ def main() -> int:
                 save()
                 continue
             rows.append({"budget": fraction, "solver": solver, "status": plan.info.status,
+                         "checker_ok": check.ok, "gradients_bit_identical": same,
+                         "counts": {d: plan.count(d) for d in ("keep", "swap", "recompute")},
                          "budget_bytes": plan.budget_bytes, **got,
                          "activation_bytes_measured": got["max_memory_allocated"] - params,
                          "simulated_peak_bytes": sim.peak_bytes,

@@ -158,6 +158,15 @@ class _Result:
     timed_out: bool = False  # the wall-clock cap, not a work limit, stopped it
 
 
+SMALLEST = 1e-6  # model units: smaller coefficients are rounded in the relaxing direction
+
+
+def _relax_small(values: np.ndarray) -> np.ndarray:
+    """Sizes and durations below SMALLEST units become 0: less memory and less time relax the
+    model, so its optimum stays a lower bound on every plan's step time."""
+    return np.where(values < SMALLEST, 0.0, values)
+
+
 def _add(d: dict, k: int, item) -> None:
     d.setdefault(int(k), []).append(item)
 
@@ -194,15 +203,16 @@ def lp_bound(graph: ActivationGraph, budget, hw: Hardware | str, *, integral: bo
     saved = graph.saved
     m = len(saved)
     # scale bytes and seconds so the budget and the ideal step are both about 1000 units: HiGHS
-    # tolerances are absolute, and raw bytes (1e9) beside seconds (1e-5) lose feasible points
-    # (the larger of the ideal step and the time to copy every saved tensor once, so a step of
-    # zero-time ops still has lanes of sane bandwidth in these units)
+    # tolerances are absolute, and raw bytes (1e9) beside seconds (1e-5) lose feasible points.
+    # Coefficients that would still fall below SMALLEST units are rounded the way that relaxes
+    # the model (bytes and op times down, lane bandwidth up), so the bound stays a bound
+    # (formulations/lp-bound.md, "Scaling").
     saved_bytes = float(graph.tensor_bytes[graph.saved].sum())
     copy_s = saved_bytes / min(hw.d2h_bytes_per_s, hw.h2d_bytes_per_s) + hw.latency_s * len(graph.saved)
     bu = max(budget_bytes, int(graph.tensor_bytes.max(initial=0)), 1) / 1000.0
-    tu = max(graph.ideal_step_time_s, copy_s, 1e-12) / 1000.0
-    nbytes = graph.tensor_bytes.astype(float) / bu
-    fwd_s = graph.forward_s / tu
+    tu = (graph.ideal_step_time_s if graph.ideal_step_time_s > 0 else max(copy_s, 1e-12)) / 1000.0
+    nbytes = _relax_small(graph.tensor_bytes.astype(float) / bu)
+    fwd_s = _relax_small(graph.forward_s / tu)
     prod = graph.producer
     last_fwd = graph.last_forward_use
     u_slot = np.array([graph.bwd_slot(int(u)) for u in graph.first_backward_use[saved]])
@@ -231,7 +241,7 @@ def lp_bound(graph: ActivationGraph, budget, hw: Hardware | str, *, integral: bo
     for k in range(n):
         lp.ub[E[k]] = 0.0
     lp.eq(list(E) + list(Z), [1.0] * S + [-float(fwd_s[q]) for q in rerun_ops], 0.0)
-    dur = np.concatenate([graph.forward_s, graph.backward_s[::-1]]) / tu
+    dur = _relax_small(np.concatenate([graph.forward_s, graph.backward_s[::-1]]) / tu)
     dep = lp.vars(S)
     arr = lp.vars(S)
     # running sums of swapped bytes: produced (<= k), within forward life, needed, freed
@@ -256,15 +266,16 @@ def lp_bound(graph: ActivationGraph, budget, hw: Hardware | str, *, integral: bo
     G = lp.running_sum(S, st_keep, en_keep)
     A = lp.vars(S)
     M = lp.vars(S)
-    bw_d, bw_h = hw.d2h_bytes_per_s * tu / bu, hw.h2d_bytes_per_s * tu / bu
+    bw_d = max(SMALLEST, hw.d2h_bytes_per_s * tu / bu)
+    bw_h = max(SMALLEST, hw.h2d_bytes_per_s * tu / bu)
     # everything not saved, and workspaces, as keep-all has them
     base = expand(graph, keep_all_codes(graph), None, hw)
     main_points = base.slot_first_point
     unsaved_mem = np.zeros(S)
     for t, s_, e_ in zip(base.iv_tensor, base.iv_start, base.iv_end):
         if not graph.is_saved[t]:
-            unsaved_mem[s_:e_ + 1] += nbytes[t]
-    ws = base.point_workspace[main_points].astype(float) / bu
+            unsaved_mem[s_:e_ + 1] += nbytes[t]  # (already relaxed)
+    ws = _relax_small(base.point_workspace[main_points].astype(float) / bu)
     for k in range(S):
         if k == 0:
             lp.le([dep[0]], [1.0], 0.0)

@@ -29,6 +29,10 @@ log = logging.getLogger("slackswap")
 
 DEFAULT_TIME_LIMIT_S = 60.0
 MIN_SEARCH_S = 0.3  # below this much time left, no MILP is built
+# what a phase costs before it can stop on its own, per unit of size, on the reference machine:
+# a phase is started only when the time left covers it (so the time limit holds)
+LP_S_PER_SLOT = 4e-4  # building the LP bound (GPT-2 XL: 1,160 positions, 0.45 s)
+FORMULATE_S_PER_SLOT = 4e-4  # building the MILP (GPT-2 XL: 0.4 s)
 
 
 @dataclass(frozen=True)
@@ -46,7 +50,7 @@ class WorkLimits:
 
     @classmethod
     def for_time_limit(cls, limit_s: float) -> WorkLimits:
-        search_s = min(10.0, 0.3 * limit_s)
+        search_s = min(15.0, 0.45 * limit_s)
         return cls(relax_solutions=None, relax_cap_s=min(5.0, 0.15 * limit_s),
                    search_cap_s=2.0 * search_s,
                    search_work=int(SEARCH_POSITIONS_PER_S * search_s),
@@ -84,6 +88,15 @@ def lp_fixings(f: Formulation, lp, threshold: float = 0.999, agree_with=None) ->
     return fixed
 
 
+def _skipped_bound(graph, budget: int):
+    """The trivial bound (no plan beats the ideal step), when there is no time for the LP."""
+    from ..lpbound import LPBound
+
+    ideal = graph.ideal_step_time_s
+    return LPBound(1.0, ideal, ideal, budget, "skipped", 0.0, {}, {}, {},
+                   note="no time left to build the LP bound")
+
+
 class ExactBackend:
     """Subclasses implement ``run(formulation, time_limit_s, seed, workers, options, fixed)`` and
     return (status, value function or None, objective units, bound units)."""
@@ -114,7 +127,10 @@ class ExactBackend:
 
         g, hw, budget = problem.graph, problem.hardware, problem.budget_bytes
         gap_target = float(options.get("gap", 1e-3))
-        lp = lp_bound(g, budget, hw, time_limit_s=max(0.01, 0.5 * left()))
+        if left() > 2 * LP_S_PER_SLOT * g.n_slots:
+            lp = lp_bound(g, budget, hw, time_limit_s=max(0.01, 0.5 * left()))
+        else:  # no time to build it: no bound, and no proof
+            lp = _skipped_bound(g, budget)
         lp_s = lp.step_time_s if lp.status == "optimal" else None
         ws = build_warm_start(problem, polish=polish and warm_start, bound_s=lp_s, gap=gap_target,
                               relax_solutions=work.relax_solutions, search_work=work.search_work,
@@ -144,7 +160,7 @@ class ExactBackend:
                              wall_s=time.perf_counter() - start, predicted_step_time_s=warm_time,
                              extra={"strategy": "warm start proven by the bound", **base_extra})
             return Solution(ws.codes, None, info)
-        if left() < MIN_SEARCH_S and np.isfinite(warm_time):
+        if left() < MIN_SEARCH_S + 2 * FORMULATE_S_PER_SLOT * g.n_slots and np.isfinite(warm_time):
             return self._fallback(ws, bound_s, warm_time, "timeout", start, {
                 **base_extra, "reason": "no time left for the MILP"})
         f = formulate(g, hw, budget, full=full, hint=hint, extra_candidates=extra)

@@ -12,6 +12,8 @@ from .driver import ExactBackend
 from .formulate import Formulation
 
 log = logging.getLogger("slackswap")
+BUILD_S_PER_NONZERO = 3e-5  # PuLP model building and serialising (GPT-2 XL: 192,000, 4.8 s)
+CHILD_START_S = 0.5  # starting the child and reading the model there
 
 
 def _pulp_problem(f: Formulation, fixed: dict[int, int] | None = None):
@@ -77,6 +79,9 @@ class _PulpBackend(ExactBackend):
 
         from ..native import GRACE_S, NativeSolverError, NativeTimeout, run_in_child
 
+        if time_limit_s < CHILD_START_S + BUILD_S_PER_NONZERO * f.model.size()["nonzeros"]:
+            return "timeout", None, None, None  # building and starting it would pass the limit
+        start = time.perf_counter()
         with warnings.catch_warnings():
             # PuLP 3 warns about its own 4.0 API; the calls used here work in both
             warnings.simplefilter("ignore", DeprecationWarning)
@@ -88,7 +93,11 @@ class _PulpBackend(ExactBackend):
             "warm": bool(f.model.hint), "gap": gap,
             "cbc_options": [f"randomCbcSeed {seed + 1}", *self.cbc_options]}}
         try:
-            answer = run_in_child("pulp", request, None, time_limit_s + GRACE_S)
+            left = time_limit_s - (time.perf_counter() - start)
+            if left < CHILD_START_S:
+                return "timeout", None, None, None
+            request["options"]["time_limit_s"] = left - CHILD_START_S
+            answer = run_in_child("pulp", request, None, left + GRACE_S)
         except NativeTimeout:
             return "timeout", None, None, None  # killed at the deadline: no solution to read
         except NativeSolverError as exc:

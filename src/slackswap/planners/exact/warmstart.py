@@ -84,6 +84,7 @@ LANE_HEADROOM = 0.98
 # HiGHS reaches by the same path on any machine); the clock is only a cap
 RELAXATION_GAP = 1e-4
 RELAXATION_CAP_S = 20.0
+RELAXATION_MIN_S = 1.5  # less time left than this: the relaxation is not started
 
 
 def warm_start(problem: Problem, polish: bool = True, bound_s: float | None = None,
@@ -122,7 +123,7 @@ def warm_start(problem: Problem, polish: bool = True, bound_s: float | None = No
     searched = 0.0
 
     def relaxed_codes(label: str, lanes: float = 1.0, tight: bool = True) -> np.ndarray | None:
-        if left() <= 0.2:
+        if left() <= RELAXATION_MIN_S + 2 * 4e-4 * g.n_slots:  # the child's start, the build
             notes[label] = {"status": "skipped", "reason": "deadline"}
             return None
         planning_hw = hw if lanes == 1.0 else hw.with_link(

@@ -1,0 +1,115 @@
+"""Odd input, in classes: every solver plans degenerate graphs, statuses are always documented,
+a bound is a bound, byte sums never wrap, bad figures are refused by name, limits hold."""
+
+from __future__ import annotations
+
+import math
+import time
+
+import numpy as np
+import pytest
+from helpers import LINK, graph, op, random_graphs, tensor
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import slackswap as ss
+from slackswap.core.graph import MAX_TOTAL_BYTES
+from slackswap.core.plan import STATUSES
+
+EXACT = [s for s in ("cpsat", "cbc", "highs") if ss.is_available(s)]
+
+
+def chain(nbytes, fwd=1.0, bwd=2.0, ws=0):
+    ops = [op(f"o{i}", fwd, bwd, [f"t{i - 1}"] if i else ["x"], [f"t{i}"],
+              forward_workspace_bytes=ws) for i in range(len(nbytes))]
+    tensors = [tensor(f"t{i}", b, [f"o{min(i + 1, len(nbytes) - 1)}"]) for i, b in enumerate(nbytes)]
+    return graph(ops, tensors)
+
+
+@pytest.mark.parametrize("case", ["zero bytes", "zero times", "tiny times, huge bytes",
+                                  "bytes from 1 to 1e12"])
+@pytest.mark.parametrize("solver", ["heuristic"] + EXACT)
+def test_degenerate_graphs_plan_with_every_solver(case, solver):
+    g = {"zero bytes": lambda: chain([0] * 6),
+         "zero times": lambda: chain([100] * 6, 0.0, 0.0),
+         "tiny times, huge bytes": lambda: chain([10**12, 10**9, 10**12, 10**9, 10**12, 10**9],
+                                                 1e-9, 1e-9),
+         "bytes from 1 to 1e12": lambda: chain([10**12, 1000, 10**12, 1000, 10**12, 1000],
+                                               ws=4 * 10**11)}[case]()
+    budget = max(ss.min_budget(g, LINK), int(0.5 * ss.keep_all_peak(g, LINK)))
+    plan = ss.solve(g, budget, LINK, solver=solver, time_limit_s=2)
+    assert ss.validate(g, plan).ok and plan.info.status in STATUSES
+    bound = ss.lp_bound(g, budget, LINK)
+    assert bound.status in ("optimal", "unsolved", "timeout")
+    assert ss.simulate(g, plan).step_time_s >= bound.step_time_s * (1 - 1e-7) - 1e-15
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
+@given(random_graphs(max_ops=6), st.floats(0.3, 1.0), st.sampled_from(EXACT or ["heuristic"]))
+def test_statuses_are_documented_and_the_bound_holds(g, fraction, solver):
+    budget = max(ss.min_budget(g, LINK), int(fraction * ss.keep_all_peak(g, LINK)))
+    plan = ss.solve(g, budget, LINK, solver=solver, time_limit_s=2)
+    assert plan.info.status in STATUSES
+    step = ss.validate(g, plan).step_time_s
+    if plan.info.bound is not None:
+        assert step >= plan.info.bound * (1 - 1e-7) - 1e-15
+    bound = ss.lp_bound(g, budget, LINK)
+    assert bound.status != "infeasible"  # a feasible budget never gets the "infeasible" bound 0
+    assert step >= bound.step_time_s * (1 - 1e-7) - 1e-15
+
+
+def test_byte_sums_never_wrap_refused_at_the_boundary_by_tensor_name():
+    def two(a, b):
+        return {"format": "slackswap.graph/1", "name": "big",
+                "ops": [{"name": "A", "forward_s": 1, "backward_s": 1, "outputs": ["a", "b"]}],
+                "tensors": [{"name": "a", "bytes": a, "saved_for": ["A"]},
+                            {"name": "b", "bytes": b, "saved_for": ["A"]}]}
+    half = MAX_TOTAL_BYTES // 2
+    g = ss.load_graph(two(half, half))  # exactly at the limit: exact sums
+    assert ss.keep_all_peak(g, LINK) == MAX_TOTAL_BYTES == 2 * half
+    with pytest.raises(ss.GraphError, match="tensor 'b'"):
+        ss.load_graph(two(half, half + 1))
+    for huge in (2**62, 2**64, 10**30):
+        with pytest.raises(ss.GraphError, match="tensor 'a'"):
+            ss.load_graph(two(huge, 1))
+
+
+@pytest.mark.parametrize("field, value", [("latency_s", math.nan), ("latency_s", -1.0),
+                                          ("d2h_bytes_per_s", math.inf), ("h2d_bytes_per_s", 0.0),
+                                          ("peak_flops", math.nan), ("duplex", "yes")])
+def test_hardware_figures_must_be_finite_and_sane(field, value):
+    with pytest.raises(ValueError, match=field):
+        LINK.with_link(**{field: value})
+
+
+def test_budgets_one_rule_and_every_numpy_real():
+    g = chain([100] * 4)
+    peak = ss.keep_all_peak(g, LINK)
+    for half in (0.5, np.float32(0.5), np.float64(0.5), "0.5", "50%"):
+        assert ss.parse_budget(half, g, LINK) == int(0.5 * peak)
+    for nbytes in (150, np.int32(150), np.uint64(150), "150", "150b"):
+        assert ss.parse_budget(nbytes, g, LINK) == 150
+    assert ss.parse_budget("1", g, LINK) == 1  # digits without a point are bytes, API and CLI alike
+    for bad in (math.nan, -0.5, 1.5, "abc", "nan%", True, None, -3):
+        with pytest.raises(ValueError):
+            ss.parse_budget(bad, g, LINK)
+
+
+@pytest.mark.parametrize("limit", [math.nan, -1.0, math.inf, "10"])
+def test_time_limits_must_be_finite_seconds(limit):
+    g = chain([100] * 4)
+    with pytest.raises(ValueError, match="time_limit_s"):
+        ss.solve(g, 0.8, LINK, solver="heuristic", time_limit_s=limit)
+
+
+@pytest.mark.parametrize("solver", EXACT)
+@pytest.mark.parametrize("limit", [0.05, 1.0])
+def test_the_time_limit_holds(solver, limit):
+    """solve() returns within max(0.5 s, 10%) of its limit (solver libraries already loaded),
+    with the best plan found so far."""
+    g = ss.workload("bert-large", "a100-80gb-pcie4")
+    ss.solve(g, 0.3, "a100-80gb-pcie4", solver=solver, time_limit_s=0.01)  # imports, caches
+    start = time.perf_counter()
+    plan = ss.solve(g, 0.3, "a100-80gb-pcie4", solver=solver, time_limit_s=limit)
+    assert time.perf_counter() - start <= limit + max(0.5, 0.1 * limit)
+    assert plan.info.status in STATUSES and ss.validate(g, plan).ok
