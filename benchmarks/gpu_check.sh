@@ -7,7 +7,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if ! python3 -c "import slackswap" 2>/dev/null; then
-  python3 -m pip install -q --no-deps -e . || export PYTHONPATH="$PWD/src:${PYTHONPATH:-}"
+  python3 -m pip install -q --no-deps --no-build-isolation -e . 2>/dev/null \
+    || export PYTHONPATH="$PWD/src:${PYTHONPATH:-}"
 fi
 mkdir -p "${OUT:-benchmarks/results}"
+export CUBLAS_WORKSPACE_CONFIG=:4096:8  # deterministic cuBLAS, for the bitwise gradient check
 PYTHONUNBUFFERED=1 python3 benchmarks/gpu_check.py --out "${OUT:-benchmarks/results}/gpu_check.json" "$@"

@@ -11,6 +11,7 @@ from slackswap.check.simulate import simulate_decisions
 from slackswap.core.plan import KEEP, RECOMPUTE
 from slackswap.core.stepmodel import codes_to_decisions, decision_codes
 from slackswap.planners.base import Problem
+from slackswap.planners.baselines import recompute_all_codes
 from slackswap.planners.local_search import improve
 
 
@@ -101,7 +102,7 @@ def test_warm_start_is_never_worse_than_the_heuristic():
     g = ss.workload("bert-large", "a100-80gb-pcie4")
     hw = ss.hardware("a100-80gb-pcie4")
     budget = ss.parse_budget(0.4, g, hw)
-    ws = warm_start(Problem(g, hw, budget), integral_lp_s=2.0, search_s=4.0)
+    ws = warm_start(Problem(g, hw, budget), relax_cap_s=2.0, search_work=400_000)
     assert ws.sim.fits
     assert ws.step_time_s <= ws.heuristic_sim.step_time_s
     # the integral relaxation's bound is a bound: no plan, the warm start included, beats it
@@ -116,3 +117,18 @@ def test_time_limit_stops_the_search_and_says_so():
     assert not result.complete and result.moves == 0
     assert np.array_equal(result.codes, start)
     assert result.sim.step_time_s == pytest.approx(9.0)
+
+
+def test_a_work_limit_gives_the_same_plan_whatever_the_clock():
+    """The search stops on simulated positions, not seconds: two runs with the same work limit
+    (and clocks far apart) take the same moves to the same plan, and stop at the limit."""
+    g = ss.workload("bert-large", "a100-80gb-pcie4")
+    hw = ss.hardware("a100-80gb-pcie4")
+    budget = ss.parse_budget(0.3, g, hw)
+    start = recompute_all_codes(g)
+    work = 40 * g.n_slots
+    runs = [improve(g, hw, budget, start, time_limit_s=limit, max_work=work)
+            for limit in (60.0, 3600.0)]
+    assert np.array_equal(runs[0].codes, runs[1].codes)
+    assert runs[0].evaluations == runs[1].evaluations and runs[0].moves == runs[1].moves
+    assert not runs[0].complete and work <= runs[0].work <= work + g.n_slots

@@ -122,6 +122,21 @@ class _HostPool:
         return self.total
 
 
+_POOLS: dict[tuple, _HostPool] = {}
+_POOLS_KEPT = 2  # host pools kept for later contexts, most recent plans first
+
+
+def _host_pool(plan: Plan, device, pinned: bool) -> _HostPool:
+    """The host pool for ``plan`` on ``device``: the one an earlier context used, if any (pinned
+    allocation costs about a second per few GB, far more than a training step)."""
+    key = (plan.graph_digest, tuple(sorted(plan.tensors("swap"))), str(device), pinned)
+    pool = _POOLS.pop(key, None) or _HostPool(pinned=pinned)
+    _POOLS[key] = pool
+    while len(_POOLS) > _POOLS_KEPT:
+        _POOLS.pop(next(iter(_POOLS)))
+    return pool
+
+
 @dataclass
 class _Step:
     tracer: Tracer | None
@@ -158,15 +173,16 @@ class Run:
         device = next((p.device for p in model.parameters()), torch.device("cpu"))
         self.device = device
         self.cuda = device.type == "cuda"
-        self.pool = _HostPool(pinned=self.cuda)
+        self.pool = _host_pool(plan, device, pinned=self.cuda)
         self.copy_stream = torch.cuda.Stream(device) if self.cuda else None
         self.prefetch_ahead = prefetch_ahead
         # recipes (and RNG states) are kept only when something will be rebuilt
         self.needs_recipes = any(d == "recompute" for d in plan.decisions.values())
         self._issue_at, self._need_at = self._prefetch_schedule(plan, graph)
         self._check_device()
-        if graph is not None:
-            # the graph gives every offloaded storage's size: one pinned slab up front
+        if graph is not None and not self.pool.total:
+            # the graph gives every offloaded storage's size: one pinned slab up front, kept for
+            # the next context on the same plan (a context per step allocates nothing)
             self.pool.reserve({name: int(graph.tensors[graph.tensor_index[name]].bytes)
                                for name, d in plan.decisions.items()
                                if d == "swap" and name in graph.tensor_index})
@@ -400,10 +416,11 @@ class Run:
             self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(self.copy_stream):
                 buf[:nbytes].copy_(src, non_blocking=True)
-                event = torch.cuda.Event()
-                event.record(self.copy_stream)
-            # the device storage must outlive the copy: keep it until the event has passed
-            step.host[name] = (buf, nbytes, (event, src))
+            # the device memory goes back to the allocator as soon as the model lets go of it,
+            # but is reused only once the copy stream has read it
+            alias = torch.empty(0, dtype=torch.uint8, device=self.device).set_(src)
+            alias.record_stream(self.copy_stream)
+            step.host[name] = (buf, nbytes, None)
         else:
             buf[:nbytes].copy_(src)
             step.host[name] = (buf, nbytes, None)
@@ -413,12 +430,15 @@ class Run:
         buf, nbytes, pending = step.host[name]
         start = time.perf_counter()
         if self.cuda:
-            if pending is not None:
-                pending[0].synchronize()
-            dev = torch.empty(nbytes, dtype=torch.uint8, device=self.device).untyped_storage()
+            # one copy stream: the prefetch runs after the tensor's offload, with no host wait;
+            # its memory comes from the copy stream and is then handed to the compute stream
+            current = torch.cuda.current_stream(self.device)
             with torch.cuda.stream(self.copy_stream):
-                dev.copy_(buf[:nbytes], non_blocking=True)
-            torch.cuda.current_stream(self.device).wait_stream(self.copy_stream)
+                landing = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+                landing.untyped_storage().copy_(buf[:nbytes], non_blocking=True)
+            current.wait_stream(self.copy_stream)
+            landing.record_stream(current)
+            dev = landing.untyped_storage()
         else:
             dev = torch.empty(nbytes, dtype=torch.uint8).untyped_storage()
             dev.copy_(buf[:nbytes])
