@@ -113,3 +113,34 @@ def test_the_time_limit_holds(solver, limit):
     plan = ss.solve(g, 0.3, "a100-80gb-pcie4", solver=solver, time_limit_s=limit)
     assert time.perf_counter() - start <= limit + max(0.5, 0.1 * limit)
     assert plan.info.status in STATUSES and ss.validate(g, plan).ok
+
+
+def _bert_dict():
+    return ss.workload("bert-large", "a100-80gb-pcie4").to_dict()
+
+
+@pytest.mark.parametrize("corrupt, message", [
+    (lambda d: d["ops"][0].update(recomputable="no"), "recomputable must be true or false"),
+    (lambda d: d["ops"][0].update(recomputable=0.0), "recomputable must be true or false"),
+    (lambda d: [o.update(forward_s=1e308) for o in d["ops"]], "time passes"),
+    (lambda d: d["tensors"][0].update(bytes=float("inf")), "non-negative integer"),
+    (lambda d: d["tensors"][0].update(bytes=2**70), "bytes"),
+])
+def test_corrupt_graph_fields_get_named_errors(corrupt, message):
+    d = _bert_dict()
+    corrupt(d)
+    with pytest.raises(ss.GraphError, match=message):
+        ss.load_graph(d)
+
+
+@pytest.mark.parametrize("text, message", [
+    ("[" * 100000, "nested too deeply"),
+    ("hello " * 1000, "not JSON"),
+    ("{not json", "not valid JSON"),
+    ("/no/such/graph.json", "does not exist"),
+])
+def test_bad_graph_and_plan_text_gets_named_errors(text, message):
+    with pytest.raises(ss.GraphError, match=message):
+        ss.load_graph(text)
+    with pytest.raises(ss.PlanError, match=message):
+        ss.load_plan(text)

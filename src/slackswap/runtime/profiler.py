@@ -54,10 +54,13 @@ def run_traced_step(model, inputs, loss_fn, sync=None, keep_calls=False):
     import torch
     from torch.utils._python_dispatch import _disable_current_modes
 
-    from .trace import ModulePaths, Tracer, time_backward
+    from .trace import GpuClock, ModulePaths, Tracer, time_backward
 
     paths = ModulePaths(model)
-    tracer = Tracer(model, paths, keep_calls=keep_calls, sync=sync, observe_lifetimes=True)
+    # on a GPU, times come from CUDA events (no synchronisation per op)
+    clock = GpuClock() if sync is not None else None
+    tracer = Tracer(model, paths, keep_calls=keep_calls, sync=sync, observe_lifetimes=True,
+                    clock=clock)
     saved: list[tuple[int, str]] = []
 
     def pack(t):
@@ -92,7 +95,9 @@ def run_traced_step(model, inputs, loss_fn, sync=None, keep_calls=False):
                            "history (all parameters frozen, or run under torch.no_grad?)")
     trace = tracer.trace
     trace.saved = saved
-    time_backward(loss, trace, sync)
+    time_backward(loss, trace, sync, clock)
+    if clock is not None:
+        clock.resolve(trace)
     return trace
 
 
