@@ -44,7 +44,11 @@ def main() -> int:
     parser.add_argument("--seq", type=int, default=1024)
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--time-limit", type=float, default=20.0)
+    parser.add_argument("--report", type=Path,
+                        help="write the RESULTS.md section from this summary, run nothing")
     args = parser.parse_args()
+    if args.report:
+        return report(json.loads(args.report.read_text()))
     summary: dict = {"ok": False}
 
     def save() -> None:  # after every measurement, so a run cut short still reports
@@ -63,6 +67,7 @@ def main() -> int:
     torch.backends.cuda.enable_cudnn_sdp(False)
     device = torch.device("cuda")
     summary["device"] = torch.cuda.get_device_name(device)
+    summary["torch"] = torch.__version__
     hw = ss.calibrate_link(device)
     summary["link"] = {"d2h_GBps": hw.d2h_bytes_per_s / 1e9, "h2d_GBps": hw.h2d_bytes_per_s / 1e9,
                        "latency_us": hw.latency_s * 1e6}
@@ -144,6 +149,47 @@ def main() -> int:
     summary.update(rows=rows, torch_checkpoint=ckpt, offload_everything=measure(offload), ok=True)
     save()
     print(json.dumps({k: v for k, v in summary.items() if k != "rows"}, default=str))
+    return 0
+
+
+def report(summary: dict) -> int:
+    """benchmarks/RESULTS.md's GPU section, from a summary the check wrote on the GPU."""
+    from results_md import markdown_table, write_section
+
+    plain = summary["plain"]
+    rows = [["plain training", "-", "-", f"{1e3 * plain['step_s']:.1f}", "1.00",
+             f"{(plain['max_memory_allocated'] - plain['param_bytes']) / 2**30:.2f}", "-", "-"]]
+    for r in summary.get("rows", []):
+        if "error" in r:
+            rows.append([f"{r['solver']} plan", f"{100 * r['budget']:.0f}%", r["error"][:60], "", "",
+                         "", "", ""])
+            continue
+        rows.append([f"{r['solver']} plan ({r['counts']['swap']} swap, {r['counts']['recompute']} "
+                     f"recompute)", f"{100 * r['budget']:.0f}%",
+                     f"{r['budget_bytes'] / 2**30:.2f}", f"{1e3 * r['step_s']:.1f}",
+                     f"{r['step_s'] / plain['step_s']:.2f}",
+                     f"{r['activation_bytes_measured'] / 2**30:.2f}",
+                     f"{r['simulated_peak_bytes'] / 2**30:.2f}",
+                     "yes" if r["gradients_bit_identical"] else f"no ({r['gradients_max_abs_diff']:.2g})"])
+    for key, label in (("torch_checkpoint", "torch checkpointing (every block)"),
+                       ("offload_everything", "offload everything (save_on_cpu)")):
+        m = summary[key]
+        rows.append([label, "-", "-", f"{1e3 * m['step_s']:.1f}", f"{m['step_s'] / plain['step_s']:.2f}",
+                     f"{(m['max_memory_allocated'] - plain['param_bytes']) / 2**30:.2f}", "-", "-"])
+    body = markdown_table(["variant", "budget", "budget GiB", "step ms", "x plain",
+                           "measured peak - params, GiB", "simulated peak GiB",
+                           "gradients bit-identical"], rows)
+    link = summary["link"]
+    body += (f"\n\n{summary['device']}, {summary['graph']}; link measured {link['d2h_GBps']:.1f} / "
+             f"{link['h2d_GBps']:.1f} GB/s, {link['latency_us']:.1f} us; deterministic kernels "
+             f"(plain training bit-reproducible: {summary.get('plain_bit_reproducible')}); the "
+             "profile's ideal step is "
+             f"{1e3 * summary['rows'][0]['simulated_step_s']:.0f} ms against "
+             f"{1e3 * plain['step_s']:.0f} ms measured." if summary.get("rows") else "")
+    write_section("gpu_check", "GPU check (one run on the device)",
+                  "bash benchmarks/gpu_check.sh --time-limit 10  (on the GPU), then "
+                  "python benchmarks/gpu_check.py --report benchmarks/results/gpu_check.json", body,
+                  where=f"{summary['device']}, torch {summary.get('torch', '')}".rstrip(", torch "))
     return 0
 
 

@@ -20,11 +20,11 @@ def machine() -> str:
     return f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}"
 
 
-def write_section(name: str, title: str, command: str, body: str) -> Path:
-    """Replace (or append) section ``name`` of RESULTS.md."""
+def write_section(name: str, title: str, command: str, body: str, where: str | None = None) -> Path:
+    """Replace (or append) section ``name`` of RESULTS.md (``where``: the machine, if not this)."""
     text = RESULTS.read_text() if RESULTS.exists() else HEADER
     block = (f"<!-- BEGIN {name} -->\n## {title}\n\n`{command}`\n\n_{date.today().isoformat()}, "
-             f"{machine()}_\n\n{body.rstrip()}\n<!-- END {name} -->")
+             f"{where or machine()}_\n\n{body.rstrip()}\n<!-- END {name} -->")
     pattern = re.compile(rf"<!-- BEGIN {re.escape(name)} -->.*?<!-- END {re.escape(name)} -->",
                          re.S)
     if pattern.search(text):

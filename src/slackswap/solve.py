@@ -52,6 +52,12 @@ def solve(graph: ActivationGraph, budget: float | int | str, hardware: Hardware 
             f"offloaded it needs {floor} bytes",
             min_budget_bytes=floor, budget_bytes=budget_bytes)
     planner = get_planner(solver)
+    accepted = getattr(planner, "options", None)
+    if accepted is not None:
+        unknown = sorted(set(options) - set(accepted))
+        if unknown:
+            raise ValueError(f"solve: solver {solver!r} takes no option(s) {', '.join(unknown)}; "
+                             f"it takes: {', '.join(sorted(accepted)) or 'none'}")
     start = time.perf_counter()
     solution = planner.solve(Problem(graph, hw, budget_bytes), time_limit_s=time_limit_s, **options)
     plan = close(graph, solution.codes, solution.schedule, hw, budget_bytes, solution.info)
@@ -109,13 +115,21 @@ def compare(graph: ActivationGraph, budget: float | int | str, hardware: Hardwar
             solvers: tuple[str, ...] = ("heuristic", "cpsat", "cbc", "highs"),
             time_limit_s: float | None = None, **options: Any) -> list[dict[str, Any]]:
     """One row per solver (:func:`result_row`): retention, step time, peak, stall, solve time,
-    status, gap."""
+    status, gap. Each option goes to the solvers that take it; one that none takes is refused."""
     hw = get_hardware(hardware)
+    accepted = {name: getattr(get_planner(name), "options", None) for name in solvers}
+    known = set().union(*(a or set(options) for a in accepted.values())) if accepted else set()
+    unknown = sorted(set(options) - known)
+    if unknown:
+        raise ValueError(f"compare: no solver of {', '.join(solvers)} takes option(s) "
+                         f"{', '.join(unknown)}")
     rows = []
     for name in solvers:
+        mine = options if accepted[name] is None else {
+            k: v for k, v in options.items() if k in accepted[name]}
         try:
             plan = solve(graph, budget, hw, solver=name, time_limit_s=time_limit_s,
-                         strict=False, **options)
+                         strict=False, **mine)
         except InfeasibleBudget as exc:
             rows.append(infeasible_row(name, exc))
             continue

@@ -41,7 +41,10 @@ class Solution:
 
 @runtime_checkable
 class Planner(Protocol):
+    """``options``: the keyword options ``solve`` accepts (solve() refuses any other by name)."""
+
     name: str
+    options: frozenset[str]
 
     def is_available(self) -> bool: ...
 

@@ -60,6 +60,7 @@ def recompute_all_codes(graph: ActivationGraph) -> np.ndarray:
 
 class _Baseline:
     name = "baseline"
+    options: frozenset[str] = frozenset()
     make = staticmethod(keep_all_codes)
 
     def is_available(self) -> bool:

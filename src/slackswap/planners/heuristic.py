@@ -167,6 +167,7 @@ def _best_of(graph: ActivationGraph, hw: Hardware, budget: int, candidates) -> n
 
 class SlackSwapHeuristic:
     name = "heuristic"
+    options: frozenset[str] = frozenset()
 
     def is_available(self) -> bool:
         return True

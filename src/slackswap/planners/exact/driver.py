@@ -102,6 +102,8 @@ class ExactBackend:
     return (status, value function or None, objective units, bound units)."""
 
     name = "exact"
+    options = frozenset({"seed", "workers", "warm_start", "full", "strategy", "polish", "gap",
+                         "log", "linearization_level"})
 
     def is_available(self) -> bool:
         return True
