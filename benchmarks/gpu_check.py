@@ -189,7 +189,8 @@ def report(summary: dict) -> int:
     write_section("gpu_check", "GPU check (one run on the device)",
                   "bash benchmarks/gpu_check.sh --time-limit 10  (on the GPU), then "
                   "python benchmarks/gpu_check.py --report benchmarks/results/gpu_check.json", body,
-                  where=f"{summary['device']}, torch {summary.get('torch', '')}".rstrip(", torch "))
+                  where=", ".join([summary["device"]] + (
+                      [f"torch {summary['torch']}"] if summary.get("torch") else [])))
     return 0
 
 
