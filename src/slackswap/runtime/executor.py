@@ -188,6 +188,7 @@ class Run:
                                if d == "swap" and name in graph.tensor_index})
         self._live = LiveStorages()  # device storages by storage key
         self._planned_bytes = dict(plan.extra.get("tensor_bytes", {}))
+        self._rebuild_depth = 0
         self._device_index = (device.index if device.index is not None else
                               torch.cuda.current_device()) if self.cuda else -1
         self._step: _Step | None = None
@@ -456,9 +457,17 @@ class Run:
         if self.plan.decisions.get(name) == "swap" and name in step.host:
             storage = self._bring_back(step, name)
         else:
-            start = time.perf_counter()
-            storage = self._rerun_for(step, name, {})
-            self.stats.recompute_s += time.perf_counter() - start
+            # a rebuild may rebuild others first (nested) or fetch a swapped input: only the
+            # outermost rebuild is timed, less the fetches (counted in wait_s), so each second
+            # is counted once
+            start, waited = time.perf_counter(), self.stats.wait_s
+            self._rebuild_depth += 1
+            try:
+                storage = self._rerun_for(step, name, {})
+            finally:
+                self._rebuild_depth -= 1
+            if self._rebuild_depth == 0:
+                self.stats.recompute_s += (time.perf_counter() - start) - (self.stats.wait_s - waited)
             self.stats.recomputed_bytes += storage.nbytes()
         step.device_copy[name] = storage
         return storage
