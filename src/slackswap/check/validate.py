@@ -424,7 +424,6 @@ class _Step:
         g, n = self.graph, self.n
         S = 2 * n
         schedule = plan.schedule
-        tensor = self.tensor_of
         swapped = [t for t, d in enumerate(decisions) if d == "swap"]
         free_after = {t: int(schedule.d2h_free[g.tensors[t].name]) for t in swapped}
         issue_at = {t: int(schedule.h2d_issue[g.tensors[t].name]) for t in swapped}
@@ -440,7 +439,6 @@ class _Step:
         landed: dict[int, float] = {}
         d2h_free_at = h2d_free_at = 0.0
         clock = stall = rerun = 0.0
-        del tensor
         for k in range(S):
             issued = clock
             # prefetches issued here, in the order of their tensors' first backward reader

@@ -104,7 +104,8 @@ class _LP:
                        None if res.fun is None else float(res.fun), None)
 
     def solve_integral(self, integer_vars: np.ndarray, time_limit_s: float, gap: float,
-                       improving_solutions: int | None = None, abs_gap: float | None = None):
+                       improving_solutions: int | None = None, abs_gap: float | None = None,
+                       kill_after_s: float | None = None):
         """The same model with ``integer_vars`` integral (HiGHS branch and bound), in a child
         process (planners/native.py): a crash is an error, the deadline holds.
         ``improving_solutions`` stops it after that many improving solutions: a work limit,
@@ -126,15 +127,18 @@ class _LP:
             options["abs_gap"] = float(abs_gap)
         if improving_solutions is not None:
             options["mip_max_improving_sols"] = int(improving_solutions)
+        # HiGHS checks its own limit only now and then (not in presolve or the root LP): the
+        # child is killed later, at ``kill_after_s`` (the caller's deadline), so an incumbent
+        # found a little late is not thrown away
+        kill = limit + GRACE_S + 1.0 if kill_after_s is None else max(kill_after_s, limit)
         try:
             if abs_gap is None and improving_solutions is None:
                 answer = run_in_child("scipy", {"problem": "milp", "options": options}, arrays,
-                                      limit + GRACE_S + 1.0)
+                                      kill)
                 answer["status"] = {0: "optimal", 1: "time limit", 2: "infeasible"}.get(
                     answer["status"], "failed")
             else:
-                answer = run_in_child("highs-mip", {"options": options}, arrays,
-                                      limit + GRACE_S + 1.0)
+                answer = run_in_child("highs-mip", {"options": options}, arrays, kill)
         except NativeTimeout:
             return _Result(1, "killed at the deadline", None, None, None)
         except NativeSolverError as exc:
@@ -174,7 +178,7 @@ def _add(d: dict, k: int, item) -> None:
 def lp_bound(graph: ActivationGraph, budget, hw: Hardware | str, *, integral: bool = False,
              time_limit_s: float | None = None, gap: float = 1e-4, producer_delay: bool = True,
              improving_solutions: int | None = None, max_iterations: int | None = None,
-             gap_on_step: bool = True) -> LPBound:
+             gap_on_step: bool = True, kill_after_s: float | None = None) -> LPBound:
     """Upper bound on the retention of any plan for ``graph`` within ``budget`` on ``hw``.
 
     integral: make the keep/swap/recompute fractions binary and solve the MILP (HiGHS) for at
@@ -321,7 +325,8 @@ def lp_bound(graph: ActivationGraph, budget, hw: Hardware | str, *, integral: bo
         # the gap is on the whole step (ideal + the objective's extra time), not on the extra
         # time alone: HiGHS stops once the absolute gap is that fraction of the ideal step
         res = lp.solve_integral(np.concatenate([K, W, R]), time_limit_s, gap, improving_solutions,
-                                abs_gap=gap * ideal / tu if gap_on_step else None)
+                                abs_gap=gap * ideal / tu if gap_on_step else None,
+                                kill_after_s=kill_after_s)
         wall = time.perf_counter() - start_clock
         if res.status == 2:
             return infeasible(res.message)

@@ -131,7 +131,8 @@ def warm_start(problem: Problem, polish: bool = True, bound_s: float | None = No
         relaxation = lp_bound(g, budget, planning_hw, integral=True,
                               time_limit_s=max(0.1, min(relax_cap_s, 0.6 * left())),
                               gap=RELAXATION_GAP, improving_solutions=relax_solutions,
-                              producer_delay=tight, gap_on_step=False)
+                              producer_delay=tight, gap_on_step=False,
+                              kill_after_s=None if deadline is None else max(0.1, left() - 1.0))
         notes[label] = {"status": relaxation.status, "wall_s": relaxation.wall_s,
                         "retention": relaxation.retention, "lanes": lanes, "tight": tight}
         if lanes == 1.0 and tight and relaxation.status in ("optimal", "timeout") \
@@ -144,12 +145,18 @@ def warm_start(problem: Problem, polish: bool = True, bound_s: float | None = No
               ("integral LP with lane headroom",
                lambda: relaxed_codes("integral_lp_headroom", lanes=LANE_HEADROOM)),
               ("heuristic", lambda: h_codes))
+    relaxations_fail = False
     for label, make in starts:
         if (work_left is not None and work_left <= 0) or left() <= 0.2 or proven() or (
                 search_cap_s is not None and searched >= search_cap_s):
             break
+        if relaxations_fail and label != "heuristic":
+            continue  # one relaxation found no integral point in its time: the others would not
         codes = make()
-        if codes is None or proven():
+        if codes is None:
+            relaxations_fail = label != "heuristic"
+            continue
+        if proven():
             continue
         cap = left() if search_cap_s is None else min(left(), search_cap_s - searched)
         result = improve(g, hw, budget, codes, time_limit_s=max(0.0, cap), max_work=work_left)
