@@ -51,7 +51,7 @@ class WorkLimits:
     @classmethod
     def for_time_limit(cls, limit_s: float) -> WorkLimits:
         search_s = min(15.0, 0.45 * limit_s)
-        return cls(relax_solutions=None, relax_cap_s=min(5.0, 0.15 * limit_s),
+        return cls(relax_solutions=None, relax_cap_s=min(5.0, 0.15 * limit_s) + CHILD_START_S,
                    search_cap_s=2.0 * search_s,
                    search_work=int(SEARCH_POSITIONS_PER_S * search_s),
                    milp_deterministic_s=0.5 * limit_s)
@@ -60,6 +60,8 @@ class WorkLimits:
         return dict(self.__dict__)
 
 
+# a relaxation runs in a child process, whose start (Python, SciPy, the model) takes about this
+CHILD_START_S = 0.7
 # simulated positions per second of local search on the reference machine (GPT-2 XL: 1,170
 # positions per evaluation, about 11 ms each)
 SEARCH_POSITIONS_PER_S = 100_000
