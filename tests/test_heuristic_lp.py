@@ -102,6 +102,7 @@ def test_lp_bound_hand_case():
     assert ss.lp_bound(g, 10, LINK).status == "infeasible"
 
 
+@pytest.mark.slow
 @SETTINGS
 @given(random_plans(low=1 / 3, high=1.0))
 def test_integral_relaxation_is_a_tighter_bound_no_plan_beats(case):

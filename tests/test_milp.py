@@ -27,6 +27,7 @@ def retention(g, p):
     return sim.retention
 
 
+@pytest.mark.slow
 @SETTINGS
 @given(graph_budget())
 def test_backends_agree_and_plans_check_out(case):
@@ -66,6 +67,7 @@ def test_optimal_beats_heuristic_beats_baselines_and_respects_lp_bound(case):
     assert best <= ss.lp_bound(g, budget, LINK).retention + 1e-6
 
 
+@pytest.mark.slow
 @SETTINGS
 @given(graph_budget(), st.floats(0.0, 1.0))
 def test_optimal_step_time_never_worse_with_more_budget(case, more):
@@ -87,6 +89,7 @@ def exhaustive_best(g, budget):
     return best
 
 
+@pytest.mark.slow
 @settings(max_examples=12, deadline=None, suppress_health_check=list(HealthCheck))
 @given(graph_budget(max_ops=5, max_saved=5))
 def test_exhaustive_search_never_beats_the_solver(case):

@@ -49,6 +49,7 @@ def test_the_deadline_kills_the_solver_and_its_children(tmp_path, monkeypatch):
         assert open(f"/proc/{pid}/stat").read().split()[2] == "Z", f"process {pid} survived"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("solver", ["cbc", "highs"])
 def test_exact_planner_falls_back_when_the_native_solver_crashes(solver, tmp_path, monkeypatch):
     if not ss.is_available(solver):
@@ -62,6 +63,7 @@ def test_exact_planner_falls_back_when_the_native_solver_crashes(solver, tmp_pat
     assert plan.info.status in ss.core.plan.STATUSES
 
 
+@pytest.mark.slow
 def test_concurrent_solves_leave_stdout_and_pulp_alone(capfd):
     """Four solves in threads beside a thread that prints: every printed line arrives, and a
     PuLP CBC solve of the user's own afterwards runs normally (nothing was patched)."""

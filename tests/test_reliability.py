@@ -28,7 +28,8 @@ def chain(nbytes, fwd=1.0, bwd=2.0, ws=0):
 
 @pytest.mark.parametrize("case", ["zero bytes", "zero times", "tiny times, huge bytes",
                                   "bytes from 1 to 1e12"])
-@pytest.mark.parametrize("solver", ["heuristic"] + EXACT)
+@pytest.mark.parametrize("solver", ["heuristic"] + [pytest.param(s, marks=pytest.mark.slow)
+                                                    for s in EXACT])
 def test_degenerate_graphs_plan_with_every_solver(case, solver):
     g = {"zero bytes": lambda: chain([0] * 6),
          "zero times": lambda: chain([100] * 6, 0.0, 0.0),
@@ -44,6 +45,7 @@ def test_degenerate_graphs_plan_with_every_solver(case, solver):
     assert ss.simulate(g, plan).step_time_s >= bound.step_time_s * (1 - 1e-7) - 1e-15
 
 
+@pytest.mark.slow
 @settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
 @given(random_graphs(max_ops=6), st.floats(0.3, 1.0), st.sampled_from(EXACT or ["heuristic"]))
 def test_statuses_are_documented_and_the_bound_holds(g, fraction, solver):
@@ -102,6 +104,7 @@ def test_time_limits_must_be_finite_seconds(limit):
         ss.solve(g, 0.8, LINK, solver="heuristic", time_limit_s=limit)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("solver", EXACT)
 @pytest.mark.parametrize("limit", [0.05, 1.0])
 def test_the_time_limit_holds(solver, limit):
