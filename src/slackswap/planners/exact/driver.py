@@ -234,7 +234,11 @@ class ExactBackend:
             bound = None if bound_s is None else min(bound_s, predicted)
             gap = None if bound is None else (
                 max(0.0, (predicted - bound) / predicted) if predicted > 0 else 0.0)
-            if status == "optimal" and gap is not None and gap > OPTIMAL_GAP:
+            if status == "optimal" and (gap is None or gap > OPTIMAL_GAP):
+                # "optimal" is a proof against a valid bound, not the model's word: a model over
+                # windows, or with rounded-up sizes, is a restriction of the problem
+                status = "feasible"
+            elif status not in ("optimal", "timeout"):
                 status = "feasible"
             info = SolveInfo(solver=self.name, status=status, objective=objective, bound=bound,
                              gap=gap, wall_s=wall, predicted_step_time_s=predicted, extra=info_extra)
