@@ -33,6 +33,7 @@ class SearchResult:
     wall_s: float
     complete: bool  # stopped at a local optimum (no single move improves), not by a limit
     work: int = 0  # positions simulated in all (evaluations x the step's positions)
+    clock_stopped: bool = False  # the clock cap, not the work limit, ended it
 
 
 def _key(sim: SimResult, budget: int) -> tuple[int, float, int]:
@@ -112,12 +113,15 @@ def improve(graph: ActivationGraph, hw: Hardware, budget: int, codes: np.ndarray
         trial[list(members)] = target
         return trial
 
-    timed_out = False
+    timed_out = clock = False
 
     def out_of_time() -> bool:
-        nonlocal timed_out
-        timed_out = timed_out or time.perf_counter() - start > time_limit_s or (
-            max_work is not None and evaluations * per_evaluation >= max_work)
+        nonlocal timed_out, clock
+        if not timed_out:
+            if max_work is not None and evaluations * per_evaluation >= max_work:
+                timed_out = True
+            elif time.perf_counter() - start > time_limit_s:
+                timed_out = clock = True
         return timed_out
 
     def attempt(t: int, target: int):
@@ -168,4 +172,4 @@ def improve(graph: ActivationGraph, hw: Hardware, budget: int, codes: np.ndarray
         unimproved = 0
     return SearchResult(codes=codes, sim=best_sim, moves=moves, evaluations=evaluations,
                         wall_s=time.perf_counter() - start, complete=not timed_out,
-                        work=evaluations * per_evaluation)
+                        work=evaluations * per_evaluation, clock_stopped=clock)

@@ -37,6 +37,8 @@ class LPBound:
     integral: bool = False  # decisions were integer variables (a MILP), not fractions
     gap: float = 0.0  # integral: the MILP's remaining gap between its decisions and its bound
     note: str = ""  # why no bound was proven ("unsolved", "timeout")
+    nodes: int | None = None  # integral: branch-and-bound nodes explored (HiGHS's work)
+    clock_stopped: bool = False  # the wall-clock cap, not a work limit or the gap, stopped it
 
 
 class _LP:
@@ -105,11 +107,11 @@ class _LP:
 
     def solve_integral(self, integer_vars: np.ndarray, time_limit_s: float, gap: float,
                        improving_solutions: int | None = None, abs_gap: float | None = None,
-                       kill_after_s: float | None = None):
+                       kill_after_s: float | None = None, max_nodes: int | None = None):
         """The same model with ``integer_vars`` integral (HiGHS branch and bound), in a child
         process (planners/native.py): a crash is an error, the deadline holds.
-        ``improving_solutions`` stops it after that many improving solutions: a work limit,
-        where the time limit is only a cap."""
+        ``improving_solutions`` (improving solutions) and ``max_nodes`` (branch-and-bound nodes)
+        are work limits, the same on any machine; the time limit is only a cap."""
         from .native import GRACE_S, NativeSolverError, NativeTimeout, run_in_child
 
         A_ub, b_ub = self._matrix(self.rows_ub, self.n)
@@ -127,12 +129,14 @@ class _LP:
             options["abs_gap"] = float(abs_gap)
         if improving_solutions is not None:
             options["mip_max_improving_sols"] = int(improving_solutions)
+        if max_nodes is not None:
+            options["mip_max_nodes"] = int(max_nodes)
         # HiGHS checks its own limit only now and then (not in presolve or the root LP): the
         # child is killed later, at ``kill_after_s`` (the caller's deadline), so an incumbent
         # found a little late is not thrown away
         kill = limit + GRACE_S + 1.0 if kill_after_s is None else max(kill_after_s, limit)
         try:
-            if abs_gap is None and improving_solutions is None:
+            if abs_gap is None and improving_solutions is None and max_nodes is None:
                 answer = run_in_child("scipy", {"problem": "milp", "options": options}, arrays,
                                       kill)
                 answer["status"] = {0: "optimal", 1: "time limit", 2: "infeasible"}.get(
@@ -140,14 +144,15 @@ class _LP:
             else:
                 answer = run_in_child("highs-mip", {"options": options}, arrays, kill)
         except NativeTimeout:
-            return _Result(1, "killed at the deadline", None, None, None)
+            return _Result(1, "killed at the deadline", None, None, None, True)
         except NativeSolverError as exc:
             return _Result(4, str(exc), None, None, None)
         code = {"optimal": 0, "infeasible": 2, "time limit": 1, "work limit": 1}.get(
             answer["status"], 4)
         x = None if answer["x"] is None else np.array(answer["x"])
         return _Result(code, f"{answer['status']}: {answer['message']}", x, answer["fun"],
-                       answer["dual_bound"], answer["status"] == "time limit")
+                       answer["dual_bound"], answer["status"] == "time limit",
+                       answer.get("nodes"))
 
 
 @dataclass(frozen=True)
@@ -160,6 +165,7 @@ class _Result:
     fun: float | None
     mip_dual_bound: float | None
     timed_out: bool = False  # the wall-clock cap, not a work limit, stopped it
+    nodes: int | None = None  # branch-and-bound nodes HiGHS explored (its work)
 
 
 SMALLEST = 1e-6  # model units: smaller coefficients are rounded in the relaxing direction
@@ -178,7 +184,8 @@ def _add(d: dict, k: int, item) -> None:
 def lp_bound(graph: ActivationGraph, budget, hw: Hardware | str, *, integral: bool = False,
              time_limit_s: float | None = None, gap: float = 1e-4, producer_delay: bool = True,
              improving_solutions: int | None = None, max_iterations: int | None = None,
-             gap_on_step: bool = True, kill_after_s: float | None = None) -> LPBound:
+             gap_on_step: bool = True, kill_after_s: float | None = None,
+             max_nodes: int | None = None) -> LPBound:
     """Upper bound on the retention of any plan for ``graph`` within ``budget`` on ``hw``.
 
     integral: make the keep/swap/recompute fractions binary and solve the MILP (HiGHS) for at
@@ -190,8 +197,9 @@ def lp_bound(graph: ActivationGraph, budget, hw: Hardware | str, *, integral: bo
 
     ``gap_on_step``: the integral relaxation stops once its gap is ``gap`` of the whole step
     (False: of the extra time alone, HiGHS's own measure, which runs much longer).
-    Limits: ``improving_solutions`` (integral: stop after that many) and ``max_iterations`` (LP)
-    are work limits, the same on any machine;
+    Limits: ``improving_solutions`` and ``max_nodes`` (integral: stop after that many improving
+    solutions, branch-and-bound nodes) and ``max_iterations`` (LP) are work limits, the same on
+    any machine;
     ``time_limit_s`` (default 10 s integral, none for the LP) is a hard cap. The status says what
     the bound is: "optimal", "timeout" (a limit stopped it; the bound is what was proven),
     "infeasible" (the budget is below the smallest feasible one), or "unsolved" (HiGHS failed;
@@ -326,7 +334,7 @@ def lp_bound(graph: ActivationGraph, budget, hw: Hardware | str, *, integral: bo
         # time alone: HiGHS stops once the absolute gap is that fraction of the ideal step
         res = lp.solve_integral(np.concatenate([K, W, R]), time_limit_s, gap, improving_solutions,
                                 abs_gap=gap * ideal / tu if gap_on_step else None,
-                                kill_after_s=kill_after_s)
+                                kill_after_s=kill_after_s, max_nodes=max_nodes)
         wall = time.perf_counter() - start_clock
         if res.status == 2:
             return infeasible(res.message)
@@ -337,7 +345,8 @@ def lp_bound(graph: ActivationGraph, budget, hw: Hardware | str, *, integral: bo
             bound_units = max(0.0, float(dual)) if dual is not None and np.isfinite(dual) else 0.0
             step = ideal + bound_units * tu
             return LPBound(min(1.0, ideal / step) if step > 0 else 1.0, step, ideal, budget_bytes,
-                           "timeout", wall, {}, {}, {}, integral=True, gap=np.inf)
+                           "timeout", wall, {}, {}, {}, integral=True, gap=np.inf,
+                           nodes=res.nodes, clock_stopped=res.timed_out)
         objective = float(res.fun)
         if dual is None or not np.isfinite(dual):
             # optimal means within the relative gap; otherwise no bound is known but the trivial
@@ -370,4 +379,6 @@ def lp_bound(graph: ActivationGraph, budget, hw: Hardware | str, *, integral: bo
         recompute=dict(zip(names, x[R].round(6).tolist())),
         integral=integral,
         gap=mip_gap,
+        nodes=res.nodes if integral else None,
+        clock_stopped=bool(integral and res.timed_out),
     )

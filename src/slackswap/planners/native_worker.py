@@ -106,7 +106,7 @@ def solve_highs_mip(req: dict, folder: Path) -> dict:
     h.setOptionValue("mip_rel_gap", float(opts["gap"]))
     if "abs_gap" in opts:
         h.setOptionValue("mip_abs_gap", float(opts["abs_gap"]))
-    for name in ("mip_max_improving_sols", "mip_max_nodes"):
+    for name in ("mip_max_improving_sols", "mip_max_nodes", "simplex_iteration_limit"):
         if name in opts:
             h.setOptionValue(name, int(opts[name]))
     h.passModel(lp)
@@ -123,7 +123,8 @@ def solve_highs_mip(req: dict, folder: Path) -> dict:
         kind = f"{limits[status]} limit" if status in limits else "failed"
     return {"status": kind, "message": h.modelStatusToString(status), "x": x,
             "fun": float(info.objective_function_value) if has_x else None,
-            "dual_bound": float(info.mip_dual_bound)}
+            "dual_bound": float(info.mip_dual_bound), "nodes": int(info.mip_node_count),
+            "iterations": int(info.simplex_iteration_count)}
 
 
 def main() -> int:

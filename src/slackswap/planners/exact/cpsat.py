@@ -42,10 +42,11 @@ def _build(f: Formulation, fixed: dict[int, int] | None = None):
     return model, x
 
 
-# interleave_search makes CP-SAT's parallel workers deterministic, but OR-Tools 9.15 aborts the
-# process on some models with it ("Check failed: heuristics.fixed_search"): left off. With
-# workers=1 the search is deterministic; with 2 (the default) CP-SAT's own search may vary.
-INTERLEAVE = False
+# interleave_search makes CP-SAT's parallel workers deterministic (the same answer at the same
+# deterministic time on any machine). OR-Tools 9.15 aborts the process ("Check failed:
+# heuristics.fixed_search") when such a search is given a complete hint that is infeasible (it
+# tries to repair it): the hint is checked here first, and an infeasible one is not given.
+INTERLEAVE = True
 BUILD_S_PER_NONZERO = 6e-6  # CP-SAT model building (GPT-2 XL: 192,000 nonzeros, 1.1 s)
 
 
@@ -71,16 +72,21 @@ class CpSatBackend(ExactBackend):
         if fixed and any(hint.get(v, val) != val for v, val in fixed.items()):
             hint = {}  # a hint that contradicts the fixings would only mislead
         model, x = _build(f, fixed=fixed)
+        dtime = options.get("deterministic_time_s")
+        interleave = INTERLEAVE and dtime is not None and workers > 1
+        if interleave and hint:
+            point = {**hint, **(fixed or {})}
+            if len(point) == len(f.model.vars) and f.model.first_violation(point) is not None:
+                hint = {}  # an infeasible complete hint aborts the interleaved search
         for v, val in hint.items():
             if not (fixed and v in fixed):
                 model.AddHint(x[v], val)
         solver = cp_model.CpSolver()
         # work, not the clock, ends the search (deterministic time); the clock is the hard cap
         solver.parameters.max_time_in_seconds = max(0.05, deadline - time.perf_counter())
-        dtime = options.get("deterministic_time_s")
         if dtime is not None:
             solver.parameters.max_deterministic_time = max(0.01, float(dtime))
-            solver.parameters.interleave_search = INTERLEAVE
+            solver.parameters.interleave_search = interleave
         solver.parameters.num_workers = int(workers)
         solver.parameters.random_seed = int(seed)
         solver.parameters.relative_gap_limit = gap_limit

@@ -150,6 +150,13 @@ class ExactBackend:
             "lp_bound_s": lp.wall_s, "lp_bound_status": lp.status,
             "heuristic_step_time_s": heuristic_time, "work_limits": work.as_dict(),
             "warm_start": ws.source, "warm_start_step_time_s": warm_time, **ws.notes}
+        # the phases the wall clock ended (or skipped) rather than their work limits: empty means
+        # the same input gives this plan and proof on any machine (milp.md, "Solving")
+        clock_stopped = [name for name, note in ws.notes.items()
+                         if isinstance(note, dict) and note.get("clock_stopped")]
+        if lp.status in ("timeout", "skipped"):
+            clock_stopped.insert(0, "lp_bound")
+        base_extra["clock_stopped"] = clock_stopped
 
         def proven(bound) -> bool:
             return bound is not None and np.isfinite(warm_time) and warm_time > 0 \
@@ -165,6 +172,7 @@ class ExactBackend:
                              extra={"strategy": "warm start proven by the bound", **base_extra})
             return Solution(ws.codes, None, info)
         if left() < MIN_SEARCH_S + 2 * FORMULATE_S_PER_SLOT * g.n_slots and np.isfinite(warm_time):
+            clock_stopped.append("milp_skipped")
             return self._fallback(ws, bound_s, warm_time, "timeout", start, {
                 **base_extra, "reason": "no time left for the MILP"})
         f = formulate(g, hw, budget, full=full, hint=hint, extra_candidates=extra)
@@ -195,9 +203,20 @@ class ExactBackend:
                 best = (sim.step_time_s, codes, schedule, f.seconds(obj_units))
 
         options = {**options, "deterministic_time_s": work.milp_deterministic_s}
+        clock_runs = clock_stopped  # the same list, in info_extra too
+
+        def run(remaining: float, fixed=None):
+            """The backend on the model; notes when the clock, not its work limit, stopped it."""
+            began = time.perf_counter()
+            answer = self.run(f, remaining, seed, workers, options, fixed=fixed)
+            if answer[0] not in ("optimal", "infeasible") and \
+                    time.perf_counter() - began >= 0.95 * remaining:
+                clock_runs.append(f"{self.name}_round_{len(clock_runs) + 1}")
+            return answer
+
         if strategy == "whole":
             remaining = max(0.05, left())
-            status, value, obj, bound = self.run(f, remaining, seed, workers, options)
+            status, value, obj, bound = run(remaining)
             if value is not None:
                 consider(value, obj)
             # the best of the valid bounds: the relaxations' and, for a model over every
@@ -215,9 +234,10 @@ class ExactBackend:
             for threshold, agree in rounds:
                 remaining = left()
                 if remaining <= MIN_SEARCH_S:
+                    clock_runs.append("milp_rounds_skipped")
                     break
                 fixed = lp_fixings(f, lp, threshold, agree) if lp.status == "optimal" else {}
-                st, value, obj, _ = self.run(f, remaining, seed, workers, options, fixed=fixed)
+                st, value, obj, _ = run(remaining, fixed=fixed)
                 info_extra.setdefault("rounds", []).append(
                     {"threshold": threshold, "fixed_tensors": len(fixed) // 3, "status": st})
                 if value is not None:

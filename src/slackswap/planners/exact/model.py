@@ -72,6 +72,22 @@ class Model:
                 hi += c * var.lb
         return lo, hi
 
+    def first_violation(self, values: dict[int, int]) -> str | None:
+        """The name of the first bound or constraint that ``values`` (a value for every variable)
+        breaks, "incomplete" if a variable has none, or None: a feasible point."""
+        if len(values) < len(self.vars) or any(v.index not in values for v in self.vars):
+            return "incomplete"
+        for v in self.vars:
+            if not v.lb <= values[v.index] <= v.ub:
+                return v.name
+        for c in self.constraints:
+            if any(values[e] != 1 for e in c.enforce):
+                continue
+            total = sum(coef * values[v] for v, coef in c.terms)
+            if (c.lo is not None and total < c.lo) or (c.hi is not None and total > c.hi):
+                return c.name
+        return None
+
     def size(self) -> dict[str, int]:
         binaries = sum(1 for v in self.vars if v.lb == 0 and v.ub == 1)
         return {"variables": len(self.vars), "binaries": binaries,

@@ -124,7 +124,7 @@ def warm_start(problem: Problem, polish: bool = True, bound_s: float | None = No
 
     def relaxed_codes(label: str, lanes: float = 1.0, tight: bool = True) -> np.ndarray | None:
         if left() <= RELAXATION_MIN_S + 2 * 4e-4 * g.n_slots:  # the child's start, the build
-            notes[label] = {"status": "skipped", "reason": "deadline"}
+            notes[label] = {"status": "skipped", "reason": "deadline", "clock_stopped": True}
             return None
         planning_hw = hw if lanes == 1.0 else hw.with_link(
             d2h_bytes_per_s=hw.d2h_bytes_per_s * lanes, h2d_bytes_per_s=hw.h2d_bytes_per_s * lanes)
@@ -134,7 +134,8 @@ def warm_start(problem: Problem, polish: bool = True, bound_s: float | None = No
                               producer_delay=tight, gap_on_step=False,
                               kill_after_s=None if deadline is None else max(0.1, left() - 1.0))
         notes[label] = {"status": relaxation.status, "wall_s": relaxation.wall_s,
-                        "retention": relaxation.retention, "lanes": lanes, "tight": tight}
+                        "retention": relaxation.retention, "lanes": lanes, "tight": tight,
+                        "nodes": relaxation.nodes, "clock_stopped": relaxation.clock_stopped}
         if lanes == 1.0 and tight and relaxation.status in ("optimal", "timeout") \
                 and np.isfinite(relaxation.step_time_s):
             best.bound_s = relaxation.step_time_s  # the real lanes: a valid bound
@@ -147,8 +148,10 @@ def warm_start(problem: Problem, polish: bool = True, bound_s: float | None = No
               ("heuristic", lambda: h_codes))
     relaxations_fail = False
     for label, make in starts:
-        if (work_left is not None and work_left <= 0) or left() <= 0.2 or proven() or (
-                search_cap_s is not None and searched >= search_cap_s):
+        if (work_left is not None and work_left <= 0) or proven():
+            break
+        if left() <= 0.2 or (search_cap_s is not None and searched >= search_cap_s):
+            notes[f"skipped_from_{label.replace(' ', '_')}"] = {"clock_stopped": True}
             break
         if relaxations_fail and label != "heuristic":
             continue  # one relaxation found no integral point in its time: the others would not
@@ -165,7 +168,8 @@ def warm_start(problem: Problem, polish: bool = True, bound_s: float | None = No
             work_left -= result.work
         notes[f"local_search_from_{label.replace(' ', '_')}"] = {
             "retention": result.sim.retention, "fits": result.sim.fits, "moves": result.moves,
-            "evaluations": result.evaluations, "wall_s": result.wall_s, "complete": result.complete}
+            "evaluations": result.evaluations, "wall_s": result.wall_s, "complete": result.complete,
+            "clock_stopped": result.clock_stopped}
         if _better(result.sim, best.sim):
             best = _warm(problem, result.codes, result.sim, f"{label} + local search", h_codes,
                          h_sim, best.bound_s)

@@ -1,0 +1,68 @@
+"""Results that do not depend on the machine: work limits end every phase the clock does not,
+the phases the clock did end are named, and CP-SAT's two workers search deterministically
+(interleaved) without the abort OR-Tools 9.15 has on an infeasible complete hint."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+from helpers import LINK, seeded_graph
+
+import slackswap as ss
+from slackswap.planners.exact.model import Model
+
+pytestmark = pytest.mark.skipif(not ss.is_available("cpsat"), reason="OR-Tools not installed")
+
+
+def test_first_violation_names_the_broken_row():
+    m = Model()
+    a, b = m.binary("a"), m.var("b", 0, 10)
+    m.le("a_plus_b", [(a, 1), (b, 1)], 5)
+    m.ge("b_when_a", [(b, 1)], 4, enforce=(a,))
+    assert m.first_violation({a: 1, b: 4}) is None  # 1 + 4 <= 5, and b >= 4 since a = 1
+    assert m.first_violation({a: 1, b: 5}) == "a_plus_b"  # 1 + 5 = 6 > 5
+    assert m.first_violation({a: 1, b: 3}) == "b_when_a"  # a = 1 enforces b >= 4
+    assert m.first_violation({a: 0, b: 3}) is None  # not enforced when a = 0
+    assert m.first_violation({a: 0, b: 11}) == "b"  # outside b's domain [0, 10]
+    assert m.first_violation({a: 0}) == "incomplete"
+
+
+def test_interleaved_cpsat_survives_an_infeasible_complete_hint():
+    """A skip graph with 0 / 1e-9 / 1e-6 s ops, whose complete hint the rounded model rejects:
+    OR-Tools aborts the whole process when such a hint reaches an interleaved search, so the
+    solve runs in a child."""
+    code = textwrap.dedent("""
+        import slackswap as ss
+        g = ss.load_graph("tests/data/tiny_times_skips.json")
+        hw = ss.hardware("a100-80gb-pcie4").with_link(d2h_bytes_per_s=24e9, h2d_bytes_per_s=24e9,
+                                                          latency_s=0.0)
+        for budget in (2611029, 3274060, 5456767):
+            plan = ss.solve(g, budget, hw, solver="cpsat", time_limit_s=2, workers=2)
+            print("status", plan.info.status)
+    """)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.count("status") == 3
+
+
+@pytest.mark.parametrize("seed", [1, 7])
+def test_same_input_same_plan_and_proof_when_no_clock_stopped_a_phase(seed):
+    g = seeded_graph(seed, n_ops=8)
+    budget = (ss.min_budget(g, LINK) + ss.keep_all_peak(g, LINK)) // 2
+    plans = [ss.solve(g, budget, LINK, solver="cpsat", time_limit_s=30) for _ in range(2)]
+    first, second = plans
+    assert first.info.extra["clock_stopped"] == []  # small graph, ample time: work limits alone
+    assert first.decisions == second.decisions
+    assert first.schedule == second.schedule
+    assert (first.info.status, first.info.bound, first.info.gap) == \
+        (second.info.status, second.info.bound, second.info.gap)
+
+
+def test_a_clock_ended_phase_is_named():
+    g = ss.workload("bert-large", "a100-80gb-pcie4")
+    plan = ss.solve(g, 0.3, "a100-80gb-pcie4", solver="cpsat", time_limit_s=1.0)
+    # 1 s cannot hold the MILP on a 300-position model: whatever was cut is said
+    assert plan.info.extra["clock_stopped"], plan.info.extra
