@@ -66,3 +66,12 @@ def test_a_clock_ended_phase_is_named():
     plan = ss.solve(g, 0.3, "a100-80gb-pcie4", solver="cpsat", time_limit_s=1.0)
     # 1 s cannot hold the MILP on a 300-position model: whatever was cut is said
     assert plan.info.extra["clock_stopped"], plan.info.extra
+
+
+def test_deterministic_option_runs_no_clock_capped_relaxation():
+    g = seeded_graph(5, n_ops=10)
+    budget = ss.min_budget(g, LINK)
+    plan = ss.solve(g, budget, LINK, solver="cpsat", time_limit_s=20, deterministic=True)
+    assert not any(k.startswith("integral_lp") for k in plan.info.extra)
+    assert plan.info.extra["clock_stopped"] == []
+    assert ss.validate(g, plan).ok

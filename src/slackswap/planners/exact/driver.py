@@ -54,12 +54,16 @@ class WorkLimits:
         return cls(relax_solutions=None, relax_cap_s=min(5.0, 0.15 * limit_s) + CHILD_START_S,
                    search_cap_s=2.0 * search_s,
                    search_work=int(SEARCH_POSITIONS_PER_S * search_s),
-                   milp_deterministic_s=0.5 * limit_s)
+                   milp_deterministic_s=CPSAT_DTIME_PER_S * 0.6 * limit_s)
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
 
 
+# CP-SAT's deterministic time per second of wall time with 2 interleaved workers on the
+# reference machine (BERT-Large at 40%: 6.6 in 19.8 s; GPT-2 XL at 30%: 3.0 in 18.6 s; small
+# models run faster): its work limit is set so that it, not the clock, usually ends the search
+CPSAT_DTIME_PER_S = 0.25
 # a relaxation runs in a child process, whose start (Python, SciPy, the model) takes about this
 CHILD_START_S = 0.7
 # simulated positions per second of local search on the reference machine (GPT-2 XL: 1,170
@@ -105,7 +109,7 @@ class ExactBackend:
 
     name = "exact"
     options = frozenset({"seed", "workers", "warm_start", "full", "strategy", "polish", "gap",
-                         "log", "linearization_level"})
+                         "log", "linearization_level", "deterministic"})
 
     def is_available(self) -> bool:
         return True
@@ -116,7 +120,8 @@ class ExactBackend:
 
     def solve(self, problem: Problem, time_limit_s: float | None = None, seed: int = 0,
               workers: int = 2, warm_start: bool = True, full: bool | None = None,
-              strategy: str = "auto", polish: bool = True, **options: Any) -> Solution:
+              strategy: str = "auto", polish: bool = True, deterministic: bool = False,
+              **options: Any) -> Solution:
         from ..lpbound import lp_bound
         from .decode import decode
         from .warmstart import warm_start as build_warm_start
@@ -139,7 +144,8 @@ class ExactBackend:
         ws = build_warm_start(problem, polish=polish and warm_start, bound_s=lp_s, gap=gap_target,
                               relax_solutions=work.relax_solutions, search_work=work.search_work,
                               deadline=deadline, relax_cap_s=work.relax_cap_s,
-                              search_cap_s=work.search_cap_s)
+                              search_cap_s=work.search_cap_s, lp=lp,
+                              deterministic=deterministic)
         heuristic_time = ws.heuristic_sim.step_time_s if ws.heuristic_sim.fits else float("inf")
         warm_time = ws.step_time_s
         bounds = [b for b in (lp_s, ws.bound_s) if b is not None]

@@ -90,7 +90,8 @@ RELAXATION_MIN_S = 1.5  # less time left than this: the relaxation is not starte
 def warm_start(problem: Problem, polish: bool = True, bound_s: float | None = None,
                gap: float = 1e-3, relax_solutions: int | None = None, search_work: int | None = None,
                deadline: float | None = None, relax_cap_s: float = RELAXATION_CAP_S,
-               search_cap_s: float | None = None) -> WarmStart:
+               search_cap_s: float | None = None, lp=None, deterministic: bool = False
+               ) -> WarmStart:
     """The heuristic's plan, improved (``polish``) by local search from the decisions of the
     integral relaxation, of its looser form, of it with 2% slower lanes, and of the heuristic,
     whichever simulates fastest. Each further start is tried only while the plan is not yet
@@ -141,11 +142,20 @@ def warm_start(problem: Problem, polish: bool = True, bound_s: float | None = No
             best.bound_s = relaxation.step_time_s  # the real lanes: a valid bound
         return _integral_codes(problem, relaxation) if relaxation.keep else None
 
+    def rounded_lp() -> np.ndarray | None:
+        if lp is None or lp.status != "optimal" or not lp.keep:
+            return None
+        return _integral_codes(problem, lp)
+
     starts = (("integral LP", lambda: relaxed_codes("integral_lp")),
               ("looser integral LP", lambda: relaxed_codes("integral_lp_loose", tight=False)),
               ("integral LP with lane headroom",
                lambda: relaxed_codes("integral_lp_headroom", lanes=LANE_HEADROOM)),
               ("heuristic", lambda: h_codes))
+    if deterministic:
+        # no clock-capped phase: the LP bound's fractions, rounded, replace the integral
+        # relaxations (HiGHS measures no work in their root node)
+        starts = (("rounded LP", rounded_lp), ("heuristic", lambda: h_codes))
     relaxations_fail = False
     for label, make in starts:
         if (work_left is not None and work_left <= 0) or proven():
@@ -153,11 +163,11 @@ def warm_start(problem: Problem, polish: bool = True, bound_s: float | None = No
         if left() <= 0.2 or (search_cap_s is not None and searched >= search_cap_s):
             notes[f"skipped_from_{label.replace(' ', '_')}"] = {"clock_stopped": True}
             break
-        if relaxations_fail and label != "heuristic":
+        if relaxations_fail and label not in ("heuristic", "rounded LP"):
             continue  # one relaxation found no integral point in its time: the others would not
         codes = make()
         if codes is None:
-            relaxations_fail = label != "heuristic"
+            relaxations_fail = label not in ("heuristic", "rounded LP")
             continue
         if proven():
             continue
