@@ -284,6 +284,16 @@ class _Step:
                     todo = [x for q in here for x in self.makes[q]
                             if decisions[x] == "recompute" and x not in rebuilt]
             reruns[k] = sorted(here)
+            # sharded parameters are gathered only for their own unit's backward: a rerun of an
+            # op that reads them runs in that unit's backward, or it reads freed memory
+            here_unit = g.ops[j].unit
+            for q in reruns[k]:
+                if g.ops[q].param_unit and g.ops[q].param_unit != here_unit:
+                    out.append(Violation(
+                        "recompute", f"recompute: op {g.ops[q].name!r} runs again before the "
+                        f"backward of {g.ops[j].name!r} (unit {here_unit or 'none'!r}), but reads "
+                        f"the parameters of unit {g.ops[q].param_unit!r}, not gathered there",
+                        op=g.ops[q].name))
         for t, slot in rebuild_at.items():
             if slot < n:
                 out.append(Violation("schedule", f"schedule: recompute_at[{names[t]!r}] = {slot} is "

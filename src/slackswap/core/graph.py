@@ -28,7 +28,7 @@ MAX_TOTAL_SECONDS = 1e12
 
 _OP_FIELDS = {
     "name", "forward_s", "backward_s", "inputs", "outputs",
-    "forward_workspace_bytes", "backward_workspace_bytes", "recomputable",
+    "forward_workspace_bytes", "backward_workspace_bytes", "recomputable", "unit", "param_unit",
 }
 _TENSOR_FIELDS = {"name", "bytes", "saved_for", "group", "alive_until"}
 _GRAPH_FIELDS = {"format", "name", "ops", "tensors", "optimizer_s"}
@@ -46,6 +46,12 @@ class Op:
     forward_workspace_bytes: int = 0
     backward_workspace_bytes: int = 0
     recomputable: bool = True
+    # the sharding unit (an FSDP2 ``fully_shard`` module) the op runs in, and the one whose
+    # parameters it reads: those are gathered only around their unit's forward and backward, so
+    # a rerun of the op may only run in that unit's backward (formulations/step-model.md,
+    # "Sharded parameters"); "" when none
+    unit: str = ""
+    param_unit: str = ""
     extra: Mapping[str, Any] = field(default_factory=dict, compare=False)
 
 
@@ -92,6 +98,13 @@ def _check_bytes(value: Any, where: str, fieldname: str) -> int:
         raise GraphError(f"{where}: {fieldname} = {value} is more than the {MAX_TOTAL_BYTES} bytes "
                          "a step may hold in all")
     return int(value)
+
+
+def _check_unit(value, where: str) -> str:
+    if not isinstance(value, str):
+        raise GraphError(f"{where}: unit must be a string (a sharding unit's module path), got "
+                         f"{value!r}")
+    return value
 
 
 def _check_bool(value: Any, where: str, fieldname: str) -> bool:
@@ -144,6 +157,8 @@ class ActivationGraph:
             _check_bytes(op.forward_workspace_bytes, where, "forward_workspace_bytes")
             _check_bytes(op.backward_workspace_bytes, where, "backward_workspace_bytes")
             _check_bool(op.recomputable, where, "recomputable")
+            _check_unit(op.unit, where)
+            _check_unit(op.param_unit, where)
             if len(set(op.outputs)) != len(op.outputs):
                 raise GraphError(f"{where}: an output is listed twice")
         tensor_index: dict[str, int] = {}
@@ -249,6 +264,8 @@ class ActivationGraph:
                 backward_workspace_bytes=_check_bytes(
                     raw.get("backward_workspace_bytes", 0), where, "backward_workspace_bytes"),
                 recomputable=_check_bool(raw.get("recomputable", True), where, "recomputable"),
+                unit=_check_unit(raw.get("unit", ""), where),
+                param_unit=_check_unit(raw.get("param_unit", ""), where),
                 extra={k: v for k, v in raw.items() if k not in _OP_FIELDS},
             ))
         tensors = []
@@ -293,6 +310,10 @@ class ActivationGraph:
                 d["backward_workspace_bytes"] = op.backward_workspace_bytes
             if not op.recomputable:
                 d["recomputable"] = False
+            if op.unit:
+                d["unit"] = op.unit
+            if op.param_unit:
+                d["param_unit"] = op.param_unit
             ops.append(d)
         tensors = []
         for t in self.tensors:
@@ -315,8 +336,10 @@ class ActivationGraph:
     def digest(self) -> str:
         """sha256 of the graph's content (names, times, bytes, saved_for), not its extras."""
         core = {
+            # unit only where set, so graphs without units keep their digests
             "ops": [[o.name, o.forward_s, o.backward_s, list(o.inputs), list(o.outputs),
                      o.forward_workspace_bytes, o.backward_workspace_bytes, o.recomputable]
+                    + ([o.unit, o.param_unit] if o.unit or o.param_unit else [])
                     for o in self.ops],
             # alive_until only where set, so graphs without it keep their digests
             "tensors": [[t.name, t.bytes, list(t.saved_for), t.group]
@@ -465,9 +488,71 @@ class ActivationGraph:
 
     @cached_property
     def can_recompute(self) -> np.ndarray:
-        """Whether every op a tensor's rebuild needs may run again."""
-        return np.array([all(self.ops[i].recomputable for i in ops) for ops in self.rerun_ops],
+        """Whether every op a tensor's rebuild needs may run again, where the rebuild may run."""
+        return np.array([self.recompute_blocker(t) is None for t in range(len(self.tensors))],
                         dtype=bool)
+
+    def recompute_blocker(self, t: int) -> str | None:
+        """Why tensor ``t`` cannot be rebuilt (an op that may not run again, or one whose
+        sharded parameters are not gathered where the rebuild may run), or None."""
+        for i in self.rerun_ops[t]:
+            if not self.ops[i].recomputable:
+                return f"op {self.ops[i].name!r} may not run again"
+        if self.has_units:
+            units = self._units_and_blocked[0][t]
+            for i in self.rerun_ops[t]:
+                unit = self.ops[i].param_unit
+                if unit and any(u != unit for u in units):
+                    where = sorted(u or "outside any unit" for u in units if u != unit)[0]
+                    return (f"op {self.ops[i].name!r} reads the parameters of sharding unit "
+                            f"{unit!r}, which are not gathered in the backward of {where!r} "
+                            "where the rebuild may run")
+        return None
+
+    @cached_property
+    def has_units(self) -> bool:
+        return any(op.param_unit for op in self.ops)
+
+    @property
+    def rebuild_units(self) -> tuple[frozenset[str], ...]:
+        """For each saved tensor, the units in whose backward its rebuild may run: its first
+        backward reader's, and (nested) those of every rebuildable tensor whose rebuild may need
+        it (step-model.md, "Sharded parameters")."""
+        return self._units_and_blocked[0]
+
+    @cached_property
+    def _units_and_blocked(self) -> tuple[tuple[frozenset[str], ...], frozenset[int]]:
+        # Blocked tensors are never rebuilt, so they rebuild nothing nested. Start from the ops
+        # that may not run again; block what the propagated units forbid; propagate again from
+        # the tensors still rebuildable; repeat. The blocked set only grows, so it ends, and at
+        # the end every rebuildable tensor is compatible with every unit that can pull it in.
+        first = self.first_backward_use
+        saved = [int(y) for y in self.saved]
+        needs: dict[int, set[int]] = {}
+        for y in saved:
+            needs[y] = {int(x) for x in self.rerun_frontier[y]}
+            needs[y] |= {int(o) for q in self.rerun_ops[y] for o in self.op_outputs[q]
+                         if o != y and self.is_saved[o]}
+        blocked = {y for y in saved if not all(self.ops[q].recomputable for q in self.rerun_ops[y])}
+        while True:
+            units = [{self.ops[int(first[t])].unit} if first[t] >= 0 else set()
+                     for t in range(len(self.tensors))]
+            changed = True
+            while changed:
+                changed = False
+                for y in saved:
+                    if y in blocked:
+                        continue
+                    for x in needs[y]:
+                        if not units[y] <= units[x]:
+                            units[x] |= units[y]
+                            changed = True
+            more = {t for t in saved if t not in blocked and any(
+                self.ops[q].param_unit and any(u != self.ops[q].param_unit for u in units[t])
+                for q in self.rerun_ops[t])}
+            if not more:
+                return tuple(frozenset(u) for u in units), frozenset(blocked)
+            blocked |= more
 
     @cached_property
     def _closures(self) -> tuple[tuple[tuple[int, ...], ...], tuple[tuple[int, ...], ...]]:

@@ -46,10 +46,8 @@ def decision_codes(graph: ActivationGraph, decisions: Mapping[str, str] | Plan) 
     bad = np.flatnonzero((codes == RECOMPUTE) & ~graph.can_recompute)
     if bad.size:
         t = int(bad[0])
-        blocker = next(graph.ops[i].name for i in graph.rerun_ops[t] if not graph.ops[i].recomputable)
-        raise PlanError(
-            f"plan: tensor {graph.tensors[t].name!r} cannot be recomputed: op {blocker!r} may not run again"
-        )
+        raise PlanError(f"plan: tensor {graph.tensors[t].name!r} cannot be recomputed: "
+                        f"{graph.recompute_blocker(t)}")
     for g, members in graph.rng_groups.items():
         if len({bool(codes[t] == RECOMPUTE) for t in members}) > 1:
             raise PlanError(f"plan: tensors of group {g!r} must be recomputed all together or not at all")

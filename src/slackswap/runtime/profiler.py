@@ -144,7 +144,8 @@ def graph_from_traces(traces, graph_name: str, extra: dict[str, Any] | None = No
         ops.append(Op(
             name=rec.name, forward_s=float(fwd), backward_s=float(statistics.median(bwd_samples)),
             inputs=tuple(rec.inputs), outputs=tuple(rec.outputs),
-            recomputable=not rec.mutates and i not in frozen,
+            recomputable=not rec.mutates and i not in frozen, unit=rec.unit,
+            param_unit=rec.param_unit,
             extra={"aten": rec.aten, "module": rec.module, **({"random": True} if rec.random else {})}))
     random_saved: dict[int, list[str]] = {}
     for name, rec in first.tensors.items():
@@ -212,6 +213,8 @@ def group_by_module(graph: ActivationGraph) -> ActivationGraph:
             forward_workspace_bytes=max(graph.ops[i].forward_workspace_bytes for i in members),
             backward_workspace_bytes=max(graph.ops[i].backward_workspace_bytes for i in members),
             recomputable=all(graph.ops[i].recomputable for i in members),
+            unit=graph.ops[members[0]].unit,
+            param_unit=next((graph.ops[i].param_unit for i in members if graph.ops[i].param_unit), ""),
             extra={"module": module, "aten_ops": len(members),
                    **({"random": True} if any(graph.ops[i].extra.get("random") for i in members) else {})}))
     tensors = []

@@ -21,8 +21,58 @@ RANDOM_OPS = ("dropout", "bernoulli", "rand", "normal", "multinomial", "randperm
 
 
 def storage_key(t: torch.Tensor) -> tuple[int, int]:
-    """(device index, -1 for CPU; storage address): what makes two tensors one storage."""
+    """(device index, -1 for CPU; storage address): what makes two tensors one storage. A
+    wrapper subclass (FSDP2's sharded DTensor parameters) is keyed by its local tensor."""
+    if type(t) is not torch.Tensor and type(t) is not torch.nn.Parameter:
+        t = local_tensor(t)
     return (t.get_device(), t.untyped_storage().data_ptr())
+
+
+def _storage_id(t: torch.Tensor) -> int:
+    """The identity of the storage object behind ``t`` (stable while its data is freed and
+    allocated again, as FSDP2 does with unsharded parameters)."""
+    if type(t) is not torch.Tensor and type(t) is not torch.nn.Parameter:
+        t = local_tensor(t)
+    return t.untyped_storage()._cdata
+
+
+def sharding_units(model: torch.nn.Module) -> list[str]:
+    """Module paths (as ModulePaths names them) of the model's FSDP2 units, innermost first."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # a torch built without distributed
+        return []
+    names = [name for name, m in model.named_modules() if isinstance(m, FSDPModule)]
+    inner = sorted((n for n in names if n), key=len, reverse=True)
+    return inner + (["model"] if "" in names else [])
+
+
+class UnitOf:
+    """The sharding unit of a module path: the innermost FSDP2 unit containing it, or ""."""
+
+    def __init__(self, units: list[str]):
+        self.units = units
+        self.known: dict[str, str] = {}
+
+    def __call__(self, path: str) -> str:
+        unit = self.known.get(path)
+        if unit is None:
+            unit = ""
+            if self.units and path != "step":
+                unit = next((u for u in self.units if u == "model" or path == u
+                             or path.startswith(u + ".")), "")
+            self.known[path] = unit
+        return unit
+
+
+# record_function spans in which a sharding wrapper does its own work (FSDP2)
+INTERNAL_SPANS = ("FSDP::",)
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The tensor holding the data of ``t``: a DTensor's local shard, else ``t`` itself."""
+    inner = getattr(t, "_local_tensor", None)
+    return inner if isinstance(inner, torch.Tensor) else t
 
 
 def collect_tensors(items, out: list) -> list:
@@ -117,6 +167,8 @@ class OpRecord:
     inplace: bool
     writes: list[str] = field(default_factory=list)
     mutates: bool = False  # writes into an argument: not to be run twice
+    unit: str = ""  # the FSDP2 unit it runs in
+    param_unit: str = ""  # the FSDP2 unit whose parameters it reads ("" none)
     func: Any = None
     args: Any = None
     kwargs: Any = None
@@ -225,6 +277,12 @@ class Tracer(TorchDispatchMode):
         self.sync = sync
         self.external = {storage_key(p) for p in model.parameters()}
         self.external |= {storage_key(b) for b in model.buffers()}
+        # parameters by storage identity (a storage's address changes when FSDP2 frees and
+        # gathers it again; the storage object does not): never activations
+        self.param_storages = {_storage_id(p) for p in model.parameters()}
+        self.internal_depth = 0  # > 0 inside a sharding wrapper's own work (FSDP:: spans)
+        self._spans: list[bool] = []  # open record_function spans: internal or not
+        self.unit_of = UnitOf(sharding_units(model))
         self.by_storage: dict[tuple[str, int], str] = {}
         self.counters: dict[str, int] = defaultdict(int)
         self.op_counters: dict[str, int] = defaultdict(int)
@@ -238,9 +296,42 @@ class Tracer(TorchDispatchMode):
 
     def tensor_name(self, t: torch.Tensor) -> str | None:
         key = storage_key(t)
-        if key in self.external:
+        if key in self.external or _storage_id(t) in self.param_storages:
             return None
         return self.by_storage.get(key)
+
+    def wrapper_internal(self, func, args, opened: bool = False) -> bool:
+        """Whether this op is a sharding wrapper's own work (FSDP2's all-gathers, copy-outs and
+        frees run inside ``FSDP::`` record_function spans): not the model's computation, so not
+        traced. record_function spans nest, so a stack matches each exit to its enter; called
+        again with ``opened`` once an enter op has run. Parameters the model reads are
+        recognised by type as well (``note_parameters``)."""
+        aten = op_info(func)[0]
+        if aten == "_record_function_enter_new":
+            if opened:
+                internal = bool(args) and isinstance(args[0], str) and \
+                    args[0].startswith(INTERNAL_SPANS)
+                self._spans.append(internal)
+                self.internal_depth += internal
+            return self.internal_depth > 0 or (
+                bool(args) and isinstance(args[0], str) and args[0].startswith(INTERNAL_SPANS))
+        if aten == "_record_function_exit":
+            internal = self.internal_depth > 0
+            if self._spans:
+                self.internal_depth -= self._spans.pop()
+            return internal
+        return self.internal_depth > 0
+
+    def reads_parameters(self, in_tensors) -> bool:
+        if not self.unit_of.units:
+            return False
+        params = self.param_storages
+        return any(_storage_id(t) in params for t in in_tensors)
+
+    def note_parameters(self, in_tensors) -> None:
+        for t in in_tensors:
+            if isinstance(t, torch.nn.Parameter):
+                self.param_storages.add(_storage_id(t))
 
     def _released(self, name: str) -> None:
         if self.observe_lifetimes:
@@ -295,9 +386,17 @@ class Tracer(TorchDispatchMode):
         kwargs = kwargs or {}
         if torch._C._current_autograd_node() is not None:
             return func(*args, **kwargs)  # backward ops are not part of the forward trace
+        if self.wrapper_internal(func, args):
+            out = func(*args, **kwargs)
+            if op_info(func)[0] == "_record_function_enter_new":
+                self.wrapper_internal(func, args, opened=True)
+            return out
+        if op_info(func)[0] == "_record_function_enter_new":
+            self.wrapper_internal(func, args, opened=True)
         aten, full, random, inplace = op_info(func)
         inplace = inplace or "out" in kwargs
         in_tensors, in_keys = self.input_keys(args, kwargs)
+        self.note_parameters(in_tensors)
         inputs = []
         for t in in_tensors:
             name = self.tensor_name(t)
@@ -331,7 +430,8 @@ class Tracer(TorchDispatchMode):
         self.trace.ops.append(OpRecord(
             name=op_name, aten=full, module=module, inputs=inputs, outputs=outputs, seq=seq,
             forward_s=elapsed, random=random, inplace=inplace, writes=writes,
-            mutates=inplace or mutates_state(func),
+            mutates=inplace or mutates_state(func), unit=self.unit_of(module),
+            param_unit=self.unit_of(module) if self.reads_parameters(in_tensors) else "",
             func=func if self.keep_calls else None,
             args=args if self.keep_calls else None, kwargs=kwargs if self.keep_calls else None))
         if clock is not None:
