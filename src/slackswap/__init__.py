@@ -33,6 +33,7 @@ _LAZY = {
     "profile": ("slackswap.runtime.profiler", "profile"),
     "calibrate_link": ("slackswap.runtime.profiler", "calibrate_link"),
     "apply": ("slackswap.runtime.executor", "apply"),
+    "plan_for_ranks": ("slackswap.distributed", "plan_for_ranks"),
     "checkpoint_policy": ("slackswap.runtime.checkpoint", "checkpoint_policy"),
 }
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from .core.graph import ActivationGraph, Op, Tensor
+from .core.graph import ActivationGraph, Collective, Op, Tensor
 from .core.hardware import Hardware, hardware
 
 
@@ -227,10 +227,61 @@ def transformer_graph(config: TransformerConfig, hw: Hardware | str, name: str |
     )
 
 
-def workload(name: str, hw: Hardware | str = "a100-80gb-pcie4") -> ActivationGraph:
-    """One of the reference workloads ("bert-large", "gpt2-xl", "llama-7b") on ``hw``."""
+def layer_parameter_bytes(config: TransformerConfig) -> int:
+    """Parameter bytes of one decoder layer at the compute dtype: the QKV and output projections,
+    the MLP (two matrices, three with SwiGLU) and two norms."""
+    c = config
+    kv = c.kv_heads if c.kv_heads is not None else c.heads
+    qkv = c.hidden * (c.hidden + 2 * c.hidden * kv // c.heads)
+    mlp = (3 if c.mlp == "swiglu" else 2) * c.hidden * c.ffn
+    norms = (2 if c.norm == "rmsnorm" else 4) * c.hidden
+    return c.dtype_bytes * (qkv + c.hidden * c.hidden + mlp + norms)
+
+
+def fsdp_collectives(config: TransformerConfig, world: int, reshard_after_forward: bool = True
+                     ) -> tuple[Collective, ...]:
+    """FSDP2's per-rank traffic with one unit per decoder layer and the rest (embedding, final
+    norm, head) in the root unit, ``world`` ranks (shared/reference.md): each unit's forward
+    all-gather receives (N-1)/N of its parameter bytes, issued as its first op is reached; with
+    ``reshard_after_forward`` the backward all-gathers them again, prefetched as the next
+    layer's backward starts (the root keeps its parameters: FSDP2 does not reshard it); the
+    gradients' reduce-scatter sends (N-1)/N of the same bytes once the unit's backward is done."""
+    if isinstance(world, bool) or not isinstance(world, int) or world < 2:
+        raise ValueError(f"fsdp_world must be an integer >= 2, got {world!r}")
+    c = config
+    share = (world - 1) / world
+    layer = int(share * layer_parameter_bytes(c))
+    root = int(share * c.dtype_bytes * (2 * c.vocab * c.hidden + c.hidden))
+    out: list[Collective] = [Collective("root.all_gather", "embed", "forward", 0, root)]
+    for i in range(c.layers):
+        p = f"L{i}."
+        out.append(Collective(p + "all_gather", p + "norm1", "forward", 0, layer))
+        if reshard_after_forward:
+            at = f"L{i + 1}.add2" if i + 1 < c.layers else p + "add2"
+            out.append(Collective(p + "all_gather.backward", at, "backward", 0, layer))
+        done = f"L{i - 1}.add2" if i else "embed"
+        out.append(Collective(p + "reduce_scatter", done, "backward", layer, 0))
+    out.append(Collective("root.reduce_scatter", "embed", "backward", root, 0))
+    return tuple(out)
+
+
+def workload(name: str, hw: Hardware | str = "a100-80gb-pcie4", fsdp_world: int | None = None,
+             reshard_after_forward: bool = True) -> ActivationGraph:
+    """One of the reference workloads ("bert-large", "gpt2-xl", "llama-7b") on ``hw``.
+
+    ``fsdp_world``: the graph of one rank of an FSDP2 job over that many ranks (the same
+    activations, plus the job's all-gathers and reduce-scatters; ``fsdp_collectives``). Whether
+    they cross the host link is the hardware's ``collectives_on_link``."""
     try:
         config = WORKLOADS[name]
     except KeyError:
         raise ValueError(f"unknown workload {name!r}; known: {', '.join(sorted(WORKLOADS))}") from None
-    return transformer_graph(config, hw, name=name)
+    graph = transformer_graph(config, hw, name=name)
+    if fsdp_world is None:
+        return graph
+    from dataclasses import replace
+
+    return replace(graph, name=f"{name}-fsdp{fsdp_world}",
+                   collectives=fsdp_collectives(config, fsdp_world, reshard_after_forward),
+                   extra={**graph.extra, "fsdp_world": fsdp_world,
+                          "reshard_after_forward": reshard_after_forward})

@@ -99,8 +99,24 @@ def run_timeline(graph: ActivationGraph, exp: Expansion, hw: Hardware, budget: i
     now = 0.0
     stall = 0.0
     recompute_s = 0.0
+    collectives_at: dict[int, list] = {}
+    if hw.collectives_on_link:
+        for c in graph.collectives:
+            collectives_at.setdefault(graph.collective_slot(c), []).append(c)
     for k in range(S):
         arrive = now
+        # collectives issued here enter the lanes first (step-model.md, "Collectives")
+        for c in collectives_at.get(k, ()):
+            if c.d2h_bytes:
+                lane = d2h_lane if hw.duplex else max(h2d_lane, d2h_lane)
+                d2h_lane = lane_start(lane, arrive) + hw.d2h_time(c.d2h_bytes)
+                if not hw.duplex:
+                    h2d_lane = d2h_lane
+            if c.h2d_bytes:
+                lane = h2d_lane if hw.duplex else max(h2d_lane, d2h_lane)
+                h2d_lane = lane_start(lane, arrive) + hw.h2d_time(c.h2d_bytes)
+                if not hw.duplex:
+                    d2h_lane = h2d_lane
         for t in sorted(issue_at.get(k, ()), key=lambda t: (h2d_key[t], t)):
             lane = h2d_lane if hw.duplex else max(h2d_lane, d2h_lane)
             start = lane_start(lane, max(arrive, d2h_done[t]))
@@ -143,6 +159,11 @@ def run_timeline(graph: ActivationGraph, exp: Expansion, hw: Hardware, budget: i
             point_time[p] = now
             compute.append((now, now + bwd[j], j, 2))
             now += bwd[j]
+    if collectives_at:
+        # the optimizer waits for the last collective (the gradients' reduce-scatter)
+        lanes_done = max(d2h_lane, h2d_lane)
+        if lanes_done > now:
+            stall += lanes_done - now
     # the same sum as the ideal time plus the extra time, so a plan with none has retention 1.0
     step = graph.ideal_step_time_s + stall + recompute_s
     mem = exp.memory()

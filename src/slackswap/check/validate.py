@@ -449,8 +449,26 @@ class _Step:
         landed: dict[int, float] = {}
         d2h_free_at = h2d_free_at = 0.0
         clock = stall = rerun = 0.0
+        # collectives that cross the host link, by the position that issues them
+        comms: dict[int, list[tuple[int, int]]] = {}
+        if hw.collectives_on_link:
+            where = {op.name: i for i, op in enumerate(g.ops)}
+            for c in g.collectives:
+                at = where[c.op] if c.phase == "forward" else S - 1 - where[c.op]
+                comms.setdefault(at, []).append((c.d2h_bytes, c.h2d_bytes))
         for k in range(S):
             issued = clock
+            for out_bytes, in_bytes in comms.get(k, ()):  # before this position's prefetches
+                if out_bytes:
+                    lane = d2h_free_at if hw.duplex else max(h2d_free_at, d2h_free_at)
+                    d2h_free_at = max(lane, issued) + hw.latency_s + out_bytes / hw.d2h_bytes_per_s
+                    if not hw.duplex:
+                        h2d_free_at = d2h_free_at
+                if in_bytes:
+                    lane = h2d_free_at if hw.duplex else max(h2d_free_at, d2h_free_at)
+                    h2d_free_at = max(lane, issued) + hw.latency_s + in_bytes / hw.h2d_bytes_per_s
+                    if not hw.duplex:
+                        d2h_free_at = h2d_free_at
             # prefetches issued here, in the order of their tensors' first backward reader
             for t in sorted(prefetch_at.get(k, ()), key=lambda t: (S - 1 - first_reader[t], t)):
                 lane = h2d_free_at if hw.duplex else max(h2d_free_at, d2h_free_at)
@@ -480,5 +498,7 @@ class _Step:
                     clock += g.ops[q].forward_s
                     rerun += g.ops[q].forward_s
                 clock += g.ops[S - 1 - k].backward_s
+        if comms and max(d2h_free_at, h2d_free_at) > clock:
+            stall += max(d2h_free_at, h2d_free_at) - clock  # the optimizer waits for the lanes
         ideal = sum(op.forward_s + op.backward_s for op in g.ops) + g.optimizer_s
         return ideal + stall + rerun, stall, rerun

@@ -31,7 +31,9 @@ _OP_FIELDS = {
     "forward_workspace_bytes", "backward_workspace_bytes", "recomputable", "unit", "param_unit",
 }
 _TENSOR_FIELDS = {"name", "bytes", "saved_for", "group", "alive_until"}
-_GRAPH_FIELDS = {"format", "name", "ops", "tensors", "optimizer_s"}
+_GRAPH_FIELDS = {"format", "name", "ops", "tensors", "optimizer_s", "collectives"}
+_COLLECTIVE_FIELDS = {"name", "op", "phase", "d2h_bytes", "h2d_bytes"}
+PHASES = ("forward", "backward")
 
 
 @dataclass(frozen=True)
@@ -123,18 +125,37 @@ def _names(value: Any, where: str, fieldname: str) -> tuple[str, ...]:
 
 
 @dataclass(frozen=True)
+class Collective:
+    """One collective of the step (an all-gather or reduce-scatter of a sharded unit), issued
+    when the forward (``phase`` "forward") or backward ("backward") of op ``op`` is reached. On a
+    link it shares with the activation copies it sends ``d2h_bytes`` and receives ``h2d_bytes``
+    (formulations/step-model.md, "Collectives on the copy lanes")."""
+
+    name: str
+    op: str
+    phase: str
+    d2h_bytes: int = 0
+    h2d_bytes: int = 0
+
+
+@dataclass(frozen=True)
 class ActivationGraph:
-    """A profiled or analytic training step. Build with :func:`load_graph` or the constructor."""
+    """A profiled or analytic training step. Build with :func:`load_graph` or the constructor.
+
+    ``collectives``: the step's communication (FSDP all-gathers, reduce-scatters) that crosses the
+    host link when the hardware says so (``Hardware.collectives_on_link``)."""
 
     name: str
     ops: tuple[Op, ...]
     tensors: tuple[Tensor, ...]
     optimizer_s: float = 0.0
     extra: Mapping[str, Any] = field(default_factory=dict, compare=False)
+    collectives: tuple[Collective, ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "ops", tuple(self.ops))
         object.__setattr__(self, "tensors", tuple(self.tensors))
+        object.__setattr__(self, "collectives", tuple(self.collectives))
         self._check()
 
     # ---------------------------------------------------------------- checking
@@ -171,6 +192,21 @@ class ActivationGraph:
             tensor_index[t.name] = j
             _check_bytes(t.bytes, where, "bytes")
         self._check_totals()
+        names: set[str] = set()
+        for c in self.collectives:
+            if not isinstance(c, Collective):
+                raise GraphError(f"graph {self.name!r}: collectives must be Collective, got "
+                                 f"{type(c).__name__}")
+            where = _where("collective", c.name)
+            if not isinstance(c.name, str) or not c.name or c.name in names:
+                raise GraphError(f"{where}: name must be a non-empty, unique string")
+            names.add(c.name)
+            if c.op not in op_index:
+                raise GraphError(f"{where}: op {c.op!r} is not an op of the graph")
+            if c.phase not in PHASES:
+                raise GraphError(f"{where}: phase must be one of {PHASES}, got {c.phase!r}")
+            _check_bytes(c.d2h_bytes, where, "d2h_bytes")
+            _check_bytes(c.h2d_bytes, where, "h2d_bytes")
         producer: dict[str, int] = {}
         for i, op in enumerate(self.ops):
             for out in op.outputs:
@@ -290,12 +326,31 @@ class ActivationGraph:
                 alive_until=alive_until,
                 extra={k: v for k, v in raw.items() if k not in _TENSOR_FIELDS},
             ))
+        raw_collectives = data.get("collectives", [])
+        if not isinstance(raw_collectives, list):
+            raise GraphError("graph: field 'collectives' must be a list")
+        collectives = []
+        for j, raw in enumerate(raw_collectives):
+            if not isinstance(raw, Mapping):
+                raise GraphError(f"collective #{j}: expected an object, got {raw!r}")
+            where = _where("collective", raw.get("name", f"#{j}"))
+            for key in ("name", "op", "phase"):
+                if key not in raw:
+                    raise GraphError(f"{where}: missing field {key!r}")
+            unknown = set(raw) - _COLLECTIVE_FIELDS
+            if unknown:
+                raise GraphError(f"{where}: unknown field(s) {', '.join(sorted(unknown))}")
+            collectives.append(Collective(
+                name=raw["name"], op=raw["op"], phase=raw["phase"],
+                d2h_bytes=_check_bytes(raw.get("d2h_bytes", 0), where, "d2h_bytes"),
+                h2d_bytes=_check_bytes(raw.get("h2d_bytes", 0), where, "h2d_bytes")))
         return cls(
             name=data["name"],
             ops=tuple(ops),
             tensors=tuple(tensors),
             optimizer_s=_check_time(data.get("optimizer_s", 0.0), "graph", "optimizer_s"),
             extra={k: v for k, v in data.items() if k not in _GRAPH_FIELDS},
+            collectives=tuple(collectives),
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -327,6 +382,10 @@ class ActivationGraph:
         out: dict[str, Any] = dict(self.extra)
         out.update(format=GRAPH_FORMAT, name=self.name, ops=ops, tensors=tensors,
                    optimizer_s=self.optimizer_s)
+        if self.collectives:
+            out["collectives"] = [
+                {"name": c.name, "op": c.op, "phase": c.phase, "d2h_bytes": c.d2h_bytes,
+                 "h2d_bytes": c.h2d_bytes} for c in self.collectives]
         return out
 
     def to_json(self, indent: int | None = None) -> str:
@@ -347,6 +406,9 @@ class ActivationGraph:
                         for t in self.tensors],
             "optimizer_s": self.optimizer_s,
         }
+        if self.collectives:  # only where present, so graphs without keep their digests
+            core["collectives"] = [[c.name, c.op, c.phase, c.d2h_bytes, c.h2d_bytes]
+                                   for c in self.collectives]
         text = json.dumps(core, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(text.encode()).hexdigest()
 
@@ -508,6 +570,16 @@ class ActivationGraph:
                             f"{unit!r}, which are not gathered in the backward of {where!r} "
                             "where the rebuild may run")
         return None
+
+    @cached_property
+    def op_position(self) -> dict[str, int]:
+        """Forward index of every op, by name."""
+        return {op.name: i for i, op in enumerate(self.ops)}
+
+    def collective_slot(self, c: Collective) -> int:
+        """The position at which collective ``c`` is issued."""
+        i = self.op_position[c.op]
+        return i if c.phase == "forward" else self.bwd_slot(i)
 
     @cached_property
     def has_units(self) -> bool:

@@ -31,6 +31,9 @@ class Hardware:
     attention_efficiency: float = 0.55
     memory_efficiency: float = 0.80
     memory_bytes: int = 0
+    # whether the graph's collectives (FSDP all-gathers, reduce-scatters) cross the same host
+    # link as the activation copies: true on PCIe nodes without NVLink, false with NVLink
+    collectives_on_link: bool = False
     sources: dict = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -54,8 +57,10 @@ class Hardware:
             value = getattr(self, name)
             if not 0 < value <= 1:
                 raise ValueError(f"hardware {self.name!r}: {name} must be in (0, 1], got {value!r}")
-        if not isinstance(self.duplex, bool):
-            raise ValueError(f"hardware {self.name!r}: duplex must be true or false, got {self.duplex!r}")
+        for name in ("duplex", "collectives_on_link"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"hardware {self.name!r}: {name} must be true or false, got "
+                                 f"{getattr(self, name)!r}")
         if isinstance(self.memory_bytes, bool) or not isinstance(self.memory_bytes, numbers.Integral) \
                 or self.memory_bytes < 0:
             raise ValueError(f"hardware {self.name!r}: memory_bytes must be a non-negative integer, "

@@ -47,6 +47,14 @@ def hideable_swaps(graph: ActivationGraph, hw: Hardware, order: np.ndarray) -> n
     p_d2h = hw.latency_s + nbytes / hw.d2h_bytes_per_s
     p_h2d = hw.latency_s + nbytes / hw.h2d_bytes_per_s
     need_at = 2 * n - 1 - graph.first_backward_use - n
+    if hw.collectives_on_link:
+        # collectives on the link take their lane time out of the windows they fall in
+        for c in graph.collectives:
+            k = graph.collective_slot(c)
+            if c.d2h_bytes and k < n:
+                slack_d[: k + 1] -= hw.d2h_time(c.d2h_bytes)
+            if c.h2d_bytes and k >= n:
+                slack_h[k - n:] -= hw.h2d_time(c.h2d_bytes)
     chosen = []
     for t in order:
         if nbytes[t] == 0:

@@ -149,6 +149,11 @@ class _Step:
     packed: set[str] = field(default_factory=set)
     seen: set[str] = field(default_factory=set)
     kept: dict[str, torch.UntypedStorage] = field(default_factory=dict)
+    # storages released by their last reader, held until the backward node that read them is
+    # done: a rebuild in that node may read them too (as the step model says: a tensor lives
+    # through its last use's position)
+    lingering: dict[str, torch.UntypedStorage] = field(default_factory=dict)
+    node: Any = None  # the autograd node unpacking now
     swap_order: list[str] = field(default_factory=list)
     taken: list = field(default_factory=list)
     recipes: dict[str, Any] = field(default_factory=dict)
@@ -363,6 +368,10 @@ class Run:
         if not step.checked:
             step.checked = True
             self._check_plan(step)
+        node = torch._C._current_autograd_node()
+        if node is not step.node:
+            step.node = node
+            step.lingering.clear()
         if name in step.dirty or (handle.ref is not None and handle.ref() is not None
                                   and handle.ref()._version != handle.version) or \
                 (handle.tensor is not None and handle.tensor._version != handle.version):
@@ -376,8 +385,10 @@ class Run:
             self._track(out)
         step.handles_left[name] -= 1
         if step.handles_left[name] <= 0:
-            step.device_copy.pop(name, None)
-            step.kept.pop(name, None)
+            for table in (step.device_copy, step.kept):
+                storage = table.pop(name, None)
+                if storage is not None:
+                    step.lingering[name] = storage
         self._prefetch(step, name)
         return out
 
@@ -479,6 +490,8 @@ class Run:
             return step.device_copy[name]
         if name in step.kept:
             return step.kept[name]
+        if name in step.lingering:
+            return step.lingering[name]
         if name in step.packed and self.plan.decisions.get(name) != "keep":
             return self._materialize(step, name)
         if name not in transients:
@@ -594,6 +607,7 @@ class _RecordingTracer(Tracer):
             out = func(*args, **kwargs)
             if op_info(func)[0] == "_record_function_enter_new":
                 self.wrapper_internal(func, args, opened=True)
+            self.forget_outputs(out, args, kwargs)
             return out
         if op_info(func)[0] == "_record_function_enter_new":
             self.wrapper_internal(func, args, opened=True)

@@ -9,6 +9,7 @@ each aten op, backward times around each autograd node; medians over ``repeat`` 
 
 from __future__ import annotations
 
+import gc
 import statistics
 from collections.abc import Callable
 from typing import Any
@@ -73,6 +74,12 @@ def run_traced_step(model, inputs, loss_fn, sync=None, keep_calls=False):
                 return t.detach()
         return t
 
+    # Python's cyclic collector runs when its allocation counters say, not where the model lets
+    # go of an object: a tensor held by a reference cycle would die at a different op on every
+    # run and every rank. Off while tracing, such a tensor lives to the end of the forward (the
+    # longest it can), the same on every run.
+    collecting = gc.isenabled()
+    gc.disable()
     try:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), tracer:
             try:
@@ -87,6 +94,8 @@ def run_traced_step(model, inputs, loss_fn, sync=None, keep_calls=False):
                 raise ProfileError(f"loss_fn failed on the model's output: {type(exc).__name__}: {exc}") from exc
     finally:
         paths.remove()
+        if collecting:
+            gc.enable()
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
         shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
         raise ProfileError(f"loss_fn must return a scalar tensor, got {shape}")

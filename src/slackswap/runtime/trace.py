@@ -278,12 +278,16 @@ class Tracer(TorchDispatchMode):
         self.external = {storage_key(p) for p in model.parameters()}
         self.external |= {storage_key(b) for b in model.buffers()}
         # parameters by storage identity (a storage's address changes when FSDP2 frees and
-        # gathers it again; the storage object does not): never activations
-        self.param_storages = {_storage_id(p) for p in model.parameters()}
+        # gathers it again; the storage object does not): never activations. The storages are
+        # held for the step, so no activation's storage can take a freed one's identity.
+        self.param_storages: dict[int, Any] = {}
+        for p in model.parameters():
+            self._hold_parameter(p)
         self.internal_depth = 0  # > 0 inside a sharding wrapper's own work (FSDP:: spans)
         self._spans: list[bool] = []  # open record_function spans: internal or not
         self.unit_of = UnitOf(sharding_units(model))
         self.by_storage: dict[tuple[str, int], str] = {}
+        self.storage_ids: dict[tuple[str, int], int] = {}  # the storage object each name is for
         self.counters: dict[str, int] = defaultdict(int)
         self.op_counters: dict[str, int] = defaultdict(int)
 
@@ -295,10 +299,21 @@ class Tracer(TorchDispatchMode):
         return False
 
     def tensor_name(self, t: torch.Tensor) -> str | None:
-        key = storage_key(t)
-        if key in self.external or _storage_id(t) in self.param_storages:
+        if type(t) is not torch.Tensor and type(t) is not torch.nn.Parameter:
+            t = local_tensor(t)
+        storage = t.untyped_storage()
+        key = (t.get_device(), storage.data_ptr())
+        if key in self.external:
             return None
-        return self.by_storage.get(key)
+        cdata = storage._cdata
+        if cdata in self.param_storages:
+            return None
+        name = self.by_storage.get(key)
+        # a storage allocated where a named one was freed, by something the tracer did not see
+        # (another thread: a collective's buffers), is another storage: not that name
+        if name is not None and self.storage_ids.get(key) != cdata:
+            return None
+        return name
 
     def wrapper_internal(self, func, args, opened: bool = False) -> bool:
         """Whether this op is a sharding wrapper's own work (FSDP2's all-gathers, copy-outs and
@@ -328,10 +343,31 @@ class Tracer(TorchDispatchMode):
         params = self.param_storages
         return any(_storage_id(t) in params for t in in_tensors)
 
+    def forget_outputs(self, out, args, kwargs) -> None:
+        """An untraced op (a wrapper's own work) made ``out``: a storage it allocated may sit
+        where a freed activation was, and that activation's name is not its name. Outputs that
+        alias an argument (views, the identity functions FSDP wraps module inputs in) keep it."""
+        tensors = [out] if isinstance(out, torch.Tensor) else collect_tensors(
+            out if isinstance(out, (list, tuple)) else [], [])
+        if not tensors:
+            return
+        try:
+            _, in_keys = self.input_keys(args, kwargs)
+            keys = [storage_key(t) for t in tensors]
+        except RuntimeError:  # a wrapper subclass without storage
+            return
+        for key in keys:
+            if key not in in_keys:
+                self.by_storage.pop(key, None)
+
+    def _hold_parameter(self, p: torch.Tensor) -> None:
+        storage = local_tensor(p).untyped_storage()
+        self.param_storages[storage._cdata] = storage
+
     def note_parameters(self, in_tensors) -> None:
         for t in in_tensors:
             if isinstance(t, torch.nn.Parameter):
-                self.param_storages.add(_storage_id(t))
+                self._hold_parameter(t)
 
     def _released(self, name: str) -> None:
         if self.observe_lifetimes:
@@ -375,6 +411,7 @@ class Tracer(TorchDispatchMode):
             name = f"{module}#{self.counters[module]}"
             self.counters[module] += 1
             by_storage[key] = name
+            self.storage_ids[key] = storage._cdata
             if producer is not None:
                 self.trace.tensors[name] = TensorRecord(
                     name=name, bytes=int(storage.nbytes()), shape=tuple(t.shape),
@@ -390,6 +427,7 @@ class Tracer(TorchDispatchMode):
             out = func(*args, **kwargs)
             if op_info(func)[0] == "_record_function_enter_new":
                 self.wrapper_internal(func, args, opened=True)
+            self.forget_outputs(out, args, kwargs)
             return out
         if op_info(func)[0] == "_record_function_enter_new":
             self.wrapper_internal(func, args, opened=True)

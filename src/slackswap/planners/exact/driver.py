@@ -177,6 +177,10 @@ class ExactBackend:
                              wall_s=time.perf_counter() - start, predicted_step_time_s=warm_time,
                              extra={"strategy": "warm start proven by the bound", **base_extra})
             return Solution(ws.codes, None, info)
+        if hw.collectives_on_link and g.collectives and not hw.duplex and np.isfinite(warm_time):
+            return self._fallback(ws, bound_s, warm_time, "feasible", start, {
+                **base_extra, "reason": "the MILP does not model collectives on a half-duplex "
+                "link; the warm start's plan"})
         if left() < MIN_SEARCH_S + 2 * FORMULATE_S_PER_SLOT * g.n_slots and np.isfinite(warm_time):
             clock_stopped.append("milp_skipped")
             return self._fallback(ws, bound_s, warm_time, "timeout", start, {

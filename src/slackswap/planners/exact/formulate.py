@@ -59,6 +59,7 @@ class Formulation:
     units: dict = field(default_factory=dict)
     objective_offset_s: float = 0.0
     full: bool = False  # every schedule position a candidate (Section "Candidates")
+    collectives_charged: bool = False  # collectives share the copy lanes
 
     def seconds(self, objective_units: float) -> float:
         return objective_units * self.scaling.time_unit + self.objective_offset_s
@@ -68,8 +69,10 @@ class Formulation:
         None. Only a model with every candidate position bounds every schedule; and each op,
         rerun and copy on the critical path is rounded up by under one time unit (Section
         "Scaling"), so that many units are taken off."""
-        if not self.full or not self.scaling.exact_bytes:
-            return None  # windows bound only their schedules; rounded-up sizes, only their model
+        if not self.full or not self.scaling.exact_bytes or self.collectives_charged:
+            # windows bound only their schedules; rounded-up sizes, only their model; the H2D
+            # lane's collectives sit in first-use order, not issue order (Section "Collectives")
+            return None
         rounded = 2 * self.graph.n_ops + len(self.rerun) + 2 * len(self.keep)
         return self.seconds(bound_units) - rounded * self.scaling.time_unit
 
@@ -149,6 +152,9 @@ def formulate(graph: ActivationGraph, hw: Hardware, budget_bytes: int, *, full: 
     if full is None:
         full = n <= 16
     copies = sum(hw.d2h_time(b) + hw.h2d_time(b) for b in graph.tensor_bytes[graph.saved])
+    if hw.collectives_on_link:
+        copies += sum(hw.d2h_time(c.d2h_bytes) + hw.h2d_time(c.h2d_bytes)
+                      for c in graph.collectives)
     span = graph.ideal_step_time_s + copies
     # the largest unit that divides every size exactly: memory sums are then exact, and only the
     # budget is rounded (down)
@@ -337,6 +343,9 @@ def formulate(graph: ActivationGraph, hw: Hardware, budget_bytes: int, *, full: 
     rerun_time = {k: [(f.rerun[(q, k)], int(fwd_u[q])) for q in reruns_at.get(k, ())] for k in range(S)}
     horizon = int(base_dur.sum() + sum(fwd_u[q] for q, _ in f.rerun)
                   + sum(d2h_u.values()) + sum(h2d_u.values()))
+    if hw.collectives_on_link:
+        horizon += int(sum(sc.time_up(hw.d2h_time(c.d2h_bytes) + hw.h2d_time(c.h2d_bytes))
+                           for c in graph.collectives))
     T_ub = 2 * horizon + 1000
     for k in range(S):
         f.start.append(m.var(f"start[{k}]", 0, T_ub))
@@ -351,9 +360,32 @@ def formulate(graph: ActivationGraph, hw: Hardware, budget_bytes: int, *, full: 
         return [(f.start[k - 1], 1)] + rerun_time[k - 1], int(base_dur[k - 1])
 
     d2h_order = sorted(saved, key=lambda t: (prod[t], t))
+    # collectives on the lanes (collective_d2h, collective_h2d): jobs of fixed length, released
+    # when their position is reached, in each lane's FIFO chain (Section "Collectives")
+    charged = bool(hw.collectives_on_link and graph.collectives)
+    f.collectives_charged = charged
+    comms = [(graph.collective_slot(c), j, c) for j, c in enumerate(graph.collectives)] \
+        if charged else []
+
+    def collective_job(lane: str, k: int, c, nbytes_c: int, prev_var):
+        p_c = int(sc.time_up(hw.d2h_time(nbytes_c) if lane == "d2h" else hw.h2d_time(nbytes_c)))
+        L = m.var(f"collective_{lane}[{c.name}]", 0, T_ub)
+        terms, const = arrive(k)
+        m.ge(f"collective_{lane}_release[{c.name}]", [(L, 1)] + [(v, -q) for v, q in terms],
+             const + p_c)
+        if prev_var is not None:
+            m.ge(f"collective_{lane}_fifo[{c.name}]", [(L, 1), (prev_var, -1)], p_c)
+        return L
+
+    d2h_items = sorted([((prod[t], 1, t), t, None) for t in d2h_order]
+                       + [((k, 0, j), None, c) for k, j, c in comms if c.d2h_bytes],
+                       key=lambda item: item[0])
     lane_d: dict[int, int] = {}
     prev = None
-    for t in d2h_order:
+    for _, t, c in d2h_items:
+        if c is not None:
+            prev = collective_job("d2h", graph.collective_slot(c), c, c.d2h_bytes, prev)
+            continue
         name = graph.tensors[t].name
         L = m.var(f"d2h_done[{name}]", 0, T_ub)
         lane_d[t] = L
@@ -372,7 +404,13 @@ def formulate(graph: ActivationGraph, hw: Hardware, budget_bytes: int, *, full: 
                "frontier": frontier}
     lane_h: dict[int, int] = {}
     prev_l = prev_j = None
-    for t in h2d_order:
+    h2d_items = sorted([((u[t], 1, t), t, None) for t in h2d_order]
+                       + [((k, 0, j), None, c) for k, j, c in comms if c.h2d_bytes],
+                       key=lambda item: item[0])
+    for _, t, c in h2d_items:
+        if c is not None:
+            prev_l = collective_job("h2d", graph.collective_slot(c), c, c.h2d_bytes, prev_l)
+            continue
         name = graph.tensors[t].name
         L = m.var(f"h2d_done[{name}]", 0, T_ub)
         lane_h[t] = L
@@ -382,6 +420,7 @@ def formulate(graph: ActivationGraph, hw: Hardware, budget_bytes: int, *, full: 
         p = h2d_u[t]
         if prev_l is not None:
             m.ge(f"h2d_lane_fifo[{name}]", [(L, 1), (prev_l, -1), (f.swap[t], -p)], 0)
+        if prev_j is not None:
             m.ge(f"h2d_issue_order[{name}]", [(J, 1), (prev_j, -1)], 0)
         m.eq(f"issue_position[{name}]", [(J, 1)] + [(w, -k) for k, w in f.issue_at[t].items()], 0,
              enforce=(f.swap[t],))
@@ -403,12 +442,22 @@ def formulate(graph: ActivationGraph, hw: Hardware, budget_bytes: int, *, full: 
                     m.ge(f"prefetch_arrives_for_rebuild[{graph.tensors[y].name},{graph.tensors[x].name},{r}]",
                          [(f.start[r], 1), (Lx, -1)], 0, enforce=(v, f.swap[x]))
 
-    if cuts:
+    if cuts and not charged:  # the cuts count activation copies alone on the lanes
         _lane_capacity_cuts(f, nbytes, budget_u, constant, fwd_ws, bwd_ws, u, lb)
 
-    # objective: end of the last backward op (step_time)
+    # objective: end of the last backward op (step_time); with collectives on the lanes, the
+    # optimizer also waits for the last lane job (step_end)
     m.objective = [(f.start[S - 1], 1)] + rerun_time[S - 1]
     m.objective_offset = int(base_dur[S - 1])
+    if charged:
+        end = m.var("step_end", 0, T_ub)
+        m.ge("step_end_compute", [(end, 1), (f.start[S - 1], -1)]
+             + [(v, -q) for v, q in rerun_time[S - 1]], int(base_dur[S - 1]))
+        for lane_end in (prev, prev_l):
+            if lane_end is not None:
+                m.ge("step_end_lanes", [(end, 1), (lane_end, -1)], 0)
+        m.objective = [(end, 1)]
+        m.objective_offset = 0
     if hint is not None:
         _apply_hint(f, hint)
     return f

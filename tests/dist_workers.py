@@ -1,0 +1,195 @@
+"""What each of the 2 gloo processes runs in tests/test_distributed.py (importable by the
+spawned children): distributed training with and without a plan, written to JSON for the parent."""
+
+from __future__ import annotations
+
+import json
+import os
+import traceback
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+import slackswap as ss
+
+STEPS = 3
+HW = "cpu"
+
+
+def _model(kind: str):
+    torch.manual_seed(0)
+    if kind == "gpt":
+        from models import TinyGPT
+
+        model = TinyGPT(vocab=50, d=32, layers=2, p=0.1)
+        blocks = list(model.blocks)
+        loss_fn = lambda out: out.logsumexp(-1).mean()  # noqa: E731
+        vocab = 50
+    else:
+        import transformers
+
+        cfg = transformers.LlamaConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=4,
+                                       num_key_value_heads=2, intermediate_size=64, vocab_size=100,
+                                       max_position_embeddings=32, bos_token_id=0, eos_token_id=0)
+        model = transformers.LlamaForCausalLM(cfg)
+        blocks = list(model.model.layers)
+        loss_fn = lambda out: out.logits.pow(2).mean()  # noqa: E731
+        vocab = 100
+    model.train()
+    return model, blocks, loss_fn, vocab
+
+
+def _wrap(model, blocks, wrapping: str):
+    if wrapping == "ddp":
+        return torch.nn.parallel.DistributedDataParallel(model)
+    if wrapping == "none":
+        return model
+    from torch.distributed.fsdp import fully_shard
+
+    reshard = wrapping == "fsdp-reshard"
+    for block in blocks:
+        fully_shard(block, reshard_after_forward=reshard)
+    fully_shard(model, reshard_after_forward=reshard)
+    return model
+
+
+def _batch(kind: str, vocab: int, rank: int, step: int):
+    g = torch.Generator().manual_seed(100 * rank + step)
+    ids = torch.randint(0, vocab, (2, 8), generator=g)
+    return ids if kind == "gpt" else {"input_ids": ids}
+
+
+def _call(model, batch):
+    return model(**batch) if isinstance(batch, dict) else model(batch)
+
+
+def _local_grads(model) -> list[torch.Tensor]:
+    out = []
+    for p in model.parameters():
+        g = p.grad
+        if g is None:
+            out.append(None)
+            continue
+        out.append((g.to_local() if hasattr(g, "to_local") else g).detach().clone())
+    return out
+
+
+def _random_plan(graph, budget: int, seed: int):
+    """Random keep / swap / recompute (the same on every rank), respecting what may be rebuilt
+    and RNG groups."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    decisions = {}
+    for t in graph.saved:
+        choices = ["keep", "swap"] + (["recompute"] if graph.can_recompute[t] else [])
+        decisions[graph.tensors[int(t)].name] = str(rng.choice(choices))
+    for members in graph.rng_groups.values():
+        names = [graph.tensors[int(m)].name for m in members]
+        if any(decisions[n] != "recompute" for n in names):
+            for n in names:
+                if decisions[n] == "recompute":
+                    decisions[n] = "keep"
+    return ss.complete(ss.Plan(graph.name, graph.digest, budget, decisions), graph, HW)
+
+
+def train(kind: str, wrapping: str, variant: str, rank: int) -> dict:
+    """3 steps of SGD; per step every local gradient; with a plan, its tracked and simulated
+    peaks."""
+    model, blocks, loss_fn, vocab = _model(kind)
+    model = _wrap(model, blocks, wrapping)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    result: dict = {"grads": []}
+    plan = graph = None
+    if variant != "plain":
+        batch = _batch(kind, vocab, 0, 0)  # every rank profiles the same shapes
+        solver = {"keep-all": "keep-all", "heuristic": "heuristic", "exact": "cpsat",
+                  "random": "heuristic"}[variant]
+        graph = ss.profile(model, batch, loss_fn, warmup=1, repeat=1)
+        lo, hi = ss.min_budget(graph, HW), ss.keep_all_peak(graph, HW)
+        budget = hi if variant == "keep-all" else lo + (hi - lo) // 2
+        graph, plan = ss.plan_for_ranks(model, batch, loss_fn, budget, HW, solver=solver,
+                                        time_limit_s=5, profile_options={"warmup": 1, "repeat": 1})
+        if variant == "random":  # closed at the budget it needs, so it is a valid plan
+            plan = _random_plan(graph, budget, seed=7)
+            budget = ss.simulate(graph, plan, HW).peak_bytes
+            plan = _random_plan(graph, budget, seed=7)
+        result.update(budget=budget, simulated_peak=ss.simulate(graph, plan, HW).peak_bytes,
+                      saved_bytes=sorted(int(graph.tensor_bytes[t]) for t in graph.saved),
+                      valid=ss.validate(graph, plan).ok, digest=plan.graph_digest,
+                      recomputed=sum(d == "recompute" for d in plan.decisions.values()))
+    peaks = []
+    for step in range(STEPS):
+        torch.manual_seed(1000 + step)
+        opt.zero_grad(set_to_none=True)
+        batch = _batch(kind, vocab, rank, step)
+        if plan is None:
+            loss_fn(_call(model, batch)).backward()
+        else:
+            with ss.apply(plan, model, graph=graph) as run:
+                loss_fn(_call(model, batch)).backward()
+            peaks.append(run.stats.peak_activation_bytes)
+        result["grads"].append(_local_grads(model))
+        opt.step()
+    result["tracked_peaks"] = peaks
+    return result
+
+
+def run_case(rank: int, world: int, port: int, kind: str, wrapping: str, variants: list[str],
+             out_dir: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    out: dict = {}
+    try:
+        plain = train(kind, wrapping, "plain", rank)
+        unwrapped = None
+        for variant in variants:
+            got = train(kind, wrapping, variant, rank)
+            same = all(
+                (a is None and b is None) or (a is not None and b is not None and torch.equal(a, b))
+                for ref_step, got_step in zip(plain["grads"], got["grads"])
+                for a, b in zip(ref_step, got_step))
+            out[variant] = {k: v for k, v in got.items() if k != "grads"}
+            out[variant]["grads_equal"] = same
+            out[variant]["n_grads"] = sum(g is not None for g in got["grads"][0])
+        if rank == 0:
+            model, _, loss_fn, vocab = _model(kind)
+            unwrapped = ss.profile(model, _batch(kind, vocab, 0, 0), loss_fn, warmup=1, repeat=1)
+            out["unwrapped_saved_bytes"] = sorted(int(unwrapped.tensor_bytes[t])
+                                                  for t in unwrapped.saved)
+    except Exception:  # noqa: BLE001 - reported to the parent
+        out["error"] = traceback.format_exc()
+    finally:
+        Path(out_dir, f"rank{rank}.json").write_text(json.dumps(out))
+        dist.destroy_process_group()
+
+
+def mismatch_case(rank: int, world: int, port: int, fault: str, out_dir: str) -> None:
+    """``fault`` "shapes": rank 1 profiles another batch size; "crash": rank 1's forward raises
+    (rank 0 then waits in DDP's gradient all-reduce until the job's own timeout, 10 s here)."""
+    import datetime
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=10))
+    out: dict = {}
+    try:
+        model, blocks, loss_fn, vocab = _model("gpt")
+        model = _wrap(model, blocks, "ddp")
+        batch = _batch("gpt", vocab, 0, 0)
+        if rank == 1 and fault == "shapes":
+            batch = torch.cat([batch, batch])
+        if rank == 1 and fault == "crash":
+            def broken(module, args):
+                raise ValueError("a user's bug in forward")
+            model.module.blocks[1].register_forward_pre_hook(broken)
+        ss.plan_for_ranks(model, batch, loss_fn, 0.9, HW, timeout_s=60,
+                          profile_options={"warmup": 0, "repeat": 1})
+        out["error"] = None
+    except Exception as exc:  # noqa: BLE001 - what every rank raised is the point
+        out["error"] = f"{type(exc).__name__}: {exc}"
+        out["trace"] = traceback.format_exc()
+    finally:
+        Path(out_dir, f"rank{rank}.json").write_text(json.dumps(out))
+        dist.destroy_process_group()
