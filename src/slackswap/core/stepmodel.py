@@ -233,12 +233,28 @@ def default_swap_schedule(graph: ActivationGraph, hw: Hardware, codes, first_nee
     nbytes = graph.tensor_bytes.astype(float)
     last_fwd = graph.last_forward_use
     producer = graph.producer
+    # collectives on the link occupy the lanes from their positions (step-model.md): they are
+    # jobs of the same lanes here, with fixed issue times, never given a position themselves
+    comms = [(graph.collective_slot(c), c) for c in graph.collectives] \
+        if hw.collectives_on_link else []
+    n = graph.n_ops
     # D2H lane, FIFO in production order: done_i = max_{j<=i}(issue_j + sum_{k=j..i} p_k)
     order = swapped[np.lexsort((swapped, producer[swapped]))]
     p = hw.latency_s + nbytes[order] / hw.d2h_bytes_per_s
     issue = end[producer[order]]
-    csum = np.cumsum(p)
-    done = csum + np.maximum.accumulate(issue - (csum - p))
+    fwd_comms = [(k, c) for k, c in comms if c.d2h_bytes and k < n]
+    if fwd_comms:
+        keys = np.concatenate([producer[order] + 0.5, [k for k, _ in fwd_comms]])
+        p_all = np.concatenate([p, [hw.d2h_time(c.d2h_bytes) for _, c in fwd_comms]])
+        issue_all = np.concatenate([issue, [start[k] for k, _ in fwd_comms]])
+        merged = np.argsort(keys, kind="stable")
+        csum = np.cumsum(p_all[merged])
+        done_all = np.empty_like(csum)
+        done_all[merged] = csum + np.maximum.accumulate(issue_all[merged] - (csum - p_all[merged]))
+        done = done_all[:len(order)]
+    else:
+        csum = np.cumsum(p)
+        done = csum + np.maximum.accumulate(issue - (csum - p))
     slot = np.searchsorted(end, done - 1e-15)
     free = np.minimum(np.maximum(slot, last_fwd[order]), first_need[order] - 1)
     unset = d2h[order] < 0
@@ -247,9 +263,26 @@ def default_swap_schedule(graph: ActivationGraph, hw: Hardware, codes, first_nee
     order = swapped[np.lexsort((-swapped, -first_need[swapped]))][::-1]  # by first use, then index
     p = hw.latency_s + nbytes[order] / hw.h2d_bytes_per_s
     need = start[first_need[order]]
-    suffix = np.cumsum(p[::-1])[::-1]  # sum_{k>=i} p_k
-    after = np.append(suffix[1:], 0.0)  # sum_{k>j} p_k
-    begin = -suffix + np.minimum.accumulate((need + after)[::-1])[::-1]
+    bwd_comms = [(k, c) for k, c in comms if c.h2d_bytes and k >= n]
+    if bwd_comms:
+        # a collective must be done p_c after its issue: prefetches needed later that would
+        # share its time go before it (issued earlier)
+        p_c = np.array([hw.h2d_time(c.h2d_bytes) for _, c in bwd_comms])
+        need_c = np.array([start[k] for k, _ in bwd_comms]) + p_c
+        keys = np.concatenate([need, need_c])
+        merged = np.argsort(keys, kind="stable")
+        p_m = np.concatenate([p, p_c])[merged]
+        need_m = keys[merged]
+        suffix = np.cumsum(p_m[::-1])[::-1]
+        after = np.append(suffix[1:], 0.0)
+        begin_m = -suffix + np.minimum.accumulate((need_m + after)[::-1])[::-1]
+        begin_all = np.empty_like(begin_m)
+        begin_all[merged] = begin_m
+        begin = begin_all[:len(order)]
+    else:
+        suffix = np.cumsum(p[::-1])[::-1]  # sum_{k>=i} p_k
+        after = np.append(suffix[1:], 0.0)  # sum_{k>j} p_k
+        begin = -suffix + np.minimum.accumulate((need + after)[::-1])[::-1]
     g = np.searchsorted(start, begin + 1e-15, side="right") - 1
     g = np.minimum(np.maximum(g, d2h[order] + 1), first_need[order])
     unset = h2d[order] < 0

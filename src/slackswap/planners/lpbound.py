@@ -330,6 +330,27 @@ def lp_bound(graph: ActivationGraph, budget, hw: Hardware | str, *, integral: bo
         else:
             lp.le(list(W) + clock, [b / bw_d + b / bw_h for b in moved] + [-1.0] * len(clock),
                   total - coll_d / bw_d - coll_h / bw_h)
+        # a collective enters its lane when its position is reached and the lane is serial:
+        # the collectives issued at or after position k all fit in the time from k to the end,
+        # R[k] = sigma[k] + dur[k] + E[k] + R[k+1], R[S] = tail
+        R = lp.vars(S + 1)
+        lp.eq([R[S], tail[0]], [1, -1], 0.0)
+        for k in range(S - 1, -1, -1):
+            lp.eq([R[k], R[k + 1], sigma[k], E[k]], [1, -1, -1, -1], float(dur[k]))
+        after: dict[str, dict[int, float]] = {"d2h": {}, "h2d": {}}
+        for c in graph.collectives:
+            k = graph.collective_slot(c)
+            for lane, nb in (("d2h", c.d2h_bytes), ("h2d", c.h2d_bytes)):
+                if nb:
+                    seconds = hw.d2h_time(nb) if lane == "d2h" else hw.h2d_time(nb)
+                    key = lane if hw.duplex else "link"
+                    after.setdefault(key, {})
+                    after[key][k] = after[key].get(k, 0.0) + seconds / tu
+        for per_position in after.values():
+            need = 0.0
+            for k in sorted(per_position, reverse=True):
+                need += per_position[k]
+                lp.le([R[k]], [-1.0], -need)
     ideal = graph.ideal_step_time_s
     names = [graph.tensors[t].name for t in saved]
     mip_gap = 0.0
