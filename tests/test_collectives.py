@@ -102,6 +102,24 @@ def test_checker_and_simulator_agree_with_collectives_on_the_link(case, duplex):
             assert lp.step_time_s <= sim.step_time_s * (1 + 1e-6) + 1e-9
 
 
+@settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
+@given(case=graphs_with_collectives())
+def test_the_integral_relaxation_is_a_bound_with_collectives(case):
+    """Its decisions are integral; its times are not (a bound that rounded them up would pass
+    valid plans)."""
+    g, p = case
+    closed = ss.complete(dataclasses.replace(p, graph_digest=g.digest, schedule=None,
+                                             hardware=None), g, SHARED)
+    keep_all = ss.solve(g, 1.0, SHARED, solver="keep-all")
+    for valid in (closed, keep_all):  # any valid plan, and one with no stall but the lanes'
+        sim = ss.simulate(g, valid, SHARED)
+        if not sim.fits:
+            continue
+        relaxed = ss.lp_bound(g, valid.budget_bytes, SHARED, integral=True, time_limit_s=5)
+        if relaxed.status in ("optimal", "timeout"):
+            assert relaxed.step_time_s <= sim.step_time_s * (1 + 1e-6) + 1e-9
+
+
 @settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
 @given(g=random_graphs(max_ops=6), data=st.data())
 def test_exact_plans_with_collectives_are_valid_and_never_beat_the_bound(g, data):

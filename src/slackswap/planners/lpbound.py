@@ -332,11 +332,11 @@ def lp_bound(graph: ActivationGraph, budget, hw: Hardware | str, *, integral: bo
                   total - coll_d / bw_d - coll_h / bw_h)
         # a collective enters its lane when its position is reached and the lane is serial:
         # the collectives issued at or after position k all fit in the time from k to the end,
-        # R[k] = sigma[k] + dur[k] + E[k] + R[k+1], R[S] = tail
-        R = lp.vars(S + 1)
-        lp.eq([R[S], tail[0]], [1, -1], 0.0)
+        # left[k] = sigma[k] + dur[k] + E[k] + left[k+1], left[S] = tail
+        left = lp.vars(S + 1)  # time from position k to the end
+        lp.eq([left[S], tail[0]], [1, -1], 0.0)
         for k in range(S - 1, -1, -1):
-            lp.eq([R[k], R[k + 1], sigma[k], E[k]], [1, -1, -1, -1], float(dur[k]))
+            lp.eq([left[k], left[k + 1], sigma[k], E[k]], [1, -1, -1, -1], float(dur[k]))
         after: dict[str, dict[int, float]] = {"d2h": {}, "h2d": {}}
         for c in graph.collectives:
             k = graph.collective_slot(c)
@@ -350,7 +350,7 @@ def lp_bound(graph: ActivationGraph, budget, hw: Hardware | str, *, integral: bo
             need = 0.0
             for k in sorted(per_position, reverse=True):
                 need += per_position[k]
-                lp.le([R[k]], [-1.0], -need)
+                lp.le([left[k]], [-1.0], -need)
     ideal = graph.ideal_step_time_s
     names = [graph.tensors[t].name for t in saved]
     mip_gap = 0.0
