@@ -118,7 +118,9 @@ def train(kind: str, wrapping: str, variant: str, rank: int) -> dict:
         result.update(budget=budget, simulated_peak=ss.simulate(graph, plan, HW).peak_bytes,
                       saved_bytes=sorted(int(graph.tensor_bytes[t]) for t in graph.saved),
                       valid=ss.validate(graph, plan).ok, digest=plan.graph_digest,
-                      recomputed=sum(d == "recompute" for d in plan.decisions.values()))
+                      recomputed=sum(d == "recompute" for d in plan.decisions.values()),
+                      collectives=[[c.name, c.phase, c.d2h_bytes, c.h2d_bytes]
+                                   for c in graph.collectives])
     peaks = []
     for step in range(STEPS):
         torch.manual_seed(1000 + step)
@@ -158,6 +160,7 @@ def run_case(rank: int, world: int, port: int, kind: str, wrapping: str, variant
             unwrapped = ss.profile(model, _batch(kind, vocab, 0, 0), loss_fn, warmup=1, repeat=1)
             out["unwrapped_saved_bytes"] = sorted(int(unwrapped.tensor_bytes[t])
                                                   for t in unwrapped.saved)
+            out["parameter_bytes"] = sum(p.numel() * p.element_size() for p in model.parameters())
     except Exception:  # noqa: BLE001 - reported to the parent
         out["error"] = traceback.format_exc()
     finally:

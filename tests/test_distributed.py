@@ -74,6 +74,17 @@ def test_plans_train_every_rank_bit_identically(kind, wrapping, tmp_path):
     assert ranks[0]["heuristic"]["saved_bytes"] == ranks[0]["unwrapped_saved_bytes"]
     if wrapping == "fsdp-reshard":  # reruns stay inside their unit, and there are some
         assert ranks[0]["heuristic"]["recomputed"] + ranks[0]["random"]["recomputed"] > 0
+    # the profiled graph carries FSDP's traffic: every unit's all-gather receives half (2 ranks)
+    # of its parameters, and its reduce-scatter sends as much; in backward again when resharding
+    collectives = ranks[0]["heuristic"]["collectives"]
+    if wrapping == "ddp":
+        assert collectives == []
+    else:
+        gathered = sum(h2d for name, phase, _, h2d in collectives if phase == "forward")
+        scattered = sum(d2h for name, phase, d2h, _ in collectives if phase == "backward")
+        assert gathered == scattered == ranks[0]["parameter_bytes"] // 2
+        again = [name for name, phase, _, h2d in collectives if phase == "backward" and h2d]
+        assert bool(again) == (wrapping == "fsdp-reshard")
 
 
 @pytest.mark.parametrize("fault,message", [("shapes", "rank 1 traced another step"),
