@@ -151,8 +151,8 @@ def test_bad_graph_and_plan_text_gets_named_errors(text, message):
 
 def test_unknown_options_are_refused_by_name():
     g = chain([100] * 4)
-    with pytest.raises(ValueError, match="takes no option.*allowed"):
-        ss.solve(g, 0.8, LINK, solver="heuristic", allowed=("keep", "recompute"))
+    with pytest.raises(ValueError, match="takes no option.*alowed"):
+        ss.solve(g, 0.8, LINK, solver="heuristic", alowed=("keep", "recompute"))  # a typo
     if EXACT:
         with pytest.raises(ValueError, match="takes no option.*gapp"):
             ss.solve(g, 0.8, LINK, solver=EXACT[0], gapp=0.0)

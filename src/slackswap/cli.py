@@ -45,7 +45,8 @@ def cmd_solve(args) -> int:
     hw = hardware(args.hardware)
     g = _graph(args.graph, hw)
     with _Spinner(f"solving {g.name} with {args.solver}"):
-        plan = solve(g, _budget(args.budget), hw, solver=args.solver, time_limit_s=args.time_limit)
+        plan = solve(g, _budget(args.budget), hw, solver=args.solver, time_limit_s=args.time_limit,
+                     allowed=args.allowed)
     sim = simulate(g, plan)
     print(f"{g.name}: {plan.count('keep')} keep, {plan.count('swap')} swap, "
           f"{plan.count('recompute')} recompute; status {plan.info.status}, gap "
@@ -67,7 +68,8 @@ def cmd_compare(args) -> int:
     rows = []
     with _Progress(len(solvers), "solvers") as bar:
         for s in solvers:
-            rows.extend(compare(g, _budget(args.budget), hw, solvers=(s,), time_limit_s=args.time_limit))
+            rows.extend(compare(g, _budget(args.budget), hw, solvers=(s,),
+                                time_limit_s=args.time_limit, allowed=args.allowed))
             bar.update(1)
     print(f"{'solver':<14} {'status':<10} {'retention':>9} {'step ms':>9} {'peak GiB':>9} "
           f"{'stall ms':>9} {'solve s':>8} {'gap':>8}")
@@ -252,6 +254,8 @@ def build_parser() -> argparse.ArgumentParser:
         if budget:
             p.add_argument("--budget", required=True, help="fraction of the keep-all peak (0.5), bytes, or 12GiB")
         p.add_argument("--time-limit", type=float, default=60.0, help="seconds per exact solve")
+        p.add_argument("--allowed", default=None,
+                       help="decisions plans may use, e.g. keep,recompute (default: all three)")
 
     p = sub.add_parser("solve", help="plan one graph or workload")
     p.add_argument("graph", help="graph JSON file or workload name")

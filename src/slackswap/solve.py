@@ -11,17 +11,20 @@ from __future__ import annotations
 import math
 import numbers
 import time
+from collections.abc import Mapping
+from dataclasses import replace
 from typing import Any
 
 from .check.simulate import SimResult, simulate
 from .check.validate import validate
 from .core.budget import min_budget, parse_budget
 from .core.complete import close
-from .core.errors import InfeasibleBudget
+from .core.errors import InfeasibleBudget, PlanError
 from .core.graph import ActivationGraph
 from .core.hardware import Hardware
 from .core.hardware import hardware as get_hardware
 from .core.plan import Plan
+from .core.restrict import decision_mask, first_forbidden, parse_allowed, restricted
 from .planners.base import Problem, get_planner, register_solver, solver_names
 
 __all__ = ["DEFAULT_SOLVER", "RESULT_FIELDS", "compare", "register_solver", "result_row", "solve",
@@ -32,13 +35,19 @@ DEFAULT_SOLVER = "cpsat"
 
 def solve(graph: ActivationGraph, budget: float | int | str, hardware: Hardware | str = "a100-80gb-pcie4",
           solver: str = DEFAULT_SOLVER, time_limit_s: float | None = None, *,
-          strict: bool = True, **options: Any) -> Plan:
+          strict: bool = True, allowed=None, pins: Mapping[str, str] | None = None,
+          **options: Any) -> Plan:
     """The best plan ``solver`` finds for ``graph`` under ``budget`` on ``hardware``, closed:
     every copy and rebuild position and the hardware travel with it.
 
     budget: a fraction of the keep-all peak in (0, 1], bytes (int), or a string ("12GiB", "50%").
     Raises InfeasibleBudget (with ``min_budget_bytes``) when no plan can fit, or when the solver's
     plan does not fit and ``strict`` is true.
+
+    allowed: the decisions plans may use ("keep", "swap", "recompute"; default all three), e.g.
+    ``("keep", "recompute")`` where there is no host to swap to. pins: one decision for named
+    tensors. Both are honoured by every planner and the LP bound, recorded in the plan, and
+    checked by ``validate``; a solver that cannot honour them is refused by name.
     """
     hw = get_hardware(hardware)
     if not isinstance(graph, ActivationGraph):
@@ -51,7 +60,13 @@ def solve(graph: ActivationGraph, budget: float | int | str, hardware: Hardware 
             f"graph {graph.name!r} cannot fit {budget_bytes} bytes: even with every saved tensor "
             f"offloaded it needs {floor} bytes",
             min_budget_bytes=floor, budget_bytes=budget_bytes)
+    mask = None
+    if allowed is not None or pins:
+        mask = decision_mask(graph, allowed, pins)
     planner = get_planner(solver)
+    if restricted(mask, graph) and not getattr(planner, "honours_restrictions", False):
+        raise PlanError(f"solve: solver {solver!r} cannot honour allowed="
+                        f"{parse_allowed(allowed)} and pins; use heuristic, cpsat, cbc or highs")
     accepted = getattr(planner, "options", None)
     if accepted is not None:
         unknown = sorted(set(options) - set(accepted))
@@ -59,8 +74,16 @@ def solve(graph: ActivationGraph, budget: float | int | str, hardware: Hardware 
             raise ValueError(f"solve: solver {solver!r} takes no option(s) {', '.join(unknown)}; "
                              f"it takes: {', '.join(sorted(accepted)) or 'none'}")
     start = time.perf_counter()
-    solution = planner.solve(Problem(graph, hw, budget_bytes), time_limit_s=time_limit_s, **options)
+    solution = planner.solve(Problem(graph, hw, budget_bytes, mask), time_limit_s=time_limit_s,
+                             **options)
+    forbidden = first_forbidden(graph, solution.codes, mask)
+    if forbidden is not None:
+        raise PlanError(f"solve: solver {solver!r} does not honour allowed={parse_allowed(allowed)} "
+                        f"and pins ({forbidden}); use heuristic, cpsat, cbc or highs")
     plan = close(graph, solution.codes, solution.schedule, hw, budget_bytes, solution.info)
+    if mask is not None:
+        plan = replace(plan, extra={**plan.extra, "allowed": list(parse_allowed(allowed)),
+                                    "pins": dict(pins or {})})
     if not plan.info.wall_s:
         plan = plan.with_info(wall_s=time.perf_counter() - start)
     sim = simulate(graph, plan)
@@ -113,9 +136,11 @@ def infeasible_row(solver: str, exc: InfeasibleBudget, **context: Any) -> dict[s
 
 def compare(graph: ActivationGraph, budget: float | int | str, hardware: Hardware | str = "a100-80gb-pcie4",
             solvers: tuple[str, ...] = ("heuristic", "cpsat", "cbc", "highs"),
-            time_limit_s: float | None = None, **options: Any) -> list[dict[str, Any]]:
+            time_limit_s: float | None = None, allowed=None,
+            pins: Mapping[str, str] | None = None, **options: Any) -> list[dict[str, Any]]:
     """One row per solver (:func:`result_row`): retention, step time, peak, stall, solve time,
-    status, gap. Each option goes to the solvers that take it; one that none takes is refused."""
+    status, gap. Each option goes to the solvers that take it; one that none takes is refused.
+    ``allowed`` and ``pins`` go to every solver (see :func:`solve`)."""
     hw = get_hardware(hardware)
     accepted = {name: getattr(get_planner(name), "options", None) for name in solvers}
     known = set().union(*(a or set(options) for a in accepted.values())) if accepted else set()
@@ -124,12 +149,17 @@ def compare(graph: ActivationGraph, budget: float | int | str, hardware: Hardwar
         raise ValueError(f"compare: no solver of {', '.join(solvers)} takes option(s) "
                          f"{', '.join(unknown)}")
     rows = []
+    if allowed is not None or pins:  # the planners that cannot honour a restriction sit out
+        mask = decision_mask(graph, allowed, pins)
+        if restricted(mask, graph):
+            solvers = tuple(n for n in solvers
+                            if getattr(get_planner(n), "honours_restrictions", False))
     for name in solvers:
         mine = options if accepted[name] is None else {
             k: v for k, v in options.items() if k in accepted[name]}
         try:
             plan = solve(graph, budget, hw, solver=name, time_limit_s=time_limit_s,
-                         strict=False, **mine)
+                         strict=False, allowed=allowed, pins=pins, **mine)
         except InfeasibleBudget as exc:
             rows.append(infeasible_row(name, exc))
             continue

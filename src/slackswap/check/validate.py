@@ -89,7 +89,7 @@ def validate(graph: ActivationGraph, plan: Plan, hw: Hardware | str | None = Non
     except PlanError as exc:
         return Validation(False, (Violation("plan", str(exc)),), 0, limit)
     walk = step.walk(decisions, plan)
-    violations = list(walk.violations)
+    violations = list(walk.violations) + _restrictions(plan)
     if walk.points is None:  # the schedule could not be walked at all
         return Validation(False, tuple(violations), 0, limit)
     peak, over = step.memory(walk, limit)
@@ -102,6 +102,25 @@ def validate(graph: ActivationGraph, plan: Plan, hw: Hardware | str | None = Non
         violations.append(Violation(
             "claim", f"plan claims a step time of {claimed!r} s; its schedule gives {step_time!r} s"))
     return Validation(not violations, tuple(violations), peak, limit, step_time, stall, recompute)
+
+
+def _restrictions(plan: Plan) -> list[Violation]:
+    """The decisions the plan says it was restricted to (``allowed``, ``pins`` in its extras),
+    checked against its decisions."""
+    out: list[Violation] = []
+    allowed = plan.extra.get("allowed")
+    if allowed is not None:
+        for name, decision in plan.decisions.items():
+            if decision not in allowed:
+                out.append(Violation("restriction", f"restriction: tensor {name!r} is "
+                                     f"{decision!r}, but the plan allows only {list(allowed)}",
+                                     tensor=name))
+    for name, decision in (plan.extra.get("pins") or {}).items():
+        if plan.decisions.get(name) != decision:
+            out.append(Violation("restriction", f"restriction: tensor {name!r} is pinned to "
+                                 f"{decision!r} but the plan makes it "
+                                 f"{plan.decisions.get(name)!r}", tensor=name))
+    return out
 
 
 @dataclass

@@ -22,11 +22,17 @@ from ..core.plan import Schedule, SolveInfo
 
 @dataclass(frozen=True)
 class Problem:
-    """What every planner solves: a graph, the hardware, a budget in bytes."""
+    """What every planner solves: a graph, the hardware, a budget in bytes, and which decisions
+    each tensor may take (``mask``: tensors x (keep, swap, recompute); None: all the graph
+    allows; core/restrict.py)."""
 
     graph: ActivationGraph
     hardware: Hardware
     budget_bytes: int
+    mask: np.ndarray | None = None
+
+    def may(self, t: int, code: int) -> bool:
+        return self.mask is None or bool(self.mask[t, code])
 
 
 @dataclass(frozen=True)

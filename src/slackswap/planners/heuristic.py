@@ -27,6 +27,7 @@ import numpy as np
 from ..core.graph import ActivationGraph
 from ..core.hardware import Hardware
 from ..core.plan import KEEP, RECOMPUTE, SWAP, SolveInfo
+from ..core.restrict import first_forbidden
 from ..core.stepmodel import expand, keep_all_codes, nominal_slot_times
 from .base import Problem, Solution
 from .baselines import rebuild_cost, swap_all_codes
@@ -71,15 +72,34 @@ def hideable_swaps(graph: ActivationGraph, hw: Hardware, order: np.ndarray) -> n
     return np.array(chosen, dtype=np.int64)
 
 
+def most_offloaded(graph: ActivationGraph, mask: np.ndarray | None) -> np.ndarray:
+    """Every saved tensor swapped where it may be, else recomputed, else kept."""
+    codes = swap_all_codes(graph)
+    if mask is None:
+        return codes
+    for t in graph.saved:
+        codes[t] = SWAP if mask[t, SWAP] else RECOMPUTE if mask[t, RECOMPUTE] else KEEP
+    return codes
+
+
 def heuristic_codes(graph: ActivationGraph, hw: Hardware, budget: int,
-                    allow_chains: bool = True) -> tuple[np.ndarray, dict]:
-    """The heuristic's decisions and a few counters describing how it got there."""
+                    allow_chains: bool = True, mask: np.ndarray | None = None
+                    ) -> tuple[np.ndarray, dict]:
+    """The heuristic's decisions and a few counters describing how it got there. ``mask``:
+    the decisions each tensor may take (core/restrict.py); None: all."""
     saved = graph.saved
     nbytes = graph.tensor_bytes
     cost = rebuild_cost(graph)
-    per_byte = np.where(graph.can_recompute, cost / np.maximum(nbytes, 1), np.inf)
+    may_recompute = graph.can_recompute if mask is None else mask[:, RECOMPUTE]
+    may_swap = graph.is_saved if mask is None else mask[:, SWAP]
+    per_byte = np.where(may_recompute, cost / np.maximum(nbytes, 1), np.inf)
     codes = keep_all_codes(graph)
+    if mask is not None:  # a tensor that may not stay starts where it must go
+        for t in saved:
+            if not mask[t, KEEP]:
+                codes[t] = SWAP if mask[t, SWAP] else RECOMPUTE
     dearest = saved[np.argsort(-per_byte[saved], kind="stable")]
+    dearest = dearest[may_swap[dearest] & (codes[dearest] == KEEP)]
     swaps = hideable_swaps(graph, hw, dearest)
     codes[swaps] = SWAP
     stats = {"hidden_swaps": int(swaps.size), "recomputed": 0, "exposed_swaps": 0, "repairs": 0}
@@ -114,6 +134,8 @@ def heuristic_codes(graph: ActivationGraph, hw: Hardware, budget: int,
         if over[s] <= 0:
             break
         removable = saved[(codes[saved] == KEEP) & (last_fwd[saved] < s) & (u_slot[saved] > s)]
+        if mask is not None:
+            removable = removable[mask[removable, SWAP] | mask[removable, RECOMPUTE]]
         moved = False
         for chains in (False, True):
             for t in removable[np.argsort(per_byte[removable], kind="stable")]:
@@ -130,6 +152,8 @@ def heuristic_codes(graph: ActivationGraph, hw: Hardware, budget: int,
                 break
         if slot_mem[s] > budget and not moved:
             for t in removable[np.argsort(-nbytes[removable], kind="stable")]:
+                if not may_swap[t]:
+                    continue
                 if slot_mem[s] <= budget:
                     break
                 codes[t] = SWAP
@@ -148,17 +172,19 @@ def heuristic_codes(graph: ActivationGraph, hw: Hardware, budget: int,
         p = int(over_points[np.argmax(mem[over_points])])
         live = exp.iv_tensor[(exp.iv_start <= p) & (exp.iv_end >= p)]
         live = np.unique(live[graph.is_saved[live] & (codes[live] != SWAP)])
+        live = live[may_swap[live]]
         if live.size == 0:
             break
         excess = mem[p] - budget
         for t in live[np.argsort(-nbytes[live], kind="stable")]:
             for m in members(int(t)):
-                codes[m] = SWAP
+                if may_swap[m]:
+                    codes[m] = SWAP
             excess -= nbytes[t]
             if excess <= 0:
                 break
-    stats["fallback"] = "swap-all"
-    return swap_all_codes(graph), stats
+    stats["fallback"] = "swap-all" if mask is None else "most offloaded allowed"
+    return most_offloaded(graph, mask), stats
 
 
 def _best_of(graph: ActivationGraph, hw: Hardware, budget: int, candidates) -> np.ndarray:
@@ -176,6 +202,7 @@ def _best_of(graph: ActivationGraph, hw: Hardware, budget: int, candidates) -> n
 class SlackSwapHeuristic:
     name = "heuristic"
     options: frozenset[str] = frozenset()
+    honours_restrictions = True  # Problem.mask (allowed=, pins=)
 
     def is_available(self) -> bool:
         return True
@@ -185,10 +212,12 @@ class SlackSwapHeuristic:
 
         start = time.perf_counter()
         g, hw, budget = problem.graph, problem.hardware, problem.budget_bytes
-        codes, stats = heuristic_codes(g, hw, budget)
+        codes, stats = heuristic_codes(g, hw, budget, mask=problem.mask)
         # never worse than a baseline that fits (cheap insurance on unusual graphs)
-        chosen = _best_of(g, hw, budget, [codes, keep_all_codes(g), recompute_all_codes(g),
-                                           swap_all_codes(g)])
+        baselines = [keep_all_codes(g), recompute_all_codes(g), swap_all_codes(g)]
+        if problem.mask is not None:
+            baselines = [b for b in baselines if first_forbidden(g, b, problem.mask) is None]
+        chosen = _best_of(g, hw, budget, [codes, *baselines])
         if chosen is not codes:
             stats["replaced_by_baseline"] = True
             codes = chosen

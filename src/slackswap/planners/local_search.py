@@ -83,8 +83,10 @@ def _keeping_fits(sim: SimResult, gaps: dict, t: int, nbytes: int, budget: int) 
 
 
 def improve(graph: ActivationGraph, hw: Hardware, budget: int, codes: np.ndarray,
-            time_limit_s: float = 5.0, max_work: int | None = None) -> SearchResult:
+            time_limit_s: float = 5.0, max_work: int | None = None,
+            mask: np.ndarray | None = None) -> SearchResult:
     """Descent from ``codes`` until no single move improves; never worse than the start.
+    ``mask``: the decisions each tensor may take (moves to others are never tried).
 
     ``max_work`` bounds the positions simulated in all (each evaluation simulates the step's
     ``2n`` positions): a limit on work, the same on any machine, so the same start gives the same
@@ -104,6 +106,8 @@ def improve(graph: ActivationGraph, hw: Hardware, budget: int, codes: np.ndarray
 
     def trial_of(t: int, target: int) -> np.ndarray | None:
         members = units[t] if RECOMPUTE in (target, int(codes[t])) else (t,)
+        if mask is not None and not all(mask[m, target] for m in members):
+            return None
         if target == RECOMPUTE and not all(can_recompute[m] for m in members):
             return None
         if target == KEEP and not all(_keeping_fits(best_sim, gaps, m, int(nbytes[m]), budget)

@@ -185,7 +185,8 @@ def lp_bound(graph: ActivationGraph, budget, hw: Hardware | str, *, integral: bo
              time_limit_s: float | None = None, gap: float = 1e-4, producer_delay: bool = True,
              improving_solutions: int | None = None, max_iterations: int | None = None,
              gap_on_step: bool = True, kill_after_s: float | None = None,
-             max_nodes: int | None = None) -> LPBound:
+             max_nodes: int | None = None, allowed=None, pins=None,
+             mask: np.ndarray | None = None) -> LPBound:
     """Upper bound on the retention of any plan for ``graph`` within ``budget`` on ``hw``.
 
     integral: make the keep/swap/recompute fractions binary and solve the MILP (HiGHS) for at
@@ -194,6 +195,9 @@ def lp_bound(graph: ActivationGraph, budget, hw: Hardware | str, *, integral: bo
     a plan, whose schedule the relaxation does not model (formulations/lp-bound.md).
     producer_delay=False lets a tensor start to leave the instant it exists: a looser relaxation
     whose integral decisions are another starting point for a plan.
+
+    ``allowed``, ``pins`` (as for ``solve``) or a ready ``mask``: the bound of the restricted
+    problem, where a decision a tensor may not take has fraction 0.
 
     ``gap_on_step``: the integral relaxation stops once its gap is ``gap`` of the whole step
     (False: of the extra time alone, HiGHS's own measure, which runs much longer).
@@ -233,10 +237,18 @@ def lp_bound(graph: ActivationGraph, budget, hw: Hardware | str, *, integral: bo
     K = lp.vars(m, ub=1.0)
     W = lp.vars(m, ub=1.0)  # swap
     R = lp.vars(m, ub=1.0)
+    if mask is None and (allowed is not None or pins):
+        from ..core.restrict import decision_mask
+
+        mask = decision_mask(graph, allowed, pins)
     for i, t in enumerate(saved):
         lp.eq([K[i], W[i], R[i]], [1, 1, 1], 1.0)
         if not graph.can_recompute[t]:
             lp.ub[R[i]] = 0.0
+        if mask is not None:
+            for var, code in ((K[i], 0), (W[i], 1), (R[i], 2)):
+                if not mask[t, code]:
+                    lp.ub[var] = 0.0
     column = {int(t): i for i, t in enumerate(saved)}
     for group in graph.rng_groups.values():
         members = [column[t] for t in group]

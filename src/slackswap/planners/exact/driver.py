@@ -108,6 +108,7 @@ class ExactBackend:
     return (status, value function or None, objective units, bound units)."""
 
     name = "exact"
+    honours_restrictions = True  # Problem.mask: fixed in the MILP, the bound and every start
     options = frozenset({"seed", "workers", "warm_start", "full", "strategy", "polish", "gap",
                          "log", "linearization_level", "deterministic"})
 
@@ -137,7 +138,7 @@ class ExactBackend:
         g, hw, budget = problem.graph, problem.hardware, problem.budget_bytes
         gap_target = float(options.get("gap", 1e-3))
         if left() > 2 * LP_S_PER_SLOT * g.n_slots:
-            lp = lp_bound(g, budget, hw, time_limit_s=max(0.01, 0.5 * left()))
+            lp = lp_bound(g, budget, hw, time_limit_s=max(0.01, 0.5 * left()), mask=problem.mask)
         else:  # no time to build it: no bound, and no proof
             lp = _skipped_bound(g, budget)
         lp_s = lp.step_time_s if lp.status == "optimal" else None
@@ -185,7 +186,8 @@ class ExactBackend:
             clock_stopped.append("milp_skipped")
             return self._fallback(ws, bound_s, warm_time, "timeout", start, {
                 **base_extra, "reason": "no time left for the MILP"})
-        f = formulate(g, hw, budget, full=full, hint=hint, extra_candidates=extra)
+        f = formulate(g, hw, budget, full=full, hint=hint, extra_candidates=extra,
+                      mask=problem.mask)
         if warm_start:
             from .hint import complete_hint
 

@@ -143,7 +143,7 @@ def _candidates(graph: ActivationGraph, hw: Hardware, full: bool, extra=None,
 
 
 def formulate(graph: ActivationGraph, hw: Hardware, budget_bytes: int, *, full: bool | None = None,
-              hint=None, extra_candidates=None, cuts: bool = True) -> Formulation:
+              hint=None, extra_candidates=None, cuts: bool = True, mask=None) -> Formulation:
     """The MILP for ``graph`` under ``budget_bytes``. ``full``: every candidate position (exact
     over all schedules; default for graphs of at most 16 ops), else windows (Section "Candidates").
     ``hint``: (codes, free, issue, rebuild) of a known plan, added to the candidates and hinted."""
@@ -188,6 +188,10 @@ def formulate(graph: ActivationGraph, hw: Hardware, budget_bytes: int, *, full: 
         f.swap[t] = m.binary(f"swap[{name}]")
         f.recompute[t] = m.binary(f"recompute[{name}]")
         m.eq(f"one_decision[{name}]", [(f.keep[t], 1), (f.swap[t], 1), (f.recompute[t], 1)], 1)
+        if mask is not None:  # allowed= and pins= (allowed_decision)
+            for var, code in ((f.keep[t], 0), (f.swap[t], 1), (f.recompute[t], 2)):
+                if not mask[t, code]:
+                    m.eq(f"allowed_decision[{name},{code}]", [(var, 1)], 0)
         f.free_after[t] = {k: m.binary(f"free_after[{name},{k}]") for k in F[t]}
         f.issue_at[t] = {k: m.binary(f"issue_at[{name},{k}]") for k in G[t]}
         f.rebuild_at[t] = {k: m.binary(f"rebuild_at[{name},{k}]") for k in RC[t]}

@@ -129,7 +129,7 @@ def warm_start(problem: Problem, polish: bool = True, bound_s: float | None = No
             return None
         planning_hw = hw if lanes == 1.0 else hw.with_link(
             d2h_bytes_per_s=hw.d2h_bytes_per_s * lanes, h2d_bytes_per_s=hw.h2d_bytes_per_s * lanes)
-        relaxation = lp_bound(g, budget, planning_hw, integral=True,
+        relaxation = lp_bound(g, budget, planning_hw, integral=True, mask=problem.mask,
                               time_limit_s=max(0.1, min(relax_cap_s, 0.6 * left())),
                               gap=RELAXATION_GAP, improving_solutions=relax_solutions,
                               producer_delay=tight, gap_on_step=False,
@@ -172,7 +172,8 @@ def warm_start(problem: Problem, polish: bool = True, bound_s: float | None = No
         if proven():
             continue
         cap = left() if search_cap_s is None else min(left(), search_cap_s - searched)
-        result = improve(g, hw, budget, codes, time_limit_s=max(0.0, cap), max_work=work_left)
+        result = improve(g, hw, budget, codes, time_limit_s=max(0.0, cap), max_work=work_left,
+                         mask=problem.mask)
         searched += result.wall_s
         if work_left is not None:
             work_left -= result.work

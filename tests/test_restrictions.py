@@ -1,0 +1,117 @@
+"""allowed= and pins=: restricted decisions, honoured by every planner that takes them and by the
+LP bound, recorded in the plan and checked by the independent checker; the rest refuse."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from helpers import LINK, graph, op, random_graphs, tensor
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
+
+import slackswap as ss
+from slackswap.cli import main as cli_main
+
+SUBSETS = [("keep",), ("swap",), ("keep", "swap"), ("keep", "recompute"), ("swap", "recompute"),
+           ("keep", "swap", "recompute")]
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+@given(g=random_graphs(max_ops=6), allowed=st.sampled_from(SUBSETS), data=st.data())
+def test_restricted_plans_never_use_a_forbidden_decision_nor_beat_their_bound(g, allowed, data):
+    saved = [g.tensors[int(t)].name for t in g.saved]
+    pinned = data.draw(st.lists(st.sampled_from(saved), max_size=2, unique=True)) if saved else []
+    pins = {name: data.draw(st.sampled_from(allowed)) for name in pinned}
+    try:
+        mask = ss.core.restrict.decision_mask(g, allowed, pins)
+    except ss.PlanError:
+        return  # a pin the graph forbids (recompute of a tensor that cannot be rebuilt): refused
+    budget = data.draw(st.integers(ss.min_budget(g, LINK), ss.keep_all_peak(g, LINK)))
+    bound = ss.lp_bound(g, budget, LINK, allowed=allowed, pins=pins)
+    for solver in ("heuristic", "cpsat"):
+        try:
+            plan = ss.solve(g, budget, LINK, solver=solver, time_limit_s=5, allowed=allowed,
+                            pins=pins)
+        except ss.InfeasibleBudget:
+            continue  # the restriction leaves no plan within this budget
+        for name, decision in plan.decisions.items():
+            assert decision in allowed
+            assert mask[g.tensor_index[name], ("keep", "swap", "recompute").index(decision)]
+        for name, decision in pins.items():
+            assert plan.decisions[name] == decision
+        check = ss.validate(g, plan)
+        assert check.ok, check.violations
+        if bound.status == "optimal":
+            assert bound.step_time_s <= check.step_time_s * (1 + 1e-6) + 1e-12
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=list(HealthCheck))
+@given(g=random_graphs(max_ops=5), data=st.data())
+def test_allowing_more_decisions_never_makes_the_proven_exact_plan_worse(g, data):
+    budget = data.draw(st.integers(ss.min_budget(g, LINK), ss.keep_all_peak(g, LINK)))
+    full = ss.solve(g, budget, LINK, solver="cpsat", time_limit_s=10)
+    for allowed in (("keep", "swap"), ("keep", "recompute")):
+        try:
+            less = ss.solve(g, budget, LINK, solver="cpsat", time_limit_s=10, allowed=allowed)
+        except ss.InfeasibleBudget:
+            continue
+        assume(full.info.status == "optimal")
+        # both within 0.1% of their proven bounds: the restricted optimum is never better
+        assert full.info.predicted_step_time_s <= less.info.predicted_step_time_s * (1 + 1e-3)
+
+
+def chain():
+    """a -> x -> b -> y -> c; x and y saved; every op rebuildable."""
+    return graph([op("a", 1, 1, [], ["x"]), op("b", 1, 1, ["x"], ["y"]),
+                  op("c", 1, 1, ["y"], ["z"])],
+                 [tensor("x", 100, ["b"]), tensor("y", 100, ["c"]), tensor("z", 1)])
+
+
+def test_recompute_only_plans_and_pins_travel_with_the_plan():
+    g = chain()
+    plan = ss.solve(g, ss.min_budget(g, LINK), LINK, solver="cpsat", time_limit_s=5,
+                    allowed=("keep", "recompute"), pins={"y": "keep"})
+    assert plan.decisions["y"] == "keep" and "swap" not in plan.decisions.values()
+    again = ss.load_plan(plan.to_json())
+    assert again.extra["allowed"] == ["keep", "recompute"] and again.extra["pins"] == {"y": "keep"}
+    assert ss.validate(g, again).ok
+
+
+def test_the_checker_flags_a_plan_that_breaks_its_own_restrictions():
+    g = chain()
+    plan = ss.solve(g, ss.keep_all_peak(g, LINK), LINK, solver="heuristic",
+                    allowed=("keep", "swap"), pins={"x": "keep"})
+    tampered = dataclasses.replace(plan, extra={**plan.extra, "allowed": ["swap"],
+                                                "pins": {"x": "swap"}})
+    kinds = [v.kind for v in ss.validate(g, tampered).violations]
+    assert kinds.count("restriction") == 3  # x and y kept where only swap is allowed; x's pin
+
+
+def test_bad_restrictions_are_refused_by_name():
+    g = chain()
+    with pytest.raises(ValueError, match="unknown decision.*'offload'"):
+        ss.solve(g, 1.0, LINK, allowed=("keep", "offload"))
+    with pytest.raises(ValueError, match="at least one"):
+        ss.solve(g, 1.0, LINK, allowed=())
+    with pytest.raises(ss.PlanError, match="pins: tensor 'nope' is not a saved tensor"):
+        ss.solve(g, 1.0, LINK, pins={"nope": "keep"})
+    with pytest.raises(ss.PlanError, match="pinned to 'swap', which allowed="):
+        ss.solve(g, 1.0, LINK, allowed=("keep",), pins={"x": "swap"})
+    with pytest.raises(ss.PlanError, match="solver 'swap-all' cannot honour"):
+        ss.solve(g, 1.0, LINK, solver="swap-all", allowed=("keep", "recompute"))
+    rows = ss.compare(g, 1.0, LINK, solvers=("heuristic", "swap-all"),
+                      allowed=("keep", "recompute"))
+    assert [r["solver"] for r in rows] == ["heuristic"]  # the baseline cannot honour it
+
+
+def test_cli_allowed(tmp_path, capsys):
+    path = tmp_path / "g.json"
+    path.write_text(chain().to_json())
+    out = tmp_path / "plan.json"
+    assert cli_main(["solve", str(path), "--budget", "1.0", "--hardware", "cpu", "--solver",
+                     "heuristic", "--allowed", "keep,recompute", "--out", str(out)]) == 0
+    assert "swap" not in ss.load_plan(out).decisions.values()
+    assert cli_main(["solve", str(path), "--budget", "1.0", "--allowed", "keep,fly"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "'fly'" in err[0]
