@@ -115,3 +115,15 @@ def test_cli_allowed(tmp_path, capsys):
     assert cli_main(["solve", str(path), "--budget", "1.0", "--allowed", "keep,fly"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "'fly'" in err[0]
+
+
+def test_the_lp_bound_sees_link_latency():
+    """A link whose every copy takes 10 s cannot hide a swap in a sub-second step: its bound is
+    the recompute-only bound (before, lanes were bandwidth alone and the bound ignored it)."""
+    hw = ss.hardware("a100-80gb-pcie4")
+    g = ss.workload("bert-large", hw)
+    slow = ss.lp_bound(g, 0.5, hw.with_link(latency_s=10.0))
+    recompute_only = ss.lp_bound(g, 0.5, hw, allowed=("keep", "recompute"))
+    fast = ss.lp_bound(g, 0.5, hw)
+    assert slow.step_time_s == pytest.approx(recompute_only.step_time_s, rel=1e-4)
+    assert fast.step_time_s < recompute_only.step_time_s

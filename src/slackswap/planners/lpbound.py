@@ -324,24 +324,28 @@ def lp_bound(graph: ActivationGraph, budget, hw: Hardware | str, *, integral: bo
         lp.le([Qp[k], dep[k], M[k]], [1, -1, -1], 0.0)
         lp.le([F[k], M[k]], [1, -1], 0.0)
         lp.le([G[k], M[k], A[k]], [1, 1, 1], budget_bytes / bu - unsaved_mem[k] - ws[k])
-    if hw.collectives_on_link and graph.collectives:
-        # collectives share the lanes (step-model.md, "Collectives on the copy lanes"): every
-        # lane's work, the activation copies and the collectives, is done before the optimizer
-        # runs, so it fits in the step's compute, stall and rerun time (latency left out: a
-        # relaxation); the wait for the lanes at the end is a stall of its own
-        tail = lp.vars(1, cost=1.0)
-        coll_d = sum(c.d2h_bytes for c in graph.collectives) / bu
-        coll_h = sum(c.h2d_bytes for c in graph.collectives) / bu
-        moved = [float(nbytes[t]) for t in saved]
-        clock = list(sigma) + list(E) + list(tail)
-        total = float(dur.sum())
+    # every copy is done within the step: each lane's work (the swapped tensors' copies with
+    # their latency, and collectives that share the link) fits in the step's compute, stall and
+    # rerun time, plus, with collectives, a final wait (the optimizer waits for the last one).
+    # Latency per copy is what a fluid lane does not see: with it the bound sees a slow link.
+    charged = bool(hw.collectives_on_link and graph.collectives)
+    tail = lp.vars(1, cost=1.0) if charged else np.array([], dtype=int)
+    coll_d = sum(c.d2h_bytes for c in graph.collectives) / bu if charged else 0.0
+    coll_h = sum(c.h2d_bytes for c in graph.collectives) / bu if charged else 0.0
+    lat = hw.latency_s / tu
+    moved = [float(nbytes[t]) for t in saved]
+    clock = list(sigma) + list(E) + list(tail)
+    total = float(dur.sum())
+    if m:
         if hw.duplex:
             for bw, coll in ((bw_d, coll_d), (bw_h, coll_h)):
-                lp.le(list(W) + clock, [b / bw for b in moved] + [-1.0] * len(clock),
+                lp.le(list(W) + clock, [b / bw + lat for b in moved] + [-1.0] * len(clock),
                       total - coll / bw)
         else:
-            lp.le(list(W) + clock, [b / bw_d + b / bw_h for b in moved] + [-1.0] * len(clock),
+            lp.le(list(W) + clock,
+                  [b / bw_d + b / bw_h + 2 * lat for b in moved] + [-1.0] * len(clock),
                   total - coll_d / bw_d - coll_h / bw_h)
+    if charged:
         # a collective enters its lane when its position is reached and the lane is serial:
         # the collectives issued at or after position k all fit in the time from k to the end,
         # left[k] = sigma[k] + dur[k] + E[k] + left[k+1], left[S] = tail
