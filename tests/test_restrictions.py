@@ -127,3 +127,19 @@ def test_the_lp_bound_sees_link_latency():
     fast = ss.lp_bound(g, 0.5, hw)
     assert slow.step_time_s == pytest.approx(recompute_only.step_time_s, rel=1e-4)
     assert fast.step_time_s < recompute_only.step_time_s
+
+
+def test_overhead_gap_is_the_gap_on_what_the_user_pays():
+    from slackswap.solve import overhead_gap
+
+    # step 1.10 s, ideal 1.00 s, bound 1.09 s: 0.01 s left to prove of 0.10 s of overhead
+    assert overhead_gap(1.10, 1.00, 1.09) == pytest.approx(0.1)
+    # no overhead at all: measured against 1e-5 of the step, so a proven plan reads 0
+    assert overhead_gap(2.0, 2.0, 2.0) == 0.0
+    assert overhead_gap(2.0, 2.0, None) is None
+    g = chain()
+    plan = ss.solve(g, ss.min_budget(g, LINK), LINK, solver="cpsat", time_limit_s=5)
+    step, ideal = plan.info.predicted_step_time_s, g.ideal_step_time_s
+    assert plan.info.overhead_gap == pytest.approx(
+        (step - plan.info.bound) / max(step - ideal, 1e-5 * step))
+    assert ss.load_plan(plan.to_json()).info.overhead_gap == plan.info.overhead_gap

@@ -87,7 +87,9 @@ def solve(graph: ActivationGraph, budget: float | int | str, hardware: Hardware 
     if not plan.info.wall_s:
         plan = plan.with_info(wall_s=time.perf_counter() - start)
     sim = simulate(graph, plan)
-    plan = plan.with_info(predicted_step_time_s=sim.step_time_s)
+    plan = plan.with_info(predicted_step_time_s=sim.step_time_s,
+                          overhead_gap=overhead_gap(sim.step_time_s, graph.ideal_step_time_s,
+                                                    plan.info.bound))
     check = validate(graph, plan)
     if strict and not check.ok:
         raise InfeasibleBudget(
@@ -108,7 +110,8 @@ def check_time_limit(time_limit_s: float | None) -> float | None:
 
 # one row schema for compare(), the CLI's sweep and the benchmarks' tables
 RESULT_FIELDS = ("solver", "status", "fits", "retention", "step_time_s", "peak_bytes", "stall_s",
-                 "recompute_s", "wall_s", "objective", "bound", "gap", "budget_bytes")
+                 "recompute_s", "wall_s", "objective", "bound", "gap", "overhead_gap",
+                 "budget_bytes")
 
 
 def result_row(graph: ActivationGraph, plan: Plan, sim: SimResult | None = None,
@@ -121,7 +124,7 @@ def result_row(graph: ActivationGraph, plan: Plan, sim: SimResult | None = None,
                retention=sim.retention, step_time_s=sim.step_time_s, peak_bytes=sim.peak_bytes,
                stall_s=sim.stall_s, recompute_s=sim.recompute_s, wall_s=plan.info.wall_s,
                objective=plan.info.objective, bound=plan.info.bound, gap=plan.info.gap,
-               budget_bytes=plan.budget_bytes)
+               overhead_gap=plan.info.overhead_gap, budget_bytes=plan.budget_bytes)
     return row
 
 
@@ -132,6 +135,15 @@ def infeasible_row(solver: str, exc: InfeasibleBudget, **context: Any) -> dict[s
     row.update(solver=solver, status="infeasible", fits=False, wall_s=0.0, error=str(exc),
                budget_bytes=exc.budget_bytes, min_budget_bytes=exc.min_budget_bytes)
     return row
+
+
+def overhead_gap(step_s: float, ideal_s: float, bound_s: float | None) -> float | None:
+    """(step - bound) / overhead, the overhead being step - ideal (at least 1e-5 of the step, so
+    a plan with no overhead has a finite gap): what is left to prove of what the user pays."""
+    if bound_s is None or not math.isfinite(step_s):
+        return None
+    overhead = max(step_s - ideal_s, 1e-5 * step_s)
+    return max(0.0, step_s - bound_s) / overhead if overhead > 0 else 0.0
 
 
 def compare(graph: ActivationGraph, budget: float | int | str, hardware: Hardware | str = "a100-80gb-pcie4",

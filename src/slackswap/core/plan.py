@@ -105,13 +105,17 @@ class SolveInfo:
     wall_s: float = 0.0
     predicted_step_time_s: float | None = None
     extra: Mapping[str, Any] = field(default_factory=dict, compare=False)
+    # the proven distance to the bound as a fraction of the plan's overhead (its step time less
+    # the ideal step), what the user pays; None without a bound
+    overhead_gap: float | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.solver, str):
             raise PlanError(f"plan: info.solver must be a string, got {self.solver!r}")
         if self.status not in STATUSES:
             raise PlanError(f"plan: info.status must be one of {STATUSES}, got {self.status!r}")
-        for name in ("objective", "bound", "gap", "predicted_step_time_s", "wall_s"):
+        for name in ("objective", "bound", "gap", "predicted_step_time_s", "wall_s",
+                     "overhead_gap"):
             value = getattr(self, name)
             if value is None and name != "wall_s":
                 continue
@@ -127,16 +131,20 @@ class SolveInfo:
         d.update(solver=self.solver, status=self.status, objective=self.objective,
                  bound=self.bound, gap=self.gap, wall_s=self.wall_s,
                  predicted_step_time_s=self.predicted_step_time_s)
+        if self.overhead_gap is not None:
+            d["overhead_gap"] = self.overhead_gap
         return d
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> SolveInfo:
-        known = ("solver", "status", "objective", "bound", "gap", "wall_s", "predicted_step_time_s")
+        known = ("solver", "status", "objective", "bound", "gap", "wall_s", "predicted_step_time_s",
+                 "overhead_gap")
         return cls(solver=data.get("solver", "unknown"), status=data.get("status", "feasible"),
                    objective=data.get("objective"), bound=data.get("bound"), gap=data.get("gap"),
                    wall_s=data.get("wall_s", 0.0) or 0.0,
                    predicted_step_time_s=data.get("predicted_step_time_s"),
-                   extra={k: v for k, v in data.items() if k not in known})
+                   extra={k: v for k, v in data.items() if k not in known},
+                   overhead_gap=data.get("overhead_gap"))
 
 
 @dataclass(frozen=True)

@@ -168,6 +168,7 @@ class _Result:
     nodes: int | None = None  # branch-and-bound nodes HiGHS explored (its work)
 
 
+LATENCY_ROW_SHARE = 0.1  # the every-copy-within-the-step row is added past this latency share
 SMALLEST = 1e-6  # model units: smaller coefficients are rounded in the relaxing direction
 
 
@@ -336,7 +337,9 @@ def lp_bound(graph: ActivationGraph, budget, hw: Hardware | str, *, integral: bo
     moved = [float(nbytes[t]) for t in saved]
     clock = list(sigma) + list(E) + list(tail)
     total = float(dur.sum())
-    if m:
+    # the row is dense (every swap fraction): it is added only where it can matter, when the
+    # copies' latency alone is a tenth of the step or collectives share the lanes
+    if m and (charged or m * hw.latency_s > LATENCY_ROW_SHARE * graph.ideal_step_time_s):
         if hw.duplex:
             for bw, coll in ((bw_d, coll_d), (bw_h, coll_h)):
                 lp.le(list(W) + clock, [b / bw + lat for b in moved] + [-1.0] * len(clock),
