@@ -143,3 +143,17 @@ def test_overhead_gap_is_the_gap_on_what_the_user_pays():
     assert plan.info.overhead_gap == pytest.approx(
         (step - plan.info.bound) / max(step - ideal, 1e-5 * step))
     assert ss.load_plan(plan.to_json()).info.overhead_gap == plan.info.overhead_gap
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
+@given(g=random_graphs(max_ops=7), data=st.data())
+def test_the_exact_plan_is_never_worse_than_a_restricted_heuristic_plan(g, data):
+    """More decisions never hurt: the restricted problems' heuristic plans are exact starts."""
+    budget = data.draw(st.integers(ss.min_budget(g, LINK), ss.keep_all_peak(g, LINK)))
+    full = ss.solve(g, budget, LINK, solver="cpsat", time_limit_s=5)
+    for allowed in (("keep", "swap"), ("keep", "recompute")):
+        try:
+            less = ss.solve(g, budget, LINK, solver="heuristic", allowed=allowed)
+        except (ss.InfeasibleBudget, ss.PlanError):
+            continue
+        assert full.info.predicted_step_time_s <= less.info.predicted_step_time_s * (1 + 1e-12)

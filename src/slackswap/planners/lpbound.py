@@ -228,6 +228,7 @@ def lp_bound(graph: ActivationGraph, budget, hw: Hardware | str, *, integral: bo
     copy_s = saved_bytes / min(hw.d2h_bytes_per_s, hw.h2d_bytes_per_s) + hw.latency_s * len(graph.saved)
     bu = max(budget_bytes, int(graph.tensor_bytes.max(initial=0)), 1) / 1000.0
     tu = (graph.ideal_step_time_s if graph.ideal_step_time_s > 0 else max(copy_s, 1e-12)) / 1000.0
+    tu = tu if tu > 0 else 1e-15  # a step of denormal seconds: no unit underflows to 0
     nbytes = _relax_small(graph.tensor_bytes.astype(float) / bu)
     fwd_s = _relax_small(graph.forward_s / tu)
     prod = graph.producer

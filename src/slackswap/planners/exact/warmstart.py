@@ -13,7 +13,7 @@ formulations/milp.md, "Solving", steps 1-2.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -58,6 +58,23 @@ def _warm(problem: Problem, codes: np.ndarray, sim: SimResult, source: str, heur
     rebuild = {int(t): int(exp.materialize_at[t]) for t in g.saved if codes[t] == RECOMPUTE}
     return WarmStart(codes, free, issue, rebuild, sim, source, heuristic_codes, heuristic_sim,
                      bound_s)
+
+
+def _restricted(problem: Problem, kinds: tuple[str, ...]) -> np.ndarray | None:
+    """The problem's mask further restricted to ``kinds``, or None if nothing would be left
+    to some tensor."""
+    from ...core.errors import PlanError
+    from ...core.restrict import decision_mask
+
+    try:
+        mask = decision_mask(problem.graph, kinds)
+    except PlanError:
+        return None
+    if problem.mask is not None:
+        mask = mask & problem.mask
+        if not mask[problem.graph.saved].any(axis=1).all():
+            return None
+    return mask
 
 
 def _better(a: SimResult, b: SimResult) -> bool:
@@ -108,6 +125,17 @@ def warm_start(problem: Problem, polish: bool = True, bound_s: float | None = No
     h_codes = SlackSwapHeuristic().solve(problem).codes
     h_sim = simulate_decisions(g, h_codes, hw, budget)
     best = _warm(problem, h_codes, h_sim, "heuristic", h_codes, h_sim)
+    # more decisions must never give a worse plan: the heuristic's plans of the restricted
+    # problems (recompute-only, offload-only) are starts too, at the cost of two heuristic runs
+    for label, kinds in (("recompute-only heuristic", ("keep", "recompute")),
+                         ("offload-only heuristic", ("keep", "swap"))):
+        mask = _restricted(problem, kinds)
+        if mask is None:
+            continue
+        codes = SlackSwapHeuristic().solve(replace(problem, mask=mask)).codes
+        sim = simulate_decisions(g, codes, hw, budget)
+        if _better(sim, best.sim):
+            best = _warm(problem, codes, sim, label, h_codes, h_sim)
 
     def left() -> float:
         return float("inf") if deadline is None else deadline - time.perf_counter()
