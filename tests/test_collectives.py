@@ -102,6 +102,7 @@ def test_checker_and_simulator_agree_with_collectives_on_the_link(case, duplex):
             assert lp.step_time_s <= sim.step_time_s * (1 + 1e-6) + 1e-9
 
 
+@pytest.mark.slow
 @settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
 @given(case=graphs_with_collectives())
 def test_the_integral_relaxation_is_a_bound_with_collectives(case):
@@ -120,6 +121,7 @@ def test_the_integral_relaxation_is_a_bound_with_collectives(case):
             assert relaxed.step_time_s <= sim.step_time_s * (1 + 1e-6) + 1e-9
 
 
+@pytest.mark.slow
 @settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
 @given(g=random_graphs(max_ops=6), data=st.data())
 def test_exact_plans_with_collectives_are_valid_and_never_beat_the_bound(g, data):

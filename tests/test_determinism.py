@@ -48,7 +48,7 @@ def test_interleaved_cpsat_survives_an_infeasible_complete_hint():
     assert done.stdout.count("status") == 3
 
 
-@pytest.mark.parametrize("seed", [1, 7])
+@pytest.mark.parametrize("seed", [1, pytest.param(7, marks=pytest.mark.slow)])
 def test_same_input_same_plan_and_proof_when_no_clock_stopped_a_phase(seed):
     g = seeded_graph(seed, n_ops=8)
     budget = (ss.min_budget(g, LINK) + ss.keep_all_peak(g, LINK)) // 2

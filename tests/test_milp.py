@@ -51,6 +51,7 @@ def test_backends_agree_and_plans_check_out(case):
     assert max(values) - min(values) <= 1e-6 * max(values) + 1e-9, objectives
 
 
+@pytest.mark.slow
 @SETTINGS
 @given(graph_budget())
 def test_optimal_beats_heuristic_beats_baselines_and_respects_lp_bound(case):

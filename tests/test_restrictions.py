@@ -17,6 +17,7 @@ SUBSETS = [("keep",), ("swap",), ("keep", "swap"), ("keep", "recompute"), ("swap
            ("keep", "swap", "recompute")]
 
 
+@pytest.mark.slow
 @settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
 @given(g=random_graphs(max_ops=6), allowed=st.sampled_from(SUBSETS), data=st.data())
 def test_restricted_plans_never_use_a_forbidden_decision_nor_beat_their_bound(g, allowed, data):
@@ -46,6 +47,7 @@ def test_restricted_plans_never_use_a_forbidden_decision_nor_beat_their_bound(g,
             assert bound.step_time_s <= check.step_time_s * (1 + 1e-6) + 1e-12
 
 
+@pytest.mark.slow
 @settings(max_examples=20, deadline=None, suppress_health_check=list(HealthCheck))
 @given(g=random_graphs(max_ops=5), data=st.data())
 def test_allowing_more_decisions_never_makes_the_proven_exact_plan_worse(g, data):
@@ -145,6 +147,7 @@ def test_overhead_gap_is_the_gap_on_what_the_user_pays():
     assert ss.load_plan(plan.to_json()).info.overhead_gap == plan.info.overhead_gap
 
 
+@pytest.mark.slow
 @settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
 @given(g=random_graphs(max_ops=7), data=st.data())
 def test_the_exact_plan_is_never_worse_than_a_restricted_heuristic_plan(g, data):
