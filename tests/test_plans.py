@@ -82,3 +82,17 @@ def test_bad_plan_files_get_named_errors(field, value, message):
     data[field] = value
     with pytest.raises(ss.PlanError, match=message):
         ss.load_plan(data)
+
+
+def test_solve_plans_for_the_graphs_own_hardware_unless_told():
+    """No silent A100: an analytic workload keeps its preset, an explicit hardware wins, and the
+    plan says which was used."""
+    g = ss.workload("bert-large", "h100-sxm-pcie5")
+    plan = ss.solve(g, 0.5, solver="heuristic")
+    assert plan.hardware.name == "h100-sxm-pcie5"
+    assert plan.info.extra["hardware_from"] == "graph"
+    other = ss.solve(g, 0.5, "a100-80gb-pcie4", solver="heuristic")
+    assert other.hardware.name == "a100-80gb-pcie4"
+    assert other.info.extra["hardware_from"] == "argument"
+    bare = ss.load_graph({k: v for k, v in g.to_dict().items() if k != "hardware"})
+    assert ss.solve(bare, 0.5, solver="heuristic").info.extra["hardware_from"] == "default"

@@ -200,3 +200,14 @@ def test_profile_observes_tensors_the_model_holds_past_their_last_reader(drop):
     with ss.apply(plan, model, graph=g) as run:
         model(torch.randn(8, 16)).sum().backward()
     assert run.stats.peak_activation_bytes == ss.simulate(g, plan, cpu).peak_bytes
+
+
+def test_a_profiled_graph_records_its_hardware_and_solve_uses_it():
+
+
+    model, inputs, loss_fn = build("mlp")
+    graph = ss.profile(model, inputs, loss_fn, warmup=0, repeat=1)
+    assert graph.extra["hardware"]["name"] == "cpu"  # the CPU device, no CUDA link to measure
+    again = ss.load_graph(graph.to_json())  # it travels with the graph file
+    plan = ss.solve(again, 1.0, solver="heuristic")
+    assert plan.hardware.name == "cpu" and plan.info.extra["hardware_from"] == "graph"

@@ -8,6 +8,7 @@ A plan that does not fit raises :class:`InfeasibleBudget`; it never escapes as a
 
 from __future__ import annotations
 
+import logging
 import math
 import numbers
 import time
@@ -27,13 +28,39 @@ from .core.plan import Plan
 from .core.restrict import decision_mask, first_forbidden, parse_allowed, restricted
 from .planners.base import Problem, get_planner, register_solver, solver_names
 
+log = logging.getLogger("slackswap")
+
 __all__ = ["DEFAULT_SOLVER", "RESULT_FIELDS", "compare", "register_solver", "result_row", "solve",
            "solver_names"]
 
 DEFAULT_SOLVER = "cpsat"
 
 
-def solve(graph: ActivationGraph, budget: float | int | str, hardware: Hardware | str = "a100-80gb-pcie4",
+DEFAULT_HARDWARE = "a100-80gb-pcie4"
+
+
+def graph_hardware(graph: ActivationGraph, given: Hardware | str | None) -> tuple[Hardware, str]:
+    """The hardware to plan for and where it came from: ``given`` ("argument"), else the one the
+    graph records (a profiled graph's measured link, an analytic workload's preset: "graph"),
+    else the A100 preset ("default")."""
+    if given is not None:
+        return get_hardware(given), "argument"
+    recorded = graph.extra.get("hardware") if isinstance(graph.extra, Mapping) else None
+    if isinstance(recorded, Mapping):
+        try:
+            return Hardware.from_dict(dict(recorded)), "graph"
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"graph {graph.name!r}: its recorded hardware is not valid ({exc}); "
+                             "pass hardware= explicitly") from exc
+    if isinstance(recorded, str):
+        try:
+            return get_hardware(recorded), "graph"
+        except ValueError:
+            pass  # a name this version has no preset for: the default, said so
+    return get_hardware(DEFAULT_HARDWARE), "default"
+
+
+def solve(graph: ActivationGraph, budget: float | int | str, hardware: Hardware | str | None = None,
           solver: str = DEFAULT_SOLVER, time_limit_s: float | None = None, *,
           strict: bool = True, allowed=None, pins: Mapping[str, str] | None = None,
           **options: Any) -> Plan:
@@ -49,9 +76,12 @@ def solve(graph: ActivationGraph, budget: float | int | str, hardware: Hardware 
     tensors. Both are honoured by every planner and the LP bound, recorded in the plan, and
     checked by ``validate``; a solver that cannot honour them is refused by name.
     """
-    hw = get_hardware(hardware)
     if not isinstance(graph, ActivationGraph):
         raise TypeError(f"solve: graph must be an ActivationGraph, got {type(graph).__name__}")
+    hw, hardware_from = graph_hardware(graph, hardware)
+    if hardware_from != "argument":
+        log.info("solve: planning graph %r for hardware %r (%s)", graph.name, hw.name,
+                 "recorded in the graph" if hardware_from == "graph" else "the default")
     time_limit_s = check_time_limit(time_limit_s)
     budget_bytes = parse_budget(budget, graph, hw)
     floor = min_budget(graph, hw)
@@ -87,7 +117,7 @@ def solve(graph: ActivationGraph, budget: float | int | str, hardware: Hardware 
     if not plan.info.wall_s:
         plan = plan.with_info(wall_s=time.perf_counter() - start)
     sim = simulate(graph, plan)
-    plan = plan.with_info(predicted_step_time_s=sim.step_time_s,
+    plan = plan.with_info(predicted_step_time_s=sim.step_time_s, hardware_from=hardware_from,
                           overhead_gap=overhead_gap(sim.step_time_s, graph.ideal_step_time_s,
                                                     plan.info.bound))
     check = validate(graph, plan)
@@ -146,14 +176,14 @@ def overhead_gap(step_s: float, ideal_s: float, bound_s: float | None) -> float 
     return max(0.0, step_s - bound_s) / overhead if overhead > 0 else 0.0
 
 
-def compare(graph: ActivationGraph, budget: float | int | str, hardware: Hardware | str = "a100-80gb-pcie4",
+def compare(graph: ActivationGraph, budget: float | int | str, hardware: Hardware | str | None = None,
             solvers: tuple[str, ...] = ("heuristic", "cpsat", "cbc", "highs"),
             time_limit_s: float | None = None, allowed=None,
             pins: Mapping[str, str] | None = None, **options: Any) -> list[dict[str, Any]]:
     """One row per solver (:func:`result_row`): retention, step time, peak, stall, solve time,
     status, gap. Each option goes to the solvers that take it; one that none takes is refused.
     ``allowed`` and ``pins`` go to every solver (see :func:`solve`)."""
-    hw = get_hardware(hardware)
+    hw, _ = graph_hardware(graph, hardware)
     accepted = {name: getattr(get_planner(name), "options", None) for name in solvers}
     known = set().union(*(a or set(options) for a in accepted.values())) if accepted else set()
     unknown = sorted(set(options) - known)

@@ -266,9 +266,13 @@ def profile(model, inputs, loss_fn: Callable, device=None, warmup: int = 1, repe
         if step >= warmup:
             traces.append(trace)
     model.zero_grad(set_to_none=True)
+    # the device and link the graph was profiled on (measured on CUDA): solve() plans for it
+    # unless told otherwise
+    link = calibrate_link(dev) if dev.type == "cuda" else hardware("cpu")
     graph = graph_from_traces(traces, name or type(model).__name__,
                               {"source": "slackswap.profile", "device": str(dev),
-                               "torch": torch.__version__, "repeat": repeat})
+                               "torch": torch.__version__, "repeat": repeat,
+                               "hardware": link.to_dict()})
     collectives = fsdp_collectives(model, graph)
     if collectives:
         from dataclasses import replace
