@@ -603,14 +603,9 @@ class _RecordingTracer(Tracer):
         kwargs = kwargs or {}
         if torch._C._current_autograd_node() is not None:
             return func(*args, **kwargs)
-        if self.wrapper_internal(func, args):
-            out = func(*args, **kwargs)
-            if op_info(func)[0] == "_record_function_enter_new":
-                self.wrapper_internal(func, args, opened=True)
-            self.forget_outputs(out, args, kwargs)
+        skipped, out = self.wrapper_work(func, args, kwargs)
+        if skipped:
             return out
-        if op_info(func)[0] == "_record_function_enter_new":
-            self.wrapper_internal(func, args, opened=True)
         aten, _, random, inplace = op_info(func)
         inplace = inplace or "out" in kwargs
         in_tensors, in_keys = self.input_keys(args, kwargs)

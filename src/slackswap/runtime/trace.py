@@ -343,6 +343,20 @@ class Tracer(TorchDispatchMode):
         params = self.param_storages
         return any(_storage_id(t) in params for t in in_tensors)
 
+    def wrapper_work(self, func, args, kwargs) -> tuple[bool, Any]:
+        """(True, its result) when the op is a sharding wrapper's own work, run here untraced;
+        (False, None) otherwise. Either way the record_function spans are kept track of."""
+        enter = op_info(func)[0] == "_record_function_enter_new"
+        if not self.wrapper_internal(func, args):
+            if enter:
+                self.wrapper_internal(func, args, opened=True)
+            return False, None
+        out = func(*args, **kwargs)
+        if enter:
+            self.wrapper_internal(func, args, opened=True)
+        self.forget_outputs(out, args, kwargs)
+        return True, out
+
     def forget_outputs(self, out, args, kwargs) -> None:
         """An untraced op (a wrapper's own work) made ``out``: a storage it allocated may sit
         where a freed activation was, and that activation's name is not its name. Outputs that
@@ -423,14 +437,9 @@ class Tracer(TorchDispatchMode):
         kwargs = kwargs or {}
         if torch._C._current_autograd_node() is not None:
             return func(*args, **kwargs)  # backward ops are not part of the forward trace
-        if self.wrapper_internal(func, args):
-            out = func(*args, **kwargs)
-            if op_info(func)[0] == "_record_function_enter_new":
-                self.wrapper_internal(func, args, opened=True)
-            self.forget_outputs(out, args, kwargs)
+        skipped, out = self.wrapper_work(func, args, kwargs)
+        if skipped:
             return out
-        if op_info(func)[0] == "_record_function_enter_new":
-            self.wrapper_internal(func, args, opened=True)
         aten, full, random, inplace = op_info(func)
         inplace = inplace or "out" in kwargs
         in_tensors, in_keys = self.input_keys(args, kwargs)
