@@ -3,7 +3,8 @@ the plan: gradients bit-identical to plain training, the activation peak within 
 
     python examples/plan_a_model.py [--budget 0.5] [--steps 3]
 
-Runs on CPU in a few seconds (the planner uses the "cpu" preset there: swaps cost memcpy time).
+Runs on CPU in a few seconds. On a GPU the plan keeps, swaps and recomputes over the measured
+link; on a CPU device there is no host to swap to, and plans keep and recompute only.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ def main() -> int:
         return out.pow(2).mean()
 
     graph = ss.profile(model, x, loss_fn)
-    hw = ss.calibrate_link()
+    hw = ss.calibrate_link()  # the device's link; on CPU the "cpu" preset: no host to swap to
     print(graph.summary())
     for row in ss.compare(graph, args.budget, hw, solvers=("heuristic", "cpsat"), time_limit_s=10):
         print(f"  {row['solver']:<10} {row['status']:<9} retention {100 * row['retention']:.2f}%  "

@@ -14,7 +14,7 @@ import torch.distributed as dist
 import slackswap as ss
 
 STEPS = 3
-HW = "cpu"
+HW = "cpu-emulated-link"
 
 
 def _model(kind: str):

@@ -45,7 +45,7 @@ def plan_from(graph, choices, budget=10**12):
         if c == "recompute" and not graph.can_recompute[t]:
             c = "swap"
         decisions[graph.tensors[t].name] = c
-    return ss.complete(ss.Plan(graph.name, graph.digest, budget, decisions), graph, "cpu")
+    return ss.complete(ss.Plan(graph.name, graph.digest, budget, decisions), graph, "cpu-emulated-link")
 
 
 @pytest.mark.parametrize("name", MODELS)
@@ -69,7 +69,7 @@ def test_tracked_peak_within_budget_and_near_the_simulator(name):
     each tensor, so the simulator frees nothing the model still holds; the executor prefetches
     at the plan's issue positions.)"""
     model, inputs, loss_fn, graph = setup(name)
-    hw = ss.hardware("cpu")
+    hw = ss.hardware("cpu-emulated-link")
     lo, hi = ss.min_budget(graph, hw), ss.keep_all_peak(graph, hw)
     for solver in ("heuristic", "cpsat", "keep-all", "swap-all"):
         budget = hi if solver == "keep-all" else lo + (hi - lo) // 2
@@ -120,7 +120,7 @@ def test_in_place_modification_of_a_saved_tensor_raises():
         "ops": [{"name": "lin/addmm#1", "forward_s": 1e-6, "backward_s": 1e-6, "inputs": [],
                  "outputs": ["lin#0"]}],
         "tensors": [{"name": "lin#0", "bytes": 32, "saved_for": ["lin/addmm#1"]}]})
-    plan = ss.complete(ss.Plan(graph.name, graph.digest, 10**6, {"lin#0": "keep"}), graph, "cpu")
+    plan = ss.complete(ss.Plan(graph.name, graph.digest, 10**6, {"lin#0": "keep"}), graph, "cpu-emulated-link")
     with pytest.raises(RuntimeError, match="modified in place"):
         with ss.apply(plan, model):
             model(x).sum().backward()
@@ -129,7 +129,7 @@ def test_in_place_modification_of_a_saved_tensor_raises():
 def test_plan_for_another_model_is_refused():
     model, inputs, loss_fn, graph = setup("mlp")
     other = setup("gpt")[3]
-    plan = ss.solve(other, 1.0, "cpu", solver="keep-all")
+    plan = ss.solve(other, 1.0, "cpu-emulated-link", solver="keep-all")
     with pytest.raises(ss.PlanError, match="made for graph"):
         ss.apply(plan, model, graph=graph)
     with pytest.raises(ss.PlanError, match="not in plan"):
@@ -228,7 +228,7 @@ def test_checkpoint_policy_over_several_steps_with_the_loss_outside():
     from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
     model, inputs, loss_fn, graph = setup("gpt")
-    plan = ss.solve(graph, 0.5, ss.hardware("cpu").with_link(
+    plan = ss.solve(graph, 0.5, ss.hardware("cpu-emulated-link").with_link(
         name="no-offload", d2h_bytes_per_s=1e3, h2d_bytes_per_s=1e3), solver="heuristic")
     assert plan.count("recompute") > 0
     policy = plan.as_checkpoint_policy(graph)
@@ -294,7 +294,7 @@ def test_every_planners_plan_reloaded_executes_on_its_own_schedule(solver, tmp_p
     if not ss.is_available(solver):
         pytest.skip(f"{solver} is not installed")
     model, inputs, loss_fn, graph = setup("gpt")
-    cpu = ss.hardware("cpu")
+    cpu = ss.hardware("cpu-emulated-link")
     plan = ss.solve(graph, 0.6, cpu, solver=solver, strict=False, time_limit_s=5)
     path = tmp_path / "plan.json"
     plan.save(path)

@@ -14,7 +14,7 @@ from torch import nn  # noqa: E402
 
 import slackswap as ss  # noqa: E402
 
-CPU = ss.hardware("cpu")
+CPU = ss.hardware("cpu-emulated-link")
 
 
 def _plan(graph, decision, budget=None):

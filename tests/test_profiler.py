@@ -48,7 +48,7 @@ def test_saved_tensors_match_an_independent_count(name):
     # the graph round-trips, and the planners and simulator run on it unchanged
     again = ss.load_graph(g.to_json())
     assert again.digest == g.digest
-    hw = ss.hardware("cpu")
+    hw = ss.hardware("cpu-emulated-link")
     lo, hi = ss.min_budget(again, hw), ss.keep_all_peak(again, hw)
     for solver in ("heuristic", "cpsat"):
         plan = ss.solve(again, lo + (hi - lo) // 2, hw, solver=solver, time_limit_s=10)
@@ -142,7 +142,7 @@ def test_grouped_by_module(name):
     assert coarse.n_ops < fine.n_ops
     assert [coarse.tensors[t].name for t in coarse.saved] == [fine.tensors[t].name for t in fine.saved]
     assert int(coarse.tensor_bytes[coarse.saved].sum()) == int(fine.tensor_bytes[fine.saved].sum())
-    hw = ss.hardware("cpu")
+    hw = ss.hardware("cpu-emulated-link")
     lo, hi = ss.min_budget(coarse, hw), ss.keep_all_peak(coarse, hw)
     plan = ss.solve(coarse, lo + (hi - lo) // 2, hw, solver="heuristic")
     assert ss.simulate(coarse, plan, hw).fits
@@ -211,3 +211,16 @@ def test_a_profiled_graph_records_its_hardware_and_solve_uses_it():
     again = ss.load_graph(graph.to_json())  # it travels with the graph file
     plan = ss.solve(again, 1.0, solver="heuristic")
     assert plan.hardware.name == "cpu" and plan.info.extra["hardware_from"] == "graph"
+
+
+def test_plans_for_a_profiled_cpu_graph_never_swap():
+    """Profiled on CPU, the graph records the cpu preset: no host to swap to. At the budget where
+    the emulated link swaps, the default plan keeps and recomputes only."""
+    model, inputs, loss_fn = build("gpt")
+    graph = ss.profile(model, inputs, loss_fn, warmup=0, repeat=1)
+    emulated = ss.solve(graph, 0.5, "cpu-emulated-link", solver="heuristic")
+    assert emulated.count("swap") > 0
+    for solver in ("heuristic", "cpsat"):
+        plan = ss.solve(graph, 0.5, solver=solver, time_limit_s=10)
+        assert plan.hardware.host_is_device and plan.count("swap") == 0
+        assert ss.validate(graph, plan).ok

@@ -160,3 +160,31 @@ def test_the_exact_plan_is_never_worse_than_a_restricted_heuristic_plan(g, data)
         except (ss.InfeasibleBudget, ss.PlanError):
             continue
         assert full.info.predicted_step_time_s <= less.info.predicted_step_time_s * (1 + 1e-12)
+
+
+def test_a_device_whose_memory_is_the_host_never_swaps():
+    """The chain at its smallest budget on LINK swaps (min_budget is the all-swapped peak); the
+    same link marked host_is_device has no host: the plan keeps or recomputes, says the hardware
+    chose that, an explicit swap is refused, and the checker and simulator refuse a swap there."""
+    g = chain()
+    swapping = ss.solve(g, ss.min_budget(g, LINK), LINK, solver="heuristic")
+    assert "swap" in swapping.decisions.values()
+    host = LINK.with_link(name="test-host", host_is_device=True)
+    budget = ss.keep_all_peak(g, host)
+    for solver in ("heuristic", "cpsat", "keep-all"):
+        plan = ss.solve(g, budget, host, solver=solver, time_limit_s=5)
+        assert "swap" not in plan.decisions.values()
+        assert plan.info.extra["allowed_from"] == "hardware"
+        assert plan.extra["allowed"] == ["keep", "recompute"]
+    with pytest.raises(ss.PlanError, match="has no host to swap to"):
+        ss.solve(g, budget, host, solver="heuristic", allowed=("keep", "swap"))
+    with pytest.raises(ss.PlanError, match="solver 'swap-all' swaps.*no host"):
+        ss.solve(g, budget, host, solver="swap-all")
+    assert [r["solver"] for r in ss.compare(g, budget, host, solvers=("heuristic", "swap-all"))] \
+        == ["heuristic"]
+    moved = dataclasses.replace(swapping, hardware=host)
+    found = [v for v in ss.validate(g, moved).violations if v.kind == "restriction"]
+    assert found and "no host to swap to" in found[0].message
+    with pytest.raises(ss.PlanError, match="no host to swap to"):
+        ss.simulate(g, moved)
+    assert ss.hardware("cpu").host_is_device and not ss.hardware("cpu-emulated-link").host_is_device

@@ -90,11 +90,13 @@ def solve(graph: ActivationGraph, budget: float | int | str, hardware: Hardware 
             f"graph {graph.name!r} cannot fit {budget_bytes} bytes: even with every saved tensor "
             f"offloaded it needs {floor} bytes",
             min_budget_bytes=floor, budget_bytes=budget_bytes)
+    allowed, implied = host_allowed(hw, allowed)
     mask = None
     if allowed is not None or pins:
         mask = decision_mask(graph, allowed, pins)
     planner = get_planner(solver)
-    if restricted(mask, graph) and not getattr(planner, "honours_restrictions", False):
+    if restricted(mask, graph) and not implied \
+            and not getattr(planner, "honours_restrictions", False):
         raise PlanError(f"solve: solver {solver!r} cannot honour allowed="
                         f"{parse_allowed(allowed)} and pins; use heuristic, cpsat, cbc or highs")
     accepted = getattr(planner, "options", None)
@@ -108,6 +110,10 @@ def solve(graph: ActivationGraph, budget: float | int | str, hardware: Hardware 
                              **options)
     forbidden = first_forbidden(graph, solution.codes, mask)
     if forbidden is not None:
+        if implied:
+            raise PlanError(f"solve: solver {solver!r} swaps ({forbidden}), but hardware "
+                            f"{hw.name!r} has no host to swap to (its device memory is host "
+                            "memory); use a solver that keeps or recomputes")
         raise PlanError(f"solve: solver {solver!r} does not honour allowed={parse_allowed(allowed)} "
                         f"and pins ({forbidden}); use heuristic, cpsat, cbc or highs")
     plan = close(graph, solution.codes, solution.schedule, hw, budget_bytes, solution.info)
@@ -117,6 +123,8 @@ def solve(graph: ActivationGraph, budget: float | int | str, hardware: Hardware 
     if not plan.info.wall_s:
         plan = plan.with_info(wall_s=time.perf_counter() - start)
     sim = simulate(graph, plan)
+    if implied:
+        plan = plan.with_info(allowed_from="hardware")
     plan = plan.with_info(predicted_step_time_s=sim.step_time_s, hardware_from=hardware_from,
                           overhead_gap=overhead_gap(sim.step_time_s, graph.ideal_step_time_s,
                                                     plan.info.bound))
@@ -126,6 +134,21 @@ def solve(graph: ActivationGraph, budget: float | int | str, hardware: Hardware 
             f"solver {solver!r} found no plan for graph {graph.name!r} within {budget_bytes} bytes: "
             f"{check.violations[0]}", min_budget_bytes=floor, budget_bytes=budget_bytes)
     return plan
+
+
+def host_allowed(hw: Hardware, allowed) -> tuple[Any, bool]:
+    """The decisions to allow on ``hw`` and whether the hardware, not the caller, chose them: a
+    device whose memory is the host's has no host to swap to, so plans there keep or recompute
+    (a swap would copy within the same memory on the compute thread and free nothing)."""
+    if not hw.host_is_device:
+        return allowed, False
+    if allowed is None:
+        return ("keep", "recompute"), True
+    if "swap" in parse_allowed(allowed):
+        raise PlanError(f"allowed={parse_allowed(allowed)}: hardware {hw.name!r} has no host to "
+                        "swap to (its device memory is host memory, a swap frees nothing); "
+                        "allow keep and recompute only, or plan for another hardware")
+    return allowed, False
 
 
 def check_time_limit(time_limit_s: float | None) -> float | None:
@@ -191,6 +214,8 @@ def compare(graph: ActivationGraph, budget: float | int | str, hardware: Hardwar
         raise ValueError(f"compare: no solver of {', '.join(solvers)} takes option(s) "
                          f"{', '.join(unknown)}")
     rows = []
+    if host_allowed(hw, allowed)[1]:  # no host to swap to: the planners that always swap sit out
+        solvers = tuple(n for n in solvers if n != "swap-all")
     if allowed is not None or pins:  # the planners that cannot honour a restriction sit out
         mask = decision_mask(graph, allowed, pins)
         if restricted(mask, graph):

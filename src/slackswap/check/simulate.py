@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..core.errors import PlanError
 from ..core.graph import ActivationGraph
 from ..core.hardware import Hardware, hardware
 from ..core.plan import RECOMPUTE, SWAP, Plan
@@ -71,6 +72,11 @@ def lane_start(lane_free_at: float, earliest: float) -> float:
 
 
 def run_timeline(graph: ActivationGraph, exp: Expansion, hw: Hardware, budget: int) -> SimResult:
+    if hw.host_is_device and (exp.codes == SWAP).any():
+        first = graph.tensors[int(np.flatnonzero(exp.codes == SWAP)[0])].name
+        raise PlanError(f"simulate: tensor {first!r} is swapped, but hardware {hw.name!r} has no "
+                        "host to swap to (its device memory is host memory): the copy would run "
+                        "on the compute thread and free nothing, so it is not simulated")
     n = graph.n_ops
     S = graph.n_slots
     codes = exp.codes

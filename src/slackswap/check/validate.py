@@ -115,6 +115,13 @@ def _restrictions(plan: Plan) -> list[Violation]:
                 out.append(Violation("restriction", f"restriction: tensor {name!r} is "
                                      f"{decision!r}, but the plan allows only {list(allowed)}",
                                      tensor=name))
+    hw = plan.hardware
+    if hw is not None and hw.host_is_device:
+        swapped = sorted(n for n, d in plan.decisions.items() if d == "swap")
+        if swapped:
+            out.append(Violation("restriction", f"restriction: tensor {swapped[0]!r} is 'swap', "
+                                 f"but hardware {hw.name!r} has no host to swap to (its device "
+                                 "memory is host memory)", tensor=swapped[0]))
     for name, decision in (plan.extra.get("pins") or {}).items():
         if plan.decisions.get(name) != decision:
             out.append(Violation("restriction", f"restriction: tensor {name!r} is pinned to "

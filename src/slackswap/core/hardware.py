@@ -34,6 +34,9 @@ class Hardware:
     # whether the graph's collectives (FSDP all-gathers, reduce-scatters) cross the same host
     # link as the activation copies: true on PCIe nodes without NVLink, false with NVLink
     collectives_on_link: bool = False
+    # whether the device's memory is the host's (a CPU device): a swap would copy a tensor within
+    # the same memory on the compute thread, freeing nothing, so plans there keep or recompute
+    host_is_device: bool = False
     sources: dict = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -57,7 +60,7 @@ class Hardware:
             value = getattr(self, name)
             if not 0 < value <= 1:
                 raise ValueError(f"hardware {self.name!r}: {name} must be in (0, 1], got {value!r}")
-        for name in ("duplex", "collectives_on_link"):
+        for name in ("duplex", "collectives_on_link", "host_is_device"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"hardware {self.name!r}: {name} must be true or false, got "
                                  f"{getattr(self, name)!r}")
@@ -167,8 +170,21 @@ _PRESETS: dict[str, Hardware] = {
         duplex=True,
         peak_flops=1e11,
         hbm_bytes_per_s=20e9,
-        sources={"note": "host-copy transport of the CPU executor: a memcpy-class figure, "
-                         "used when no GPU is present (calibrate_link measures a real one)"},
+        host_is_device=True,
+        sources={"note": "a CPU device: its memory is the host's, so plans keep or recompute "
+                         "(a swap frees nothing); the link figures are a memcpy-class figure"},
+    ),
+    "cpu-emulated-link": Hardware(
+        name="cpu-emulated-link",
+        d2h_bytes_per_s=10e9,
+        h2d_bytes_per_s=10e9,
+        latency_s=2e-6,
+        duplex=True,
+        peak_flops=1e11,
+        hbm_bytes_per_s=20e9,
+        sources={"note": "a CPU standing in for a device with a host link: swaps are host "
+                         "memcpys that free no real memory; for exercising the swap path of the "
+                         "executor on machines without a GPU, not for saving memory"},
     ),
 }
 

@@ -221,10 +221,10 @@ class Run:
             here = torch.cuda.get_device_name(self.device)
             tokens = [tok for tok in ("a100", "h100", "h200", "l4", "l40", "v100", "a10")
                       if tok in hw.name.lower()]
-            differs = hw.name == "cpu" or (tokens and not any(tok in here.lower() for tok in tokens))
+            differs = hw.name.startswith("cpu") or (tokens and not any(tok in here.lower() for tok in tokens))
         else:
             here = "cpu"
-            differs = hw.name != "cpu"
+            differs = not hw.name.startswith("cpu")
         if differs:
             warnings.warn(f"plan was made for hardware {hw.name!r} but runs on {here!r} "
                           f"({self.device}): its copy and rebuild positions were timed for the "
