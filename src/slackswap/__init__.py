@@ -8,6 +8,7 @@ planners, solve; runtime (profiler, executor; torch) depends on core only and lo
 
 from .check.simulate import SimResult, simulate
 from .check.validate import Validation, Violation, validate
+from .cnn import CNN_SHAPES, cnn_graph
 from .core.budget import keep_all_peak, min_budget, parse_budget
 from .core.complete import complete, load_plan
 from .core.errors import GraphError, InfeasibleBudget, PlanError
@@ -21,9 +22,9 @@ from .workloads import WORKLOADS, TransformerConfig, transformer_graph, workload
 __version__ = "0.2.0"
 
 __all__ = [
-    "ActivationGraph", "Decision", "GraphError", "Hardware", "InfeasibleBudget", "Op", "Plan",
+    "ActivationGraph", "CNN_SHAPES", "Decision", "GraphError", "Hardware", "InfeasibleBudget", "Op", "Plan",
     "PlanError", "Schedule", "SimResult", "SolveInfo", "Tensor", "TransformerConfig", "Validation",
-    "Violation", "WORKLOADS", "compare", "complete", "hardware", "hardware_names", "is_available",
+    "Violation", "WORKLOADS", "cnn_graph", "compare", "complete", "hardware", "hardware_names", "is_available",
     "keep_all_peak", "load_graph", "load_plan", "min_budget", "parse_budget", "register_solver",
     "result_row", "simulate", "solve", "solver_names", "transformer_graph", "validate", "workload",
 ]

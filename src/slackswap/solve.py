@@ -24,7 +24,7 @@ from .core.errors import InfeasibleBudget, PlanError
 from .core.graph import ActivationGraph
 from .core.hardware import Hardware
 from .core.hardware import hardware as get_hardware
-from .core.plan import Plan
+from .core.plan import Plan, overhead_gap
 from .core.restrict import decision_mask, first_forbidden, parse_allowed, restricted
 from .planners.base import Problem, get_planner, register_solver, solver_names
 
@@ -188,15 +188,6 @@ def infeasible_row(solver: str, exc: InfeasibleBudget, **context: Any) -> dict[s
     row.update(solver=solver, status="infeasible", fits=False, wall_s=0.0, error=str(exc),
                budget_bytes=exc.budget_bytes, min_budget_bytes=exc.min_budget_bytes)
     return row
-
-
-def overhead_gap(step_s: float, ideal_s: float, bound_s: float | None) -> float | None:
-    """(step - bound) / overhead, the overhead being step - ideal (at least 1e-5 of the step, so
-    a plan with no overhead has a finite gap): what is left to prove of what the user pays."""
-    if bound_s is None or not math.isfinite(step_s):
-        return None
-    overhead = max(step_s - ideal_s, 1e-5 * step_s)
-    return max(0.0, step_s - bound_s) / overhead if overhead > 0 else 0.0
 
 
 def compare(graph: ActivationGraph, budget: float | int | str, hardware: Hardware | str | None = None,

@@ -25,6 +25,30 @@ PLAN_FORMATS = ("slackswap.plan/1", PLAN_FORMAT)  # /1: no hardware, schedule op
 DECISIONS = ("keep", "swap", "recompute")
 STATUSES = ("optimal", "feasible", "timeout", "heuristic", "baseline")
 
+# "optimal" means: the plan's step is proven within OVERHEAD_TARGET of its overhead (step time
+# less the ideal step, what the user pays) of a valid bound, or within STEP_FLOOR of the step,
+# whichever is larger (so a plan with no overhead is still provable)
+OVERHEAD_TARGET = 0.01
+STEP_FLOOR = 1e-5
+
+
+def proof_tolerance_s(step_s: float, ideal_s: float, target: float = OVERHEAD_TARGET) -> float:
+    """How far above a valid bound a plan of ``step_s`` may be and still be called optimal
+    (``target`` 0: not at all)."""
+    if target <= 0:
+        return 0.0
+    return max(target * max(step_s - ideal_s, 0.0), STEP_FLOOR * step_s)
+
+
+def overhead_gap(step_s: float, ideal_s: float, bound_s: float | None) -> float | None:
+    """(step - bound) / overhead, the overhead being step - ideal (at least STEP_FLOOR of the
+    step, so a plan with no overhead has a finite gap): what is left to prove of what the user
+    pays. None without a bound."""
+    if bound_s is None or not math.isfinite(step_s):
+        return None
+    overhead = max(step_s - ideal_s, STEP_FLOOR * step_s)
+    return max(0.0, step_s - bound_s) / overhead if overhead > 0 else 0.0
+
 
 class Decision(IntEnum):
     """What a plan does with one tensor; the value is the code in numpy decision columns."""

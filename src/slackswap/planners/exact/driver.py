@@ -20,7 +20,15 @@ from typing import Any
 import numpy as np
 
 from ...check.simulate import run_timeline
-from ...core.plan import KEEP, RECOMPUTE, SWAP, SolveInfo
+from ...core.plan import (
+    KEEP,
+    OVERHEAD_TARGET,
+    RECOMPUTE,
+    STEP_FLOOR,
+    SWAP,
+    SolveInfo,
+    proof_tolerance_s,
+)
 from ...core.stepmodel import expand
 from ..base import Problem, Solution
 from .formulate import Formulation, formulate
@@ -70,7 +78,7 @@ CHILD_START_S = 0.7
 # positions per evaluation, about 11 ms each)
 SEARCH_POSITIONS_PER_S = 100_000
 WHOLE_MODEL_BINARIES = 2500
-OPTIMAL_GAP = 1e-3  # status "optimal": proven within 0.1% of the best possible step time
+# status "optimal": proven within 1% of the plan's overhead, or 1e-5 of its step (core/plan.py)
 
 
 def lp_fixings(f: Formulation, lp, threshold: float = 0.999, agree_with=None) -> dict[int, int]:
@@ -136,7 +144,16 @@ class ExactBackend:
             return deadline - time.perf_counter()
 
         g, hw, budget = problem.graph, problem.hardware, problem.budget_bytes
-        gap_target = float(options.get("gap", 1e-3))
+        # where the search stops: within ``gap`` of the overhead of a valid bound (default the
+        # proof target; 0 searches to the end). The status says "optimal" only at the proof
+        # target (core/plan.py: 1% of the overhead or 1e-5 of the step), whatever ``gap`` is
+        gap_target = float(options.get("gap", OVERHEAD_TARGET))
+        ideal = g.ideal_step_time_s
+
+        def within(step: float, bound: float | None, target: float = OVERHEAD_TARGET) -> bool:
+            return bound is not None and np.isfinite(step) and \
+                step - bound <= proof_tolerance_s(step, ideal, target)
+
         if left() > 2 * LP_S_PER_SLOT * g.n_slots:
             lp = lp_bound(g, budget, hw, time_limit_s=max(0.01, 0.5 * left()), mask=problem.mask)
         else:  # no time to build it: no bound, and no proof
@@ -165,15 +182,20 @@ class ExactBackend:
             clock_stopped.insert(0, "lp_bound")
         base_extra["clock_stopped"] = clock_stopped
 
+        # the backends stop on a gap relative to their objective (the step): the target in
+        # those terms, at the warm start's step
+        step_gap = proof_tolerance_s(warm_time, ideal, gap_target) / warm_time \
+            if np.isfinite(warm_time) and warm_time > 0 else min(gap_target, STEP_FLOOR)
+        options = {**options, "gap": step_gap}
+
         def proven(bound) -> bool:
-            return bound is not None and np.isfinite(warm_time) and warm_time > 0 \
-                and warm_time - bound <= gap_target * warm_time
+            return np.isfinite(warm_time) and warm_time > 0 and within(warm_time, bound, gap_target)
 
         if warm_start and proven(bound_s):
             # the warm start is already within the target of a valid bound: nothing to search
             gap = max(0.0, (warm_time - bound_s) / warm_time)
             info = SolveInfo(solver=self.name,
-                             status="optimal" if gap <= OPTIMAL_GAP else "feasible",
+                             status="optimal" if within(warm_time, bound_s) else "feasible",
                              objective=warm_time, bound=min(bound_s, warm_time), gap=gap,
                              wall_s=time.perf_counter() - start, predicted_step_time_s=warm_time,
                              extra={"strategy": "warm start proven by the bound", **base_extra})
@@ -181,11 +203,11 @@ class ExactBackend:
         if hw.collectives_on_link and g.collectives and not hw.duplex and np.isfinite(warm_time):
             return self._fallback(ws, bound_s, warm_time, "feasible", start, {
                 **base_extra, "reason": "the MILP does not model collectives on a half-duplex "
-                "link; the warm start's plan"})
+                "link; the warm start's plan"}, within)
         if left() < MIN_SEARCH_S + 2 * FORMULATE_S_PER_SLOT * g.n_slots and np.isfinite(warm_time):
             clock_stopped.append("milp_skipped")
             return self._fallback(ws, bound_s, warm_time, "timeout", start, {
-                **base_extra, "reason": "no time left for the MILP"})
+                **base_extra, "reason": "no time left for the MILP"}, within)
         f = formulate(g, hw, budget, full=full, hint=hint, extra_candidates=extra,
                       mask=problem.mask)
         if warm_start:
@@ -236,8 +258,7 @@ class ExactBackend:
             milp_bound = None if bound is None else f.proven_bound_s(bound)
             candidates = [b for b in (milp_bound, bound_s) if b is not None]
             bound_s = max(candidates) if candidates else None
-            if status != "optimal" and best is not None and bound_s is not None \
-                    and best[0] - bound_s <= OPTIMAL_GAP * best[0]:
+            if status != "optimal" and best is not None and within(best[0], bound_s):
                 status = "optimal"
         else:
             # first round: free what the LP and the warm start disagree on (the warm start stays
@@ -254,10 +275,10 @@ class ExactBackend:
                     {"threshold": threshold, "fixed_tensors": len(fixed) // 3, "status": st})
                 if value is not None:
                     consider(value, obj)
-                if best is not None and bound_s is not None and best[0] - bound_s <= OPTIMAL_GAP * best[0]:
+                if best is not None and within(best[0], bound_s, gap_target):
                     break
             if best is not None and bound_s is not None:
-                status = "optimal" if (best[0] - bound_s) <= OPTIMAL_GAP * best[0] else "feasible"
+                status = "optimal" if within(best[0], bound_s) else "feasible"
         wall = time.perf_counter() - start
         if best is not None and best[0] <= warm_time * (1 + 1e-9) + 1e-12:
             # the plan's step time is the simulator's (exact); the model's objective, rounded up
@@ -266,7 +287,7 @@ class ExactBackend:
             bound = None if bound_s is None else min(bound_s, predicted)
             gap = None if bound is None else (
                 max(0.0, (predicted - bound) / predicted) if predicted > 0 else 0.0)
-            if status == "optimal" and (gap is None or gap > OPTIMAL_GAP):
+            if status == "optimal" and not within(predicted, bound):
                 # "optimal" is a proof against a valid bound, not the model's word: a model over
                 # windows, or with rounded-up sizes, is a restriction of the problem
                 status = "feasible"
@@ -285,16 +306,17 @@ class ExactBackend:
             info_extra["backend_failure"] = (f"{self.name} reported the model infeasible, but the "
                                              "warm start is a valid plan")
             log.warning("%s: %s", self.name, info_extra["backend_failure"])
-        return self._fallback(ws, bound_s, warm_time, status, start, info_extra)
+        return self._fallback(ws, bound_s, warm_time, status, start, info_extra, within)
 
-    def _fallback(self, ws, bound_s, warm_time, status: str, start: float, extra) -> Solution:
+    def _fallback(self, ws, bound_s, warm_time, status: str, start: float, extra,
+                  within) -> Solution:
         """The warm start's plan, under the status that is true of it."""
         gap = None
         if bound_s is not None and np.isfinite(warm_time):
             bound_s = min(bound_s, warm_time)
             gap = max(0.0, (warm_time - bound_s) / warm_time) if warm_time > 0 else 0.0
-        if gap is not None and gap <= OPTIMAL_GAP:
-            final = "optimal"  # the warm start is itself within 0.1% of a valid bound
+        if gap is not None and within(warm_time, bound_s):
+            final = "optimal"  # the warm start is itself within the target of a valid bound
         elif status == "timeout":
             final = "timeout"  # the time limit stopped the search
         else:

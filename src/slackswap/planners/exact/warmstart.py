@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from ...check.simulate import SimResult, simulate_decisions
-from ...core.plan import KEEP, RECOMPUTE, SWAP
+from ...core.plan import KEEP, OVERHEAD_TARGET, RECOMPUTE, SWAP, proof_tolerance_s
 from ..base import Problem
 from ..local_search import improve
 
@@ -105,14 +105,14 @@ RELAXATION_MIN_S = 1.5  # less time left than this: the relaxation is not starte
 
 
 def warm_start(problem: Problem, polish: bool = True, bound_s: float | None = None,
-               gap: float = 1e-3, relax_solutions: int | None = None, search_work: int | None = None,
+               gap: float = OVERHEAD_TARGET, relax_solutions: int | None = None, search_work: int | None = None,
                deadline: float | None = None, relax_cap_s: float = RELAXATION_CAP_S,
                search_cap_s: float | None = None, lp=None, deterministic: bool = False
                ) -> WarmStart:
     """The heuristic's plan, improved (``polish``) by local search from the decisions of the
     integral relaxation, of its looser form, of it with 2% slower lanes, and of the heuristic,
     whichever simulates fastest. Each further start is tried only while the plan is not yet
-    within ``gap`` of the best known bound (``bound_s`` or the relaxation's).
+    within ``gap`` of its overhead of the best known bound (``bound_s`` or the relaxation's).
 
     Work, not time, limits each phase (the same plan on any machine): each relaxation stops once
     proven within RELAXATION_GAP of the step (or after ``relax_solutions`` improving solutions),
@@ -143,7 +143,8 @@ def warm_start(problem: Problem, polish: bool = True, bound_s: float | None = No
     def proven() -> bool:
         known = [b for b in (bound_s, best.bound_s) if b is not None]
         return bool(known) and best.sim.fits and \
-            best.step_time_s - max(known) <= gap * best.step_time_s
+            best.step_time_s - max(known) <= proof_tolerance_s(best.step_time_s,
+                                                               g.ideal_step_time_s, gap)
 
     if not polish or proven():
         return best
