@@ -69,18 +69,21 @@ def main() -> int:
                      "exact_status": e.info.status,
                      "ok": bool(hs - ideal <= 3 * (es - ideal) + 1e-3 * es + 1e-15)})
     ok = [r["ok"] for r in rows]
-    ratio = np.array([(r["heuristic_s"] - r["ideal_s"]) / max(r["exact_s"] - r["ideal_s"],
-                                                              1e-3 * r["exact_s"], 1e-300)
+    # heuristic overhead over the goal's allowance (3 x exact overhead + 0.1% of the step):
+    # at most 1 meets the goal
+    ratio = np.array([(r["heuristic_s"] - r["ideal_s"])
+                      / max(3 * (r["exact_s"] - r["ideal_s"]) + 1e-3 * r["exact_s"], 1e-300)
                       for r in rows])
     print(f"{len(rows)} cases ({sum(r['allowed'] == 'recompute' for r in rows)} recompute-only)")
     print(f"heuristic overhead <= 3 x exact + 0.1% of step: {100 * np.mean(ok):.1f}% of cases "
           "(goal: 95%)")
     for q in (50, 90, 95, 99, 100):
-        print(f"  p{q:<3} heuristic / exact overhead: {np.percentile(ratio, q):.2f}")
+        print(f"  p{q:<3} heuristic overhead / allowance: {np.percentile(ratio, q):.3g}")
     for label in ("all", "recompute"):
         sub = [r["ok"] for r in rows if r["allowed"] == label]
         print(f"  {label:<9}: {100 * np.mean(sub):.1f}% of {len(sub)}")
-    worst = sorted(rows, key=lambda r: -(r["heuristic_s"] - r["exact_s"]) / r["exact_s"])[:5]
+    worst = sorted(rows, key=lambda r: -(r["heuristic_s"] - r["exact_s"])
+                   / max(r["exact_s"], 1e-300))[:5]
     for r in worst:
         print(f"  worst: seed {r['seed']} {r['allowed']} {r['kind']}: heuristic "
               f"{r['heuristic_s']:.3e} s, exact {r['exact_s']:.3e} s ({r['exact_status']}), "

@@ -35,6 +35,7 @@ _LAZY = {
     "calibrate_link": ("slackswap.runtime.profiler", "calibrate_link"),
     "apply": ("slackswap.runtime.executor", "apply"),
     "plan_for_ranks": ("slackswap.distributed", "plan_for_ranks"),
+    "planned": ("slackswap.loop", "planned"),
     "checkpoint_policy": ("slackswap.runtime.checkpoint", "checkpoint_policy"),
 }
 

@@ -167,7 +167,7 @@ class Run:
     """The context ``apply`` returns; ``stats`` holds what the steps did."""
 
     def __init__(self, plan: Plan, model: torch.nn.Module, graph: ActivationGraph | None,
-                 prefetch_ahead: int = 2):
+                 prefetch_ahead: int = 2, smaller_inputs: bool = False):
         if graph is not None:
             plan.check_graph(graph)
         plan.require_complete("apply")
@@ -193,6 +193,9 @@ class Run:
                                if d == "swap" and name in graph.tensor_index})
         self._live = LiveStorages()  # device storages by storage key
         self._planned_bytes = dict(plan.extra.get("tensor_bytes", {}))
+        # a plan made at a larger input shape runs a smaller one: every saved tensor no larger
+        # than planned, the same ops, so no point of the step holds more than planned
+        self._smaller_inputs = bool(smaller_inputs)
         self._rebuild_depth = 0
         self._device_index = (device.index if device.index is not None else
                               torch.cuda.current_device()) if self.cuda else -1
@@ -353,7 +356,8 @@ class Run:
         else:
             planned = self._planned_bytes.get(name)
             shape = None
-        if planned is not None and planned != nbytes:
+        if planned is not None and planned != nbytes and not (self._smaller_inputs
+                                                              and nbytes <= planned):
             seen = f"shape {tuple(t.shape)}, {nbytes} bytes"
             was = f"{planned} bytes" + (f", shape {tuple(shape)}" if shape is not None else "")
             raise PlanError(f"tensor {name!r} is {seen} here but the plan was made for {was}: "
@@ -703,15 +707,18 @@ class _EndForwardOnBackward:
         torch.autograd.backward, torch.autograd.grad = self.saved
 
 
-def apply(plan: Plan, model: torch.nn.Module, graph: ActivationGraph | None = None) -> Run:
+def apply(plan: Plan, model: torch.nn.Module, graph: ActivationGraph | None = None, *,
+          smaller_inputs: bool = False) -> Run:
     """Context manager running training steps of ``model`` under ``plan``.
 
     ``graph`` (optional) is the graph the plan was made for: its digest is checked against the
     plan's and its tensors' dtypes against the model's. Without it the plan's tensor names are
-    checked against the tensors the model saves, on the first forward.
+    checked against the tensors the model saves, on the first forward. Every saved tensor must
+    have the bytes it was planned with; ``smaller_inputs`` accepts fewer (a plan made at the
+    largest sequence length of a bucket runs the shorter ones: no point holds more than planned).
     """
     if not isinstance(plan, Plan):
         raise TypeError(f"apply: plan must be a slackswap.Plan, got {type(plan).__name__}")
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"apply: model must be a torch.nn.Module, got {type(model).__name__}")
-    return Run(plan, model, graph)
+    return Run(plan, model, graph, smaller_inputs=smaller_inputs)
