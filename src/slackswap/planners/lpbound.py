@@ -91,7 +91,8 @@ class _LP:
             b.append(rhs)
         return coo_matrix((data, (ri, ci)), shape=(len(rows), n)).tocsr(), np.array(b)
 
-    def solve(self, time_limit_s: float | None = None, max_iterations: int | None = None):
+    def solve(self, time_limit_s: float | None = None, max_iterations: int | None = None,
+              method: str = "highs"):
         """The LP (HiGHS through scipy, in this process: an LP solve is robust and fast)."""
         A_ub, b_ub = self._matrix(self.rows_ub, self.n)
         A_eq, b_eq = self._matrix(self.rows_eq, self.n)
@@ -101,7 +102,7 @@ class _LP:
         if max_iterations is not None:
             options["maxiter"] = int(max_iterations)
         res = linprog(np.array(self.c), A_ub=A_ub, b_ub=b_ub, A_eq=A_eq, b_eq=b_eq,
-                      bounds=list(zip(self.lb, self.ub)), method="highs", options=options)
+                      bounds=list(zip(self.lb, self.ub)), method=method, options=options)
         return _Result(int(res.status), str(res.message), res.x,
                        None if res.fun is None else float(res.fun), None)
 
@@ -170,6 +171,7 @@ class _Result:
 
 LATENCY_ROW_SHARE = 0.1  # the every-copy-within-the-step row is added past this latency share
 SMALLEST = 1e-6  # model units: smaller coefficients are rounded in the relaxing direction
+IPM_FROM_SLOTS = 2500  # positions above which the LP is solved by HiGHS's interior point method
 
 
 def _relax_small(values: np.ndarray) -> np.ndarray:
@@ -414,7 +416,10 @@ def lp_bound(graph: ActivationGraph, budget, hw: Hardware | str, *, integral: bo
         mip_gap = max(0.0, (objective - bound_units) / max(ideal / tu + objective, 1e-12))
         status = "optimal" if res.status == 0 else "timeout"
     else:
-        res = lp.solve(time_limit_s=time_limit_s, max_iterations=max_iterations)
+        # dual simplex is fastest on small models; past IPM_FROM_SLOTS positions the interior
+        # point method is (640-layer transformer: 99 s against 352 s; 16 layers: 0.23 vs 0.16)
+        res = lp.solve(time_limit_s=time_limit_s, max_iterations=max_iterations,
+                       method="highs-ipm" if graph.n_slots > IPM_FROM_SLOTS else "highs")
         wall = time.perf_counter() - start_clock
         if res.status == 2:
             return infeasible(res.message)
