@@ -189,12 +189,29 @@ def heuristic_codes(graph: ActivationGraph, hw: Hardware, budget: int,
     return most_offloaded(graph, mask), stats
 
 
+def step_lower_bound(graph: ActivationGraph, hw: Hardware, codes: np.ndarray) -> float:
+    """A step time no plan with these decisions beats: the ideal step plus one run of every op
+    some recompute reruns, and at least each lane's total copy time."""
+    rerun = set()
+    for t in np.flatnonzero(codes == RECOMPUTE):
+        rerun.update(graph.rerun_ops[int(t)])
+    swapped = np.flatnonzero(codes == SWAP)
+    nbytes = graph.tensor_bytes[swapped].astype(float)
+    d2h = float((hw.latency_s + nbytes / hw.d2h_bytes_per_s).sum())
+    h2d = float((hw.latency_s + nbytes / hw.h2d_bytes_per_s).sum())
+    ideal = graph.ideal_step_time_s
+    return max(ideal + float(graph.forward_s[sorted(rerun)].sum()) if rerun else ideal, d2h, h2d)
+
+
 def _best_of(graph: ActivationGraph, hw: Hardware, budget: int, candidates) -> np.ndarray:
-    """The candidate plan with the shortest simulated step that fits."""
+    """The candidate plan with the shortest simulated step that fits; a candidate whose lower
+    bound (step_lower_bound) cannot beat the best so far is not simulated."""
     from ..check.simulate import simulate_decisions
 
     best, best_time = None, np.inf
     for codes in candidates:
+        if best is not None and step_lower_bound(graph, hw, codes) >= best_time:
+            continue
         sim = simulate_decisions(graph, codes, hw, budget)
         if sim.fits and sim.step_time_s < best_time:
             best, best_time = codes, sim.step_time_s
@@ -235,11 +252,12 @@ class SlackSwapHeuristic:
             from .local_search import improve
 
             evaluations = min(POLISH_EVALUATIONS_PER_TENSOR * len(g.saved) + 8,
-                              max(2, POLISH_POSITIONS // max(1, g.n_slots)))
-            result = improve(g, hw, budget, codes, time_limit_s=float("inf"),
-                             max_work=evaluations * g.n_slots, mask=problem.mask)
-            stats["polish_moves"] = result.moves
-            codes = result.codes
+                              POLISH_POSITIONS // max(1, g.n_slots))
+            if evaluations >= 4:  # fewer: too large a graph to try a move in the work allowed
+                result = improve(g, hw, budget, codes, time_limit_s=float("inf"),
+                                 max_work=evaluations * g.n_slots, mask=problem.mask)
+                stats["polish_moves"] = result.moves
+                codes = result.codes
         wall = time.perf_counter() - start
         return Solution(codes, None, SolveInfo(solver=self.name, status="heuristic", wall_s=wall,
                                                extra=stats))
