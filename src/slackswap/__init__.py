@@ -37,6 +37,8 @@ _LAZY = {
     "plan_for_ranks": ("slackswap.distributed", "plan_for_ranks"),
     "planned": ("slackswap.loop", "planned"),
     "checkpoint_policy": ("slackswap.runtime.checkpoint", "checkpoint_policy"),
+    "checkpointed": ("slackswap.runtime.checkpoint", "checkpointed"),
+    "StepMeter": ("slackswap.runtime.meter", "StepMeter"),
 }
 
 

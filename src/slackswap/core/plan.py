@@ -249,7 +249,8 @@ class Plan:
     def as_checkpoint_policy(self, graph):
         """A torch selective-checkpoint policy with this plan's recomputes: see
         :func:`slackswap.runtime.checkpoint.checkpoint_policy` (imported lazily: torch stays out
-        of the core)."""
+        of the core). For the plan's peak, run the model inside ``slackswap.checkpointed(model,
+        plan, graph)`` instead (one checkpointed region per block)."""
         from ..runtime.checkpoint import checkpoint_policy
 
         return checkpoint_policy(self, graph)

@@ -17,6 +17,10 @@ def checkpoint_policy(plan: Plan, graph: ActivationGraph):
     matched to the graph's ops in order, so checkpoint the same forward that was profiled (the
     whole model call); a call that does not match the graph's next op is saved; the graph's first
     op with no match ahead starts the next step. Use with ``create_selective_checkpoint_contexts``.
+
+    Around the whole model call, backward rebuilds the whole forward at once and the step peaks
+    where plain training does: to get the plan's peak use :class:`checkpointed`, which
+    checkpoints one block at a time with this plan.
     """
     from torch.utils.checkpoint import CheckpointPolicy
 
@@ -47,3 +51,143 @@ def checkpoint_policy(plan: Plan, graph: ActivationGraph):
         return CheckpointPolicy.PREFER_RECOMPUTE if steps[i][1] else CheckpointPolicy.MUST_SAVE
 
     return policy
+
+
+def region_of(module_path: str) -> str:
+    """The checkpoint region an op's module belongs to: its path up to and including the first
+    numbered component (``blocks.3``, ``model.layers.7``, ``layer2.1``: one block of a stack),
+    else its first component (``embed``, ``head``). "" (the model's own ops) is no region."""
+    parts = module_path.split(".") if module_path else []
+    for i, part in enumerate(parts):
+        if part.isdigit():
+            return ".".join(parts[: i + 1])
+    return parts[0] if parts else ""
+
+
+def _module_of(op) -> str:
+    return str(op.extra.get("module", op.name.split("/")[0] if "/" in op.name else ""))
+
+
+def checkpoint_regions(plan: Plan, graph: ActivationGraph,
+                       regions: list[str] | None = None) -> dict[str, list[tuple[str, bool]]]:
+    """Per region (module path) that the plan recomputes something in: its ops in order, as
+    (aten name, recompute?). ``regions``: the module paths to use instead of ``region_of``'s."""
+    plan.check_graph(graph)
+    if plan.count("swap"):
+        raise ValueError(
+            f"plan has {plan.count('swap')} swapped tensor(s): a checkpoint policy can only keep or "
+            "recompute; plan with allowed=('keep', 'recompute') to export it, or run it with "
+            "slackswap.apply")
+
+    def region(path: str) -> str:
+        if regions is None:
+            return region_of(path)
+        inside = [r for r in regions if path == r or path.startswith(r + ".")]
+        return max(inside, key=len) if inside else ""
+
+    out: dict[str, list[tuple[str, bool]]] = {}
+    wanted: set[str] = set()
+    for i, op in enumerate(graph.ops):
+        name = region(_module_of(op))
+        if not name:
+            continue
+        keeps = [graph.tensors[t].name for t in graph.op_outputs[i] if graph.is_saved[t]]
+        rebuilt = any(plan.decisions.get(k) == "recompute" for k in keeps)
+        # as checkpoint_policy: views and intermediates backward never reads, and ops whose
+        # outputs are written in place later (a dropout mask drawn in place: rerun with the
+        # in-place op, the RNG state restored) are rerun; the rest as the plan says
+        recompute = not op.recomputable or not keeps or rebuilt
+        if rebuilt:
+            wanted.add(name)
+        out.setdefault(name, []).append((str(op.extra.get("aten", "")), recompute))
+    return {name: ops for name, ops in out.items() if name in wanted}
+
+
+def _region_policy(steps: list[tuple[str, bool]]):
+    """A selective-checkpoint policy for one region: the k-th call of an aten op gets the
+    decision of the k-th op of that name in the region's profile (modulo their count: a compiler
+    tracing the region again starts over); forward and recompute count separately. An op the
+    profile did not see is saved. Under torch.compile random ops are always saved: the compiled
+    recompute would draw them again (torch restores the RNG state for eager recomputes only)."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    by_name: dict[str, list[bool]] = {}
+    for name, recompute in steps:
+        by_name.setdefault(name, []).append(recompute)
+    seen: dict[tuple[bool, str], int] = {}
+
+    def policy(ctx, func, *args, **kwargs):
+        import torch
+
+        name = str(func)
+        decisions = by_name.get(name)
+        if decisions is None:
+            return CheckpointPolicy.MUST_SAVE
+        key = (bool(getattr(ctx, "is_recompute", False)), name)
+        k = seen.get(key, 0)
+        seen[key] = k + 1
+        if torch.compiler.is_compiling() and _is_random(name):
+            return CheckpointPolicy.MUST_SAVE
+        recompute = decisions[k % len(decisions)]
+        return CheckpointPolicy.PREFER_RECOMPUTE if recompute else CheckpointPolicy.MUST_SAVE
+
+    return policy
+
+
+def _is_random(aten_name: str) -> bool:
+    from .trace import RANDOM_OPS
+
+    return any(word in aten_name for word in RANDOM_OPS)
+
+
+class checkpointed:  # noqa: N801 - a context manager used like a function
+    """Run ``model`` with ``plan``'s recomputes through torch's own selective checkpointing:
+    ``with ss.checkpointed(model, plan, graph): loss_fn(model(x)).backward()``.
+
+    Each region (``region_of``: one block of a stack; or the module paths given as ``regions``)
+    that the plan recomputes in is wrapped in ``torch.utils.checkpoint.checkpoint`` (non-reentrant,
+    RNG state preserved) with a policy saving what the plan keeps and recomputing what it
+    recomputes. Backward then rebuilds one region at a time, so the
+    step's peak follows the plan's instead of rebuilding the whole forward at once. Works on a
+    ``torch.compile``d model whose modules are these (compile the model inside the context, or
+    wrap before compiling). Plans with swaps are refused (a policy can only keep or recompute).
+    """
+
+    def __init__(self, model, plan: Plan, graph: ActivationGraph,
+                 regions: list[str] | None = None):
+        self.model = model
+        self.steps = checkpoint_regions(plan, graph, regions)
+        modules = dict(model.named_modules())
+        missing = [r for r in self.steps if r not in modules]
+        if missing:
+            raise ValueError(f"checkpointed: region {missing[0]!r} of the graph is no module of "
+                             "this model (profile the model you run)")
+        self.modules = {r: modules[r] for r in self.steps}
+        self._saved: dict[str, object] = {}
+
+    def __enter__(self):
+        import functools
+
+        from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
+
+        for name, module in self.modules.items():
+            forward = module.forward
+            self._saved[name] = module.__dict__.get("forward")
+            steps = self.steps[name]
+
+            def wrapped(*args, _forward=forward, _steps=steps, **kwargs):
+                context = functools.partial(create_selective_checkpoint_contexts,
+                                            _region_policy(_steps))
+                return checkpoint(_forward, *args, use_reentrant=False, context_fn=context,
+                                  preserve_rng_state=True, **kwargs)
+
+            module.forward = wrapped
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for name, module in self.modules.items():
+            before = self._saved.pop(name, None)
+            if before is None:
+                module.__dict__.pop("forward", None)
+            else:
+                module.forward = before

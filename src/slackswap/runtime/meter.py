@@ -1,0 +1,123 @@
+"""Measure a training step's memory the way the device's allocator sees it.
+
+On CUDA: the caching allocator's statistics (``torch.cuda.memory_allocated`` and its peak). On
+CPU: the C heap in use (glibc's ``mallinfo2``: bytes in used chunks plus mmapped blocks, where
+large tensors live), sampled after every op by a dispatch mode, or (``sample="thread"``, for a
+``torch.compile``d model, which runs eagerly under a dispatch mode) by a thread every 50 us, which
+can miss a peak shorter than that. Figures are bytes above what was
+allocated when the meter started (parameters, gradients and optimizer state from before the step
+are not counted; gradients made in the step are).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in (
+        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks",
+        "fordblks", "keepcost")]
+
+
+_LIBC = None
+
+
+def _heap_in_use() -> int:
+    """Bytes the C heap holds for the process (in-use chunks and mmapped blocks)."""
+    global _LIBC
+    if _LIBC is None:
+        path = ctypes.util.find_library("c")
+        lib = ctypes.CDLL(path) if path else None
+        if lib is None or not hasattr(lib, "mallinfo2"):
+            raise RuntimeError("measuring CPU memory needs glibc's mallinfo2 (Linux, glibc >= "
+                               "2.33); measure on CUDA instead")
+        lib.mallinfo2.restype = _MallInfo2
+        _LIBC = lib
+    info = _LIBC.mallinfo2()
+    return int(info.uordblks + info.hblkhd)
+
+
+class _Sampler(TorchDispatchMode):
+    def __init__(self, meter: StepMeter):
+        super().__init__()
+        self.meter = meter
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.meter._sample()
+        return out
+
+
+@dataclass
+class StepMeter:
+    """``with StepMeter(device) as m:`` forward; ``m.mark("backward")``; backward. Then
+    ``m.peak_bytes`` and ``m.marks["backward"]`` (bytes above the start)."""
+
+    device: torch.device | str = "cpu"
+    sample: str = "ops"  # on CPU: after every op ("ops") or from a thread ("thread")
+    peak_bytes: int = 0
+    marks: dict = field(default_factory=dict)
+    _base: int = 0
+
+    def __post_init__(self) -> None:
+        self.device = torch.device(self.device)
+        self.cuda = self.device.type == "cuda"
+        if self.sample not in ("ops", "thread"):
+            raise ValueError(f"StepMeter: sample must be 'ops' or 'thread', got {self.sample!r}")
+
+    def _now(self) -> int:
+        if self.cuda:
+            return int(torch.cuda.memory_allocated(self.device))
+        return _heap_in_use()
+
+    def _sample(self) -> None:
+        self.peak_bytes = max(self.peak_bytes, self._now() - self._base)
+
+    def mark(self, label: str) -> None:
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+        self.marks[label] = self._now() - self._base
+        self._sample()
+
+    def __enter__(self) -> StepMeter:
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+        self._base = self._now()
+        self.peak_bytes = 0
+        self._mode = self._thread = None
+        if not self.cuda and self.sample == "ops":
+            self._mode = _Sampler(self)
+            self._mode.__enter__()
+        elif not self.cuda:
+            self._stop = threading.Event()
+
+            def sample() -> None:
+                while not self._stop.is_set():
+                    self._sample()
+                    time.sleep(50e-6)
+
+            self._thread = threading.Thread(target=sample, daemon=True)
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._mode is not None:
+            self._mode.__exit__(*exc)
+        if self._thread is not None:
+            self._stop.set()
+            self._thread.join()
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+            self.peak_bytes = max(self.peak_bytes,
+                                  int(torch.cuda.max_memory_allocated(self.device)) - self._base)
+        else:
+            self._sample()
