@@ -96,3 +96,12 @@ def test_a_plan_with_swaps_is_refused_by_the_export(setup):
     assert swapping.count("swap")
     with pytest.raises(ValueError, match="swapped tensor.*allowed=\\('keep', 'recompute'\\)"):
         checkpointed(model, swapping, graph)
+
+
+def test_a_compiled_module_is_profiled_eagerly_and_refused_by_the_executor(setup):
+    model, x, graph, plan = setup
+    compiled = torch.compile(model, backend="aot_eager")  # not run: nothing is compiled here
+    again = ss.profile(compiled, x, loss_fn, warmup=0, repeat=1)
+    assert [t.name for t in again.tensors] == [t.name for t in graph.tensors]
+    with pytest.raises(ss.PlanError, match="torch.compile'd.*checkpointed"):
+        ss.apply(plan, compiled, graph=graph)

@@ -721,4 +721,9 @@ def apply(plan: Plan, model: torch.nn.Module, graph: ActivationGraph | None = No
         raise TypeError(f"apply: plan must be a slackswap.Plan, got {type(plan).__name__}")
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"apply: model must be a torch.nn.Module, got {type(model).__name__}")
+    if hasattr(model, "_orig_mod") and type(model).__name__ == "OptimizedModule":
+        raise PlanError("apply: the model is torch.compile'd; the executor runs eager models. "
+                        "Either apply the plan to model._orig_mod and call that, or keep the "
+                        "compiled model and run it inside slackswap.checkpointed(model._orig_mod, "
+                        "plan, graph) (plans with keep and recompute only)")
     return Run(plan, model, graph, smaller_inputs=smaller_inputs)

@@ -251,6 +251,10 @@ def profile(model, inputs, loss_fn: Callable, device=None, warmup: int = 1, repe
 
     if not isinstance(model, torch.nn.Module):
         raise ProfileError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if hasattr(model, "_orig_mod") and type(model).__name__ == "OptimizedModule":
+        # a torch.compile'd module: profile the eager model behind it (the same parameters and
+        # saved tensors); run the plan with slackswap.checkpointed around the compiled one
+        model = model._orig_mod
     if repeat < 1 or warmup < 0:
         raise ProfileError("repeat must be >= 1 and warmup >= 0")
     if device is not None:
