@@ -45,6 +45,7 @@ def test_region_rule():
     assert region_of("blocks.3.attn.qkv") == "blocks.3"
     assert region_of("model.layers.7.mlp") == "model.layers.7"
     assert region_of("head") == "head" and region_of("") == ""
+    assert region_of("transformer.wte") == "transformer.wte"
 
 
 def test_the_exported_policy_delivers_the_plans_peak_with_exact_gradients(setup):

@@ -56,12 +56,14 @@ def checkpoint_policy(plan: Plan, graph: ActivationGraph):
 def region_of(module_path: str) -> str:
     """The checkpoint region an op's module belongs to: its path up to and including the first
     numbered component (``blocks.3``, ``model.layers.7``, ``layer2.1``: one block of a stack),
-    else its first component (``embed``, ``head``). "" (the model's own ops) is no region."""
+    else the module itself (``transformer.wte``, ``head``). "" (the model's own ops) is no region.
+    A region that contains another (``transformer`` around ``transformer.h.0``) is dropped by
+    ``checkpoint_regions``: its own ops run unwrapped."""
     parts = module_path.split(".") if module_path else []
     for i, part in enumerate(parts):
         if part.isdigit():
             return ".".join(parts[: i + 1])
-    return parts[0] if parts else ""
+    return module_path
 
 
 def _module_of(op) -> str:
@@ -100,7 +102,10 @@ def checkpoint_regions(plan: Plan, graph: ActivationGraph,
         if rebuilt:
             wanted.add(name)
         out.setdefault(name, []).append((str(op.extra.get("aten", "")), recompute))
-    return {name: ops for name, ops in out.items() if name in wanted}
+    # a region around another would rebuild all of it at once: its own ops stay unwrapped
+    nested = {name for name in out if any(other != name and other.startswith(name + ".")
+                                          for other in out)}
+    return {name: ops for name, ops in out.items() if name in wanted and name not in nested}
 
 
 def _region_policy(steps: list[tuple[str, bool]]):
@@ -151,6 +156,8 @@ class checkpointed:  # noqa: N801 - a context manager used like a function
     step's peak follows the plan's instead of rebuilding the whole forward at once. Works on a
     ``torch.compile``d model whose modules are these (compile the model inside the context, or
     wrap before compiling). Plans with swaps are refused (a policy can only keep or recompute).
+    As with any checkpointing, a region's forward must not change state its recompute reads: call
+    HF models with ``use_cache=False`` (HF does so for its own gradient checkpointing).
     """
 
     def __init__(self, model, plan: Plan, graph: ActivationGraph,

@@ -1,0 +1,278 @@
+"""slackswap beside what a PyTorch user would pick instead, on the same models, measured alike.
+
+    python benchmarks/vs_torch.py [--budgets 0.5,0.3] [--rounds 5] [--models gpt2,resnet]
+        [--json benchmarks/results/vs_torch.json]
+
+Models: an HF GPT-2 from a config (4 layers, width 256, dropout 0.1, batch 8 x 256 tokens) and a
+ResNet with batch norm (stem + 8 basic blocks, 8 images of 64 x 64). Variants: plain training;
+per-block checkpointing (torch.utils.checkpoint around every block); torch's selective
+checkpointing per block (matmuls saved, the rest recomputed: the policy of torch's own example);
+torch.compile with ``activation_memory_budget`` = the budget (its min-cut partitioner:
+``aot_eager_decomp_partition`` on CPU); offload-everything (``torch.autograd.graph.save_on_cpu``);
+slackswap's executor (``ss.apply``, heuristic plan); slackswap's exported policy
+(``ss.checkpointed``), eager and compiled (``aot_eager``). Per variant: bytes held at the start
+of backward and the step peak (``ss.StepMeter``: the C heap on CPU, the caching allocator on
+CUDA; above what was allocated before the step) as fractions of plain training's, step time
+over plain's (median of paired rounds: plain then the variant, the same inputs), the time spent
+planning or compiling, and the gradients against plain training's (bitwise, or the largest
+difference). On a CPU device slackswap plans keep and recompute only (there is no host to swap
+to); save_on_cpu copies to the same memory there and saves nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    checkpoint,
+    create_selective_checkpoint_contexts,
+)
+
+import slackswap as ss
+
+
+class BasicBlock(nn.Module):
+    def __init__(self, c_in: int, c_out: int, stride: int):
+        super().__init__()
+        self.conv1 = nn.Conv2d(c_in, c_out, 3, stride, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(c_out)
+        self.conv2 = nn.Conv2d(c_out, c_out, 3, 1, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(c_out)
+        self.down = None if stride == 1 and c_in == c_out else nn.Sequential(
+            nn.Conv2d(c_in, c_out, 1, stride, bias=False), nn.BatchNorm2d(c_out))
+
+    def forward(self, x):
+        y = torch.relu(self.bn1(self.conv1(x)))
+        y = self.bn2(self.conv2(y))
+        return torch.relu(y + (x if self.down is None else self.down(x)))
+
+
+class ResNet(nn.Module):
+    def __init__(self, classes: int = 100):
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, 32, 3, 1, 1, bias=False), nn.BatchNorm2d(32),
+                                  nn.ReLU())
+        widths = [(32, 32, 1), (32, 32, 1), (32, 64, 2), (64, 64, 1), (64, 128, 2),
+                  (128, 128, 1), (128, 256, 2), (256, 256, 1)]
+        self.blocks = nn.ModuleList(BasicBlock(*w) for w in widths)
+        self.fc = nn.Linear(256, classes)
+
+    def forward(self, x):
+        x = self.stem(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.fc(x.mean((2, 3)))
+
+
+def build(name: str):
+    """(model, inputs, loss_fn, blocks) for one benchmark model."""
+    torch.manual_seed(0)
+    if name == "gpt2":
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        config = GPT2Config(n_layer=4, n_embd=256, n_head=4, n_positions=256, vocab_size=2000,
+                            resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.1)
+        model = GPT2LMHeadModel(config).train()
+        ids = torch.randint(0, 2000, (8, 256))
+        # no KV cache: its update in forward is state a checkpoint recompute would see changed
+        # (HF turns it off for its own gradient checkpointing)
+        return model, {"input_ids": ids, "labels": ids, "use_cache": False}, \
+            (lambda out: out.loss), \
+            list(model.transformer.h)
+    if name == "resnet":
+        model = ResNet().train()
+        x = torch.randn(8, 3, 64, 64)
+        target = torch.randint(0, 100, (8,))
+        return model, x, (lambda out: nn.functional.cross_entropy(out, target)), list(model.blocks)
+    raise ValueError(f"unknown model {name!r}")
+
+
+def call(model, inputs):
+    return model(**inputs) if isinstance(inputs, dict) else model(inputs)
+
+
+class Wrapped:
+    """Blocks' forwards replaced by a checkpointed call while the context is open."""
+
+    def __init__(self, blocks, context_fn=None):
+        self.blocks, self.context_fn = blocks, context_fn
+
+    def __enter__(self):
+        for block in self.blocks:
+            forward = block.forward
+            options = {} if self.context_fn is None else {"context_fn": self.context_fn}
+
+            def wrapped(*args, _forward=forward, _options=options, **kwargs):
+                return checkpoint(_forward, *args, use_reentrant=False, **_options, **kwargs)
+
+            block.forward = wrapped
+        return self
+
+    def __exit__(self, *exc):
+        for block in self.blocks:
+            block.__dict__.pop("forward", None)
+
+
+def save_matmuls(ctx, func, *args, **kwargs):
+    """torch's selective-checkpointing example policy: keep matmul outputs, recompute the rest."""
+    keep = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
+            torch.ops.aten.convolution.default, torch.ops.aten.baddbmm.default}
+    return CheckpointPolicy.MUST_SAVE if func in keep else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def measured_step(model, runner, inputs, loss_fn, sample: str):
+    """One step: its gradients, (peak, bytes at backward start) and wall time."""
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(7)
+    start = time.perf_counter()
+    with ss.StepMeter(sample=sample) as meter:
+        loss = loss_fn(call(runner, inputs))
+        meter.mark("backward")
+        loss.backward()
+    wall = time.perf_counter() - start
+    return [p.grad.clone() for p in model.parameters()], meter.peak_bytes, \
+        meter.marks["backward"], wall
+
+
+def timed_step(model, runner, inputs, loss_fn) -> float:
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(7)
+    start = time.perf_counter()
+    loss_fn(call(runner, inputs)).backward()
+    return time.perf_counter() - start
+
+
+def compare(model, inputs, loss_fn, variant, plain_grads, plain_peak, plain_held, rounds: int):
+    """Measure one variant: ``variant`` is (name, context manager factory, runner, setup_s,
+    sample)."""
+    name, make_context, runner, setup_s, sample = variant
+    with make_context():
+        for _ in range(2):  # warm-up (compilation, first allocations)
+            measured_step(model, runner, inputs, loss_fn, sample)
+        grads, peak, held, _ = measured_step(model, runner, inputs, loss_fn, sample)
+        ratios = []
+        for _ in range(rounds):
+            plain_s = timed_step(model, model, inputs, loss_fn)
+            ratios.append(timed_step(model, runner, inputs, loss_fn) / plain_s)
+    diff = max(float((a - b).abs().max()) for a, b in zip(plain_grads, grads))
+    return {"variant": name, "held_at_backward": held / plain_held, "step_peak": peak / plain_peak,
+            "peak_mib": peak / 2**20, "time_vs_plain": statistics.median(ratios),
+            "setup_s": setup_s, "bitwise": diff == 0.0, "max_grad_diff": diff}
+
+
+def run_model(name: str, budgets, rounds: int) -> list[dict]:
+    model, inputs, loss_fn, blocks = build(name)
+    nullcontext = __import__("contextlib").nullcontext
+    for _ in range(2):
+        measured_step(model, model, inputs, loss_fn, "ops")
+    plain_grads, plain_peak, plain_held, _ = measured_step(model, model, inputs, loss_fn, "ops")
+    rows = [{"model": name, "budget": None, "variant": "plain", "held_at_backward": 1.0,
+             "step_peak": 1.0, "peak_mib": plain_peak / 2**20, "time_vs_plain": 1.0,
+             "setup_s": 0.0, "bitwise": True, "max_grad_diff": 0.0}]
+    fixed = [
+        ("per-block checkpoint", lambda: Wrapped(blocks), model, 0.0, "ops"),
+        ("torch selective checkpoint (save matmuls)",
+         lambda: Wrapped(blocks, functools.partial(create_selective_checkpoint_contexts,
+                                                   save_matmuls)), model, 0.0, "ops"),
+        ("offload everything (save_on_cpu)",
+         lambda: torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available()),
+         model, 0.0, "ops"),
+    ]
+    for variant in fixed:
+        try:
+            row = compare(model, inputs, loss_fn, variant, plain_grads, plain_peak, plain_held,
+                          rounds)
+        except Exception as exc:  # noqa: BLE001 - a variant that fails is a result
+            row = {"variant": variant[0], "error": f"{type(exc).__name__}: {str(exc)[:200]}"}
+        rows.append({"model": name, "budget": None, **row})
+        print(_line(rows[-1]), flush=True)
+    began = time.perf_counter()
+    graph = ss.profile(model, inputs, loss_fn, warmup=1, repeat=2)
+    profile_s = time.perf_counter() - began
+    for budget in budgets:
+        import torch._functorch.config as functorch_config
+
+        functorch_config.activation_memory_budget = budget
+        torch._dynamo.reset()
+        compiled = torch.compile(model, backend="aot_eager_decomp_partition")
+        variants = [(f"torch.compile activation_memory_budget={budget}", nullcontext, compiled,
+                     0.0, "thread")]
+        functorch_config.activation_memory_budget = 1.0
+        try:
+            began = time.perf_counter()
+            plan = ss.solve(graph, budget, solver="heuristic")
+            plan_s = profile_s + time.perf_counter() - began
+        except ss.InfeasibleBudget as exc:
+            rows.append({"model": name, "budget": budget, "variant": "slackswap",
+                         "error": str(exc)[:200]})
+            print(f"{name} {budget}: slackswap: infeasible ({str(exc)[:120]})", flush=True)
+            plan = None
+        if plan is not None:
+            variants += [
+                ("slackswap executor (apply)", lambda p=plan: ss.apply(p, model, graph=graph),
+                 model, plan_s, "ops"),
+                ("slackswap exported policy (checkpointed)",
+                 lambda p=plan: ss.checkpointed(model, p, graph), model, plan_s, "ops"),
+            ]
+        for variant in variants:
+            try:
+                row = compare(model, inputs, loss_fn, variant, plain_grads, plain_peak, plain_held,
+                              rounds)
+            except Exception as exc:  # noqa: BLE001 - a variant that fails is a result
+                row = {"variant": variant[0], "error": f"{type(exc).__name__}: {str(exc)[:200]}"}
+            if plan is not None and variant[0].startswith("slackswap"):
+                row["simulated_peak_mib"] = ss.simulate(graph, plan).peak_bytes / 2**20
+            rows.append({"model": name, "budget": budget, **row})
+            print(_line(rows[-1]), flush=True)
+        if plan is not None:
+            with ss.checkpointed(model, plan, graph):
+                torch._dynamo.reset()
+                compiled = torch.compile(model, backend="aot_eager")
+                variant = ("slackswap exported policy, compiled (aot_eager)", nullcontext,
+                           compiled, plan_s, "thread")
+                row = compare(model, inputs, loss_fn, variant, plain_grads, plain_peak,
+                              plain_held, rounds)
+            rows.append({"model": name, "budget": budget, **row,
+                         "simulated_peak_mib": ss.simulate(graph, plan).peak_bytes / 2**20})
+            print(_line(rows[-1]), flush=True)
+        torch._dynamo.reset()
+    return rows
+
+
+def _line(r: dict) -> str:
+    head = f"{r['model']:<7} {str(r.get('budget') or '-'):>4} {r['variant']:<48}"
+    if "error" in r:
+        return head + f" error: {r['error']}"
+    grads = "bitwise" if r["bitwise"] else f"max diff {r['max_grad_diff']:.2e}"
+    simulated = f" (simulated {r['simulated_peak_mib']:.0f})" if "simulated_peak_mib" in r else ""
+    return (head + f" held {r['held_at_backward']:.2f}  peak {r['step_peak']:.2f} "
+            f"({r['peak_mib']:.0f} MiB{simulated})  time {r['time_vs_plain']:.2f}x  setup "
+            f"{r['setup_s']:.1f} s  {grads}")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--budgets", default="0.5,0.3")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--models", default="gpt2,resnet")
+    parser.add_argument("--json", type=Path, default=Path("benchmarks/results/vs_torch.json"))
+    args = parser.parse_args()
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    rows = []
+    for name in args.models.split(","):
+        rows += run_model(name, [float(b) for b in args.budgets.split(",")], args.rounds)
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(rows, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
