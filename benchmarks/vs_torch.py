@@ -9,7 +9,7 @@ per-block checkpointing (torch.utils.checkpoint around every block); torch's sel
 checkpointing per block (matmuls saved, the rest recomputed: the policy of torch's own example);
 torch.compile with ``activation_memory_budget`` = the budget (its min-cut partitioner:
 ``aot_eager_decomp_partition`` on CPU); offload-everything (``torch.autograd.graph.save_on_cpu``);
-slackswap's executor (``ss.apply``, heuristic plan); slackswap's exported policy
+slackswap's executor (``ss.apply``, the default planner's plan, 10 s limit); slackswap's exported policy
 (``ss.checkpointed``), eager and compiled (``aot_eager``). Per variant: bytes held at the start
 of backward and the step peak (``ss.StepMeter``: the C heap on CPU, the caching allocator on
 CUDA; above what was allocated before the step) as fractions of plain training's, step time
@@ -208,7 +208,7 @@ def run_model(name: str, budgets, rounds: int) -> list[dict]:
         functorch_config.activation_memory_budget = 1.0
         try:
             began = time.perf_counter()
-            plan = ss.solve(graph, budget, solver="heuristic")
+            plan = ss.solve(graph, budget, time_limit_s=10)  # the default solver (CP-SAT)
             plan_s = profile_s + time.perf_counter() - began
         except ss.InfeasibleBudget as exc:
             rows.append({"model": name, "budget": budget, "variant": "slackswap",

@@ -30,6 +30,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+from .core.errors import InfeasibleBudget
 from .core.graph import ActivationGraph
 from .core.hardware import Hardware
 from .core.plan import Plan
@@ -165,7 +166,14 @@ class PlannedLoop:
         with _unchanged_training(self.model):
             graph = profile(self.model, inputs, self.loss_fn, warmup=1, repeat=1,
                             name=f"{type(self.model).__name__}-bucket{len(self._buckets)}")
-        plan = solve(graph, self.budget, self.hardware, solver="heuristic")
+        try:
+            plan = solve(graph, self.budget, self.hardware, solver="heuristic")
+        except InfeasibleBudget:
+            if self.refine_solver is None:
+                raise
+            # the heuristic found no plan that fits: the exact planner, now, before this step
+            plan = solve(graph, self.budget, self.hardware, solver=self.refine_solver,
+                         time_limit_s=self.refine_time_limit_s)
         bucket = _Bucket(shapes, graph, plan)
         self._buckets[key] = bucket
         self._buckets.move_to_end(key)

@@ -174,10 +174,25 @@ def heuristic_codes(graph: ActivationGraph, hw: Hardware, budget: int,
         p = int(over_points[np.argmax(mem[over_points])])
         live = exp.iv_tensor[(exp.iv_start <= p) & (exp.iv_end >= p)]
         live = np.unique(live[graph.is_saved[live] & (codes[live] != SWAP)])
-        live = live[may_swap[live]]
-        if live.size == 0:
-            break
         excess = mem[p] - budget
+        if not may_swap[live].any():
+            # no swap allowed here (recompute-only): rebuild more of what is resident, largest
+            # first, skipping what the op or rerun at this point reads
+            reading = set(graph.op_inputs[int(exp.point_op[p])])
+            kept = [int(t) for t in live[np.argsort(-nbytes[live], kind="stable")]
+                    if codes[t] == KEEP and may_recompute[t] and t not in reading
+                    and all(may_recompute[m] and codes[m] == KEEP for m in members(int(t)))]
+            if not kept:
+                break
+            for t in kept:
+                for m in members(t):
+                    codes[m] = RECOMPUTE
+                stats["recomputed"] += 1
+                excess -= nbytes[t]
+                if excess <= 0:
+                    break
+            continue
+        live = live[may_swap[live]]
         for t in live[np.argsort(-nbytes[live], kind="stable")]:
             for m in members(int(t)):
                 if may_swap[m]:
