@@ -106,3 +106,41 @@ def test_a_compiled_module_is_profiled_eagerly_and_refused_by_the_executor(setup
     assert [t.name for t in again.tensors] == [t.name for t in graph.tensors]
     with pytest.raises(ss.PlanError, match="torch.compile'd.*checkpointed"):
         ss.apply(plan, compiled, graph=graph)
+
+
+def test_batch_norm_statistics_are_updated_once_under_the_exported_policy():
+    """Recomputing batch norm in training would update its running statistics a second time
+    (its schema does not say it writes them): ops that take a buffer are saved, never rerun."""
+    import copy
+
+    from torch import nn
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.ModuleList(nn.Sequential(
+                nn.Conv2d(3 if i == 0 else 8, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU())
+                for i in range(4))
+
+        def forward(self, x):
+            for block in self.blocks:
+                x = block(x)
+            return x.mean((2, 3))
+
+    torch.manual_seed(0)
+    model = Net()
+    x = torch.randn(4, 3, 32, 32)
+    graph = ss.profile(model, x, loss_fn, warmup=0, repeat=1)
+    plan = ss.solve(graph, 0.6, solver="heuristic")
+    regions = ss.checkpointed(model, plan, graph).modules
+    assert any(isinstance(m, nn.Sequential) for m in regions.values())  # BN inside a region
+    plain, ours = copy.deepcopy(model), copy.deepcopy(model)
+    torch.manual_seed(1)
+    loss_fn(plain(x)).backward()
+    with checkpointed(ours, plan, graph):
+        torch.manual_seed(1)
+        loss_fn(ours(x)).backward()
+    for (name, a), b in zip(plain.state_dict().items(), ours.state_dict().values()):
+        assert torch.equal(a, b), name
+    for p, q in zip(plain.parameters(), ours.parameters()):
+        assert torch.equal(p.grad, q.grad)

@@ -108,12 +108,24 @@ def checkpoint_regions(plan: Plan, graph: ActivationGraph,
     return {name: ops for name, ops in out.items() if name in wanted and name not in nested}
 
 
-def _region_policy(steps: list[tuple[str, bool]]):
+def _reads_buffers(args, buffers: set[int]) -> bool:
+    """Whether the op takes one of the model's buffers: batch norm in training updates its
+    running statistics in place (its schema does not say so), and rerunning it would update them
+    twice. Such ops are saved, never rerun."""
+    import torch
+
+    return any(isinstance(value, torch.Tensor) and value.untyped_storage().data_ptr() in buffers
+               for value in args)
+
+
+def _region_policy(steps: list[tuple[str, bool]], state: set[int] | None = None):
     """A selective-checkpoint policy for one region: the k-th call of an aten op gets the
     decision of the k-th op of that name in the region's profile (modulo their count: a compiler
     tracing the region again starts over); forward and recompute count separately. An op the
     profile did not see is saved. Under torch.compile random ops are always saved: the compiled
-    recompute would draw them again (torch restores the RNG state for eager recomputes only)."""
+    recompute would draw them again (torch restores the RNG state for eager recomputes only). An
+    op that takes one of the model's buffers (``state``: their storage addresses) is saved, so
+    the recompute does not update batch-norm statistics a second time."""
     from torch.utils.checkpoint import CheckpointPolicy
 
     by_name: dict[str, list[bool]] = {}
@@ -133,6 +145,8 @@ def _region_policy(steps: list[tuple[str, bool]]):
         seen[key] = k + 1
         if torch.compiler.is_compiling() and _is_random(name):
             return CheckpointPolicy.MUST_SAVE
+        if state and _reads_buffers(args, state):
+            return CheckpointPolicy.MUST_SAVE  # run once: the model's state is updated once
         recompute = decisions[k % len(decisions)]
         return CheckpointPolicy.PREFER_RECOMPUTE if recompute else CheckpointPolicy.MUST_SAVE
 
@@ -177,14 +191,20 @@ class checkpointed:  # noqa: N801 - a context manager used like a function
 
         from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
+        state = {t.untyped_storage().data_ptr() for t in self.model.buffers()}
         for name, module in self.modules.items():
             forward = module.forward
             self._saved[name] = module.__dict__.get("forward")
             steps = self.steps[name]
 
             def wrapped(*args, _forward=forward, _steps=steps, **kwargs):
+                # the cache may hold a buffer a state-writing op returned (saved so that it
+                # runs once), which later ops write again; backward never reads it. Activations
+                # the plan saves are never written in place later (the profile recomputes
+                # those), so the check torch would make guards nothing else here
                 context = functools.partial(create_selective_checkpoint_contexts,
-                                            _region_policy(_steps))
+                                            _region_policy(_steps, state),
+                                            allow_cache_entry_mutation=True)
                 return checkpoint(_forward, *args, use_reentrant=False, context_fn=context,
                                   preserve_rng_state=True, **kwargs)
 
