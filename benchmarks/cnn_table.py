@@ -14,10 +14,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
 
 import slackswap as ss
+
+sys.path.insert(0, str(Path(__file__).parent))
 
 
 def main() -> int:
@@ -27,7 +30,10 @@ def main() -> int:
     parser.add_argument("--time-limit", type=float, default=10.0)
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--json", type=Path, default=Path("benchmarks/results/cnn_table.json"))
+    parser.add_argument("--results", action="store_true", help="write the table to RESULTS.md")
     args = parser.parse_args()
+    lines: list[str] = []
+    print = _record(lines)  # noqa: A001 - every printed line also goes to RESULTS.md
     hw = ss.hardware("a100-80gb-pcie4")
     rows = []
     print(f"{'net':<10} {'decisions':<10} {'budget':>6} {'exact':>8} {'heur.':>8} {'LP bd':>8} "
@@ -72,7 +78,21 @@ def main() -> int:
           f"{sum(r['decisions'] == 'recompute' for r in done)})")
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(rows, indent=1))
+    if args.results:
+        from results_md import command_line, write_section
+
+        write_section("cnn_table", "CNN training graphs: exact planner, recompute-only and with swaps", command_line(),
+                      "```\n" + "\n".join(lines) + "\n```")
     return 0
+
+
+def _record(lines: list[str]):
+    """print() that also keeps the line for RESULTS.md."""
+    def out(*parts, **kwargs):
+        text = " ".join(str(p) for p in parts)
+        lines.append(text)
+        print(text, **kwargs)
+    return out
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ import argparse
 import functools
 import json
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -37,6 +38,8 @@ from torch.utils.checkpoint import (
 )
 
 import slackswap as ss
+
+sys.path.insert(0, str(Path(__file__).parent))
 
 
 class BasicBlock(nn.Module):
@@ -264,6 +267,7 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--models", default="gpt2,resnet")
     parser.add_argument("--json", type=Path, default=Path("benchmarks/results/vs_torch.json"))
+    parser.add_argument("--results", action="store_true", help="write the table to RESULTS.md")
     args = parser.parse_args()
     torch.set_num_threads(max(1, torch.get_num_threads()))
     rows = []
@@ -271,6 +275,12 @@ def main() -> int:
         rows += run_model(name, [float(b) for b in args.budgets.split(",")], args.rounds)
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(rows, indent=1))
+    if args.results:
+        from results_md import command_line, write_section
+
+        lines = [_line(r) if "variant" in r else str(r) for r in rows]
+        write_section("vs_torch", "slackswap beside torch's checkpointing, torch.compile and offloading (CPU)", command_line(),
+                      "```\n" + "\n".join(lines) + "\n```")
     return 0
 
 
