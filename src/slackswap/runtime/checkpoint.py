@@ -108,24 +108,45 @@ def checkpoint_regions(plan: Plan, graph: ActivationGraph,
     return {name: ops for name, ops in out.items() if name in wanted and name not in nested}
 
 
-def _reads_buffers(args, buffers: set[int]) -> bool:
-    """Whether the op takes one of the model's buffers: batch norm in training updates its
-    running statistics in place (its schema does not say so), and rerunning it would update them
-    twice. Such ops are saved, never rerun."""
+def _shielded_recompute(recompute_context, buffers: set[int]):
+    """The recompute's context, plus a mode that hands every op copies of the model's buffers:
+    batch norm in training updates its running statistics in place (its schema does not say
+    so), and the recompute would update them a second time. Its outputs do not depend on them."""
+    import contextlib
+
     import torch
+    from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
-    return any(isinstance(value, torch.Tensor) and value.untyped_storage().data_ptr() in buffers
-               for value in args)
+    class ShieldBuffers(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if any(isinstance(a, torch.Tensor) and a.untyped_storage().data_ptr() in buffers
+                   for a in args):
+                with _disable_current_modes():  # the copy is no op of the region
+                    args = tuple(a.clone() if isinstance(a, torch.Tensor)
+                                 and a.untyped_storage().data_ptr() in buffers else a
+                                 for a in args)
+            return func(*args, **(kwargs or {}))
+
+    stack = contextlib.ExitStack()
+
+    class Both:
+        def __enter__(self):
+            stack.enter_context(recompute_context)
+            stack.enter_context(ShieldBuffers())
+            return self
+
+        def __exit__(self, *exc):
+            return stack.__exit__(*exc)
+
+    return Both()
 
 
-def _region_policy(steps: list[tuple[str, bool]], state: set[int] | None = None):
+def _region_policy(steps: list[tuple[str, bool]]):
     """A selective-checkpoint policy for one region: the k-th call of an aten op gets the
     decision of the k-th op of that name in the region's profile (modulo their count: a compiler
     tracing the region again starts over); forward and recompute count separately. An op the
     profile did not see is saved. Under torch.compile random ops are always saved: the compiled
-    recompute would draw them again (torch restores the RNG state for eager recomputes only). An
-    op that takes one of the model's buffers (``state``: their storage addresses) is saved, so
-    the recompute does not update batch-norm statistics a second time."""
+    recompute would draw them again (torch restores the RNG state for eager recomputes only)."""
     from torch.utils.checkpoint import CheckpointPolicy
 
     by_name: dict[str, list[bool]] = {}
@@ -145,8 +166,6 @@ def _region_policy(steps: list[tuple[str, bool]], state: set[int] | None = None)
         seen[key] = k + 1
         if torch.compiler.is_compiling() and _is_random(name):
             return CheckpointPolicy.MUST_SAVE
-        if state and _reads_buffers(args, state):
-            return CheckpointPolicy.MUST_SAVE  # run once: the model's state is updated once
         recompute = decisions[k % len(decisions)]
         return CheckpointPolicy.PREFER_RECOMPUTE if recompute else CheckpointPolicy.MUST_SAVE
 
@@ -198,13 +217,19 @@ class checkpointed:  # noqa: N801 - a context manager used like a function
             steps = self.steps[name]
 
             def wrapped(*args, _forward=forward, _steps=steps, **kwargs):
-                # the cache may hold a buffer a state-writing op returned (saved so that it
-                # runs once), which later ops write again; backward never reads it. Activations
-                # the plan saves are never written in place later (the profile recomputes
-                # those), so the check torch would make guards nothing else here
-                context = functools.partial(create_selective_checkpoint_contexts,
-                                            _region_policy(_steps, state),
-                                            allow_cache_entry_mutation=True)
+                import torch
+
+                if torch.compiler.is_compiling():
+                    # a compiled recompute replays no mutation: torch's own contexts (the only
+                    # context_fn torch.compile accepts)
+                    context = functools.partial(create_selective_checkpoint_contexts,
+                                                _region_policy(_steps))
+                else:
+                    def context():
+                        forward_ctx, recompute_ctx = create_selective_checkpoint_contexts(
+                            _region_policy(_steps))
+                        return forward_ctx, _shielded_recompute(recompute_ctx, state)
+
                 return checkpoint(_forward, *args, use_reentrant=False, context_fn=context,
                                   preserve_rng_state=True, **kwargs)
 
