@@ -54,7 +54,7 @@ def main() -> int:
                             peak=f"{loop.last_stats.peak_activation_bytes / 2**20:.1f}MiB")
     print(f"{args.steps} steps in {time.perf_counter() - began:.1f} s; plans per bucket:")
     for switch in loop.switches:
-        (shape, _), = switch.bucket
+        shape = switch.bucket[0][0]  # the first input's (input_ids) bucketed shape
         print(f"  step {switch.step:>3}: bucket {shape}: {switch.source} plan, simulated step "
               f"{1e3 * switch.predicted_step_time_s:.1f} ms")
     return 0
