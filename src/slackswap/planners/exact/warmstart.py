@@ -102,6 +102,7 @@ LANE_HEADROOM = 0.98
 RELAXATION_GAP = 1e-4
 RELAXATION_CAP_S = 20.0
 RELAXATION_MIN_S = 1.5  # less time left than this: the relaxation is not started
+HEURISTIC_POLISH_S = 2.0  # less time left than this: the heuristic runs without its polish
 
 
 def warm_start(problem: Problem, polish: bool = True, bound_s: float | None = None,
@@ -122,7 +123,10 @@ def warm_start(problem: Problem, polish: bool = True, bound_s: float | None = No
     from ..lpbound import lp_bound
 
     g, hw, budget = problem.graph, problem.hardware, problem.budget_bytes
-    h_codes = SlackSwapHeuristic().solve(problem).codes
+    # the heuristic's own polishing search only when the time allows it (its work is bounded,
+    # but not by the deadline); the searches below go further anyway
+    heuristic_polish = deadline is None or deadline - time.perf_counter() > HEURISTIC_POLISH_S
+    h_codes = SlackSwapHeuristic().solve(problem, polish=heuristic_polish).codes
     h_sim = simulate_decisions(g, h_codes, hw, budget)
     best = _warm(problem, h_codes, h_sim, "heuristic", h_codes, h_sim)
     # more decisions must never give a worse plan: the heuristic's plans of the restricted
@@ -132,7 +136,8 @@ def warm_start(problem: Problem, polish: bool = True, bound_s: float | None = No
         mask = _restricted(problem, kinds)
         if mask is None:
             continue
-        codes = SlackSwapHeuristic().solve(replace(problem, mask=mask)).codes
+        codes = SlackSwapHeuristic().solve(replace(problem, mask=mask),
+                                           polish=heuristic_polish).codes
         sim = simulate_decisions(g, codes, hw, budget)
         if _better(sim, best.sim):
             best = _warm(problem, codes, sim, label, h_codes, h_sim)
