@@ -76,6 +76,9 @@ def main() -> int:
                 row = {"model": kind, "layers": layers, "ops": graph.n_ops, "budget": budget}
                 try:
                     heuristic = ss.solve(graph, budget, solver="heuristic")
+                except ss.InfeasibleBudget:
+                    heuristic = None  # the heuristic found no plan; the default solver may
+                try:
                     plans, walls = [], []
                     for _ in range(2):
                         began = time.perf_counter()
@@ -93,20 +96,21 @@ def main() -> int:
                 row.update(wall_s=walls, same_plan=same, status=first.info.status,
                            overhead_gap=first.info.overhead_gap,
                            overhead_pct=100 * (step / ideal - 1),
-                           heuristic_overhead_pct=100 * (
+                           heuristic_overhead_pct=None if heuristic is None else 100 * (
                                heuristic.info.predicted_step_time_s / ideal - 1),
                            clock_stopped=first.info.extra.get("clock_stopped"))
                 rows.append(row)
                 gap = "-" if row["overhead_gap"] is None else f"{100 * row['overhead_gap']:.1f}%"
                 say(f"{kind:<6} {layers:>2} {graph.n_ops:>5} {budget:>6.0%} {walls[0]:>6.1f}s "
                     f"{walls[1]:>6.1f}s {str(same):>5} {row['status']:<9} {gap:>8} "
-                    f"{row['overhead_pct']:>8.2f}% {row['heuristic_overhead_pct']:>8.2f}%  "
+                    f"{row['overhead_pct']:>8.2f}% "
+                    f"{'no plan' if heuristic is None else format(row['heuristic_overhead_pct'], '8.2f') + '%':>9}  "
                     f"{','.join(row['clock_stopped'] or []) or '-'}")
     done = [r for r in rows if "status" in r]
     say(f"{len(done)} solves: within {args.time_limit:g} s + 10%: "
         f"{sum(max(r['wall_s']) <= 1.1 * args.time_limit for r in done)}; same plan twice: "
         f"{sum(r['same_plan'] for r in done)}; never worse than the heuristic: "
-        f"{sum(r['overhead_pct'] <= r['heuristic_overhead_pct'] + 1e-9 for r in done)}")
+        f"{sum(r['heuristic_overhead_pct'] is None or r['overhead_pct'] <= r['heuristic_overhead_pct'] + 1e-9 for r in done)}")
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(rows, indent=1))
     if args.results:

@@ -299,13 +299,17 @@ class ExactBackend:
         # no solution, or none better than the warm start: the warm start's plan, said so
         info_extra.update(fallback=ws.source, reason="no solution within the time limit"
                           if best is None else "solver's best was not better than the warm start")
-        if status == "infeasible":
-            # the budget is at or above the smallest feasible one (solve() checked), so the warm
-            # start proves a plan exists: the backend's "infeasible" is its own failure
-            # (tolerances, presolve); the warm start is returned under an honest status
+        if status == "infeasible" and np.isfinite(warm_time):
+            # the warm start fits, so a plan exists: the backend's "infeasible" is its own
+            # failure (tolerances, presolve); the warm start is returned under an honest status
             info_extra["backend_failure"] = (f"{self.name} reported the model infeasible, but the "
                                              "warm start is a valid plan")
             log.warning("%s: %s", self.name, info_extra["backend_failure"])
+        elif status == "infeasible":
+            # nothing fits: with restricted decisions (keep and recompute only) the budget can be
+            # below the smallest feasible one, which solve() computes with swaps allowed
+            info_extra["reason"] = (f"{self.name} proved the model infeasible and no start fits: "
+                                    "no plan within this budget with these decisions")
         return self._fallback(ws, bound_s, warm_time, status, start, info_extra, within)
 
     def _fallback(self, ws, bound_s, warm_time, status: str, start: float, extra,
