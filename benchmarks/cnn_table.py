@@ -33,7 +33,9 @@ def main() -> int:
     parser.add_argument("--results", action="store_true", help="write the table to RESULTS.md")
     args = parser.parse_args()
     lines: list[str] = []
-    print = _record(lines)  # noqa: A001 - every printed line also goes to RESULTS.md
+    from results_md import recording_print
+
+    print = recording_print(lines)  # noqa: A001 - each line also goes to RESULTS.md
     hw = ss.hardware("a100-80gb-pcie4")
     rows = []
     print(f"{'net':<10} {'decisions':<10} {'budget':>6} {'exact':>8} {'heur.':>8} {'LP bd':>8} "
@@ -79,20 +81,10 @@ def main() -> int:
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(rows, indent=1))
     if args.results:
-        from results_md import command_line, write_section
+        from results_md import write_printed_section
 
-        write_section("cnn_table", "CNN training graphs: exact planner, recompute-only and with swaps", command_line(),
-                      "```\n" + "\n".join(lines) + "\n```")
+        write_printed_section("cnn_table", "CNN training graphs: exact planner, recompute-only and with swaps", lines)
     return 0
-
-
-def _record(lines: list[str]):
-    """print() that also keeps the line for RESULTS.md."""
-    def out(*parts, **kwargs):
-        text = " ".join(str(p) for p in parts)
-        lines.append(text)
-        print(text, **kwargs)
-    return out
 
 
 if __name__ == "__main__":

@@ -114,10 +114,9 @@ def main() -> int:
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(rows, indent=1))
     if args.results:
-        from results_md import command_line, write_section
+        from results_md import write_printed_section
 
-        write_section("profiled_solve", "The default solver on HF profiles (CPU)", command_line(),
-                      "```\n" + "\n".join(lines) + "\n```")
+        write_printed_section("profiled_solve", "The default solver on HF profiles (CPU)", lines)
     return 0
 
 

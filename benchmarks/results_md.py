@@ -49,3 +49,18 @@ def command_line() -> str:
     except ValueError:
         pass
     return "python " + " ".join([script.as_posix(), *sys.argv[1:]])
+
+
+def recording_print(lines: list[str]):
+    """A print() that also keeps each line, for a section of RESULTS.md written as printed."""
+    def out(*parts, **kwargs):
+        text = " ".join(str(p) for p in parts)
+        lines.append(text)
+        print(text, **kwargs)
+    return out
+
+
+def write_printed_section(name: str, title: str, lines: list[str]) -> Path:
+    """Section ``name`` of RESULTS.md: the lines a benchmark printed, as they were printed."""
+    return write_section(name, title, command_line(), "```\n" + "\n".join(lines) + "\n```")
+

@@ -276,11 +276,10 @@ def main() -> int:
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(rows, indent=1))
     if args.results:
-        from results_md import command_line, write_section
+        from results_md import write_printed_section
 
         lines = [_line(r) if "variant" in r else str(r) for r in rows]
-        write_section("vs_torch", "slackswap beside torch's checkpointing, torch.compile and offloading (CPU)", command_line(),
-                      "```\n" + "\n".join(lines) + "\n```")
+        write_printed_section("vs_torch", "slackswap beside torch's checkpointing, torch.compile and offloading (CPU)", lines)
     return 0
 
 

@@ -174,19 +174,13 @@ _PRESETS: dict[str, Hardware] = {
         sources={"note": "a CPU device: its memory is the host's, so plans keep or recompute "
                          "(a swap frees nothing); the link figures are a memcpy-class figure"},
     ),
-    "cpu-emulated-link": Hardware(
-        name="cpu-emulated-link",
-        d2h_bytes_per_s=10e9,
-        h2d_bytes_per_s=10e9,
-        latency_s=2e-6,
-        duplex=True,
-        peak_flops=1e11,
-        hbm_bytes_per_s=20e9,
-        sources={"note": "a CPU standing in for a device with a host link: swaps are host "
-                         "memcpys that free no real memory; for exercising the swap path of the "
-                         "executor on machines without a GPU, not for saving memory"},
-    ),
 }
+# a CPU standing in for a device with a host link: the cpu preset's figures, swaps allowed
+_PRESETS["cpu-emulated-link"] = replace(
+    _PRESETS["cpu"], name="cpu-emulated-link", host_is_device=False,
+    sources={"note": "a CPU standing in for a device with a host link: swaps are host memcpys "
+                     "that free no real memory; for exercising the swap path of the executor on "
+                     "machines without a GPU, not for saving memory"})
 
 
 def hardware(name: str | Hardware) -> Hardware:
