@@ -22,7 +22,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -105,7 +104,6 @@ class PlannedLoop:
     steps: int = 0
     _buckets: OrderedDict = field(default_factory=OrderedDict)
     _pool: ThreadPoolExecutor | None = None
-    _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def __enter__(self) -> PlannedLoop:
         if self.refine_solver is not None:
