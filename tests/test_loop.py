@@ -48,6 +48,7 @@ def test_bucket_rule():
     assert bucket_of((((3, 65, 1), "f"),)) == (((4, 128, 1), "f"),)
 
 
+@pytest.mark.slow
 def test_the_loop_plans_per_bucket_switches_between_steps_and_keeps_gradients():
     torch.manual_seed(0)
     plain_model = TinyGPT(vocab=50, d=32, layers=3, p=0.1)

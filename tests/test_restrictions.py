@@ -193,6 +193,7 @@ def test_a_device_whose_memory_is_the_host_never_swaps():
     assert ss.hardware("cpu").host_is_device and not ss.hardware("cpu-emulated-link").host_is_device
 
 
+@pytest.mark.slow
 def test_optimal_means_proven_within_one_percent_of_the_overhead():
     """The proof target is on what the user pays: step 1.10 s over an ideal 1.00 s may be 1% of
     0.10 s = 1 ms above its bound; a plan with no overhead 1e-5 of its step; target 0: none. Every
