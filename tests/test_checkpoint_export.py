@@ -144,3 +144,17 @@ def test_batch_norm_statistics_are_updated_once_under_the_exported_policy():
         assert torch.equal(a, b), name
     for p, q in zip(plain.parameters(), ours.parameters()):
         assert torch.equal(p.grad, q.grad)
+
+
+def test_with_boundary_pins_the_policy_holds_what_the_plan_simulates(setup):
+    """torch's checkpoint holds each region's inputs; a plan that keeps them (boundary_pins)
+    is one the policy runs as simulated: bytes held at the start of backward within 10% of the
+    plan's simulated peak (a plan that recomputes them holds more than it says)."""
+    model, x, graph, _ = setup
+    pins = ss.boundary_pins(graph)
+    assert pins and all(d == "keep" for d in pins.values())
+    plan = ss.solve(graph, 0.6, solver="heuristic", pins=pins)
+    simulated = ss.simulate(graph, plan).peak_bytes
+    with checkpointed(model, plan, graph):
+        _, _, at_backward = step(model, model, x)
+    assert at_backward <= 1.1 * simulated

@@ -38,6 +38,7 @@ _LAZY = {
     "planned": ("slackswap.loop", "planned"),
     "checkpoint_policy": ("slackswap.runtime.checkpoint", "checkpoint_policy"),
     "checkpointed": ("slackswap.runtime.checkpoint", "checkpointed"),
+    "boundary_pins": ("slackswap.runtime.checkpoint", "boundary_pins"),
     "StepMeter": ("slackswap.runtime.meter", "StepMeter"),
 }
 

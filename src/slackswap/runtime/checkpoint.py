@@ -99,6 +99,14 @@ def checkpoint_regions(plan: Plan, graph: ActivationGraph,
         # outputs are written in place later (a dropout mask drawn in place: rerun with the
         # in-place op, the RNG state restored) are rerun; the rest as the plan says
         recompute = not op.recomputable or not keeps or rebuilt
+        if not recompute:
+            # torch caches every output of a saved op: one whose outputs backward does not read
+            # outweigh the ones it keeps (batch norm's output beside its saved statistics) is
+            # cheaper to rerun from its inputs than to hold twice
+            outs = graph.op_outputs[i]
+            kept = sum(int(graph.tensor_bytes[t]) for t in outs if graph.is_saved[t])
+            unread = sum(int(graph.tensor_bytes[t]) for t in outs if not graph.is_saved[t])
+            recompute = unread > kept
         if rebuilt:
             wanted.add(name)
         out.setdefault(name, []).append((str(op.extra.get("aten", "")), recompute))
@@ -139,6 +147,28 @@ def _shielded_recompute(recompute_context, buffers: set[int]):
             return stack.__exit__(*exc)
 
     return Both()
+
+
+def boundary_pins(graph: ActivationGraph, regions: list[str] | None = None) -> dict[str, str]:
+    """Pins that make a plan what ``checkpointed`` can run exactly: every saved tensor a region
+    reads but does not produce is held by torch's checkpoint as the region's input anyway, so
+    plan it as kept (``ss.solve(graph, budget, pins=boundary_pins(graph))``)."""
+    def region(path: str) -> str:
+        if regions is None:
+            return region_of(path)
+        inside = [r for r in regions if path == r or path.startswith(r + ".")]
+        return max(inside, key=len) if inside else ""
+
+    of_op = [region(_module_of(op)) for op in graph.ops]
+    pins: dict[str, str] = {}
+    for i, name in enumerate(of_op):
+        if not name:
+            continue
+        for t in graph.op_inputs[i]:
+            producer = int(graph.producer[t])
+            if graph.is_saved[t] and (producer < 0 or of_op[producer] != name):
+                pins[graph.tensors[t].name] = "keep"
+    return pins
 
 
 def _region_policy(steps: list[tuple[str, bool]]):
@@ -189,6 +219,8 @@ class checkpointed:  # noqa: N801 - a context manager used like a function
     step's peak follows the plan's instead of rebuilding the whole forward at once. Works on a
     ``torch.compile``d model whose modules are these (compile the model inside the context, or
     wrap before compiling). Plans with swaps are refused (a policy can only keep or recompute).
+    torch's checkpoint holds each region's inputs: plan with ``pins=boundary_pins(graph)`` so that
+    the plan keeps them too and its simulated memory is what the policy holds.
     As with any checkpointing, a region's forward must not change state its recompute reads: call
     HF models with ``use_cache=False`` (HF does so for its own gradient checkpointing).
     """
