@@ -172,6 +172,14 @@ def compare(model, inputs, loss_fn, variant, plain_grads, plain_peak, plain_held
             "setup_s": setup_s, "bitwise": diff == 0.0, "max_grad_diff": diff}
 
 
+def compare_or_error(model, inputs, loss_fn, variant, *reference) -> dict:
+    """``compare``'s row, or the error the variant raised: a variant that fails is a result."""
+    try:
+        return compare(model, inputs, loss_fn, variant, *reference)
+    except Exception as exc:  # noqa: BLE001
+        return {"variant": variant[0], "error": f"{type(exc).__name__}: {str(exc)[:200]}"}
+
+
 def run_model(name: str, budgets, rounds: int) -> list[dict]:
     model, inputs, loss_fn, blocks = build(name)
     nullcontext = __import__("contextlib").nullcontext
@@ -191,11 +199,8 @@ def run_model(name: str, budgets, rounds: int) -> list[dict]:
          model, 0.0, "ops"),
     ]
     for variant in fixed:
-        try:
-            row = compare(model, inputs, loss_fn, variant, plain_grads, plain_peak, plain_held,
-                          rounds)
-        except Exception as exc:  # noqa: BLE001 - a variant that fails is a result
-            row = {"variant": variant[0], "error": f"{type(exc).__name__}: {str(exc)[:200]}"}
+        row = compare_or_error(model, inputs, loss_fn, variant, plain_grads, plain_peak,
+                               plain_held, rounds)
         rows.append({"model": name, "budget": None, **row})
         print(_line(rows[-1]), flush=True)
     began = time.perf_counter()
@@ -238,11 +243,8 @@ def run_model(name: str, budgets, rounds: int) -> list[dict]:
                                  lambda p=pinned: ss.checkpointed(model, p, graph), model,
                                  pinned_s, "ops"))
         for variant in variants:
-            try:
-                row = compare(model, inputs, loss_fn, variant, plain_grads, plain_peak, plain_held,
-                              rounds)
-            except Exception as exc:  # noqa: BLE001 - a variant that fails is a result
-                row = {"variant": variant[0], "error": f"{type(exc).__name__}: {str(exc)[:200]}"}
+            row = compare_or_error(model, inputs, loss_fn, variant, plain_grads, plain_peak,
+                                   plain_held, rounds)
             if plan is not None and variant[0].startswith("slackswap"):
                 used = plan if "executor" in variant[0] else pinned
                 row["simulated_peak_mib"] = ss.simulate(graph, used).peak_bytes / 2**20

@@ -150,3 +150,22 @@ def test_lp_bound_a_copy_starts_only_when_its_producer_ends():
     assert ss.lp_bound(g, 130, LINK).retention == pytest.approx(4 / 4.3)
     best = ss.simulate(g, ss.solve(g, 130, LINK, solver="cpsat", gap=0.0), LINK)
     assert best.retention == pytest.approx(4 / 5)
+
+
+def test_the_heuristics_lower_bound_is_never_above_a_simulated_step():
+    """The heuristic skips a baseline whose step_lower_bound cannot beat its plan: that bound
+    must hold for every decision vector, on full- and half-duplex links."""
+    from helpers import LINK, seeded_decisions, seeded_graph
+
+    from slackswap.core.stepmodel import decision_codes
+    from slackswap.planners.heuristic import step_lower_bound
+
+    checked = 0
+    for seed in range(40):
+        g = seeded_graph(seed)
+        for hw in (LINK, LINK.with_link(name="half", duplex=False, latency_s=0.05)):
+            plan = ss.complete(ss.Plan(g.name, g.digest, 10**9, seeded_decisions(g, seed)), g, hw)
+            codes = decision_codes(g, plan)
+            assert step_lower_bound(g, hw, codes) <= ss.simulate(g, plan).step_time_s * (1 + 1e-9)
+            checked += 1
+    assert checked == 80

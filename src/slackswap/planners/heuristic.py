@@ -210,7 +210,7 @@ def step_lower_bound(graph: ActivationGraph, hw: Hardware, codes: np.ndarray) ->
     rerun = set()
     for t in np.flatnonzero(codes == RECOMPUTE):
         rerun.update(graph.rerun_ops[int(t)])
-    swapped = np.flatnonzero(codes == SWAP)
+    swapped = np.flatnonzero((codes == SWAP) & (graph.tensor_bytes > 0))  # empty: maybe no copy
     nbytes = graph.tensor_bytes[swapped].astype(float)
     d2h = float((hw.latency_s + nbytes / hw.d2h_bytes_per_s).sum())
     h2d = float((hw.latency_s + nbytes / hw.h2d_bytes_per_s).sum())
