@@ -154,3 +154,37 @@ def test_unknown_solver_is_refused():
         ss.solve(g, 1.0, LINK, solver="gurobi")
 
 
+
+
+def test_sizes_without_a_common_unit_still_prove_and_bound_every_plan():
+    """Sizes that share no unit and span more than BYTE_RANGE units (gcd 1, 3,000,017 bytes the
+    largest) are rounded in the model. Over every schedule position (7 ops) they are rounded
+    down and the budget up, so the model is a relaxation: its bound is a proof (status
+    "optimal"), and exhaustive search over every decision finds nothing below it."""
+    from slackswap.planners.exact.formulate import BYTE_RANGE, formulate
+
+    fast = LINK.with_link(d2h_bytes_per_s=1e6, h2d_bytes_per_s=1e6)  # 3 s for the largest
+    ops = [op("A", 1.0, 2.0, ["x"], ["a"]), op("B", 0.2, 0.4, ["a"], ["b"]),
+           op("C", 2.0, 4.0, ["b"], ["c"]), op("D", 0.1, 0.2, ["c", "a"], ["d"]),
+           op("E", 1.5, 3.0, ["d"], ["e"]), op("F", 0.1, 0.3, ["e"], ["f"]),
+           op("G", 1.0, 2.0, ["f"], ["g"])]
+    sizes = {"a": 3_000_017, "b": 1_000_003, "c": 2_999_999, "d": 999_983, "e": 3_000_001,
+             "f": 1_000_001, "g": 500_009}
+    users = {"a": ["B", "D"], "b": ["C"], "c": ["D"], "d": ["E"], "e": ["F"], "f": ["G"],
+             "g": ["G"]}
+    g = graph(ops, [tensor(t, sizes[t], users[t]) for t in sizes])
+    lo, hi = ss.min_budget(g, fast), ss.keep_all_peak(g, fast)
+    budget = lo + (hi - lo) // 3
+    f = formulate(g, fast, budget)
+    assert f.full and not f.scaling.exact_bytes and f.scaling.relaxed_bytes
+    assert max(sizes.values()) // f.scaling.byte_unit <= BYTE_RANGE
+    p = ss.solve(g, budget, fast, solver="cpsat", gap=0.0)
+    assert p.info.status == "optimal"
+    names = [g.tensors[t].name for t in g.saved]
+    best = None
+    for combo in itertools.product(*[["keep", "swap", "recompute"]] * len(names)):
+        sim = ss.simulate(g, plan(g, dict(zip(names, combo)), budget, hw=fast), fast)
+        if sim.fits:
+            best = sim.step_time_s if best is None else min(best, sim.step_time_s)
+    assert p.info.bound <= best * (1 + 1e-12)
+    assert p.info.predicted_step_time_s <= best * (1 + 1e-9)

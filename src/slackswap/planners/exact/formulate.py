@@ -27,9 +27,21 @@ class Scaling:
     byte_unit: int
     time_unit: float
     exact_bytes: bool = True  # the byte unit divides every size: memory sums are exact
+    # sizes rounded down and the budget up (a relaxation, whose bound is a bound) rather than
+    # sizes up and the budget down (a restriction, whose plans fit)
+    relaxed_bytes: bool = False
 
-    def bytes_up(self, value) -> np.ndarray:
-        return -(-np.asarray(value, dtype=np.int64) // self.byte_unit)
+    def bytes_of(self, value) -> np.ndarray:
+        """Sizes in model units, rounded the way the scaling says (exact when they divide)."""
+        value = np.asarray(value, dtype=np.int64)
+        if self.relaxed_bytes:
+            return value // self.byte_unit
+        return -(-value // self.byte_unit)
+
+    def budget_of(self, budget_bytes: int) -> int:
+        if self.relaxed_bytes:
+            return -(-int(budget_bytes) // self.byte_unit)
+        return int(budget_bytes) // self.byte_unit
 
     def time_up(self, seconds) -> np.ndarray:
         return np.ceil(np.asarray(seconds, dtype=float) / self.time_unit - 1e-9).astype(np.int64)
@@ -69,7 +81,8 @@ class Formulation:
         None. Only a model with every candidate position bounds every schedule; and each op,
         rerun and copy on the critical path is rounded up by under one time unit (Section
         "Scaling"), so that many units are taken off."""
-        if not self.full or not self.scaling.exact_bytes or self.collectives_charged:
+        sc = self.scaling
+        if not self.full or not (sc.exact_bytes or sc.relaxed_bytes) or self.collectives_charged:
             # windows bound only their schedules; rounded-up sizes, only their model; the H2D
             # lane's collectives sit in first-use order, not issue order (Section "Collectives")
             return None
@@ -161,15 +174,18 @@ def formulate(graph: ActivationGraph, hw: Hardware, budget_bytes: int, *, full: 
     sizes = np.concatenate([graph.tensor_bytes, graph.forward_ws, graph.backward_ws])
     unit = max(1, int(np.gcd.reduce(sizes[sizes > 0])) if (sizes > 0).any() else 1)
     # at most BYTE_RANGE units for the largest of the budget and the sizes, so that every
-    # backend sees coefficients of like magnitude; sizes are then rounded up (the model never
-    # under-counts memory) and the MILP's own bound no longer proves anything (Section "Scaling")
+    # backend sees coefficients of like magnitude. Sizes are then rounded: over windows up (the
+    # model never under-counts memory, its plans fit, its bound proves nothing); over every
+    # schedule position down, the budget up (a relaxation: its bound is a proof, and a plan that
+    # fits only by the rounding is refused by the simulator) (Section "Scaling")
     largest = int(max(budget_bytes, int(sizes.max()) if sizes.size else 0, 1))
     exact = largest // unit <= BYTE_RANGE
     if not exact:
         unit = -(-largest // BYTE_RANGE)
-    sc = Scaling(byte_unit=unit, time_unit=max(span, 1e-12) / 10_000_000, exact_bytes=exact)
-    nbytes = sc.bytes_up(graph.tensor_bytes)
-    budget_u = budget_bytes // sc.byte_unit
+    sc = Scaling(byte_unit=unit, time_unit=max(span, 1e-12) / 10_000_000, exact_bytes=exact,
+                 relaxed_bytes=bool(full) and not exact)
+    nbytes = sc.bytes_of(graph.tensor_bytes)
+    budget_u = sc.budget_of(budget_bytes)
     fwd_u = sc.time_up(graph.forward_s)
     bwd_u = sc.time_up(graph.backward_s)
     base_dur = np.concatenate([fwd_u, bwd_u[::-1]])
@@ -299,8 +315,8 @@ def formulate(graph: ActivationGraph, hw: Hardware, budget_bytes: int, *, full: 
         constant[prod[t]: last_fwd[t] + 1] += nbytes[t]
     total = int(nbytes[graph.saved].sum()) + 1
     out_bytes = [int(nbytes[list(outs)].sum()) if outs else 0 for outs in graph.op_outputs]
-    fwd_ws = sc.bytes_up(graph.forward_ws)
-    bwd_ws = sc.bytes_up(graph.backward_ws)
+    fwd_ws = sc.bytes_of(graph.forward_ws)
+    bwd_ws = sc.bytes_of(graph.backward_ws)
     rebuilt_here: dict[int, list[tuple[tuple[int, int], int]]] = {}
     for t in saved:
         for k, w in f.rebuild_at[t].items():
