@@ -253,7 +253,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--hardware", default="a100-80gb-pcie4", help="hardware preset (default %(default)s)")
         if budget:
             p.add_argument("--budget", required=True, help="fraction of the keep-all peak (0.5), bytes, or 12GiB")
-        p.add_argument("--time-limit", type=float, default=60.0, help="seconds per exact solve")
+        p.add_argument("--time-limit", type=float, default=10.0, help="seconds per exact solve (default %(default)s)")
         p.add_argument("--allowed", default=None,
                        help="decisions plans may use, e.g. keep,recompute (default: all three)")
 

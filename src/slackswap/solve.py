@@ -75,6 +75,9 @@ def solve(graph: ActivationGraph, budget: float | int | str, hardware: Hardware 
     ``("keep", "recompute")`` where there is no host to swap to. pins: one decision for named
     tensors. Both are honoured by every planner and the LP bound, recorded in the plan, and
     checked by ``validate``; a solver that cannot honour them is refused by name.
+
+    time_limit_s: a hard cap on the exact solvers' wall time (default 10 s); their phases stop on
+    work limits set by it, so the same input gives the same plan on any machine.
     """
     if not isinstance(graph, ActivationGraph):
         raise TypeError(f"solve: graph must be an ActivationGraph, got {type(graph).__name__}")
