@@ -7,7 +7,9 @@ import json
 import logging
 
 import pytest
-from helpers import LINK, open_plan, seeded_decisions, seeded_graph
+from helpers import HALF_DUPLEX, LINK, open_plan, random_graphs, seeded_decisions, seeded_graph
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import slackswap as ss
 
@@ -96,3 +98,17 @@ def test_solve_plans_for_the_graphs_own_hardware_unless_told():
     assert other.info.extra["hardware_from"] == "argument"
     bare = ss.load_graph({k: v for k, v in g.to_dict().items() if k != "hardware"})
     assert ss.solve(bare, 0.5, solver="heuristic").info.extra["hardware_from"] == "default"
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
+@given(random_graphs(max_ops=8), st.floats(0.05, 1.0), st.sampled_from([LINK, HALF_DUPLEX]))
+def test_solve_predicts_what_simulating_the_closed_plan_gives(g, fraction, hw):
+    """solve() simulates the closed plan on the expansion it closed it with; simulating the plan
+    from its JSON schedule alone must give the same step time and peak, to the bit."""
+    lo, hi = ss.min_budget(g, hw), ss.keep_all_peak(g, hw)
+    budget = max(lo, int(lo + fraction * (hi - lo)))
+    plan = ss.solve(g, budget, hw, solver="heuristic", strict=False)
+    again = ss.load_plan(plan.to_json())
+    sim = ss.simulate(g, again)
+    assert sim.step_time_s == plan.info.predicted_step_time_s
+    assert sim.fits == ss.validate(g, again).ok

@@ -16,10 +16,10 @@ from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any
 
-from .check.simulate import SimResult, simulate
+from .check.simulate import SimResult, run_timeline, simulate
 from .check.validate import validate
 from .core.budget import min_budget, parse_budget
-from .core.complete import close
+from .core.complete import close_expanded
 from .core.errors import InfeasibleBudget, PlanError
 from .core.graph import ActivationGraph
 from .core.hardware import Hardware
@@ -119,13 +119,16 @@ def solve(graph: ActivationGraph, budget: float | int | str, hardware: Hardware 
                             "memory); use a solver that keeps or recomputes")
         raise PlanError(f"solve: solver {solver!r} does not honour allowed={parse_allowed(allowed)} "
                         f"and pins ({forbidden}); use heuristic, cpsat, cbc or highs")
-    plan = close(graph, solution.codes, solution.schedule, hw, budget_bytes, solution.info)
+    plan, expansion = close_expanded(graph, solution.codes, solution.schedule, hw, budget_bytes,
+                                     solution.info)
     if mask is not None:
         plan = replace(plan, extra={**plan.extra, "allowed": list(parse_allowed(allowed)),
                                     "pins": dict(pins or {})})
     if not plan.info.wall_s:
         plan = plan.with_info(wall_s=time.perf_counter() - start)
-    sim = simulate(graph, plan)
+    # the closed plan's own expansion (expanding its complete schedule again gives the same
+    # step); the checker below walks the plan independently and refuses a wrong step time
+    sim = run_timeline(graph, expansion, hw, budget_bytes)
     if implied:
         plan = plan.with_info(allowed_from="hardware")
     plan = plan.with_info(predicted_step_time_s=sim.step_time_s, hardware_from=hardware_from,

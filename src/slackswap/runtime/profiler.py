@@ -145,6 +145,7 @@ def graph_from_traces(traces, graph_name: str, extra: dict[str, Any] | None = No
         seq_maps.append(mapping)
     # a tensor written in place after it was made cannot be rebuilt by rerunning its producer
     frozen = {first.tensors[n].producer for rec in first.ops for n in rec.writes if n in first.tensors}
+    grad_bytes = backward_gradient_bytes(traces, seq_maps, len(first.ops))
     ops = []
     for i, rec in enumerate(first.ops):
         fwd = statistics.median(t.ops[i].forward_s for t in traces)
@@ -153,6 +154,7 @@ def graph_from_traces(traces, graph_name: str, extra: dict[str, Any] | None = No
         ops.append(Op(
             name=rec.name, forward_s=float(fwd), backward_s=float(statistics.median(bwd_samples)),
             inputs=tuple(rec.inputs), outputs=tuple(rec.outputs),
+            backward_workspace_bytes=grad_bytes[i],
             recomputable=not rec.mutates and i not in frozen, unit=rec.unit,
             param_unit=rec.param_unit,
             extra={"aten": rec.aten, "module": rec.module, **({"random": True} if rec.random else {})}))
@@ -185,6 +187,21 @@ def graph_from_traces(traces, graph_name: str, extra: dict[str, Any] | None = No
                                optimizer_s=0.0, extra=info)
     except GraphError as exc:
         raise ProfileError(f"the traced step does not form a valid graph: {exc}") from exc
+
+
+def backward_gradient_bytes(traces, seq_maps, n_ops: int) -> list[int]:
+    """Per op, the activation gradients alive during its backward (trace.GradientLedger), the
+    largest over the traces: the op's backward workspace in the step model, so that plans count
+    the gradient memory backward adds to the saved tensors. An autograd node with no op of its
+    own (a view's) counts for the op whose backward ran last before it."""
+    out = [0] * n_ops
+    for trace, mapping in zip(traces, seq_maps):
+        current = None
+        for seq in trace.backward_order:
+            current = mapping.get(seq, current)
+            if current is not None:
+                out[current] = max(out[current], int(trace.backward_grad_bytes.get(seq, 0)))
+    return out
 
 
 def group_by_module(graph: ActivationGraph) -> ActivationGraph:

@@ -189,6 +189,10 @@ class StepTrace:
     tensors: dict[str, TensorRecord] = field(default_factory=dict)
     saved: list[tuple[int, str]] = field(default_factory=list)  # (autograd sequence nr, tensor)
     backward_s: dict[int, float] = field(default_factory=dict)  # by autograd sequence nr
+    # activation gradients alive while each autograd node runs (its incoming and outgoing ones
+    # and those waiting for later nodes), by sequence nr, and the nodes' order of execution
+    backward_grad_bytes: dict[int, int] = field(default_factory=dict)
+    backward_order: list[int] = field(default_factory=list)
     # index of the last op run while the model still held each storage (released in forward)
     released_after: dict[str, int] = field(default_factory=dict)
 
@@ -486,14 +490,59 @@ class Tracer(TorchDispatchMode):
         return out
 
 
+class GradientLedger:
+    """The activation gradients alive in backward, from the nodes' hooks: a node's outgoing
+    gradients wait in the buffers of the nodes they are sent to until those run; its incoming
+    ones are released when it has run. Gradients sent to parameters (AccumulateGrad) leave the
+    ledger at once: parameter gradients are not activation memory. Storages are counted once
+    (a node that passes its incoming gradient on, as an add does, holds one tensor)."""
+
+    def __init__(self, trace: StepTrace):
+        self.trace = trace
+        self.alive: dict[tuple[int, int], list[int]] = {}  # storage -> [bytes, nodes it waits for]
+        self.waiting: dict[int, list[tuple[int, int]]] = {}  # node id -> storages sent to it
+
+    @staticmethod
+    def _storages(grads) -> dict[tuple[int, int], int]:
+        out = {}
+        for g in grads:
+            if isinstance(g, torch.Tensor) and g.numel():
+                out[storage_key(g)] = int(g.untyped_storage().nbytes())
+        return out
+
+    def ran(self, node, seq: int, grad_inputs, grad_outputs) -> None:
+        incoming, outgoing = self._storages(grad_outputs), self._storages(grad_inputs)
+        now = {key: entry[0] for key, entry in self.alive.items()}
+        now.update(incoming)
+        now.update(outgoing)
+        self.trace.backward_grad_bytes[seq] = max(self.trace.backward_grad_bytes.get(seq, 0),
+                                                  sum(now.values()))
+        self.trace.backward_order.append(seq)
+        for key in self.waiting.pop(id(node), []):
+            entry = self.alive.get(key)
+            if entry is not None:
+                entry[1] -= 1
+                if entry[1] <= 0:
+                    del self.alive[key]
+        for g, (target, _) in zip(grad_inputs, node.next_functions):
+            if target is None or type(target).__name__ == "AccumulateGrad" or \
+                    not isinstance(g, torch.Tensor) or not g.numel():
+                continue  # dropped, or a parameter's gradient
+            key = storage_key(g)
+            self.alive.setdefault(key, [outgoing[key], 0])[1] += 1
+            self.waiting.setdefault(id(target), []).append(key)
+
+
 def time_backward(loss: torch.Tensor, trace: StepTrace, sync=None,
                   clock: GpuClock | None = None) -> None:
     """Backward time of every autograd node, by its sequence number (pre- and post-hooks); with a
-    ``clock``, on the GPU's timeline (resolved by ``clock.resolve``)."""
+    ``clock``, on the GPU's timeline (resolved by ``clock.resolve``). Also the activation
+    gradients alive while each node runs (GradientLedger)."""
     seen = set()
     stack = [loss.grad_fn]
     handles = []
     starts: dict[int, float] = {}
+    ledger = GradientLedger(trace)
     while stack:
         node = stack.pop()
         if node is None or node in seen:
@@ -509,7 +558,8 @@ def time_backward(loss: torch.Tensor, trace: StepTrace, sync=None,
                 sync()
             starts[seq] = time.perf_counter()
 
-        def post(grad_inputs, grad_outputs, seq=seq):
+        def post(grad_inputs, grad_outputs, seq=seq, node=node):
+            ledger.ran(node, seq, grad_inputs, grad_outputs)
             if clock is not None:
                 if seq in starts:
                     clock.spans.append((starts[seq], clock.mark(), None, seq))
