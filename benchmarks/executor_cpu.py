@@ -161,7 +161,7 @@ def main() -> int:
                        ["apply(), recompute plan", f"{1e3 * rec_s:.2f} ms"],
                        ["torch selective checkpointing, same decisions", f"{1e3 * ckpt_s:.2f} ms"],
                        ["tracked / simulated activation peak",
-                        f"{run.stats.peak_activation_bytes / 2**20:.2f} / {sim.peak_bytes / 2**20:.2f} MiB "
+                        f"{run.stats.peak_activation_bytes / 2**20:.2f} / {sim.tensor_peak_bytes / 2**20:.2f} MiB "
                         f"(budget {plan.budget_bytes / 2**20:.2f} MiB)"]]))
     return 0
 

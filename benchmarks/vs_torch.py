@@ -10,10 +10,11 @@ checkpointing per block (matmuls saved, the rest recomputed: the policy of torch
 torch.compile with ``activation_memory_budget`` = the budget (its min-cut partitioner:
 ``aot_eager_decomp_partition`` on CPU); offload-everything (``torch.autograd.graph.save_on_cpu``);
 slackswap's executor (``ss.apply``, the default planner's plan, 10 s limit); slackswap's exported policy
-(``ss.checkpointed``, a plan made with ``pins=ss.boundary_pins(graph)``), eager and compiled
+(``ss.checkpointed``, a plan made for ``ss.checkpoint_graph(graph)`` with
+``pins=ss.boundary_pins(graph)``), eager and compiled
 (``aot_eager``). Per variant: bytes held at the start
 of backward and the step peak (``ss.StepMeter``: the C heap on CPU, the caching allocator on
-CUDA; above what was allocated before the step) as fractions of plain training's, step time
+CUDA; above what was allocated before the step, parameter gradients included) as fractions of plain training's, step time
 over plain's (median of paired rounds: plain then the variant, the same inputs), the time spent
 planning or compiling, and the gradients against plain training's (bitwise, or the largest
 difference). On a CPU device slackswap plans keep and recompute only (there is no host to swap
@@ -133,8 +134,14 @@ def save_matmuls(ctx, func, *args, **kwargs):
 
 
 def measured_step(model, runner, inputs, loss_fn, sample: str):
-    """One step: its gradients, (peak, bytes at backward start) and wall time."""
-    model.zero_grad(set_to_none=True)
+    """One step: its gradients, (peak, bytes at backward start) and wall time. Parameter
+    gradients are allocated (zeroed) before the step: every variant holds them alike, and a
+    step peak late in backward would otherwise count them where an early one does not."""
+    for p in model.parameters():
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        else:
+            p.grad.zero_()
     torch.manual_seed(7)
     start = time.perf_counter()
     with ss.StepMeter(sample=sample) as meter:
@@ -206,6 +213,8 @@ def run_model(name: str, budgets, rounds: int) -> list[dict]:
     began = time.perf_counter()
     graph = ss.profile(model, inputs, loss_fn, warmup=1, repeat=2)
     profile_s = time.perf_counter() - began
+    # the graph as torch's checkpoint runs it: each region rebuilt at once, at its entry
+    policy_graph = ss.checkpoint_graph(graph)
     for budget in budgets:
         import torch._functorch.config as functorch_config
 
@@ -229,7 +238,8 @@ def run_model(name: str, budgets, rounds: int) -> list[dict]:
             # the exported policy runs a plan that keeps what torch's checkpoint holds anyway
             began = time.perf_counter()
             try:
-                pinned = ss.solve(graph, budget, time_limit_s=10, pins=ss.boundary_pins(graph))
+                pinned = ss.solve(policy_graph, budget, time_limit_s=10,
+                                  pins=ss.boundary_pins(graph))
             except ss.InfeasibleBudget as exc:
                 rows.append({"model": name, "budget": budget,
                              "variant": "slackswap exported policy (checkpointed)",
@@ -240,18 +250,19 @@ def run_model(name: str, budgets, rounds: int) -> list[dict]:
                              lambda p=plan: ss.apply(p, model, graph=graph), model, plan_s, "ops"))
             if pinned is not None:
                 variants.append(("slackswap exported policy (checkpointed)",
-                                 lambda p=pinned: ss.checkpointed(model, p, graph), model,
+                                 lambda p=pinned: ss.checkpointed(model, p, policy_graph), model,
                                  pinned_s, "ops"))
         for variant in variants:
             row = compare_or_error(model, inputs, loss_fn, variant, plain_grads, plain_peak,
                                    plain_held, rounds)
             if plan is not None and variant[0].startswith("slackswap"):
-                used = plan if "executor" in variant[0] else pinned
-                row["simulated_peak_mib"] = ss.simulate(graph, used).peak_bytes / 2**20
+                used, for_graph = (plan, graph) if "executor" in variant[0] else \
+                    (pinned, policy_graph)
+                row["simulated_peak_mib"] = ss.simulate(for_graph, used).peak_bytes / 2**20
             rows.append({"model": name, "budget": budget, **row})
             print(_line(rows[-1]), flush=True)
         if pinned is not None:
-            with ss.checkpointed(model, pinned, graph):
+            with ss.checkpointed(model, pinned, policy_graph):
                 torch._dynamo.reset()
                 compiled = torch.compile(model, backend="aot_eager")
                 variant = ("slackswap exported policy, compiled (aot_eager)", nullcontext,
@@ -259,7 +270,7 @@ def run_model(name: str, budgets, rounds: int) -> list[dict]:
                 row = compare(model, inputs, loss_fn, variant, plain_grads, plain_peak,
                               plain_held, rounds)
             rows.append({"model": name, "budget": budget, **row,
-                         "simulated_peak_mib": ss.simulate(graph, pinned).peak_bytes / 2**20})
+                         "simulated_peak_mib": ss.simulate(policy_graph, pinned).peak_bytes / 2**20})
             print(_line(rows[-1]), flush=True)
         torch._dynamo.reset()
     return rows

@@ -70,7 +70,7 @@ def main() -> int:
         same = all(torch.equal(a, b) for a, b in zip(plain, planned))
         print(f"step {step}: gradients identical: {same}; tracked activation peak "
               f"{run.stats.peak_activation_bytes / 2**20:.1f} MiB (simulated "
-              f"{ss.simulate(graph, plan).peak_bytes / 2**20:.1f} MiB)")
+              f"{ss.simulate(graph, plan).tensor_peak_bytes / 2**20:.1f} MiB)")
         if not same:
             return 1
     return 0

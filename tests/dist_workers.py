@@ -115,7 +115,7 @@ def train(kind: str, wrapping: str, variant: str, rank: int) -> dict:
             plan = _random_plan(graph, budget, seed=7)
             budget = ss.simulate(graph, plan, HW).peak_bytes
             plan = _random_plan(graph, budget, seed=7)
-        result.update(budget=budget, simulated_peak=ss.simulate(graph, plan, HW).peak_bytes,
+        result.update(budget=budget, simulated_peak=ss.simulate(graph, plan, HW).tensor_peak_bytes,
                       saved_bytes=sorted(int(graph.tensor_bytes[t]) for t in graph.saved),
                       valid=ss.validate(graph, plan).ok, digest=plan.graph_digest,
                       recomputed=sum(d == "recompute" for d in plan.decisions.values()),

@@ -80,7 +80,8 @@ def test_tracked_peak_within_budget_and_near_the_simulator(name):
         assert all(torch.equal(a, b) for a, b in zip(reference, got))
         peak = run.stats.peak_activation_bytes
         assert peak <= budget
-        assert abs(peak - sim.peak_bytes) <= 0.05 * sim.peak_bytes
+        # the executor tracks tensors; the simulated peak adds the activation gradients
+        assert abs(peak - sim.tensor_peak_bytes) <= 0.05 * sim.tensor_peak_bytes
 
 
 @pytest.mark.slow
@@ -303,11 +304,11 @@ def test_every_planners_plan_reloaded_executes_on_its_own_schedule(solver, tmp_p
     expected, _ = grads(model, inputs, loss_fn)
     got, run = grads(model, inputs, loss_fn, again, graph)
     assert all(a is None and b is None or torch.equal(a, b) for a, b in zip(expected, got))
-    assert run.stats.peak_activation_bytes == ss.simulate(graph, again).peak_bytes
+    assert run.stats.peak_activation_bytes == ss.simulate(graph, again).tensor_peak_bytes
 
 
 def test_a_plan_for_other_hardware_warns_naming_both():
     model, inputs, loss_fn, graph = setup("mlp")
-    plan = ss.solve(graph, 0.8, "a100-80gb-pcie4", solver="heuristic")
+    plan = ss.solve(graph, 1.0, "a100-80gb-pcie4", solver="heuristic")
     with pytest.warns(UserWarning, match="a100-80gb-pcie4.*cpu"):
         grads(model, inputs, loss_fn, plan, graph)

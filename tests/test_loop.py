@@ -83,7 +83,7 @@ def test_the_loop_plans_per_bucket_switches_between_steps_and_keeps_gradients():
 def test_a_larger_shape_in_a_bucket_is_planned_again():
     torch.manual_seed(0)
     model = TinyGPT(vocab=50, d=32, layers=2, p=0.0)
-    with ss.planned(model, loss_fn, 0.5, refine_solver=None) as loop:
+    with ss.planned(model, loss_fn, 0.7, refine_solver=None) as loop:
         loop.step(torch.randint(0, 50, (2, 20)))
         loop.step(torch.randint(0, 50, (2, 30)))  # same bucket (32), larger: planned again
         loop.step(torch.randint(0, 50, (2, 17)))  # dominated by 30: reused

@@ -74,7 +74,49 @@ def test_keep_all_memory_matches_the_real_step(name):
     largest_op = max(sum(g.tensors[t].bytes for t in outs) + ws
                      for outs, ws in zip(g.op_outputs, g.forward_ws))
     assert sim.peak_bytes <= boundary + largest_op + sum(
-        g.tensors[t].bytes for t in range(len(g.tensors)) if not g.is_saved[t])
+        g.tensors[t].bytes for t in range(len(g.tensors)) if not g.is_saved[t]) + \
+        int(g.backward_ws.max())  # the activation gradients alive in backward
+
+
+def test_keep_all_peak_counts_the_activation_gradients_of_backward():
+    """Backward adds gradients to the saved activations: a residual CNN's keep-all step peaks at
+    18.0 MiB, of which 6 MiB are gradients of its 8 x 16 x 64 x 64 float activations (2 MiB
+    each): a convolution's incoming and outgoing gradient, and the block input's, waiting at the
+    skip connection for the branch. The profile records them as each op's backward workspace, so
+    the simulated keep-all peak is the measured one (parameter gradients, allocated before, are
+    not activation memory). Without them it would read 12 MiB."""
+    from torch import nn
+
+    torch.manual_seed(0)
+
+    class Block(nn.Module):
+        def __init__(self, c):
+            super().__init__()
+            self.c1, self.bn = nn.Conv2d(c, c, 3, padding=1), nn.BatchNorm2d(c)
+            self.c2 = nn.Conv2d(c, c, 3, padding=1)
+
+        def forward(self, x):
+            return torch.relu(x + self.c2(torch.relu(self.bn(self.c1(x)))))
+
+    model = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.ReLU(), Block(16), Block(16),
+                          nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 10))
+    x, y = torch.randn(8, 3, 64, 64), torch.randint(0, 10, (8,))
+
+    def loss_fn(out):
+        return nn.functional.cross_entropy(out, y)
+
+    g = ss.profile(model, x, loss_fn, warmup=0, repeat=1)
+    grad = 8 * 16 * 64 * 64 * 4
+    assert 3 * grad <= int(g.backward_ws.max()) < 3 * grad + 2**16  # + batch-norm statistics
+    sim = ss.simulate(g, ss.solve(g, 1.0, "cpu", solver="keep-all"), "cpu")
+    loss_fn(model(x)).backward()  # parameter gradients exist before: accumulated in place
+    model.zero_grad(set_to_none=False)
+    for _ in range(2):  # the first measured step also pays the heap's first-use buffers
+        with ss.StepMeter(sample="ops") as meter:
+            loss_fn(model(x)).backward()
+    assert sim.peak_bytes == pytest.approx(meter.peak_bytes, rel=0.05), \
+        (sim.peak_bytes, meter.peak_bytes, int(g.backward_ws.max()))
+    assert sim.peak_bytes - int(g.backward_ws.max()) < 0.8 * meter.peak_bytes
 
 
 def test_dropout_is_marked_and_in_place_writes_are_not_rebuilt():
@@ -199,7 +241,7 @@ def test_profile_observes_tensors_the_model_holds_past_their_last_reader(drop):
     plan = ss.complete(plan, g, cpu)
     with ss.apply(plan, model, graph=g) as run:
         model(torch.randn(8, 16)).sum().backward()
-    assert run.stats.peak_activation_bytes == ss.simulate(g, plan, cpu).peak_bytes
+    assert run.stats.peak_activation_bytes == ss.simulate(g, plan, cpu).tensor_peak_bytes
 
 
 def test_a_profiled_graph_records_its_hardware_and_solve_uses_it():
@@ -218,9 +260,9 @@ def test_plans_for_a_profiled_cpu_graph_never_swap():
     the emulated link swaps, the default plan keeps and recomputes only."""
     model, inputs, loss_fn = build("gpt")
     graph = ss.profile(model, inputs, loss_fn, warmup=0, repeat=1)
-    emulated = ss.solve(graph, 0.5, "cpu-emulated-link", solver="heuristic")
+    emulated = ss.solve(graph, 0.6, "cpu-emulated-link", solver="heuristic")
     assert emulated.count("swap") > 0
     for solver in ("heuristic", "cpsat"):
-        plan = ss.solve(graph, 0.5, solver=solver, time_limit_s=10)
+        plan = ss.solve(graph, 0.6, solver=solver, time_limit_s=10)
         assert plan.hardware.host_is_device and plan.count("swap") == 0
         assert ss.validate(graph, plan).ok

@@ -39,6 +39,7 @@ _LAZY = {
     "checkpoint_policy": ("slackswap.runtime.checkpoint", "checkpoint_policy"),
     "checkpointed": ("slackswap.runtime.checkpoint", "checkpointed"),
     "boundary_pins": ("slackswap.runtime.checkpoint", "boundary_pins"),
+    "checkpoint_graph": ("slackswap.runtime.checkpoint", "checkpoint_graph"),
     "StepMeter": ("slackswap.runtime.meter", "StepMeter"),
 }
 

@@ -15,7 +15,7 @@ from ..core.errors import PlanError
 from ..core.graph import ActivationGraph
 from ..core.hardware import Hardware, hardware
 from ..core.plan import RECOMPUTE, SWAP, Plan
-from ..core.stepmodel import Expansion, decision_codes, expand
+from ..core.stepmodel import Expansion, decision_codes, expand, interval_memory
 
 
 @dataclass(frozen=True)
@@ -39,6 +39,9 @@ class SimResult:
     d2h_intervals: np.ndarray = field(repr=False)  # (start, end, tensor)
     h2d_intervals: np.ndarray = field(repr=False)
     expansion: Expansion = field(repr=False)
+    # the tensors alone, without workspaces (a profiled graph's backward workspace is its
+    # activation gradients): what the executor tracks as its activation peak
+    tensor_peak_bytes: int = 0
 
     def summary(self) -> str:
         return (f"step {self.step_time_s * 1e3:.2f} ms (ideal {self.ideal_step_time_s * 1e3:.2f} ms), "
@@ -174,6 +177,7 @@ def run_timeline(graph: ActivationGraph, exp: Expansion, hw: Hardware, budget: i
     step = graph.ideal_step_time_s + stall + recompute_s
     mem = exp.memory()
     peak = int(mem.max()) if mem.size else 0
+    tensors_only = interval_memory(exp, with_workspace=False)
     violations = tuple(memory_violations(graph, exp, mem, budget))
     ideal = graph.ideal_step_time_s
     recomputed = np.flatnonzero(codes == RECOMPUTE)
@@ -195,6 +199,7 @@ def run_timeline(graph: ActivationGraph, exp: Expansion, hw: Hardware, budget: i
         d2h_intervals=np.array(d2h_iv, dtype=float).reshape(-1, 3),
         h2d_intervals=np.array(h2d_iv, dtype=float).reshape(-1, 3),
         expansion=exp,
+        tensor_peak_bytes=int(tensors_only.max()) if tensors_only.size else 0,
     )
 
 

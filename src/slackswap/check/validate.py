@@ -328,6 +328,13 @@ class _Step:
                 out.append(Violation("schedule", f"schedule: recompute_at[{names[t]!r}] = {slot} is "
                                      f"after its first use at position {rebuilt.get(t)} "
                                      f"({self._label(rebuilt.get(t, slot))})", tensor=names[t]))
+            latest = g.tensors[t].rebuilt_before
+            if latest is not None and slot > 2 * n - 1 - self.op_of[latest]:
+                # torch's checkpoint reruns the tensor's region before that op's backward: a plan
+                # that holds it later would count less memory than the run holds
+                out.append(Violation("schedule", f"schedule: recompute_at[{names[t]!r}] = {slot} is "
+                                     f"after its latest rebuild position, the backward of op "
+                                     f"{latest!r} (rebuilt_before)", tensor=names[t]))
         for t in free_after:
             if free_after[t] < self.last_fwd[t]:
                 out.append(Violation("schedule", f"schedule: d2h_free[{names[t]!r}] = {free_after[t]} "

@@ -30,7 +30,7 @@ _OP_FIELDS = {
     "name", "forward_s", "backward_s", "inputs", "outputs",
     "forward_workspace_bytes", "backward_workspace_bytes", "recomputable", "unit", "param_unit",
 }
-_TENSOR_FIELDS = {"name", "bytes", "saved_for", "group", "alive_until"}
+_TENSOR_FIELDS = {"name", "bytes", "saved_for", "group", "alive_until", "rebuilt_before"}
 _GRAPH_FIELDS = {"format", "name", "ops", "tensors", "optimizer_s", "collectives"}
 _COLLECTIVE_FIELDS = {"name", "op", "phase", "d2h_bytes", "h2d_bytes"}
 PHASES = ("forward", "backward")
@@ -65,6 +65,9 @@ class Tensor:
     together or not at all. ``alive_until`` names the last forward op during which the model
     itself still holds the tensor when that is later than its last reader (a Python variable
     alive to the end of a function): the profiler observes it, and no plan can free it sooner.
+    ``rebuilt_before`` names the op before whose backward the tensor is rebuilt when a plan
+    recomputes it, at the latest (torch's checkpoint reruns a region at its first backward op,
+    ``ss.checkpoint_graph``); None: any position up to its first use.
     """
 
     name: str
@@ -72,6 +75,7 @@ class Tensor:
     saved_for: tuple[str, ...] = ()
     group: str | None = None
     alive_until: str | None = None
+    rebuilt_before: str | None = None
     extra: Mapping[str, Any] = field(default_factory=dict, compare=False)
 
 
@@ -250,6 +254,16 @@ class ActivationGraph:
                 if op_index[t.alive_until] < p:
                     raise GraphError(f"{where}: alive_until names op {t.alive_until!r}, which runs "
                                      f"before its producer {self.ops[p].name!r}")
+            if t.rebuilt_before is not None:
+                if t.rebuilt_before not in op_index:
+                    raise GraphError(f"{where}: rebuilt_before names unknown op {t.rebuilt_before!r}")
+                if not t.saved_for:
+                    raise GraphError(f"{where}: rebuilt_before is set, but the tensor is not saved")
+                first = max(op_index[o] for o in t.saved_for)
+                if op_index[t.rebuilt_before] < first:
+                    raise GraphError(
+                        f"{where}: rebuilt_before names op {t.rebuilt_before!r}, whose backward runs "
+                        f"after the tensor's first backward use (op {self.ops[first].name!r})")
 
     def _check_totals(self) -> None:
         """Sums that every planner and the simulator form must stay exact and finite: refuse,
@@ -318,12 +332,17 @@ class ActivationGraph:
             alive_until = raw.get("alive_until")
             if alive_until is not None and not isinstance(alive_until, str):
                 raise GraphError(f"{where}: alive_until must be an op name or null, got {alive_until!r}")
+            rebuilt_before = raw.get("rebuilt_before")
+            if rebuilt_before is not None and not isinstance(rebuilt_before, str):
+                raise GraphError(f"{where}: rebuilt_before must be an op name or null, got "
+                                 f"{rebuilt_before!r}")
             tensors.append(Tensor(
                 name=raw["name"],
                 bytes=_check_bytes(raw["bytes"], where, "bytes"),
                 saved_for=_names(raw.get("saved_for", []), where, "saved_for"),
                 group=group,
                 alive_until=alive_until,
+                rebuilt_before=rebuilt_before,
                 extra={k: v for k, v in raw.items() if k not in _TENSOR_FIELDS},
             ))
         raw_collectives = data.get("collectives", [])
@@ -378,6 +397,8 @@ class ActivationGraph:
                 d["group"] = t.group
             if t.alive_until is not None:
                 d["alive_until"] = t.alive_until
+            if t.rebuilt_before is not None:
+                d["rebuilt_before"] = t.rebuilt_before
             tensors.append(d)
         out: dict[str, Any] = dict(self.extra)
         out.update(format=GRAPH_FORMAT, name=self.name, ops=ops, tensors=tensors,
@@ -403,6 +424,7 @@ class ActivationGraph:
             # alive_until only where set, so graphs without it keep their digests
             "tensors": [[t.name, t.bytes, list(t.saved_for), t.group]
                         + ([t.alive_until] if t.alive_until is not None else [])
+                        + ([{"rebuilt_before": t.rebuilt_before}] if t.rebuilt_before else [])
                         for t in self.tensors],
             "optimizer_s": self.optimizer_s,
         }
@@ -498,6 +520,13 @@ class ActivationGraph:
     def saved(self) -> np.ndarray:
         """Indices of saved tensors, in graph order: the tensors a plan decides on."""
         return np.flatnonzero(self.is_saved)
+
+    @cached_property
+    def rebuild_slot(self) -> np.ndarray:
+        """Per tensor, the latest position at which it may be rebuilt when recomputed (the
+        backward of its ``rebuilt_before`` op), or -1: up to its first use."""
+        return np.array([self.bwd_slot(self.op_index[t.rebuilt_before]) if t.rebuilt_before
+                         else -1 for t in self.tensors], dtype=np.int64)
 
     @cached_property
     def first_backward_use(self) -> np.ndarray:

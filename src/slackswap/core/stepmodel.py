@@ -165,6 +165,11 @@ def trace_reruns(graph: ActivationGraph, codes: np.ndarray, recompute_at: np.nda
             raise PlanError(f"schedule: recompute_at[{graph.tensors[t].name!r}] = {recompute_at[t]} "
                             "is in the forward pass; rebuilds run before backward ops")
         scheduled.setdefault(int(recompute_at[t]), []).append(int(t))
+    # a tensor with a latest rebuild position (Tensor.rebuilt_before) and no position of its own
+    # is rebuilt there, or earlier where a rebuild that reads it runs first
+    forced = graph.rebuild_slot
+    for t in np.flatnonzero((forced >= 0) & (recompute_at < 0) & (codes == RECOMPUTE)):
+        scheduled.setdefault(int(forced[t]), []).append(int(t))
     rerun_ops = graph.rerun_ops
     frontier = graph.rerun_frontier
     outputs = graph.op_outputs

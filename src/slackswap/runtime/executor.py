@@ -40,7 +40,7 @@ class RunStats:
     """What the executor did in the steps run under it (accumulated; peak is the maximum)."""
 
     steps: int = 0
-    peak_activation_bytes: int = 0
+    peak_activation_bytes: int = 0  # the tensors it tracks (not gradients): SimResult.tensor_peak_bytes
     swapped_out_bytes: int = 0
     swapped_in_bytes: int = 0
     recomputed_bytes: int = 0

@@ -492,33 +492,32 @@ class Tracer(TorchDispatchMode):
 
 class GradientLedger:
     """The activation gradients alive in backward, from the nodes' hooks: a node's outgoing
-    gradients wait in the buffers of the nodes they are sent to until those run; its incoming
-    ones are released when it has run. Gradients sent to parameters (AccumulateGrad) leave the
-    ledger at once: parameter gradients are not activation memory. Storages are counted once
-    (a node that passes its incoming gradient on, as an add does, holds one tensor)."""
+    gradients wait in the buffers of the nodes they are sent to until those run (the ledger
+    holds them until then, as the buffers do, so no storage address is reused while it counts
+    it); a node's incoming gradients replace what waited for it. Gradients sent to parameters
+    (AccumulateGrad) are left out: parameter gradients are not activation memory. Storages are
+    counted once (a node that passes its incoming gradient on, as an add does, holds one)."""
 
     def __init__(self, trace: StepTrace):
         self.trace = trace
-        self.alive: dict[tuple[int, int], list[int]] = {}  # storage -> [bytes, nodes it waits for]
+        self.alive: dict[tuple[int, int], list] = {}  # storage -> [tensor, nodes it waits for]
         self.waiting: dict[int, list[tuple[int, int]]] = {}  # node id -> storages sent to it
 
     @staticmethod
     def _storages(grads) -> dict[tuple[int, int], int]:
-        out = {}
-        for g in grads:
-            if isinstance(g, torch.Tensor) and g.numel():
-                out[storage_key(g)] = int(g.untyped_storage().nbytes())
-        return out
+        return {storage_key(g): int(g.untyped_storage().nbytes()) for g in grads
+                if isinstance(g, torch.Tensor) and g.numel()}
 
     def ran(self, node, seq: int, grad_inputs, grad_outputs) -> None:
-        incoming, outgoing = self._storages(grad_outputs), self._storages(grad_inputs)
-        now = {key: entry[0] for key, entry in self.alive.items()}
-        now.update(incoming)
-        now.update(outgoing)
+        mine = self.waiting.pop(id(node), [])
+        now = {key: entry[0].untyped_storage().nbytes() for key, entry in self.alive.items()
+               if key not in mine}
+        now.update(self._storages(grad_outputs))
+        now.update(self._storages(grad_inputs))
         self.trace.backward_grad_bytes[seq] = max(self.trace.backward_grad_bytes.get(seq, 0),
-                                                  sum(now.values()))
+                                                  int(sum(now.values())))
         self.trace.backward_order.append(seq)
-        for key in self.waiting.pop(id(node), []):
+        for key in mine:
             entry = self.alive.get(key)
             if entry is not None:
                 entry[1] -= 1
@@ -529,7 +528,7 @@ class GradientLedger:
                     not isinstance(g, torch.Tensor) or not g.numel():
                 continue  # dropped, or a parameter's gradient
             key = storage_key(g)
-            self.alive.setdefault(key, [outgoing[key], 0])[1] += 1
+            self.alive.setdefault(key, [g, 0])[1] += 1
             self.waiting.setdefault(id(target), []).append(key)
 
 

@@ -104,20 +104,23 @@ def _candidates(graph: ActivationGraph, hw: Hardware, full: bool, extra=None,
         outs = {int(o) for q in graph.rerun_ops[t] for o in graph.op_outputs[q]}
         coproduced[t] = [o for o in sorted(outs) if o != t and graph.is_saved[o]]
     can_r = {t: bool(graph.can_recompute[t]) for t in saved}
-    # Rc: the first use, plus earlier positions where a dependent's rebuild may need x
-    rc = {t: {u[t]} if can_r[t] else set() for t in saved}
+    # Rc: the first use (or the latest rebuild position a graph gives, rebuilt_before), plus
+    # earlier positions where a dependent's rebuild may need x
+    latest = {t: int(graph.rebuild_slot[t]) if graph.rebuild_slot[t] >= 0 else u[t] for t in saved}
+    rc = {t: {latest[t]} if can_r[t] else set() for t in saved}
     changed = True
     while changed:
         changed = False
         for y in saved:
             for r in list(rc[y]):
                 for x in frontier[y] + coproduced[y]:
-                    if can_r[x] and r < u[x] and (full or u[x] - r <= window) and r not in rc[x]:
+                    if can_r[x] and r < latest[x] and (full or latest[x] - r <= window) \
+                            and r not in rc[x]:
                         rc[x].add(r)
                         changed = True
     if extra is not None:
         for t, r in extra.get("rebuild", {}).items():
-            if can_r[t] and r <= u[t]:
+            if can_r[t] and r <= latest[t]:
                 rc[t].add(int(r))
     earliest_need = {t: u[t] for t in saved}
     for y in saved:
