@@ -218,10 +218,11 @@ def nominal_slot_times(graph: ActivationGraph, reruns) -> tuple[np.ndarray, np.n
     n = graph.n_ops
     dur = np.empty(graph.n_slots)
     dur[:n] = graph.forward_s
+    dur[n:] = graph.backward_s[::-1]
     fwd = graph.forward_s
     for k in range(n, graph.n_slots):
-        j = graph.n_slots - 1 - k
-        dur[k] = graph.backward_s[j] + sum(fwd[q] for q in reruns[k])
+        if reruns[k]:
+            dur[k] += sum(fwd[q] for q in reruns[k])
     end = np.cumsum(dur)
     return end - dur, end
 
@@ -340,38 +341,60 @@ def _check_swap_schedule(graph, codes, first_need, d2h, h2d) -> None:
 
 
 def _intervals(graph, codes, reruns, needs_at, first_need, d2h, h2d, materialized) -> Expansion:
+    """The points (forward ops, then per backward position its reruns and its backward op) and
+    the lives of tensors over them. Numpy over every position and tensor; Python only over the
+    positions that rerun something (a 50,000-op step expands in a fraction of a second)."""
     n = graph.n_ops
     S = graph.n_slots
     T = len(graph.tensors)
-    point_slot: list[int] = list(range(n))
-    point_op: list[int] = list(range(n))
-    point_kind: list[int] = [0] * n
-    point_ws: list[int] = [int(w) for w in graph.forward_ws]
+    codes = np.asarray(codes)
+    n_reruns = np.array([len(reruns[k]) for k in range(n, S)], dtype=np.int64)
+    per_slot = n_reruns + 1  # reruns, then the backward op
     slot_first = np.zeros(S, dtype=np.int64)
     slot_first[:n] = np.arange(n)
-    last_use = np.full(T, -1, dtype=np.int64)  # last point a saved tensor is read in backward
+    slot_first[n:] = n + np.concatenate([[0], np.cumsum(per_slot)[:-1]])
+    main = slot_first[n:] + n_reruns  # the backward op's point at each backward position
+    P = n + int(per_slot.sum())
+    point_slot = np.empty(P, dtype=np.int64)
+    point_op = np.empty(P, dtype=np.int64)
+    point_kind = np.empty(P, dtype=np.int8)
+    point_ws = np.empty(P, dtype=np.int64)
+    point_slot[:n] = np.arange(n)
+    point_op[:n] = np.arange(n)
+    point_kind[:n] = 0
+    point_ws[:n] = graph.forward_ws
+    back = np.arange(n, S)
+    ops_back = S - 1 - back
+    point_slot[main] = back
+    point_op[main] = ops_back
+    point_kind[main] = 2
+    point_ws[main] = graph.backward_ws[ops_back]
+    # a saved tensor is last read at its last backward reader's point (or a later rerun's)
+    last_use = np.full(T, -1, dtype=np.int64)
+    saved = graph.is_saved
+    saved_idx = np.flatnonzero(saved)
+    last_use[saved_idx] = main[(S - 1 - graph.last_backward_use[saved_idx]) - n]
     mat_point = np.full(T, -1, dtype=np.int64)
     iv_t: list[int] = []
     iv_s: list[int] = []
     iv_e: list[int] = []
-    n_transient = 0
     op_inputs = graph.op_inputs
     outputs = graph.op_outputs
-    saved = graph.is_saved
-    for k in range(n, S):
-        j = S - 1 - k
-        slot_first[k] = len(point_slot)
+    fwd_ws = graph.forward_ws
+    for k in np.flatnonzero(n_reruns) + n:
+        k = int(k)
         transient_start: dict[int, int] = {}
         transient_end: dict[int, int] = {}
+        p = int(slot_first[k])
         for q in reruns[k]:
-            p = len(point_slot)
-            point_slot.append(k)
-            point_op.append(q)
-            point_kind.append(1)
-            point_ws.append(int(graph.forward_ws[q]))
+            point_slot[p] = k
+            point_op[p] = q
+            point_kind[p] = 1
+            point_ws[p] = fwd_ws[q]
             for t in op_inputs[q]:
                 if saved[t]:
-                    last_use[t] = max(last_use[t], p)
+                    if p > last_use[t]:
+                        last_use[t] = p
                 else:
                     transient_end[t] = p
             for t in outputs[q]:
@@ -380,47 +403,48 @@ def _intervals(graph, codes, reruns, needs_at, first_need, d2h, h2d, materialize
                 else:
                     transient_start[t] = p
                     transient_end[t] = p
-        p = len(point_slot)
-        point_slot.append(k)
-        point_op.append(j)
-        point_kind.append(2)
-        point_ws.append(int(graph.backward_ws[j]))
-        for t in graph.saved_by_op[j]:
-            last_use[t] = max(last_use[t], p)
-        for t, s in transient_start.items():
+            p += 1
+        for t, start in transient_start.items():
             iv_t.append(t)
-            iv_s.append(s)
+            iv_s.append(start)
             iv_e.append(transient_end[t])
-        n_transient = len(iv_t)
-    producer = graph.producer
-    last_fwd = graph.last_forward_use
-    for t in range(T):
-        prod = int(producer[t])
-        c = codes[t]
-        if c == UNSAVED:
-            iv_t.append(t); iv_s.append(prod); iv_e.append(int(last_fwd[t]))  # noqa: E702
-        elif c == KEEP:
-            iv_t.append(t); iv_s.append(prod); iv_e.append(int(last_use[t]))  # noqa: E702
-        elif c == RECOMPUTE:
-            iv_t.append(t); iv_s.append(prod); iv_e.append(int(last_fwd[t]))  # noqa: E702
-            iv_t.append(t); iv_s.append(int(mat_point[t])); iv_e.append(int(last_use[t]))  # noqa: E702
-        else:
-            free_slot = int(d2h[t])
-            free_point = free_slot if free_slot < n else int(slot_first[free_slot + 1] - 1)
-            iv_t.append(t); iv_s.append(prod); iv_e.append(free_point)  # noqa: E702
-            iv_t.append(t); iv_s.append(int(slot_first[h2d[t]])); iv_e.append(int(last_use[t]))  # noqa: E702
+    n_transient = len(iv_t)
+    # every tensor's lives, in tensor order: one (unsaved, keep) or two (recompute, swap)
+    producer = graph.producer.astype(np.int64)
+    last_fwd = graph.last_forward_use.astype(np.int64)
+    is_rec, is_swap, is_keep = codes == RECOMPUTE, codes == SWAP, codes == KEEP
+    two = is_rec | is_swap
+    count = 1 + two.astype(np.int64)
+    first = np.cumsum(count) - count
+    lives_t = np.repeat(np.arange(T, dtype=np.int64), count)
+    lives_s = np.empty(len(lives_t), dtype=np.int64)
+    lives_e = np.empty(len(lives_t), dtype=np.int64)
+    lives_s[first] = producer
+    end_first = last_fwd.copy()
+    end_first[is_keep] = last_use[is_keep]
+    sw = np.flatnonzero(is_swap)
+    free_slot = d2h[sw].astype(np.int64)
+    end_first[sw] = np.where(free_slot < n, free_slot,
+                             slot_first[np.minimum(free_slot + 1, S - 1)] - 1)
+    lives_e[first] = end_first
+    rec = np.flatnonzero(is_rec)
+    lives_s[first[rec] + 1] = mat_point[rec]
+    lives_e[first[rec] + 1] = last_use[rec]
+    lives_s[first[sw] + 1] = slot_first[h2d[sw]]
+    lives_e[first[sw] + 1] = last_use[sw]
+    iv_tensor = np.concatenate([np.array(iv_t, dtype=np.int64), lives_t])
     exp = Expansion(
         codes=codes,
-        point_slot=np.array(point_slot, dtype=np.int64),
-        point_op=np.array(point_op, dtype=np.int64),
-        point_kind=np.array(point_kind, dtype=np.int8),
-        point_workspace=np.array(point_ws, dtype=np.int64),
+        point_slot=point_slot,
+        point_op=point_op,
+        point_kind=point_kind,
+        point_workspace=point_ws,
         slot_first_point=slot_first,
-        iv_tensor=np.array(iv_t, dtype=np.int64),
-        iv_start=np.array(iv_s, dtype=np.int64),
-        iv_end=np.array(iv_e, dtype=np.int64),
-        iv_bytes=graph.tensor_bytes[np.array(iv_t, dtype=np.int64)],
-        iv_transient=np.arange(len(iv_t)) < n_transient,
+        iv_tensor=iv_tensor,
+        iv_start=np.concatenate([np.array(iv_s, dtype=np.int64), lives_s]),
+        iv_end=np.concatenate([np.array(iv_e, dtype=np.int64), lives_e]),
+        iv_bytes=graph.tensor_bytes[iv_tensor],
+        iv_transient=np.arange(len(iv_tensor)) < n_transient,
         reruns=tuple(reruns),
         first_need=first_need,
         needs_at=tuple(needs_at),
