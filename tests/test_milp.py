@@ -156,6 +156,7 @@ def test_unknown_solver_is_refused():
 
 
 
+@pytest.mark.slow
 def test_sizes_without_a_common_unit_still_prove_and_bound_every_plan():
     """Sizes that share no unit and span more than BYTE_RANGE units (gcd 1, 3,000,017 bytes the
     largest) are rounded in the model. Over every schedule position (7 ops) they are rounded

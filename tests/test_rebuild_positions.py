@@ -106,7 +106,7 @@ def test_every_planner_rebuilds_no_later_than_the_graph_allows(solver, g, fracti
         assert check.ok  # the exact planner's plans fit (the heuristic may find none at all)
 
 
-@pytest.mark.parametrize("solver", ["heuristic", "cpsat"])
+@pytest.mark.parametrize("solver", ["heuristic", pytest.param("cpsat", marks=pytest.mark.slow)])
 def test_no_plan_rebuilds_later_to_fit(solver):
     """a kept (pinned), keep and recompute only, at 1110 bytes (C's forward holds a, b, c: 100 +
     10 + 1000): at D's backward a, c and the workspace take 1105, so b (10) fits there neither
