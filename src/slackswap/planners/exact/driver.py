@@ -249,6 +249,10 @@ class ExactBackend:
             if answer[0] not in ("optimal", "infeasible") and \
                     time.perf_counter() - began >= 0.95 * remaining:
                 clock_runs.append(f"{self.name}_round_{len(clock_runs) + 1}")
+            elif answer[0] == "timeout":
+                # its work limit ended the search, not the clock: "timeout" would say the time
+                # limit stopped it (a longer limit, not the same one again, may do better)
+                answer = ("feasible", *answer[1:])
             return answer
 
         if strategy == "whole":
