@@ -81,12 +81,7 @@ def checkpoint_regions(plan: Plan, graph: ActivationGraph,
             "recompute; plan with allowed=('keep', 'recompute') to export it, or run it with "
             "slackswap.apply")
 
-    def region(path: str) -> str:
-        if regions is None:
-            return region_of(path)
-        inside = [r for r in regions if path == r or path.startswith(r + ".")]
-        return max(inside, key=len) if inside else ""
-
+    region = _region_fn(regions)
     out: dict[str, list[tuple[str, bool]]] = {}
     wanted: set[str] = set()
     for i, op in enumerate(graph.ops):
@@ -149,15 +144,21 @@ def _shielded_recompute(recompute_context, buffers: set[int]):
     return Both()
 
 
-def _op_regions(graph: ActivationGraph, regions: list[str] | None) -> list[str]:
-    """Per op, the region ``checkpointed`` wraps it in ("" none): ``region_of`` or the given
-    module paths; a region around another is not wrapped (its own ops run plainly)."""
+def _region_fn(regions: list[str] | None):
+    """module path -> its region: ``region_of``, or the longest of ``regions`` containing it."""
     def region(path: str) -> str:
         if regions is None:
             return region_of(path)
         inside = [r for r in regions if path == r or path.startswith(r + ".")]
         return max(inside, key=len) if inside else ""
 
+    return region
+
+
+def _op_regions(graph: ActivationGraph, regions: list[str] | None) -> list[str]:
+    """Per op, the region ``checkpointed`` wraps it in ("" none): a region around another is not
+    wrapped (its own ops run plainly)."""
+    region = _region_fn(regions)
     of_op = [region(_module_of(op)) for op in graph.ops]
     names = set(of_op) - {""}
     nested = {r for r in names if any(o != r and o.startswith(r + ".") for o in names)}
@@ -165,19 +166,17 @@ def _op_regions(graph: ActivationGraph, regions: list[str] | None) -> list[str]:
 
 
 def boundary_pins(graph: ActivationGraph, regions: list[str] | None = None) -> dict[str, str]:
-    """Pins that make a plan what ``checkpointed`` can run exactly: every saved tensor a region
-    reads but does not produce is held by torch's checkpoint as the region's input anyway, so
-    plan it as kept (``ss.solve(graph, budget, pins=boundary_pins(graph))``)."""
-    def region(path: str) -> str:
-        if regions is None:
-            return region_of(path)
-        inside = [r for r in regions if path == r or path.startswith(r + ".")]
-        return max(inside, key=len) if inside else ""
-
-    of_op = [region(_module_of(op)) for op in graph.ops]
+    """Pins that make a plan what ``checkpointed`` can run exactly
+    (``ss.solve(checkpoint_graph(graph), budget, pins=boundary_pins(graph))``): every saved
+    tensor a region reads but does not produce is held by torch's checkpoint as the region's
+    input, and every tensor an op outside any region saves is held by autograd, whatever a plan
+    says: plan them as kept."""
+    of_op = _op_regions(graph, regions)
     pins: dict[str, str] = {}
     for i, name in enumerate(of_op):
         if not name:
+            for t in graph.saved_by_op[i]:
+                pins[graph.tensors[t].name] = "keep"
             continue
         for t in graph.op_inputs[i]:
             producer = int(graph.producer[t])

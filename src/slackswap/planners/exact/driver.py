@@ -271,6 +271,7 @@ class ExactBackend:
             # first round: free what the LP and the warm start disagree on (the warm start stays
             # a complete feasible hint); then trust the LP alone
             rounds = [(0.999, ws.codes if warm_start else None), (0.999, None)]
+            clocked_before = len(clock_runs)
             for threshold, agree in rounds:
                 remaining = left()
                 if remaining <= MIN_SEARCH_S:
@@ -284,8 +285,12 @@ class ExactBackend:
                     consider(value, obj)
                 if best is not None and within(best[0], bound_s, gap_target):
                     break
-            if best is not None and bound_s is not None:
-                status = "optimal" if within(best[0], bound_s) else "feasible"
+            # "timeout" only when the clock ended or skipped a round, else the rounds' work did
+            clocked = len(clock_runs) > clocked_before
+            if best is not None and bound_s is not None and within(best[0], bound_s):
+                status = "optimal"
+            else:
+                status = "timeout" if clocked else "feasible"
         wall = time.perf_counter() - start
         if best is not None and best[0] <= warm_time * (1 + 1e-9) + 1e-12:
             # the plan's step time is the simulator's (exact); the model's objective, rounded up
