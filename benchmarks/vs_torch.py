@@ -10,8 +10,8 @@ checkpointing per block (matmuls saved, the rest recomputed: the policy of torch
 torch.compile with ``activation_memory_budget`` = the budget (its min-cut partitioner:
 ``aot_eager_decomp_partition`` on CPU); offload-everything (``torch.autograd.graph.save_on_cpu``);
 slackswap's executor (``ss.apply``, the default planner's plan, 10 s limit); slackswap's exported policy
-(``ss.checkpointed``, a plan made for ``ss.checkpoint_graph(graph)`` with
-``pins=ss.boundary_pins(graph)``), eager and compiled
+(``ss.checkpointed``, a plan made for ``g = ss.checkpoint_graph(graph)`` with
+``pins=ss.boundary_pins(g)``; compiled: ``checkpoint_graph(graph, compiled=True)``), eager and compiled
 (``aot_eager``). Per variant: bytes held at the start
 of backward and the step peak (``ss.StepMeter``: the C heap on CPU, the caching allocator on
 CUDA; above what was allocated before the step, parameter gradients included) as fractions of plain training's, step time
@@ -213,8 +213,10 @@ def run_model(name: str, budgets, rounds: int) -> list[dict]:
     began = time.perf_counter()
     graph = ss.profile(model, inputs, loss_fn, warmup=1, repeat=2)
     profile_s = time.perf_counter() - began
-    # the graph as torch's checkpoint runs it: each region rebuilt at once, at its entry
+    # the graph as torch's checkpoint runs it: each region rebuilt at once, at its entry; in
+    # eager mode what it reruns anyway (dropout masks drawn in place) recomputed, compiled saved
     policy_graph = ss.checkpoint_graph(graph)
+    compiled_graph = ss.checkpoint_graph(graph, compiled=True)
     for budget in budgets:
         import torch._functorch.config as functorch_config
 
@@ -239,7 +241,7 @@ def run_model(name: str, budgets, rounds: int) -> list[dict]:
             began = time.perf_counter()
             try:
                 pinned = ss.solve(policy_graph, budget, time_limit_s=10,
-                                  pins=ss.boundary_pins(graph))
+                                  pins=ss.boundary_pins(policy_graph))
             except ss.InfeasibleBudget as exc:
                 rows.append({"model": name, "budget": budget,
                              "variant": "slackswap exported policy (checkpointed)",
@@ -261,16 +263,28 @@ def run_model(name: str, budgets, rounds: int) -> list[dict]:
                 row["simulated_peak_mib"] = ss.simulate(for_graph, used).peak_bytes / 2**20
             rows.append({"model": name, "budget": budget, **row})
             print(_line(rows[-1]), flush=True)
+        compiled_plan = None
         if pinned is not None:
-            with ss.checkpointed(model, pinned, policy_graph):
+            began = time.perf_counter()
+            try:
+                compiled_plan = ss.solve(compiled_graph, budget, time_limit_s=10,
+                                         pins=ss.boundary_pins(compiled_graph))
+            except ss.InfeasibleBudget as exc:
+                rows.append({"model": name, "budget": budget,
+                             "variant": "slackswap exported policy, compiled (aot_eager)",
+                             "error": f"no plan keeps the regions' inputs: {str(exc)[:120]}"})
+                print(_line(rows[-1]), flush=True)
+            compiled_s = profile_s + time.perf_counter() - began
+        if compiled_plan is not None:
+            with ss.checkpointed(model, compiled_plan, compiled_graph):
                 torch._dynamo.reset()
                 compiled = torch.compile(model, backend="aot_eager")
                 variant = ("slackswap exported policy, compiled (aot_eager)", nullcontext,
-                           compiled, pinned_s, "thread")
+                           compiled, compiled_s, "thread")
                 row = compare(model, inputs, loss_fn, variant, plain_grads, plain_peak,
                               plain_held, rounds)
-            rows.append({"model": name, "budget": budget, **row,
-                         "simulated_peak_mib": ss.simulate(policy_graph, pinned).peak_bytes / 2**20})
+            rows.append({"model": name, "budget": budget, **row, "simulated_peak_mib":
+                         ss.simulate(compiled_graph, compiled_plan).peak_bytes / 2**20})
             print(_line(rows[-1]), flush=True)
         torch._dynamo.reset()
     return rows

@@ -124,6 +124,9 @@ def solve(graph: ActivationGraph, budget: float | int | str, hardware: Hardware 
     if mask is not None:
         plan = replace(plan, extra={**plan.extra, "allowed": list(parse_allowed(allowed)),
                                     "pins": dict(pins or {})})
+    if "checkpoint_graph" in graph.extra:  # a plan for ss.checkpointed alone (the executor refuses it)
+        plan = replace(plan, extra={**plan.extra,
+                                    "checkpoint_graph": graph.extra["checkpoint_graph"]})
     if not plan.info.wall_s:
         plan = plan.with_info(wall_s=time.perf_counter() - start)
     # the closed plan's own expansion (expanding its complete schedule again gives the same

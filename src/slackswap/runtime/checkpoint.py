@@ -167,12 +167,18 @@ def _op_regions(graph: ActivationGraph, regions: list[str] | None) -> list[str]:
 
 def boundary_pins(graph: ActivationGraph, regions: list[str] | None = None) -> dict[str, str]:
     """Pins that make a plan what ``checkpointed`` can run exactly
-    (``ss.solve(checkpoint_graph(graph), budget, pins=boundary_pins(graph))``): every saved
+    (``g = checkpoint_graph(graph); ss.solve(g, budget, pins=boundary_pins(g))``): every saved
     tensor a region reads but does not produce is held by torch's checkpoint as the region's
     input, and every tensor an op outside any region saves is held by autograd, whatever a plan
-    says: plan them as kept."""
+    says: plan them as kept. On a ``checkpoint_graph``, what the checkpoint reruns anyway is
+    pinned to recompute."""
     of_op = _op_regions(graph, regions)
     pins: dict[str, str] = {}
+    for i, op in enumerate(graph.ops):  # the checkpoint reruns these whatever a plan says
+        if of_op[i] and op.extra.get("rerun_by_checkpoint"):
+            for t in graph.op_outputs[i]:
+                if graph.is_saved[t] and graph.can_recompute[t]:
+                    pins[graph.tensors[t].name] = "recompute"
     for i, name in enumerate(of_op):
         if not name:
             for t in graph.saved_by_op[i]:
@@ -185,30 +191,50 @@ def boundary_pins(graph: ActivationGraph, regions: list[str] | None = None) -> d
     return pins
 
 
-def checkpoint_graph(graph: ActivationGraph, regions: list[str] | None = None) -> ActivationGraph:
-    """``graph`` as torch's checkpoint runs it under ``checkpointed``: backward reruns a region
-    at once, before its first backward op that reads a saved tensor (its entry), so every tensor
-    a region makes and saves for its own ops alone is rebuilt by then when a plan recomputes it
-    (``Tensor.rebuilt_before``). Plans made for this graph (with ``pins=boundary_pins(graph)``)
-    simulate the memory the exported policy holds; plans for ``graph`` assume each tensor is
-    rebuilt just before its first use, which the policy does not do (a BN ResNet at 50%: 51 MiB
-    measured against 40 simulated)."""
+def checkpoint_graph(graph: ActivationGraph, regions: list[str] | None = None,
+                     compiled: bool = False) -> ActivationGraph:
+    """``graph`` as torch's checkpoint runs it under ``checkpointed``, for plans that simulate
+    what the exported policy holds (``solve(g, budget, pins=boundary_pins(g))``):
+
+    - backward reruns a region at once, before its first backward op that reads a saved tensor
+      (its entry): every tensor a region makes and saves for its own ops alone is rebuilt by
+      then when a plan recomputes it (``Tensor.rebuilt_before``);
+    - in eager mode (``compiled=False``) the region's ops that a plan may not rerun (a dropout
+      mask drawn in place, batch norm updating its statistics) are rerun by the checkpoint
+      anyway, with the RNG state restored and the buffers shielded: they become rebuildable
+      here (``extra["rerun_by_checkpoint"]``) and ``boundary_pins`` recomputes their saved
+      outputs. Under torch.compile random ops are saved instead (``compiled=True`` leaves them).
+
+    Plans for this graph are for ``checkpointed`` alone: ``ss.apply`` refuses them (its rebuilds
+    would rerun such an op without the ops that write its output in place). Plans for ``graph``
+    itself assume each tensor is rebuilt just before its first use, which the policy does not do
+    (a BN ResNet at 50%: 51 MiB measured against 40 simulated)."""
     from dataclasses import replace
 
     of_op = _op_regions(graph, regions)
+    ops = list(graph.ops)
+    if not compiled:
+        for i, op in enumerate(ops):
+            if of_op[i] and not op.recomputable and graph.op_outputs[i]:
+                ops[i] = replace(op, recomputable=True,
+                                 extra={**op.extra, "rerun_by_checkpoint": True})
+    marked = replace(graph, ops=tuple(ops),
+                     extra={**graph.extra, "checkpoint_graph": {
+                         "regions": list(regions) if regions is not None else "per block",
+                         "compiled": bool(compiled)}})
     entry: dict[str, int] = {}
     for i, name in enumerate(of_op):
-        if name and len(graph.saved_by_op[i]):
+        if name and len(marked.saved_by_op[i]):
             entry[name] = max(entry.get(name, i), i)
     tensors = []
-    for t, tensor in enumerate(graph.tensors):
-        region = of_op[int(graph.producer[t])] if graph.producer[t] >= 0 else ""
-        readers = graph.saved_for_index[t]
-        if region in entry and graph.is_saved[t] and graph.can_recompute[t] and \
+    for t, tensor in enumerate(marked.tensors):
+        region = of_op[int(marked.producer[t])] if marked.producer[t] >= 0 else ""
+        readers = marked.saved_for_index[t]
+        if region in entry and marked.is_saved[t] and marked.can_recompute[t] and \
                 all(of_op[q] == region for q in readers):
-            tensor = replace(tensor, rebuilt_before=graph.ops[entry[region]].name)
+            tensor = replace(tensor, rebuilt_before=marked.ops[entry[region]].name)
         tensors.append(tensor)
-    return replace(graph, tensors=tuple(tensors))
+    return replace(marked, tensors=tuple(tensors))
 
 
 def _region_policy(steps: list[tuple[str, bool]]):

@@ -170,6 +170,12 @@ class Run:
                  prefetch_ahead: int = 2, smaller_inputs: bool = False):
         if graph is not None:
             plan.check_graph(graph)
+        if "checkpoint_graph" in plan.extra or (graph is not None and
+                                                "checkpoint_graph" in graph.extra):
+            raise PlanError("apply: this plan is for a graph made by slackswap.checkpoint_graph "
+                            "(torch's checkpoint reruns what it rebuilds, dropout masks drawn in "
+                            "place included): run it with slackswap.checkpointed, or plan the "
+                            "profiled graph itself for apply")
         plan.require_complete("apply")
         self.plan = plan
         self.model = model
