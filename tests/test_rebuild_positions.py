@@ -89,7 +89,7 @@ def annotated(draw):
 
 
 @pytest.mark.parametrize("solver", ["heuristic", pytest.param("cpsat", marks=pytest.mark.slow)])
-@settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=12, deadline=None, suppress_health_check=list(HealthCheck))
 @given(annotated(), st.floats(0.0, 1.0))
 def test_every_planner_rebuilds_no_later_than_the_graph_allows(solver, g, fraction):
     lo, hi = ss.min_budget(g, LINK), ss.keep_all_peak(g, LINK)
