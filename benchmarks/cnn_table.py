@@ -13,7 +13,6 @@ to prove of the overhead) and the solve time. "optimal" means proven within 1% o
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -78,12 +77,10 @@ def main() -> int:
     print(f"proven within 1% of the overhead: {len(proven)} of {len(done)} "
           f"(recompute-only {sum(r['decisions'] == 'recompute' for r in proven)} of "
           f"{sum(r['decisions'] == 'recompute' for r in done)})")
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(rows, indent=1))
-    if args.results:
-        from results_md import write_printed_section
+    from results_md import save_outputs
 
-        write_printed_section("cnn_table", "CNN training graphs: exact planner, recompute-only and with swaps", lines)
+    save_outputs(args.json, rows, args.results, "cnn_table",
+                 "CNN training graphs: exact planner, recompute-only and with swaps", lines)
     return 0
 
 

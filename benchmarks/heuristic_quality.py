@@ -14,7 +14,6 @@ the distribution of heuristic / exact overhead and the share meeting the goal.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -93,12 +92,10 @@ def main() -> int:
         print(f"  worst: seed {r['seed']} {r['allowed']} {r['kind']}: heuristic "
               f"{r['heuristic_s']:.3e} s, exact {r['exact_s']:.3e} s ({r['exact_status']}), "
               f"ideal {r['ideal_s']:.3e} s")
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps({"share_ok": float(np.mean(ok)), "rows": rows}, indent=1))
-    if args.results:
-        from results_md import write_printed_section
+    from results_md import save_outputs
 
-        write_printed_section("heuristic_quality", "Heuristic against the exact planner on random graphs", lines)
+    save_outputs(args.json, {"share_ok": float(np.mean(ok)), "rows": rows}, args.results,
+                 "heuristic_quality", "Heuristic against the exact planner on random graphs", lines)
     return 0
 
 

@@ -13,7 +13,6 @@ and recompute only.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -111,12 +110,10 @@ def main() -> int:
         f"{sum(max(r['wall_s']) <= 1.1 * args.time_limit for r in done)}; same plan twice: "
         f"{sum(r['same_plan'] for r in done)}; never worse than the heuristic: "
         f"{sum(r['heuristic_overhead_pct'] is None or r['overhead_pct'] <= r['heuristic_overhead_pct'] + 1e-9 for r in done)}")
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(rows, indent=1))
-    if args.results:
-        from results_md import write_printed_section
+    from results_md import save_outputs
 
-        write_printed_section("profiled_solve", "The default solver on HF profiles (CPU)", lines)
+    save_outputs(args.json, rows, args.results, "profiled_solve",
+                 "The default solver on HF profiles (CPU)", lines)
     return 0
 
 

@@ -64,3 +64,15 @@ def write_printed_section(name: str, title: str, lines: list[str]) -> Path:
     """Section ``name`` of RESULTS.md: the lines a benchmark printed, as they were printed."""
     return write_section(name, title, command_line(), "```\n" + "\n".join(lines) + "\n```")
 
+
+
+def save_outputs(json_path: Path, data, results: bool, name: str, title: str,
+                 lines: list[str]) -> None:
+    """A benchmark's outputs: its rows as JSON, and with ``--results`` its printed lines as
+    section ``name`` of RESULTS.md."""
+    import json
+
+    json_path.parent.mkdir(parents=True, exist_ok=True)
+    json_path.write_text(json.dumps(data, indent=1))
+    if results:
+        write_printed_section(name, title, lines)

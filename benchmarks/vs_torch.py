@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import statistics
 import sys
 import time
@@ -238,16 +237,9 @@ def run_model(name: str, budgets, rounds: int) -> list[dict]:
         pinned = None
         if plan is not None:
             # the exported policy runs a plan that keeps what torch's checkpoint holds anyway
-            began = time.perf_counter()
-            try:
-                pinned = ss.solve(policy_graph, budget, time_limit_s=10,
-                                  pins=ss.boundary_pins(policy_graph))
-            except ss.InfeasibleBudget as exc:
-                rows.append({"model": name, "budget": budget,
-                             "variant": "slackswap exported policy (checkpointed)",
-                             "error": f"no plan keeps the regions' inputs: {str(exc)[:120]}"})
-                print(_line(rows[-1]), flush=True)
-            pinned_s = profile_s + time.perf_counter() - began
+            pinned, pinned_s = policy_plan(policy_graph, budget, name,
+                                           "slackswap exported policy (checkpointed)", rows)
+            pinned_s += profile_s
             variants.append(("slackswap executor (apply)",
                              lambda p=plan: ss.apply(p, model, graph=graph), model, plan_s, "ops"))
             if pinned is not None:
@@ -265,16 +257,10 @@ def run_model(name: str, budgets, rounds: int) -> list[dict]:
             print(_line(rows[-1]), flush=True)
         compiled_plan = None
         if pinned is not None:
-            began = time.perf_counter()
-            try:
-                compiled_plan = ss.solve(compiled_graph, budget, time_limit_s=10,
-                                         pins=ss.boundary_pins(compiled_graph))
-            except ss.InfeasibleBudget as exc:
-                rows.append({"model": name, "budget": budget,
-                             "variant": "slackswap exported policy, compiled (aot_eager)",
-                             "error": f"no plan keeps the regions' inputs: {str(exc)[:120]}"})
-                print(_line(rows[-1]), flush=True)
-            compiled_s = profile_s + time.perf_counter() - began
+            compiled_plan, compiled_s = policy_plan(
+                compiled_graph, budget, name, "slackswap exported policy, compiled (aot_eager)",
+                rows)
+            compiled_s += profile_s
         if compiled_plan is not None:
             with ss.checkpointed(model, compiled_plan, compiled_graph):
                 torch._dynamo.reset()
@@ -288,6 +274,20 @@ def run_model(name: str, budgets, rounds: int) -> list[dict]:
             print(_line(rows[-1]), flush=True)
         torch._dynamo.reset()
     return rows
+
+
+def policy_plan(graph, budget: float, model: str, variant: str, rows: list):
+    """(plan for the exported policy on a checkpoint graph, or None, and the planning time): a
+    budget with no such plan is a row saying so."""
+    began = time.perf_counter()
+    try:
+        plan = ss.solve(graph, budget, time_limit_s=10, pins=ss.boundary_pins(graph))
+    except ss.InfeasibleBudget as exc:
+        rows.append({"model": model, "budget": budget, "variant": variant,
+                     "error": f"no plan keeps the regions' inputs: {str(exc)[:120]}"})
+        print(_line(rows[-1]), flush=True)
+        plan = None
+    return plan, time.perf_counter() - began
 
 
 def _line(r: dict) -> str:
@@ -313,13 +313,11 @@ def main() -> int:
     rows = []
     for name in args.models.split(","):
         rows += run_model(name, [float(b) for b in args.budgets.split(",")], args.rounds)
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(rows, indent=1))
-    if args.results:
-        from results_md import write_printed_section
+    from results_md import save_outputs
 
-        lines = [_line(r) if "variant" in r else str(r) for r in rows]
-        write_printed_section("vs_torch", "slackswap beside torch's checkpointing, torch.compile and offloading (CPU)", lines)
+    save_outputs(args.json, rows, args.results, "vs_torch",
+                 "slackswap beside torch's checkpointing, torch.compile and offloading (CPU)",
+                 [_line(r) if "variant" in r else str(r) for r in rows])
     return 0
 
 

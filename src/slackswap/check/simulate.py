@@ -41,7 +41,7 @@ class SimResult:
     expansion: Expansion = field(repr=False)
     # the tensors alone, without workspaces (a profiled graph's backward workspace is its
     # activation gradients): what the executor tracks as its activation peak
-    tensor_peak_bytes: int = 0
+    tensor_peak_bytes: int
 
     def summary(self) -> str:
         return (f"step {self.step_time_s * 1e3:.2f} ms (ideal {self.ideal_step_time_s * 1e3:.2f} ms), "

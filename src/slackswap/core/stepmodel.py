@@ -424,8 +424,9 @@ def _intervals(graph, codes, reruns, needs_at, first_need, d2h, h2d, materialize
     end_first[is_keep] = last_use[is_keep]
     sw = np.flatnonzero(is_swap)
     free_slot = d2h[sw].astype(np.int64)
-    end_first[sw] = np.where(free_slot < n, free_slot,
-                             slot_first[np.minimum(free_slot + 1, S - 1)] - 1)
+    end_first[sw] = free_slot  # freed after a forward position: that op's point
+    late = free_slot >= n  # after a backward position: its last point (reruns come first)
+    end_first[sw[late]] = slot_first[free_slot[late] + 1] - 1
     lives_e[first] = end_first
     rec = np.flatnonzero(is_rec)
     lives_s[first[rec] + 1] = mat_point[rec]

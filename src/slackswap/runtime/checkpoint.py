@@ -81,11 +81,11 @@ def checkpoint_regions(plan: Plan, graph: ActivationGraph,
             "recompute; plan with allowed=('keep', 'recompute') to export it, or run it with "
             "slackswap.apply")
 
-    region = _region_fn(regions)
+    of_op = _op_regions(graph, regions)  # a region around another runs unwrapped
     out: dict[str, list[tuple[str, bool]]] = {}
     wanted: set[str] = set()
     for i, op in enumerate(graph.ops):
-        name = region(_module_of(op))
+        name = of_op[i]
         if not name:
             continue
         keeps = [graph.tensors[t].name for t in graph.op_outputs[i] if graph.is_saved[t]]
@@ -105,10 +105,7 @@ def checkpoint_regions(plan: Plan, graph: ActivationGraph,
         if rebuilt:
             wanted.add(name)
         out.setdefault(name, []).append((str(op.extra.get("aten", "")), recompute))
-    # a region around another would rebuild all of it at once: its own ops stay unwrapped
-    nested = {name for name in out if any(other != name and other.startswith(name + ".")
-                                          for other in out)}
-    return {name: ops for name, ops in out.items() if name in wanted and name not in nested}
+    return {name: ops for name, ops in out.items() if name in wanted}
 
 
 def _shielded_recompute(recompute_context, buffers: set[int]):
@@ -144,21 +141,16 @@ def _shielded_recompute(recompute_context, buffers: set[int]):
     return Both()
 
 
-def _region_fn(regions: list[str] | None):
-    """module path -> its region: ``region_of``, or the longest of ``regions`` containing it."""
+def _op_regions(graph: ActivationGraph, regions: list[str] | None) -> list[str]:
+    """Per op, the region ``checkpointed`` wraps it in ("" none): ``region_of``, or the longest of
+    ``regions`` containing its module; a region around another is not wrapped (its own ops run
+    plainly)."""
     def region(path: str) -> str:
         if regions is None:
             return region_of(path)
         inside = [r for r in regions if path == r or path.startswith(r + ".")]
         return max(inside, key=len) if inside else ""
 
-    return region
-
-
-def _op_regions(graph: ActivationGraph, regions: list[str] | None) -> list[str]:
-    """Per op, the region ``checkpointed`` wraps it in ("" none): a region around another is not
-    wrapped (its own ops run plainly)."""
-    region = _region_fn(regions)
     of_op = [region(_module_of(op)) for op in graph.ops]
     names = set(of_op) - {""}
     nested = {r for r in names if any(o != r and o.startswith(r + ".") for o in names)}

@@ -36,8 +36,8 @@ from .formulate import Formulation, formulate
 log = logging.getLogger("slackswap")
 
 # the default solver returns within this on real profiled models (HF GPT-2 / BERT / Llama of
-# 2-12 layers: most plans proven in 0.7-3 s, benchmarks/profiled_solve.py); a longer limit is
-# for the hardest rows (the reference table uses 30 s)
+# 2-12 layers: most plans proven in 0.6-2.5 s, benchmarks/profiled_solve.py); a longer limit is
+# for the hardest rows (the reference table uses 60 s)
 DEFAULT_TIME_LIMIT_S = 10.0
 MIN_SEARCH_S = 0.3  # below this much time left, no MILP is built
 # the LP bound's share of the time left: most of it, since without a bound nothing is proven and
