@@ -1,6 +1,6 @@
 """slackswap beside what a PyTorch user would pick instead, on the same models, measured alike.
 
-    python benchmarks/vs_torch.py [--budgets 0.5,0.3] [--rounds 5] [--models gpt2,resnet]
+    python benchmarks/vs_torch.py [--budgets 0.7,0.5,0.3] [--rounds 5] [--models gpt2,resnet]
         [--json benchmarks/results/vs_torch.json]
 
 Models: an HF GPT-2 from a config (4 layers, width 256, dropout 0.1, batch 8 x 256 tokens) and a
@@ -303,7 +303,7 @@ def _line(r: dict) -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--budgets", default="0.5,0.3")
+    parser.add_argument("--budgets", default="0.7,0.5,0.3")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--models", default="gpt2,resnet")
     parser.add_argument("--json", type=Path, default=Path("benchmarks/results/vs_torch.json"))

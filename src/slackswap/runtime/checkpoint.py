@@ -30,13 +30,13 @@ def checkpoint_policy(plan: Plan, graph: ActivationGraph):
         keeps = [graph.tensors[t].name for t in graph.op_outputs[i] if graph.is_saved[t]]
         recompute = not op.recomputable or not keeps or any(
             plan.decisions.get(name) == "recompute" for name in keeps)
-        steps.append((str(op.extra.get("aten", "")), recompute))
+        steps.append((op_kind(str(op.extra.get("aten", ""))), recompute))
     cursor = {False: 0, True: 0}
 
     def policy(ctx, func, *args, **kwargs):
         key = bool(getattr(ctx, "is_recompute", False))
         i = cursor[key]
-        name = str(func)
+        name = op_kind(str(func))
         while i < len(steps) and steps[i][0] != name:
             i += 1
         if i >= len(steps):
@@ -51,6 +51,29 @@ def checkpoint_policy(plan: Plan, graph: ActivationGraph):
         return CheckpointPolicy.PREFER_RECOMPUTE if steps[i][1] else CheckpointPolicy.MUST_SAVE
 
     return policy
+
+
+# one op, several aten names: the eager profile records the kernel the device ran (batch norm as
+# native_batch_norm on CPU, cudnn_batch_norm on CUDA), torch.compile traces its functional form
+_SAME_OP = {
+    "aten._native_batch_norm_legit": "aten.native_batch_norm",
+    "aten._native_batch_norm_legit_functional": "aten.native_batch_norm",
+    "aten._native_batch_norm_legit_no_training": "aten.native_batch_norm",
+    "aten.cudnn_batch_norm": "aten.native_batch_norm",
+    "aten.miopen_batch_norm": "aten.native_batch_norm",
+    "aten._batch_norm_with_update": "aten.native_batch_norm",
+    "aten._batch_norm_with_update_functional": "aten.native_batch_norm",
+}
+
+
+def op_kind(aten_name: str) -> str:
+    """The name a policy matches a call by: ``aten_name`` with the kernels of one op (the
+    profile's and the compiler's) under one name, so that each gets the plan's decision instead
+    of an unknown op's (saved)."""
+    packet, _, overload = aten_name.rpartition(".")
+    if packet in _SAME_OP:
+        return f"{_SAME_OP[packet]}.default"
+    return aten_name
 
 
 def region_of(module_path: str) -> str:
@@ -195,7 +218,14 @@ def checkpoint_graph(graph: ActivationGraph, regions: list[str] | None = None,
       mask drawn in place, batch norm updating its statistics) are rerun by the checkpoint
       anyway, with the RNG state restored and the buffers shielded: they become rebuildable
       here (``extra["rerun_by_checkpoint"]``) and ``boundary_pins`` recomputes their saved
-      outputs. Under torch.compile random ops are saved instead (``compiled=True`` leaves them).
+      outputs. Under torch.compile (``compiled=True``) the recompute is functional (batch norm
+      reruns without touching its statistics) and rerun the same way, but random draws and the
+      masks they fill are saved instead (``_region_policy``): those stay as profiled.
+    - under torch.compile (``compiled=True``) the compiled backward returns every parameter
+      gradient at its end, where eager autograd adds each into ``.grad`` at once: each op's
+      backward also holds the parameter gradients made so far (the profile's
+      ``extra["param_grad_bytes"]``), counted in its backward workspace (one compiled graph;
+      with graph breaks each graph returns its own earlier: this counts more, never less).
 
     Plans for this graph are for ``checkpointed`` alone: ``ss.apply`` refuses them (its rebuilds
     would rerun such an op without the ops that write its output in place). Plans for ``graph``
@@ -203,13 +233,24 @@ def checkpoint_graph(graph: ActivationGraph, regions: list[str] | None = None,
     (a BN ResNet at 50%: 51 MiB measured against 40 simulated)."""
     from dataclasses import replace
 
+    if "checkpoint_graph" in graph.extra:
+        raise ValueError(f"checkpoint_graph: graph {graph.name!r} is one already (its rebuilds and "
+                         "gradients would be counted twice): pass the profiled graph")
     of_op = _op_regions(graph, regions)
     ops = list(graph.ops)
-    if not compiled:
-        for i, op in enumerate(ops):
-            if of_op[i] and not op.recomputable and graph.op_outputs[i]:
-                ops[i] = replace(op, recomputable=True,
-                                 extra={**op.extra, "rerun_by_checkpoint": True})
+    saved_under_compile = _drawn(graph) if compiled else set()
+    for i, op in enumerate(ops):
+        if of_op[i] and not op.recomputable and graph.op_outputs[i] and \
+                i not in saved_under_compile:
+            ops[i] = replace(op, recomputable=True,
+                             extra={**op.extra, "rerun_by_checkpoint": True})
+    if compiled:
+        held = 0  # parameter gradients made by the backward so far (it runs the ops in reverse)
+        for i in range(len(ops) - 1, -1, -1):
+            held += int(ops[i].extra.get("param_grad_bytes", 0))
+            if held:
+                ops[i] = replace(ops[i], backward_workspace_bytes=ops[i].backward_workspace_bytes
+                                 + held)
     marked = replace(graph, ops=tuple(ops),
                      extra={**graph.extra, "checkpoint_graph": {
                          "regions": list(regions) if regions is not None else "per block",
@@ -229,6 +270,18 @@ def checkpoint_graph(graph: ActivationGraph, regions: list[str] | None = None,
     return replace(marked, tensors=tuple(tensors))
 
 
+def _drawn(graph: ActivationGraph) -> set[int]:
+    """Ops that draw random numbers or make a tensor a random op fills in place (a dropout mask:
+    ``empty_like``, then ``bernoulli_``): under torch.compile their results are saved."""
+    random = {i for i, op in enumerate(graph.ops) if op.extra.get("random")}
+    # an in-place draw (aten.bernoulli_.float: the op's name ends with "_") fills its input
+    in_place = {i for i in random
+                if str(graph.ops[i].extra.get("aten", "")).partition(".")[2].split(".")[0]
+                .endswith("_")}
+    filled = {t for i in in_place for t in graph.op_inputs[i]}
+    return random | {int(graph.producer[t]) for t in filled if graph.producer[t] >= 0}
+
+
 def _region_policy(steps: list[tuple[str, bool]]):
     """A selective-checkpoint policy for one region: the k-th call of an aten op gets the
     decision of the k-th op of that name in the region's profile (modulo their count: a compiler
@@ -239,13 +292,13 @@ def _region_policy(steps: list[tuple[str, bool]]):
 
     by_name: dict[str, list[bool]] = {}
     for name, recompute in steps:
-        by_name.setdefault(name, []).append(recompute)
+        by_name.setdefault(op_kind(name), []).append(recompute)
     seen: dict[tuple[bool, str], int] = {}
 
     def policy(ctx, func, *args, **kwargs):
         import torch
 
-        name = str(func)
+        name = op_kind(str(func))
         decisions = by_name.get(name)
         if decisions is None:
             return CheckpointPolicy.MUST_SAVE

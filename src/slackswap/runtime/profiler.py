@@ -146,6 +146,7 @@ def graph_from_traces(traces, graph_name: str, extra: dict[str, Any] | None = No
     # a tensor written in place after it was made cannot be rebuilt by rerunning its producer
     frozen = {first.tensors[n].producer for rec in first.ops for n in rec.writes if n in first.tensors}
     grad_bytes = backward_gradient_bytes(traces, seq_maps, len(first.ops))
+    param_grads = parameter_gradient_bytes(traces, seq_maps, len(first.ops))
     ops = []
     for i, rec in enumerate(first.ops):
         fwd = statistics.median(t.ops[i].forward_s for t in traces)
@@ -157,7 +158,9 @@ def graph_from_traces(traces, graph_name: str, extra: dict[str, Any] | None = No
             backward_workspace_bytes=grad_bytes[i],
             recomputable=not rec.mutates and i not in frozen, unit=rec.unit,
             param_unit=rec.param_unit,
-            extra={"aten": rec.aten, "module": rec.module, **({"random": True} if rec.random else {})}))
+            extra={"aten": rec.aten, "module": rec.module,
+                   **({"random": True} if rec.random else {}),
+                   **({"param_grad_bytes": param_grads[i]} if param_grads[i] else {})}))
     random_saved: dict[int, list[str]] = {}
     for name, rec in first.tensors.items():
         if first.ops[rec.producer].random and saved_for[name]:
@@ -204,6 +207,23 @@ def backward_gradient_bytes(traces, seq_maps, n_ops: int) -> list[int]:
     return out
 
 
+def parameter_gradient_bytes(traces, seq_maps, n_ops: int) -> list[int]:
+    """Per op, the parameter gradients its backward makes (sent to AccumulateGrad; the largest
+    over the traces), attributed as ``backward_gradient_bytes`` does. Eager autograd adds each
+    into ``.grad`` at once; a torch.compile'd backward returns them all at its end
+    (``checkpoint_graph(compiled=True)`` counts them)."""
+    out = [0] * n_ops
+    for trace, mapping in zip(traces, seq_maps):
+        current = None
+        mine = [0] * n_ops
+        for seq in trace.backward_order:
+            current = mapping.get(seq, current)
+            if current is not None:
+                mine[current] += int(trace.param_grad_bytes.get(seq, 0))
+        out = [max(a, b) for a, b in zip(out, mine)]
+    return out
+
+
 def group_by_module(graph: ActivationGraph) -> ActivationGraph:
     """A coarser graph: each run of consecutive ops of one module call becomes one op (times
     summed, inputs from outside the run, every tensor it makes as outputs, saved_for mapped to
@@ -242,7 +262,9 @@ def group_by_module(graph: ActivationGraph) -> ActivationGraph:
             unit=graph.ops[members[0]].unit,
             param_unit=next((graph.ops[i].param_unit for i in members if graph.ops[i].param_unit), ""),
             extra={"module": module, "aten_ops": len(members),
-                   **({"random": True} if any(graph.ops[i].extra.get("random") for i in members) else {})}))
+                   **({"random": True} if any(graph.ops[i].extra.get("random") for i in members) else {}),
+                   **({"param_grad_bytes": param_grads} if (param_grads := sum(
+                       int(graph.ops[i].extra.get("param_grad_bytes", 0)) for i in members)) else {})}))
     tensors = []
     for t in graph.tensors:
         saved = []

@@ -193,6 +193,8 @@ class StepTrace:
     # and those waiting for later nodes), by sequence nr, and the nodes' order of execution
     backward_grad_bytes: dict[int, int] = field(default_factory=dict)
     backward_order: list[int] = field(default_factory=list)
+    # parameter gradients each autograd node sends to AccumulateGrad (bytes, by sequence nr)
+    param_grad_bytes: dict[int, int] = field(default_factory=dict)
     # index of the last op run while the model still held each storage (released in forward)
     released_after: dict[str, int] = field(default_factory=dict)
 
@@ -524,9 +526,12 @@ class GradientLedger:
                 if entry[1] <= 0:
                     del self.alive[key]
         for g, (target, _) in zip(grad_inputs, node.next_functions):
-            if target is None or type(target).__name__ == "AccumulateGrad" or \
-                    not isinstance(g, torch.Tensor) or not g.numel():
-                continue  # dropped, or a parameter's gradient
+            if target is None or not isinstance(g, torch.Tensor) or not g.numel():
+                continue  # dropped
+            if type(target).__name__ == "AccumulateGrad":  # a parameter's gradient
+                self.trace.param_grad_bytes[seq] = self.trace.param_grad_bytes.get(seq, 0) + \
+                    int(g.untyped_storage().nbytes())
+                continue
             key = storage_key(g)
             self.alive.setdefault(key, [g, 0])[1] += 1
             self.waiting.setdefault(id(target), []).append(key)
