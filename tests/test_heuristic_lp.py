@@ -169,3 +169,27 @@ def test_the_heuristics_lower_bound_is_never_above_a_simulated_step():
             assert step_lower_bound(g, hw, codes) <= ss.simulate(g, plan).step_time_s * (1 + 1e-9)
             checked += 1
     assert checked == 80
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(graph_and_budget())
+def test_the_interior_point_bound_is_the_simplex_bound_lowered(case):
+    """Large graphs get their LP bound from HiGHS's interior point method without crossover:
+    the same optimum as dual simplex, lowered by IPM_MARGIN of itself, never above it (so every
+    plan respects it as it respects the simplex bound)."""
+    from slackswap.planners import lpbound
+
+    g, budget = case
+    simplex = ss.lp_bound(g, budget, LINK)
+    saved = lpbound.IPM_FROM_SLOTS
+    lpbound.IPM_FROM_SLOTS = 0  # every graph by the interior point method
+    try:
+        interior = ss.lp_bound(g, budget, LINK)
+    finally:
+        lpbound.IPM_FROM_SLOTS = saved
+    assert interior.status == simplex.status
+    if simplex.status == "optimal":
+        extra_simplex = simplex.step_time_s - g.ideal_step_time_s
+        extra_interior = interior.step_time_s - g.ideal_step_time_s
+        assert extra_interior <= extra_simplex + 1e-12 * g.ideal_step_time_s
+        assert extra_interior >= extra_simplex - 1e-5 * max(extra_simplex, g.ideal_step_time_s)
