@@ -142,11 +142,21 @@ class _LP:
         if max_iterations is not None:
             h.setOptionValue("ipm_iteration_limit", int(max_iterations))
         h.passModel(lp)
+        began = time.perf_counter()
         h.run()
         ms = highspy.HighsModelStatus
         status = h.getModelStatus()
-        code = {ms.kOptimal: 0, ms.kTimeLimit: 1, ms.kIterationLimit: 1, ms.kInfeasible: 2}.get(
-            status, 4)
+        codes = {ms.kOptimal: 0, ms.kTimeLimit: 1, ms.kIterationLimit: 1, ms.kInfeasible: 2}
+        if status not in codes:
+            # the interior point ended imprecise and unconfirmed: again with crossover, in the
+            # time left, rather than no bound at all
+            h.setOptionValue("run_crossover", "on")
+            if time_limit_s is not None:
+                h.setOptionValue("time_limit", max(0.01, float(time_limit_s)
+                                                   - (time.perf_counter() - began)))
+            h.run()
+            status = h.getModelStatus()
+        code = codes.get(status, 4)
         message = h.modelStatusToString(status)
         if code != 0:
             return _Result(code, message, None, None, None, status == ms.kTimeLimit)
