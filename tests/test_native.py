@@ -49,6 +49,28 @@ def test_the_deadline_kills_the_solver_and_its_children(tmp_path, monkeypatch):
         assert open(f"/proc/{pid}/stat").read().split()[2] == "Z", f"process {pid} survived"
 
 
+def test_a_crashing_interior_point_solver_leaves_the_lp_bound_to_highs(tmp_path, monkeypatch):
+    """PIQP (large graphs' LP bound) dies in its child: HiGHS's interior point method answers,
+    with the simplex bound lowered by a millionth, not an error and not a wrong bound."""
+    from slackswap.planners import lpbound
+
+    g = seeded_graph(5, n_ops=10)
+    simplex = ss.lp_bound(g, 0.5, LINK)
+    monkeypatch.setattr(native, "WORKER", _worker(
+        tmp_path, "import os, signal\nos.kill(os.getpid(), signal.SIGSEGV)\n"))
+    monkeypatch.setattr(lpbound, "IPM_FROM_SLOTS", 0)
+    crashed = lpbound._LP.solve_piqp
+    outcomes = []
+    monkeypatch.setattr(lpbound._LP, "solve_piqp", lambda self, **kw: outcomes.append(
+        crashed(self, **kw)) or outcomes[-1])
+    interior = ss.lp_bound(g, 0.5, LINK)
+    assert outcomes[0].status == 4 and "SIGSEGV" in outcomes[0].message
+    assert interior.status == simplex.status == "optimal"
+    extra = simplex.step_time_s - g.ideal_step_time_s
+    assert extra - 1e-5 * max(extra, g.ideal_step_time_s) <= \
+        interior.step_time_s - g.ideal_step_time_s <= extra + 1e-12
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("solver", ["cbc", "highs"])
 def test_exact_planner_falls_back_when_the_native_solver_crashes(solver, tmp_path, monkeypatch):

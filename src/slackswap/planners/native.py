@@ -32,9 +32,10 @@ class NativeTimeout(RuntimeError):
 
 
 def run_in_child(kind: str, payload: dict[str, Any], arrays: dict[str, np.ndarray] | None,
-                 deadline_s: float) -> dict[str, Any]:
-    """Run ``kind`` ("pulp" or "scipy") on ``payload`` (JSON) and ``arrays`` (npz) in a child
-    process; its answer (JSON) or NativeSolverError / NativeTimeout."""
+                 deadline_s: float | None) -> dict[str, Any]:
+    """Run ``kind`` ("pulp", "scipy", "highs-mip" or "piqp") on ``payload`` (JSON) and ``arrays`` (npz) in a child
+    process; its answer (JSON) or NativeSolverError / NativeTimeout. ``deadline_s`` None: no
+    deadline (the caller set no time limit)."""
     with tempfile.TemporaryDirectory(prefix="slackswap-") as tmp:
         inp, out = Path(tmp) / "in.json", Path(tmp) / "out.json"
         inp.write_text(json.dumps(payload))
@@ -45,7 +46,8 @@ def run_in_child(kind: str, payload: dict[str, Any], arrays: dict[str, np.ndarra
                                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                 stderr=subprocess.PIPE, start_new_session=True, env=env)
         try:
-            _, err = proc.communicate(timeout=max(0.05, deadline_s))
+            _, err = proc.communicate(
+                timeout=None if deadline_s is None else max(0.05, deadline_s))
         except subprocess.TimeoutExpired:
             _kill_group(proc)
             raise NativeTimeout(f"{kind} solver killed at its {deadline_s:.2f} s deadline") from None

@@ -2,7 +2,8 @@
 
 Run as ``python -I native_worker.py KIND FOLDER``; imports only the solver's package, never
 slackswap. KIND "pulp": a PuLP problem (``LpProblem.to_dict``) and a solver spec; KIND "scipy":
-scipy.optimize linprog / milp on arrays from FOLDER/in.npz.
+scipy.optimize linprog / milp on arrays from FOLDER/in.npz; KIND "highs-mip": the integral
+relaxation through highspy; KIND "piqp": an LP by PIQP's interior point method.
 """
 
 import json
@@ -127,6 +128,42 @@ def solve_highs_mip(req: dict, folder: Path) -> dict:
             "iterations": int(info.simplex_iteration_count)}
 
 
+def solve_piqp(req: dict, folder: Path) -> dict:
+    """An LP by PIQP (a sparse interior point method with a direct LDL factorisation): on the LP
+    bound's long chains of running sums it is 10x faster than HiGHS's IPX at 640 layers. Its
+    iteration limit is a work limit; both objectives are returned (the dual one bounds the
+    optimum from below once the dual is feasible)."""
+    import numpy as np
+    import piqp
+    from scipy.sparse import csc_matrix, csr_matrix
+
+    data = np.load(folder / "in.npz")
+
+    def matrix(name):
+        return csc_matrix(csr_matrix((data[f"{name}_data"], data[f"{name}_indices"],
+                                      data[f"{name}_indptr"]), shape=tuple(data[f"{name}_shape"])))
+
+    A_ub, A_eq = matrix("ub"), matrix("eq")
+    n = A_ub.shape[1]
+    solver = piqp.SparseSolver()
+    solver.settings.verbose = False
+    solver.settings.num_threads = 1
+    if "max_iterations" in req["options"]:
+        solver.settings.max_iter = int(req["options"]["max_iterations"])
+    solver.setup(csc_matrix((n, n)), data["c"], A_eq, data["b_eq"], A_ub,
+                 np.full(A_ub.shape[0], -np.inf), data["b_ub"], data["lb"], data["ub_vars"])
+    status = solver.solve()
+    info = solver.result.info
+    kind = {piqp.Status.PIQP_SOLVED: "optimal", piqp.Status.PIQP_PRIMAL_INFEASIBLE: "infeasible",
+            piqp.Status.PIQP_MAX_ITER_REACHED: "work limit"}.get(status, "failed")
+    solved = kind == "optimal"
+    return {"status": kind, "message": str(status).split(".")[-1],
+            "x": [float(v) for v in solver.result.x] if solved else None,
+            "fun": float(info.primal_obj) if solved else None,
+            "dual_bound": float(info.dual_obj) if solved else None,
+            "duality_gap_rel": float(info.duality_gap_rel), "iterations": int(info.iter)}
+
+
 def main() -> int:
     kind, folder = sys.argv[1], Path(sys.argv[2])
     req = json.loads((folder / "in.json").read_text())
@@ -134,6 +171,8 @@ def main() -> int:
         answer = solve_pulp(req)
     elif kind == "highs-mip":
         answer = solve_highs_mip(req, folder)
+    elif kind == "piqp":
+        answer = solve_piqp(req, folder)
     else:
         answer = solve_scipy(req, folder)
     (folder / "out.json").write_text(json.dumps(answer))
