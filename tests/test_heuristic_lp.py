@@ -92,6 +92,44 @@ def test_heuristic_prefers_hidden_swaps_then_cheap_recomputes():
     assert sim.retention == pytest.approx(18.2 / 20.1)
 
 
+def _two_attention_layers():
+    ops, tensors = [], []
+    for i in (1, 2):
+        ops += [op(f"qkv{i}", 3.0, 3.0, [f"x{i}"], [f"q{i}", f"k{i}", f"v{i}"]),
+                op(f"attn{i}", 2.0, 2.0, [f"q{i}", f"k{i}", f"v{i}"], [f"a{i}"]),
+                op(f"proj{i}", 1.0, 1.0, [f"a{i}"], [f"x{i + 1}"])]
+        tensors += [tensor(f"{n}{i}", 10, [f"attn{i}"]) for n in "qkv"]
+        tensors += [tensor(f"a{i}", 10, [f"proj{i}"]), tensor(f"x{i + 1}", 1)]
+    return graph(ops, tensors)
+
+
+@pytest.mark.parametrize("budget, decisions, overhead, published_overhead", [
+    # keep-all peaks at 81 B (eight saved tensors of 10 B, x3's 1 B). At 60 B at least 21 B must
+    # be off at the peak: q1, k1, v1 (30 B) come back from one rerun of qkv1 (3 s). Priced one
+    # by one (the published rule), a1 is cheapest (2 s for 10 B against 3 s for each of q1, k1,
+    # v1), then q1 with its chain: qkv1 and attn1 rerun, 5 s
+    (60, {"q1": "recompute", "k1": "recompute", "v1": "recompute", "a1": "keep"}, 3.0, 5.0),
+    # at 72 B 9 B are enough: a1 alone (2 s) beats the bundle (3 s); that plan stays
+    (72, {"q1": "keep", "k1": "keep", "v1": "keep", "a1": "recompute"}, 2.0, 2.0),
+])
+def test_tensors_rebuilt_by_one_rerun_are_priced_together(budget, decisions, overhead,
+                                                          published_overhead):
+    from slackswap.check.simulate import simulate_decisions
+    from slackswap.core.restrict import decision_mask
+    from slackswap.planners.heuristic import heuristic_codes
+
+    g = _two_attention_layers()
+    assert ss.keep_all_peak(g, LINK) == 81
+    p = ss.solve(g, budget, LINK, solver="heuristic", allowed=("keep", "recompute"))
+    assert {n: p.decisions[n] for n in decisions} == decisions
+    assert all(p.decisions[f"{n}2"] == "keep" for n in "qkva")
+    assert ss.simulate(g, p, LINK).step_time_s == pytest.approx(g.ideal_step_time_s + overhead)
+    mask = decision_mask(g, ("keep", "recompute"))
+    published = simulate_decisions(g, heuristic_codes(g, LINK, budget, mask=mask)[0], LINK, budget)
+    assert published.fits
+    assert published.step_time_s == pytest.approx(g.ideal_step_time_s + published_overhead)
+
+
 def test_lp_bound_hand_case():
     # the hidden swap from the simulator tests: the bound is 1.0 and the relaxation swaps a
     g = graph(

@@ -173,30 +173,41 @@ def trace_reruns(graph: ActivationGraph, codes: np.ndarray, recompute_at: np.nda
     rerun_ops = graph.rerun_ops
     frontier = graph.rerun_frontier
     outputs = graph.op_outputs
+    saved_by_op = graph.saved_by_op
+    # Python lists in the walk: it visits every backward position, and numpy's per-element
+    # access costs more than the work itself
+    code_of = codes.tolist()
+    made = materialized.tolist()
+    need = first_need.tolist()
     for k in range(n, S):
-        j = S - 1 - k
+        stack = list(scheduled.get(k, ())) + list(saved_by_op[S - 1 - k])
+        if not stack:
+            continue
         ops: set[int] = set()
         swaps: set[int] = set()
-        stack = list(scheduled.get(k, ())) + list(graph.saved_by_op[j])
         while stack:
             while stack:
                 x = stack.pop()
-                if first_need[x] < 0:
-                    first_need[x] = k
-                c = codes[x]
+                if need[x] < 0:
+                    need[x] = k
+                c = code_of[x]
                 if c == SWAP:
                     swaps.add(x)
-                elif c == RECOMPUTE and materialized[x] < 0:
-                    materialized[x] = k
+                elif c == RECOMPUTE and made[x] < 0:
+                    made[x] = k
                     ops.update(rerun_ops[x])
                     stack.extend(frontier[x])
             # outputs of rerun ops that are recomputed tensors come for free: materialize them now
             for q in ops:
                 for t in outputs[q]:
-                    if codes[t] == RECOMPUTE and materialized[t] < 0:
+                    if code_of[t] == RECOMPUTE and made[t] < 0:
                         stack.append(t)
-        reruns[k] = tuple(sorted(ops))
-        needs_at[k] = tuple(sorted(swaps))
+        if ops:
+            reruns[k] = tuple(sorted(ops))
+        if swaps:
+            needs_at[k] = tuple(sorted(swaps))
+    materialized = np.array(made, dtype=np.int64)
+    first_need = np.array(need, dtype=np.int64)
     for t in np.flatnonzero(recompute_at >= 0):
         if materialized[t] != recompute_at[t]:
             raise PlanError(
