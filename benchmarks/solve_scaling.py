@@ -36,10 +36,15 @@ def main() -> int:
     parser.add_argument("--size-goals", action="store_true",
                         help="only the size goals: 640 layers (heuristic, LP bound, exact at "
                              "120 s) and a 50,000-op graph through the heuristic")
+    parser.add_argument("--size-goal", choices=["640", "50k"],
+                        help="one part of --size-goals (each runs in its own process)")
     args = parser.parse_args()
     hw = ss.hardware("a100-80gb-pcie4")
+    if args.size_goal:
+        budget = float(args.budgets.split(",")[0])
+        return _goals_640_layers(hw, budget) if args.size_goal == "640" else _goal_50k(hw, budget)
     if args.size_goals:
-        return size_goals(hw, float(args.budgets.split(",")[0]))
+        return size_goals(float(args.budgets.split(",")[0]))
     rows = []
     for fraction, layers in [(float(b), int(x)) for b in args.budgets.split(",")
                              for x in args.layers.split(",")]:
@@ -117,28 +122,47 @@ def main() -> int:
     return 0
 
 
-def size_goals(hw, budget: float) -> int:
-    """The size goals, measured: each figure beside its goal, with the graph's size."""
+def _timed(fn):
     import time
 
-    def timed(fn):
-        began = time.perf_counter()
-        out = fn()
-        return out, time.perf_counter() - began
+    began = time.perf_counter()
+    out = fn()
+    return out, time.perf_counter() - began
 
+
+def _goals_640_layers(hw, budget: float) -> int:
     g = ss.transformer_graph(config(640), hw, name="gpt-640L")
     print(f"640 layers: {g.n_ops} ops, {len(g.saved)} saved tensors", flush=True)
-    _, wall = timed(lambda: ss.solve(g, budget, hw, solver="heuristic"))
+    _, wall = _timed(lambda: ss.solve(g, budget, hw, solver="heuristic"))
     print(f"  heuristic solve(): {wall:.1f} s (goal < 2 s)", flush=True)
-    bound, wall = timed(lambda: ss.lp_bound(g, budget, hw))
+    bound, wall = _timed(lambda: ss.lp_bound(g, budget, hw))
     print(f"  lp_bound: {wall:.1f} s, {bound.status} (goal < 30 s)", flush=True)
-    plan, wall = timed(lambda: ss.solve(g, budget, hw, time_limit_s=120))
+    plan, wall = _timed(lambda: ss.solve(g, budget, hw, time_limit_s=120))
     gap = plan.info.overhead_gap
     print(f"  exact, 120 s limit: {wall:.1f} s, {plan.info.status}, overhead gap "
           f"{'-' if gap is None else f'{100 * gap:.1f}%'} (goal < 5%)", flush=True)
+    return 0
+
+
+def _goal_50k(hw, budget: float) -> int:
     big = ss.transformer_graph(config(5000), hw, name="gpt-5000L")
-    _, wall = timed(lambda: ss.solve(big, budget, hw, solver="heuristic"))
+    _, wall = _timed(lambda: ss.solve(big, budget, hw, solver="heuristic"))
     print(f"{big.n_ops} ops: heuristic solve(): {wall:.1f} s (goal < 10 s)", flush=True)
+    return 0
+
+
+def size_goals(budget: float) -> int:
+    """The size goals, measured: each figure beside its goal, with the graph's size. Each part
+    runs in a fresh process, as a user runs it: after the 640-layer exact solve in the same
+    process the 50,003-op heuristic took 12.5 s instead of 8 s (README, Known limits)."""
+    import subprocess
+    import sys
+
+    for part in ("640", "50k"):
+        done = subprocess.run([sys.executable, __file__, "--size-goal", part, "--budgets",
+                               str(budget)], check=False)
+        if done.returncode:
+            return done.returncode
     return 0
 
 

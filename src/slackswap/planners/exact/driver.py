@@ -41,8 +41,8 @@ log = logging.getLogger("slackswap")
 DEFAULT_TIME_LIMIT_S = 10.0
 MIN_SEARCH_S = 0.3  # below this much time left, no MILP is built
 # the LP bound's share of the time left: most of it, since without a bound nothing is proven and
-# it is fast wherever a MILP can run (GPT-2 XL: 0.45 s); on a 640-layer graph it needs about 60 s, and
-# the heuristic's warm start, what such a graph gets anyway, about 1 s
+# it is fast wherever a MILP can run (GPT-2 XL: 0.45 s); on a 640-layer graph it needs about 12 s
+# (PIQP), and the heuristic's warm start, what such a graph gets anyway, about 1 s
 LP_SHARE = 0.8
 # what a phase costs before it can stop on its own, per unit of size, on the reference machine:
 # a phase is started only when the time left covers it (so the time limit holds)
