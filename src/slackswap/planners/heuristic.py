@@ -15,8 +15,10 @@
    budget (rebuild transients, copies that do not finish in time), resident tensors there are
    offloaded, waiting on the copies as needed; as a last resort every tensor is offloaded,
    which fits any budget that can be met.
-6. Polish: a short local search (planners/local_search.py), bounded by work, fixes the few
-   tensors the aggregate rules misjudge; ``polish=False`` leaves it out (the published scheme).
+6. Polish: steps 3-5 once more with tensors rebuilt by the same reruns priced as one bundle
+   (the faster plan is kept), then a short local search (planners/local_search.py), bounded by
+   work, fixes the few tensors the aggregate rules misjudge; ``polish=False`` leaves both out
+   (the published scheme).
 See formulations/heuristic.md for what it does not see.
 """
 
@@ -282,7 +284,8 @@ class SlackSwapHeuristic:
         if problem.mask is not None:
             baselines = [b for b in baselines if first_forbidden(g, b, problem.mask) is None]
         variants = [codes]
-        if g.n_slots <= BUNDLED_UP_TO_SLOTS:
+        polish = options.get("polish", True)
+        if polish and g.n_slots <= BUNDLED_UP_TO_SLOTS:  # not the published scheme's rule
             # the same rules with reruns priced per bundle: far better on some graphs (a
             # 4-layer GPT at 20%: 1.3 ms of overhead, not 7.3), worse on others; the faster wins
             variants.append(heuristic_codes(g, hw, budget, mask=problem.mask,
@@ -293,7 +296,7 @@ class SlackSwapHeuristic:
         elif chosen is not codes:
             stats["replaced_by_baseline"] = True
         codes = chosen
-        if options.get("polish", True):
+        if polish:
             # the aggregate rules misjudge a few tensors (exposed copies where a rerun is free, a
             # rerun whose transient tops the budget): a short descent, one tensor at a time,
             # judged by the simulator, bounded by work (POLISH_EVALUATIONS plans, at most
