@@ -128,6 +128,12 @@ def test_tensors_rebuilt_by_one_rerun_are_priced_together(budget, decisions, ove
     published = simulate_decisions(g, heuristic_codes(g, LINK, budget, mask=mask)[0], LINK, budget)
     assert published.fits
     assert published.step_time_s == pytest.approx(g.ideal_step_time_s + published_overhead)
+    # polish=False is the published scheme; the bundled candidate can be asked for alone (the
+    # exact planner's start when there is no time for the polish)
+    for options, expected in (({"polish": False}, published_overhead),
+                              ({"polish": False, "bundle_reruns": True}, overhead)):
+        q = ss.solve(g, budget, LINK, solver="heuristic", allowed=("keep", "recompute"), **options)
+        assert ss.simulate(g, q, LINK).step_time_s == pytest.approx(g.ideal_step_time_s + expected)
 
 
 def test_lp_bound_hand_case():

@@ -18,7 +18,7 @@
 6. Polish: steps 3-5 once more with tensors rebuilt by the same reruns priced as one bundle
    (the faster plan is kept), then a short local search (planners/local_search.py), bounded by
    work, fixes the few tensors the aggregate rules misjudge; ``polish=False`` leaves both out
-   (the published scheme).
+   (the published scheme); ``bundle_reruns=True`` asks for the bundled candidate alone.
 See formulations/heuristic.md for what it does not see.
 """
 
@@ -267,7 +267,7 @@ POLISH_POSITIONS = 20_000  # about 0.2 s of simulation on the reference machine
 
 class SlackSwapHeuristic:
     name = "heuristic"
-    options: frozenset[str] = frozenset({"polish"})
+    options: frozenset[str] = frozenset({"polish", "bundle_reruns"})
     honours_restrictions = True  # Problem.mask (allowed=, pins=)
 
     def is_available(self) -> bool:
@@ -285,7 +285,10 @@ class SlackSwapHeuristic:
             baselines = [b for b in baselines if first_forbidden(g, b, problem.mask) is None]
         variants = [codes]
         polish = options.get("polish", True)
-        if polish and g.n_slots <= BUNDLED_UP_TO_SLOTS:  # not the published scheme's rule
+        # the bundled pricing is not the published scheme's rule: it comes with the polish, or
+        # alone (the exact planner's start when there is no time for the polish's search)
+        bundle = options.get("bundle_reruns", polish)
+        if bundle and g.n_slots <= BUNDLED_UP_TO_SLOTS:
             # the same rules with reruns priced per bundle: far better on some graphs (a
             # 4-layer GPT at 20%: 1.3 ms of overhead, not 7.3), worse on others; the faster wins
             variants.append(heuristic_codes(g, hw, budget, mask=problem.mask,

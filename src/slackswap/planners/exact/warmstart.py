@@ -126,7 +126,8 @@ def warm_start(problem: Problem, polish: bool = True, bound_s: float | None = No
     # the heuristic's own polishing search only when the time allows it (its work is bounded,
     # but not by the deadline); the searches below go further anyway
     heuristic_polish = deadline is None or deadline - time.perf_counter() > HEURISTIC_POLISH_S
-    h_codes = SlackSwapHeuristic().solve(problem, polish=heuristic_polish).codes
+    h_codes = SlackSwapHeuristic().solve(problem, polish=heuristic_polish,
+                                         bundle_reruns=True).codes
     h_sim = simulate_decisions(g, h_codes, hw, budget)
     best = _warm(problem, h_codes, h_sim, "heuristic", h_codes, h_sim)
     # more decisions must never give a worse plan: the heuristic's plans of the restricted
@@ -136,8 +137,8 @@ def warm_start(problem: Problem, polish: bool = True, bound_s: float | None = No
         mask = _restricted(problem, kinds)
         if mask is None:
             continue
-        codes = SlackSwapHeuristic().solve(replace(problem, mask=mask),
-                                           polish=heuristic_polish).codes
+        codes = SlackSwapHeuristic().solve(replace(problem, mask=mask), polish=heuristic_polish,
+                                           bundle_reruns=True).codes
         sim = simulate_decisions(g, codes, hw, budget)
         if _better(sim, best.sim):
             best = _warm(problem, codes, sim, label, h_codes, h_sim)
