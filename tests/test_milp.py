@@ -69,7 +69,7 @@ def test_optimal_beats_heuristic_beats_baselines_and_respects_lp_bound(case):
 
 
 @pytest.mark.slow
-@SETTINGS
+@settings(max_examples=15, deadline=None, suppress_health_check=list(HealthCheck))
 @given(graph_budget(), st.floats(0.0, 1.0))
 def test_optimal_step_time_never_worse_with_more_budget(case, more):
     g, budget = case

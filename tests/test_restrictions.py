@@ -19,7 +19,7 @@ SUBSETS = [("keep",), ("swap",), ("keep", "swap"), ("keep", "recompute"), ("swap
 
 
 @pytest.mark.slow
-@settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=30, deadline=None, suppress_health_check=list(HealthCheck))
 @given(g=random_graphs(max_ops=6), allowed=st.sampled_from(SUBSETS), data=st.data())
 def test_restricted_plans_never_use_a_forbidden_decision_nor_beat_their_bound(g, allowed, data):
     saved = [g.tensors[int(t)].name for t in g.saved]
@@ -49,7 +49,7 @@ def test_restricted_plans_never_use_a_forbidden_decision_nor_beat_their_bound(g,
 
 
 @pytest.mark.slow
-@settings(max_examples=20, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=15, deadline=None, suppress_health_check=list(HealthCheck))
 @given(g=random_graphs(max_ops=5), data=st.data())
 def test_allowing_more_decisions_never_makes_the_proven_exact_plan_worse(g, data):
     budget = data.draw(st.integers(ss.min_budget(g, LINK), ss.keep_all_peak(g, LINK)))

@@ -103,6 +103,7 @@ RELAXATION_GAP = 1e-4
 RELAXATION_CAP_S = 20.0
 RELAXATION_MIN_S = 1.5  # less time left than this: the relaxation is not started
 HEURISTIC_POLISH_S = 2.0  # less time left than this: the heuristic runs without its polish
+HEURISTIC_BUNDLE_S = 0.5  # less than this: without its bundled pricing either
 
 
 def warm_start(problem: Problem, polish: bool = True, bound_s: float | None = None,
@@ -126,8 +127,11 @@ def warm_start(problem: Problem, polish: bool = True, bound_s: float | None = No
     # the heuristic's own polishing search only when the time allows it (its work is bounded,
     # but not by the deadline); the searches below go further anyway
     heuristic_polish = deadline is None or deadline - time.perf_counter() > HEURISTIC_POLISH_S
+    # its bundled pricing (a second run of its rules) too, unless the limit is a fraction of a
+    # second: then the published rules alone, so that the limit holds
+    bundle = deadline is None or deadline - time.perf_counter() > HEURISTIC_BUNDLE_S
     h_codes = SlackSwapHeuristic().solve(problem, polish=heuristic_polish,
-                                         bundle_reruns=True).codes
+                                         bundle_reruns=bundle).codes
     h_sim = simulate_decisions(g, h_codes, hw, budget)
     best = _warm(problem, h_codes, h_sim, "heuristic", h_codes, h_sim)
     # more decisions must never give a worse plan: the heuristic's plans of the restricted
@@ -138,7 +142,7 @@ def warm_start(problem: Problem, polish: bool = True, bound_s: float | None = No
         if mask is None:
             continue
         codes = SlackSwapHeuristic().solve(replace(problem, mask=mask), polish=heuristic_polish,
-                                           bundle_reruns=True).codes
+                                           bundle_reruns=bundle).codes
         sim = simulate_decisions(g, codes, hw, budget)
         if _better(sim, best.sim):
             best = _warm(problem, codes, sim, label, h_codes, h_sim)
