@@ -240,3 +240,18 @@ def test_the_interior_point_bound_is_the_simplex_bound_lowered(solver, case):
         extra_interior = interior.step_time_s - g.ideal_step_time_s
         assert extra_interior <= extra_simplex + 1e-12 * g.ideal_step_time_s
         assert extra_interior >= extra_simplex - 1e-5 * max(extra_simplex, g.ideal_step_time_s)
+
+
+def test_the_interior_point_bound_stays_below_a_zero_overhead_optimum(monkeypatch):
+    """One op of 1 s saves a 1-byte tensor for its own backward, two ops of no time follow; at a
+    1-byte budget it is kept (overhead 0). PIQP's answer was 1e-7 of the step above 0 (its tolerances are absolute on its
+    own scaling): the margin of 1e-6 of the step keeps the bound at or below the optimum."""
+    from slackswap.planners import lpbound
+
+    g = graph([op("op0", 1.0, 0.0, [], ["t0"]), op("op1", 0.0, 0.0, [], ["t1"]),
+               op("op2", 0.0, 0.0, [], ["t2"])],
+              [tensor("t0", 1, ["op0"]), tensor("t1", 0), tensor("t2", 0)])
+    assert ss.lp_bound(g, 1, LINK).step_time_s == g.ideal_step_time_s == 1.0
+    monkeypatch.setattr(lpbound, "IPM_FROM_SLOTS", 0)
+    interior = ss.lp_bound(g, 1, LINK)
+    assert interior.status == "optimal" and interior.step_time_s <= 1.0

@@ -111,7 +111,7 @@ class _LP:
         """The LP by HiGHS's interior point method without crossover (highspy, in this process):
         the bound needs the optimal value, not a vertex, and crossover took 40% of the time at
         640 layers. The value is HiGHS's within its IPM tolerance (1e-8 of it): it is lowered by
-        IPM_MARGIN of itself so that it stays below the optimum."""
+        IPM_MARGIN of the step (model units) so that it stays below the optimum."""
         import highspy
 
         A_ub, b_ub = self._matrix(self.rows_ub, self.n)
@@ -162,7 +162,7 @@ class _LP:
             return _Result(code, message, None, None, None, status == ms.kTimeLimit)
         value = float(h.getInfo().objective_function_value)
         x = np.array(h.getSolution().col_value)
-        return _Result(0, message, x, value - IPM_MARGIN * max(1.0, abs(value)), None)
+        return _Result(0, message, x, value - _margin(value), None)
 
     def _arrays(self) -> dict[str, np.ndarray]:
         """The model as arrays for a solver in a child process (planners/native.py)."""
@@ -181,7 +181,7 @@ class _LP:
         process: a crash is an error and the time limit holds. On the long chains of running sums
         it is about 10x faster than HiGHS's IPX at 640 layers (9.7 s against 108 s), whose
         conjugate gradients need ever more iterations as the chains grow. The value is the
-        smaller of PIQP's primal and dual objectives, lowered by IPM_MARGIN of itself; a solve
+        smaller of PIQP's primal and dual objectives, lowered by IPM_MARGIN of the step; a solve
         whose relative duality gap is above PIQP_GAP is not believed (status 4)."""
         from .native import GRACE_S, NativeSolverError, NativeTimeout, run_in_child
 
@@ -193,7 +193,11 @@ class _LP:
             return _Result(1, "PIQP killed at the time limit", None, None, None, True)
         except NativeSolverError as exc:
             return _Result(4, str(exc), None, None, None)
-        code = {"optimal": 0, "infeasible": 2, "work limit": 1}.get(answer["status"], 4)
+        # its own iteration limit (250) reached on a degenerate LP, or "infeasible" (seen on
+        # feasible tiny LPs), is a failure, which HiGHS then answers; only a limit the caller set
+        # is a limit
+        code = {"optimal": 0,
+                "work limit": 1 if max_iterations is not None else 4}.get(answer["status"], 4)
         if code != 0:
             return _Result(code, f"PIQP: {answer['message']}", None, None, None)
         if not answer["duality_gap_rel"] <= PIQP_GAP:
@@ -201,7 +205,7 @@ class _LP:
                               f"{answer['duality_gap_rel']:.1e}", None, None, None)
         value = min(float(answer["fun"]), float(answer["dual_bound"]))
         return _Result(0, f"PIQP: {answer['message']}", np.array(answer["x"]),
-                       value - IPM_MARGIN * max(1.0, abs(value)), None)
+                       value - _margin(value), None)
 
     def solve_integral(self, integer_vars: np.ndarray, time_limit_s: float, gap: float,
                        improving_solutions: int | None = None, abs_gap: float | None = None,
@@ -283,7 +287,15 @@ class _Result:
 LATENCY_ROW_SHARE = 0.1  # the every-copy-within-the-step row is added past this latency share
 SMALLEST = 1e-6  # model units: smaller coefficients are rounded in the relaxing direction
 IPM_FROM_SLOTS = 2500  # positions above which the LP is solved by an interior point method
-IPM_MARGIN = 1e-6  # the interior point method's value, lowered by this share of itself
+# an interior point method's value is lowered by this share of the step (1000 model units, or
+# of the value if larger): PIQP's answer on a graph whose best plan has no overhead was 1e-7 of
+# the step above the optimum (its tolerances are absolute on its own scaling)
+IPM_MARGIN = 1e-6
+STEP_UNITS = 1000.0  # the ideal step (or the copy time, with no compute) in model units
+
+
+def _margin(value: float) -> float:
+    return IPM_MARGIN * max(STEP_UNITS, abs(value))
 PIQP_GAP = 1e-6  # PIQP's answer is believed when its relative duality gap is at most this
 
 
@@ -341,8 +353,8 @@ def lp_bound(graph: ActivationGraph, budget, hw: Hardware | str, *, integral: bo
     # (formulations/lp-bound.md, "Scaling").
     saved_bytes = float(graph.tensor_bytes[graph.saved].sum())
     copy_s = saved_bytes / min(hw.d2h_bytes_per_s, hw.h2d_bytes_per_s) + hw.latency_s * len(graph.saved)
-    bu = max(budget_bytes, int(graph.tensor_bytes.max(initial=0)), 1) / 1000.0
-    tu = (graph.ideal_step_time_s if graph.ideal_step_time_s > 0 else max(copy_s, 1e-12)) / 1000.0
+    bu = max(budget_bytes, int(graph.tensor_bytes.max(initial=0)), 1) / STEP_UNITS
+    tu = (graph.ideal_step_time_s if graph.ideal_step_time_s > 0 else max(copy_s, 1e-12)) / STEP_UNITS
     tu = tu if tu > 0 else 1e-15  # a step of denormal seconds: no unit underflows to 0
     nbytes = _relax_small(graph.tensor_bytes.astype(float) / bu)
     fwd_s = _relax_small(graph.forward_s / tu)
