@@ -27,6 +27,7 @@ def graph_file(tmp_path):
     return path
 
 
+@pytest.mark.slow  # the plots take most of its 4 s
 def test_solve_simulate_plot(graph_file, tmp_path, capsys):
     plan = tmp_path / "plan.json"
     assert main(["solve", str(graph_file), "--budget", "0.9", "--solver", "cpsat", "--out", str(plan)]) == 0

@@ -216,7 +216,7 @@ def test_the_heuristics_lower_bound_is_never_above_a_simulated_step():
 
 
 @pytest.mark.parametrize("solver", ["piqp", "ipx"])
-@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(case=graph_and_budget())
 def test_the_interior_point_bound_is_the_simplex_bound_lowered(solver, case):
     """Large graphs get their LP bound from PIQP's interior point method, and from HiGHS's IPX

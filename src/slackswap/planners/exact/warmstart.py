@@ -102,7 +102,10 @@ LANE_HEADROOM = 0.98
 RELAXATION_GAP = 1e-4
 RELAXATION_CAP_S = 20.0
 RELAXATION_MIN_S = 1.5  # less time left than this: the relaxation is not started
-HEURISTIC_POLISH_S = 2.0  # less time left than this: the heuristic runs without its polish
+HEURISTIC_POLISH_S = 2.0  # less time left than this: the restricted heuristics without polish
+# less time left than this: the heuristic itself without its polish (at most 20,000 simulated
+# positions, about 0.2 s on the reference machine, and the bundled pricing)
+HEURISTIC_MAIN_POLISH_S = 0.4
 # less time left than this per position: the heuristic runs without its bundled pricing either
 # (three runs and their simulations; BERT-Large, 582 positions: 8 ms each on the reference machine)
 HEURISTIC_BUNDLE_S_PER_SLOT = 1e-4
@@ -126,15 +129,19 @@ def warm_start(problem: Problem, polish: bool = True, bound_s: float | None = No
     from ..lpbound import lp_bound
 
     g, hw, budget = problem.graph, problem.hardware, problem.budget_bytes
-    # the heuristic's own polishing search only when the time allows it (its work is bounded,
-    # but not by the deadline); the searches below go further anyway
-    heuristic_polish = deadline is None or deadline - time.perf_counter() > HEURISTIC_POLISH_S
+    # the heuristic as solve(solver="heuristic") runs it (its polish bounded by work, at most
+    # 20,000 simulated positions), so that this planner starts from that very plan, whenever the
+    # time left covers the polish; the restricted problems' runs below polish only with more time
+    # left (their work is bounded, but not by the deadline); the searches below go further anyway
+    left_now = float("inf") if deadline is None else deadline - time.perf_counter()
+    heuristic_polish = left_now > HEURISTIC_POLISH_S
+    main_polish = left_now > HEURISTIC_MAIN_POLISH_S
     # its bundled pricing (a second run of its rules, for each of the three starts below) too,
     # unless the time left would not cover it: then the published rules alone, so the limit holds
     bundle = deadline is None or \
         deadline - time.perf_counter() > HEURISTIC_BUNDLE_S_PER_SLOT * g.n_slots
-    h_codes = SlackSwapHeuristic().solve(problem, polish=heuristic_polish,
-                                         bundle_reruns=bundle).codes
+    h_codes = SlackSwapHeuristic().solve(problem, polish=main_polish,
+                                         bundle_reruns=bundle or main_polish).codes
     h_sim = simulate_decisions(g, h_codes, hw, budget)
     best = _warm(problem, h_codes, h_sim, "heuristic", h_codes, h_sim)
     # more decisions must never give a worse plan: the heuristic's plans of the restricted
