@@ -98,19 +98,18 @@ def heuristic_codes(graph: ActivationGraph, hw: Hardware, budget: int,
     cost = rebuild_cost(graph)
     may_recompute = graph.can_recompute if mask is None else mask[:, RECOMPUTE]
     may_swap = graph.is_saved if mask is None else mask[:, SWAP]
-    # tensors rebuilt by the same reruns (q, k and v of one projection; an op's several saved
-    # outputs) are rebuilt together for one cost: their price per byte is the bundle's
-    bundle_of = {int(t): tuple(graph.rerun_ops[int(t)]) for t in saved}
-    bundle_bytes: dict[tuple[int, ...], int] = {}
-    for t in saved:
-        if may_recompute[t]:
-            bundle_bytes[bundle_of[int(t)]] = bundle_bytes.get(bundle_of[int(t)], 0) + int(nbytes[t])
-    shared = np.array([bundle_bytes.get(bundle_of.get(t, ()), 0) if bundle_reruns
-                       and graph.is_saved[t] else 0 for t in range(len(nbytes))], dtype=float)
-    per_byte = np.where(may_recompute, cost / np.maximum(np.maximum(shared, nbytes), 1), np.inf)
+    # bundle_reruns: tensors rebuilt by the same reruns (q, k and v of one projection; an op's
+    # several saved outputs) are rebuilt together for one cost: their price per byte is the
+    # bundle's (its recomputable members' bytes), and they are recomputed together
     mates: dict[tuple[int, ...], list[int]] = {}
-    for t in saved:
-        mates.setdefault(bundle_of[int(t)], []).append(int(t))
+    priced_bytes = nbytes.astype(float)
+    if bundle_reruns:
+        for t in saved:
+            mates.setdefault(tuple(graph.rerun_ops[int(t)]), []).append(int(t))
+        for members_ in mates.values():
+            shared = sum(int(nbytes[m]) for m in members_ if may_recompute[m])
+            priced_bytes[members_] = np.maximum(priced_bytes[members_], shared)
+    per_byte = np.where(may_recompute, cost / np.maximum(priced_bytes, 1), np.inf)
     codes = keep_all_codes(graph)
     if mask is not None:  # a tensor that may not stay starts where it must go
         for t in saved:
@@ -162,12 +161,12 @@ def heuristic_codes(graph: ActivationGraph, hw: Hardware, budget: int,
                 if not np.isfinite(per_byte[t]) or not can_rebuild(int(t), chains):
                     continue
                 # its bundle's kept tensors come along: their rerun is paid for
-                bundle = mates[bundle_of[int(t)]] if bundle_reruns else ()
-                for b in [int(t)] + [b for b in bundle if b != t]:
-                    if b != t and not (codes[b] == KEEP and may_recompute[b]
-                                       and can_rebuild(b, chains)):
+                mates_of_t = mates[tuple(graph.rerun_ops[int(t)])] if bundle_reruns else ()
+                for x in [int(t)] + [y for y in mates_of_t if y != t]:
+                    if x != t and not (codes[x] == KEEP and may_recompute[x]
+                                       and can_rebuild(x, chains)):
                         continue
-                    for m in members(b):
+                    for m in members(x):
                         codes[m] = RECOMPUTE
                         slot_mem[last_fwd[m] + 1: u_slot[m]] -= nbytes[m]
                         stats["recomputed"] += 1

@@ -287,16 +287,18 @@ class _Result:
 LATENCY_ROW_SHARE = 0.1  # the every-copy-within-the-step row is added past this latency share
 SMALLEST = 1e-6  # model units: smaller coefficients are rounded in the relaxing direction
 IPM_FROM_SLOTS = 2500  # positions above which the LP is solved by an interior point method
-# an interior point method's value is lowered by this share of the step (1000 model units, or
+# the budget and the ideal step (or the copy time, with no compute) in model units
+MODEL_SCALE = 1000.0
+# an interior point method's value is lowered by this share of the step (MODEL_SCALE units, or
 # of the value if larger): PIQP's answer on a graph whose best plan has no overhead was 1e-7 of
 # the step above the optimum (its tolerances are absolute on its own scaling)
 IPM_MARGIN = 1e-6
-STEP_UNITS = 1000.0  # the ideal step (or the copy time, with no compute) in model units
+PIQP_GAP = 1e-6  # PIQP's answer is believed when its relative duality gap is at most this
 
 
 def _margin(value: float) -> float:
-    return IPM_MARGIN * max(STEP_UNITS, abs(value))
-PIQP_GAP = 1e-6  # PIQP's answer is believed when its relative duality gap is at most this
+    """What an interior point method's value is lowered by, so that it stays a bound."""
+    return IPM_MARGIN * max(MODEL_SCALE, abs(value))
 
 
 def _relax_small(values: np.ndarray) -> np.ndarray:
@@ -353,8 +355,8 @@ def lp_bound(graph: ActivationGraph, budget, hw: Hardware | str, *, integral: bo
     # (formulations/lp-bound.md, "Scaling").
     saved_bytes = float(graph.tensor_bytes[graph.saved].sum())
     copy_s = saved_bytes / min(hw.d2h_bytes_per_s, hw.h2d_bytes_per_s) + hw.latency_s * len(graph.saved)
-    bu = max(budget_bytes, int(graph.tensor_bytes.max(initial=0)), 1) / STEP_UNITS
-    tu = (graph.ideal_step_time_s if graph.ideal_step_time_s > 0 else max(copy_s, 1e-12)) / STEP_UNITS
+    bu = max(budget_bytes, int(graph.tensor_bytes.max(initial=0)), 1) / MODEL_SCALE
+    tu = (graph.ideal_step_time_s if graph.ideal_step_time_s > 0 else max(copy_s, 1e-12)) / MODEL_SCALE
     tu = tu if tu > 0 else 1e-15  # a step of denormal seconds: no unit underflows to 0
     nbytes = _relax_small(graph.tensor_bytes.astype(float) / bu)
     fwd_s = _relax_small(graph.forward_s / tu)

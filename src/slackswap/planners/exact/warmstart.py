@@ -138,8 +138,7 @@ def warm_start(problem: Problem, polish: bool = True, bound_s: float | None = No
     main_polish = left_now > HEURISTIC_MAIN_POLISH_S
     # its bundled pricing (a second run of its rules, for each of the three starts below) too,
     # unless the time left would not cover it: then the published rules alone, so the limit holds
-    bundle = deadline is None or \
-        deadline - time.perf_counter() > HEURISTIC_BUNDLE_S_PER_SLOT * g.n_slots
+    bundle = left_now > HEURISTIC_BUNDLE_S_PER_SLOT * g.n_slots
     h_codes = SlackSwapHeuristic().solve(problem, polish=main_polish,
                                          bundle_reruns=bundle or main_polish).codes
     h_sim = simulate_decisions(g, h_codes, hw, budget)
