@@ -139,7 +139,7 @@ class _Walk:
     slot_points: list[list[int]] | None = None
     intervals: list[tuple[int, int, int]] | None = None  # (tensor, first point, last point)
     reruns: list[list[int]] | None = None
-    swap_reads: list[set[int]] | None = None  # per slot, swapped tensors read there
+    swap_reads: dict[int, set[int]] | None = None  # by slot, swapped tensors read there
 
 
 class _Step:
@@ -287,8 +287,8 @@ class _Step:
         # backward: which ops run again before each backward op, and what each position reads
         rebuilt: dict[int, int] = {}
         first_read: dict[int, int] = {}
-        reruns: list[list[int]] = [[] for _ in range(S)]
-        swap_reads: list[set[int]] = [set() for _ in range(S)]
+        reruns: list[list[int]] = [[]] * S  # (each backward slot gets its own list below)
+        swap_reads: dict[int, set[int]] = {}
         planned: dict[int, list[int]] = {}
         for t, slot in rebuild_at.items():
             planned.setdefault(slot, []).append(t)
@@ -300,7 +300,7 @@ class _Step:
                 t = todo.pop()
                 first_read.setdefault(t, k)
                 if decisions[t] == "swap":
-                    swap_reads[k].add(t)
+                    swap_reads.setdefault(k, set()).add(t)
                 elif decisions[t] == "recompute" and t not in rebuilt:
                     rebuilt[t] = k
                     ops, frontier = self.closure(self.producer[t])
@@ -417,7 +417,12 @@ class _Step:
         for p, (_, op, kind) in enumerate(walk.points):
             wanted = self.bwd_reads[op] if kind == "backward" else self.reads[op]
             for t in wanted:
-                if not any(a <= p <= b for a, b in spans.get(t, ())):
+                found = False
+                for a, b in spans.get(t, ()):
+                    if a <= p <= b:
+                        found = True
+                        break
+                if not found:
                     walk.violations.append(Violation(
                         "residency", f"{kind} of op {g.ops[op].name!r} reads tensor "
                         f"{g.tensors[t].name!r}, which is not on the device",
@@ -427,36 +432,37 @@ class _Step:
     def memory(self, walk: _Walk, limit: int | None) -> tuple[int, list[Violation]]:
         """Bytes on the device at every point (live tensors and the running op's workspace)."""
         g = self.graph
-        comes: list[list[int]] = [[] for _ in walk.points]
-        goes: list[list[int]] = [[] for _ in walk.points]
+        n_points = len(walk.points)
+        comes = [0] * (n_points + 1)  # bytes that arrive at each point, and leave after it
+        goes = [0] * (n_points + 1)
+        nbytes = self.nbytes
         for t, a, b in walk.intervals:
-            comes[a].append(t)
-            goes[b].append(t)
+            comes[a] += nbytes[t]
+            goes[b] += nbytes[t]
+        fwd_ws = [int(op.forward_workspace_bytes) for op in g.ops]
+        bwd_ws = [int(op.backward_workspace_bytes) for op in g.ops]
         live = 0
-        resident: dict[int, int] = {}
         peak = 0
-        out: list[Violation] = []
+        over: list[tuple[int, int]] = []  # (point, bytes) where the budget is topped
         for p, (_, op, kind) in enumerate(walk.points):
-            for t in comes[p]:
-                live += self.nbytes[t]
-                resident[t] = resident.get(t, 0) + 1
-            ops = g.ops[op]
-            work = ops.backward_workspace_bytes if kind == "backward" else ops.forward_workspace_bytes
-            now = live + int(work)
-            peak = max(peak, now)
-            if limit is not None and now > limit:
-                if len(out) < _MAX_MEMORY_VIOLATIONS:
-                    top = max(resident, key=lambda t: (self.nbytes[t], -t), default=None)
-                    tname = None if top is None else g.tensors[top].name
-                    out.append(Violation(
-                        "memory", f"{kind} of op {ops.name!r}: {now} bytes on the device, "
-                        f"{now - limit} over the budget of {limit} (largest resident tensor {tname!r})",
-                        ops.name, tname, now - limit))
-            for t in goes[p]:
-                live -= self.nbytes[t]
-                resident[t] -= 1
-                if not resident[t]:
-                    del resident[t]
+            live += comes[p]
+            now = live + (bwd_ws[op] if kind == "backward" else fwd_ws[op])
+            if now > peak:
+                peak = now
+            if limit is not None and now > limit and len(over) < _MAX_MEMORY_VIOLATIONS:
+                over.append((p, now))
+            live -= goes[p]
+        out: list[Violation] = []
+        for p, now in over:
+            _, op, kind = walk.points[p]
+            resident = [t for t, a, b in walk.intervals if a <= p <= b]
+            top = max(resident, key=lambda t: (self.nbytes[t], -t), default=None)
+            tname = None if top is None else g.tensors[top].name
+            name = g.ops[op].name
+            out.append(Violation(
+                "memory", f"{kind} of op {name!r}: {now} bytes on the device, "
+                f"{now - limit} over the budget of {limit} (largest resident tensor {tname!r})",
+                name, tname, now - limit))
         return peak, out
 
     # ------------------------------------------------------------------ time
@@ -513,7 +519,7 @@ class _Step:
             go = issued
             for t in wait_for_free.get(k, ()):  # offloads that must be done before this op
                 go = max(go, offloaded[t])
-            for t in walk.swap_reads[k]:  # prefetches this position reads must have landed
+            for t in walk.swap_reads.get(k, ()):  # prefetches this position reads must have landed
                 go = max(go, landed[t])
             stall += go - issued
             clock = go

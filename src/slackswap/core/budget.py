@@ -6,8 +6,8 @@ import numpy as np
 
 from .graph import ActivationGraph
 from .hardware import Hardware, hardware
-from .plan import SWAP, Schedule
-from .stepmodel import expand, keep_all_codes
+from .plan import SWAP
+from .stepmodel import expand, expand_positions, keep_all_codes
 from .units import budget_bytes_from
 
 
@@ -23,13 +23,13 @@ def min_budget(graph: ActivationGraph, hw: Hardware | str) -> int:
     copies as long as it takes). Keeping or rebuilding a tensor never needs less memory."""
     hw = hardware(hw)
     codes = np.where(graph.is_saved, SWAP, -1).astype(np.int8)
-    names = [t.name for t in graph.tensors]
     saved = graph.saved
-    sched = Schedule(
-        d2h_free={names[t]: int(graph.last_forward_use[t]) for t in saved},
-        h2d_issue={names[t]: graph.bwd_slot(int(graph.first_backward_use[t])) for t in saved},
-    )
-    return int(expand(graph, codes, sched, hw).memory().max())
+    d2h = np.full(len(graph.tensors), -1, dtype=np.int64)
+    h2d = np.full(len(graph.tensors), -1, dtype=np.int64)
+    d2h[saved] = graph.last_forward_use[saved]
+    h2d[saved] = 2 * graph.n_ops - 1 - graph.first_backward_use[saved]  # its backward position
+    rec = np.full(len(graph.tensors), -1, dtype=np.int64)
+    return int(expand_positions(graph, codes, d2h, h2d, rec, hw).memory().max())
 
 
 def parse_budget(budget: float | int | str, graph: ActivationGraph, hw: Hardware | str) -> int:

@@ -657,8 +657,8 @@ class ActivationGraph:
 
     @cached_property
     def _closures(self) -> tuple[tuple[tuple[int, ...], ...], tuple[tuple[int, ...], ...]]:
-        saved = self.is_saved
-        producer = self.producer
+        saved = self.is_saved.tolist()
+        producer = self.producer.tolist()
         op_closure: dict[int, tuple[frozenset, frozenset]] = {}
         # op closures in forward order, so inputs' closures already exist
         for i, ins in enumerate(self.op_inputs):
@@ -668,17 +668,15 @@ class ActivationGraph:
                 if saved[t]:
                     frontier.add(t)
                 else:
-                    sub_ops, sub_front = op_closure[int(producer[t])]
+                    sub_ops, sub_front = op_closure[producer[t]]
                     ops |= sub_ops
                     frontier |= sub_front
             op_closure[i] = (frozenset(ops), frozenset(frontier))
-        rerun = []
-        front = []
-        for t in range(len(self.tensors)):
-            ops, fr = op_closure[int(producer[t])]
-            rerun.append(tuple(sorted(ops)))
-            front.append(tuple(sorted(fr)))
-        return tuple(rerun), tuple(front)
+        # sorted once per op: an op's outputs share its closure
+        sorted_closure = {i: (tuple(sorted(ops)), tuple(sorted(fr)))
+                          for i, (ops, fr) in op_closure.items()}
+        per_tensor = [sorted_closure[p] for p in producer]
+        return tuple(c[0] for c in per_tensor), tuple(c[1] for c in per_tensor)
 
     def summary(self) -> str:
         return (f"{self.name}: {self.n_ops} ops, {len(self.tensors)} tensors, "

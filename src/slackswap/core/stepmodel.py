@@ -324,7 +324,16 @@ def expand(graph: ActivationGraph, codes: np.ndarray, schedule: Schedule | None,
     """Lifetimes of every tensor under a plan. Missing schedule entries take the defaults of the
     step model; with ``budget_bytes`` the default swap positions also yield to the budget
     (free earlier, prefetch later, at the cost of waiting on copies)."""
-    d2h, h2d, rec = _schedule_arrays(graph, codes, schedule)
+    return expand_positions(graph, codes, *_schedule_arrays(graph, codes, schedule), hw,
+                            budget_bytes)
+
+
+def expand_positions(graph: ActivationGraph, codes: np.ndarray, d2h: np.ndarray,
+                     h2d: np.ndarray, rec: np.ndarray, hw: Hardware,
+                     budget_bytes: int | None = None) -> Expansion:
+    """``expand`` with the schedule as per-tensor position arrays (-1: the default), as
+    ``_schedule_arrays`` makes them from a Schedule (no names to look up on large graphs)."""
+    d2h, h2d, rec = d2h.copy(), h2d.copy(), rec.copy()
     given_d2h, given_h2d = d2h >= 0, h2d >= 0
     reruns, needs_at, first_need, materialized = trace_reruns(graph, codes, rec)
     default_swap_schedule(graph, hw, codes, first_need, reruns, d2h, h2d)

@@ -43,23 +43,37 @@ def recompute_all_codes(graph: ActivationGraph) -> np.ndarray:
     codes = keep_all_codes(graph)
     cost = rebuild_cost(graph)
     nbytes = np.maximum(graph.tensor_bytes, 1)
+    frontier = graph.rerun_frontier
+    can = graph.can_recompute.tolist()
     readers: dict[int, list[int]] = {}
-    for t in graph.saved:
-        for f in graph.rerun_frontier[t]:
-            readers.setdefault(f, []).append(int(t))
-    order = sorted(graph.saved, key=lambda t: (cost[t] / nbytes[t], t))
+    for t in graph.saved.tolist():
+        for f in frontier[t]:
+            readers.setdefault(f, []).append(t)
+    recomputed = [False] * len(graph.tensors)  # codes as a list: per-element numpy reads cost more
+    order = sorted(graph.saved.tolist(), key=lambda t: (cost[t] / nbytes[t], t))
     for t in order:
-        if codes[t] == RECOMPUTE or not graph.can_recompute[t]:
+        if recomputed[t] or not can[t]:
             continue
-        members = list(graph.group_of(int(t)))
-        ok = all(
-            graph.can_recompute[m]
-            and all(codes[f] != RECOMPUTE for f in graph.rerun_frontier[m])
-            and all(codes[r] != RECOMPUTE for r in readers.get(m, ()))
-            for m in members
-        )
+        members = graph.group_of(t)
+        ok = True
+        for m in members:
+            if not can[m]:
+                ok = False
+                break
+            for f in frontier[m]:
+                if recomputed[f]:
+                    ok = False
+                    break
+            for r in readers.get(m, ()):
+                if recomputed[r]:
+                    ok = False
+                    break
+            if not ok:
+                break
         if ok:
-            codes[members] = RECOMPUTE
+            for m in members:
+                recomputed[m] = True
+    codes[np.flatnonzero(recomputed)] = RECOMPUTE
     return codes
 
 
