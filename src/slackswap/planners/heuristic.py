@@ -68,7 +68,10 @@ def hideable_swaps(graph: ActivationGraph, hw: Hardware, order: np.ndarray) -> n
         pd = p_d2h[t]
         ph = p_h2d[t]
         need = int(need_at[t])
-        if slack_d[: q + 1].min() < pd or slack_h[need:].min() < ph:
+        # one element first (the window's minimum is at most it): most tensors fail there once
+        # the lanes fill, without a pass over the window
+        if slack_d[q] < pd or slack_h[need] < ph or \
+                slack_d[: q + 1].min() < pd or slack_h[need:].min() < ph:
             continue
         slack_d[: q + 1] -= pd
         slack_h[need:] -= ph
@@ -137,13 +140,25 @@ def heuristic_codes(graph: ActivationGraph, hw: Hardware, budget: int,
     def members(t: int) -> tuple[int, ...]:
         return graph.group_of(t)
 
+    # Python lists for the per-tensor tests below (numpy's per-element access costs more than
+    # the test on 50,000-op graphs); ``code_list`` follows every change to ``codes``
+    code_list = codes.tolist()
+    can_list = graph.can_recompute.tolist()
+    frontier = graph.rerun_frontier
+
     def can_rebuild(t: int, chains: bool = False) -> bool:
-        return all(
-            codes[m] == KEEP and graph.can_recompute[m]
-            and (chains or (all(codes[f] != RECOMPUTE for f in graph.rerun_frontier[m])
-                            and all(codes[r] != RECOMPUTE for r in readers_of.get(m, ()))))
-            for m in members(t)
-        )
+        for m in members(t):
+            if code_list[m] != KEEP or not can_list[m]:
+                return False
+            if chains:
+                continue
+            for f in frontier[m]:
+                if code_list[f] == RECOMPUTE:
+                    return False
+            for r in readers_of.get(m, ()):
+                if code_list[r] == RECOMPUTE:
+                    return False
+        return True
 
     for _ in range(4 * len(saved) + 1):
         over = slot_mem - budget
@@ -163,11 +178,12 @@ def heuristic_codes(graph: ActivationGraph, hw: Hardware, budget: int,
                 # its bundle's kept tensors come along: their rerun is paid for
                 mates_of_t = mates[tuple(graph.rerun_ops[int(t)])] if bundle_reruns else ()
                 for x in [int(t)] + [y for y in mates_of_t if y != t]:
-                    if x != t and not (codes[x] == KEEP and may_recompute[x]
+                    if x != t and not (code_list[x] == KEEP and may_recompute[x]
                                        and can_rebuild(x, chains)):
                         continue
                     for m in members(x):
                         codes[m] = RECOMPUTE
+                        code_list[m] = RECOMPUTE
                         slot_mem[last_fwd[m] + 1: u_slot[m]] -= nbytes[m]
                         stats["recomputed"] += 1
                 moved = True
@@ -180,6 +196,7 @@ def heuristic_codes(graph: ActivationGraph, hw: Hardware, budget: int,
                 if slot_mem[s] <= budget:
                     break
                 codes[t] = SWAP
+                code_list[t] = SWAP
                 slot_mem[last_fwd[t] + 1: u_slot[t]] -= nbytes[t]
                 stats["exposed_swaps"] += 1
                 moved = True

@@ -141,6 +141,7 @@ class ExactBackend:
               **options: Any) -> Solution:
         from ..lpbound import lp_bound
         from .decode import decode
+        from .warmstart import heuristic_start
         from .warmstart import warm_start as build_warm_start
 
         start = time.perf_counter()
@@ -163,6 +164,9 @@ class ExactBackend:
             return bound is not None and np.isfinite(step) and \
                 step - bound <= proof_tolerance_s(step, ideal, target)
 
+        # the heuristic's plan first: a short limit on a loaded machine still returns at least
+        # the plan of solve(solver="heuristic"); the LP bound gets the time left
+        heuristic = heuristic_start(problem, deadline)
         if left() > 2 * LP_S_PER_SLOT * g.n_slots:
             lp = lp_bound(g, budget, hw, time_limit_s=max(0.01, LP_SHARE * left()), mask=problem.mask)
         else:  # no time to build it: no bound, and no proof
@@ -172,7 +176,7 @@ class ExactBackend:
                               relax_solutions=work.relax_solutions, search_work=work.search_work,
                               deadline=deadline, relax_cap_s=work.relax_cap_s,
                               search_cap_s=work.search_cap_s, lp=lp,
-                              deterministic=deterministic)
+                              deterministic=deterministic, heuristic=heuristic)
         heuristic_time = ws.heuristic_sim.step_time_s if ws.heuristic_sim.fits else float("inf")
         warm_time = ws.step_time_s
         bounds = [b for b in (lp_s, ws.bound_s) if b is not None]

@@ -111,11 +111,29 @@ HEURISTIC_MAIN_POLISH_S = 0.4
 HEURISTIC_BUNDLE_S_PER_SLOT = 1e-4
 
 
+def heuristic_start(problem: Problem, deadline: float | None = None
+                    ) -> tuple[np.ndarray, SimResult]:
+    """The heuristic's plan as solve(solver="heuristic") makes it (its polish bounded by work,
+    at most 20,000 simulated positions, and its bundled pricing) whenever the time left covers
+    them, and its simulation. The exact planner makes it first, before its LP bound, so that a
+    short time limit on a loaded machine still returns at least this plan."""
+    from ..heuristic import SlackSwapHeuristic
+
+    g, hw, budget = problem.graph, problem.hardware, problem.budget_bytes
+    left_now = float("inf") if deadline is None else deadline - time.perf_counter()
+    main_polish = left_now > HEURISTIC_MAIN_POLISH_S
+    # without the polish, the bundled pricing alone unless the time left would not cover it:
+    # then the published rules alone, so the limit holds
+    bundle = main_polish or left_now > HEURISTIC_BUNDLE_S_PER_SLOT * g.n_slots
+    codes = SlackSwapHeuristic().solve(problem, polish=main_polish, bundle_reruns=bundle).codes
+    return codes, simulate_decisions(g, codes, hw, budget)
+
+
 def warm_start(problem: Problem, polish: bool = True, bound_s: float | None = None,
                gap: float = OVERHEAD_TARGET, relax_solutions: int | None = None, search_work: int | None = None,
                deadline: float | None = None, relax_cap_s: float = RELAXATION_CAP_S,
-               search_cap_s: float | None = None, lp=None, deterministic: bool = False
-               ) -> WarmStart:
+               search_cap_s: float | None = None, lp=None, deterministic: bool = False,
+               heuristic: tuple[np.ndarray, SimResult] | None = None) -> WarmStart:
     """The heuristic's plan, improved (``polish``) by local search from the decisions of the
     integral relaxation, of its looser form, of it with 2% slower lanes, and of the heuristic,
     whichever simulates fastest. Each further start is tried only while the plan is not yet
@@ -129,19 +147,15 @@ def warm_start(problem: Problem, polish: bool = True, bound_s: float | None = No
     from ..lpbound import lp_bound
 
     g, hw, budget = problem.graph, problem.hardware, problem.budget_bytes
-    # the heuristic as solve(solver="heuristic") runs it (its polish bounded by work, at most
-    # 20,000 simulated positions), so that this planner starts from that very plan, whenever the
-    # time left covers the polish; the restricted problems' runs below polish only with more time
+    # the heuristic's plan (heuristic_start: the very plan of solve(solver="heuristic") whenever
+    # the time left covers it); the restricted problems' runs below polish only with more time
     # left (their work is bounded, but not by the deadline); the searches below go further anyway
+    h_codes, h_sim = heuristic if heuristic is not None else heuristic_start(problem, deadline)
     left_now = float("inf") if deadline is None else deadline - time.perf_counter()
     heuristic_polish = left_now > HEURISTIC_POLISH_S
-    main_polish = left_now > HEURISTIC_MAIN_POLISH_S
-    # its bundled pricing (a second run of its rules, for each of the three starts below) too,
-    # unless the time left would not cover it: then the published rules alone, so the limit holds
+    # their bundled pricing (a second run of the rules) too, unless the time left would not
+    # cover it: then the published rules alone, so the limit holds
     bundle = left_now > HEURISTIC_BUNDLE_S_PER_SLOT * g.n_slots
-    h_codes = SlackSwapHeuristic().solve(problem, polish=main_polish,
-                                         bundle_reruns=bundle or main_polish).codes
-    h_sim = simulate_decisions(g, h_codes, hw, budget)
     best = _warm(problem, h_codes, h_sim, "heuristic", h_codes, h_sim)
     # more decisions must never give a worse plan: the heuristic's plans of the restricted
     # problems (recompute-only, offload-only) are starts too, at the cost of two heuristic runs
