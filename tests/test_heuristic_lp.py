@@ -1,7 +1,7 @@
 """The SlackSwap heuristic and the LP bound."""
 
 import pytest
-from helpers import LINK, graph, op, plan, random_graphs, random_plans, tensor
+from helpers import HALF_DUPLEX, LINK, graph, op, plan, random_graphs, random_plans, tensor
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
@@ -255,3 +255,37 @@ def test_the_interior_point_bound_stays_below_a_zero_overhead_optimum(monkeypatc
     monkeypatch.setattr(lpbound, "IPM_FROM_SLOTS", 0)
     interior = ss.lp_bound(g, 1, LINK)
     assert interior.status == "optimal" and interior.step_time_s <= 1.0
+
+
+def test_whole_departures_see_the_copy_a_fluid_lane_splits():
+    # the case above: a (100 B) made by A (1 s) must be gone during B for a + b (60 B) to fit in
+    # 130 B. The fluid lane frees 30 B of it after a 0.3 s stall (bound 4 / 4.3); a real copy
+    # frees a only once all 100 B have left (1 s at 100 B/s), and rerunning A costs 1 s too:
+    # with whole departures the bound is the optimum, 4 / 5 (the integral relaxation alone: 4 / 4.3)
+    g = graph([op("A", 1, 1, ["x"], ["a"]), op("B", 1, 1, ["x"], ["b"])],
+              [tensor("a", 100, ["A"]), tensor("b", 60)])
+    assert ss.lp_bound(g, 130, LINK, integral=True).retention == pytest.approx(4 / 4.3)
+    whole = ss.lp_bound(g, 130, LINK, integral=True, whole_departures=1)
+    assert whole.status == "optimal" and whole.retention == pytest.approx(4 / 5)
+
+
+LATENCY_LINK = LINK.with_link(name="test-latency", latency_s=0.05)
+
+
+@pytest.mark.slow
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(graph_and_budget(), st.sampled_from([LINK, HALF_DUPLEX, LATENCY_LINK]),
+       st.integers(0, 3))
+def test_no_plan_beats_the_whole_departures_bound(case, hw, more):
+    """The exact optimum (every schedule position, gap 0) never beats it, on every kind of link."""
+    g, budget = case
+    bound = ss.lp_bound(g, budget, hw, integral=True, whole_departures=1 + more,
+                        time_limit_s=10.0)
+    assert bound.status in ("optimal", "timeout", "infeasible")
+    if bound.status == "infeasible":
+        return
+    for solver, options in (("cpsat", {"gap": 0.0, "time_limit_s": 20.0}), ("heuristic", {})):
+        p = ss.solve(g, budget, hw, solver=solver, **options)
+        sim = ss.simulate(g, p, hw)
+        if sim.fits:
+            assert sim.step_time_s >= bound.step_time_s * (1 - 1e-6), solver

@@ -316,7 +316,7 @@ def lp_bound(graph: ActivationGraph, budget, hw: Hardware | str, *, integral: bo
              improving_solutions: int | None = None, max_iterations: int | None = None,
              gap_on_step: bool = True, kill_after_s: float | None = None,
              max_nodes: int | None = None, allowed=None, pins=None,
-             mask: np.ndarray | None = None) -> LPBound:
+             mask: np.ndarray | None = None, whole_departures: int = 0) -> LPBound:
     """Upper bound on the retention of any plan for ``graph`` within ``budget`` on ``hw``.
 
     integral: make the keep/swap/recompute fractions binary and solve the MILP (HiGHS) for at
@@ -328,6 +328,12 @@ def lp_bound(graph: ActivationGraph, budget, hw: Hardware | str, *, integral: bo
 
     ``allowed``, ``pins`` (as for ``solve``) or a ready ``mask``: the bound of the restricted
     problem, where a decision a tensor may not take has fraction 0.
+
+    ``whole_departures`` (integral only): at the first forward position where keeping
+    everything tops the budget, the one most over it, and this many more, a swapped tensor is
+    freed only once its whole copy, behind every swapped tensor produced before it, is done
+    (lanequeue.py): a tighter bound where single copies take a large share of the forward pass
+    (CNNs), at the cost of binaries; 0 (the default) leaves the fluid lanes alone.
 
     ``gap_on_step``: the integral relaxation stops once its gap is ``gap`` of the whole step
     (False: of the extra time alone, HiGHS's own measure, which runs much longer).
@@ -468,6 +474,18 @@ def lp_bound(graph: ActivationGraph, budget, hw: Hardware | str, *, integral: bo
         lp.le([G[k], Qp[k], dep[k]], [1, 1, -1], cap)
         lp.le([G[k], F[k], arr[k], Freed[k]], [1, 1, 1, -1], cap)
         lp.le([G[k], Qp[k], dep[k], arr[k], Freed[k]], [1, 1, -1, 1, -1], cap)
+    queue_binaries = np.array([], dtype=int)
+    if integral and whole_departures:
+        # whole tensors on the D2H lane, at a few forward positions (lanequeue.py)
+        from ..core.stepmodel import interval_memory
+        from .lanequeue import add_whole_departures, whole_departure_positions
+
+        picks = whole_departure_positions(interval_memory(base)[main_points], budget_bytes, n,
+                                          whole_departures)
+        queue_binaries = add_whole_departures(
+            lp, graph, saved, W, G, Qp, dep, arr, Freed, nbytes, dur, bw_d, hw.latency_s / tu,
+            budget_bytes / bu - unsaved_mem - ws, picks,
+            sure_ok=hw.duplex and not (hw.collectives_on_link and graph.collectives))
     # every copy is done within the step: each lane's work (the swapped tensors' copies with
     # their latency, and collectives that share the link) fits in the step's compute, stall and
     # rerun time, plus, with collectives, a final wait (the optimizer waits for the last one).
@@ -533,7 +551,8 @@ def lp_bound(graph: ActivationGraph, budget, hw: Hardware | str, *, integral: bo
     if integral:
         # the gap is on the whole step (ideal + the objective's extra time), not on the extra
         # time alone: HiGHS stops once the absolute gap is that fraction of the ideal step
-        res = lp.solve_integral(np.concatenate([K, W, R]), time_limit_s, gap, improving_solutions,
+        res = lp.solve_integral(np.concatenate([K, W, R, queue_binaries]), time_limit_s, gap,
+                                improving_solutions,
                                 abs_gap=gap * ideal / tu if gap_on_step else None,
                                 kill_after_s=kill_after_s, max_nodes=max_nodes)
         wall = time.perf_counter() - start_clock
