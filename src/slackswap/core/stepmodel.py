@@ -170,10 +170,21 @@ def trace_reruns(graph: ActivationGraph, codes: np.ndarray, recompute_at: np.nda
     forced = graph.rebuild_slot
     for t in np.flatnonzero((forced >= 0) & (recompute_at < 0) & (codes == RECOMPUTE)):
         scheduled.setdefault(int(forced[t]), []).append(int(t))
+    saved_by_op = graph.saved_by_op
+    if not scheduled and not (codes == RECOMPUTE).any():
+        # nothing reruns (keep and swap only: the budget's keep-all and all-offloaded plans):
+        # each saved tensor is first needed where its first backward reader runs
+        saved = graph.saved
+        first_need[saved] = 2 * n - 1 - graph.first_backward_use[saved]
+        swapped = (codes == SWAP).tolist()
+        for k in range(n, S):
+            here = [x for x in saved_by_op[S - 1 - k] if swapped[x]]
+            if here:
+                needs_at[k] = tuple(sorted(here))
+        return reruns, needs_at, first_need, materialized
     rerun_ops = graph.rerun_ops
     frontier = graph.rerun_frontier
     outputs = graph.op_outputs
-    saved_by_op = graph.saved_by_op
     # Python lists in the walk: it visits every backward position, and numpy's per-element
     # access costs more than the work itself
     code_of = codes.tolist()
