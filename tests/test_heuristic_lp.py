@@ -273,7 +273,7 @@ LATENCY_LINK = LINK.with_link(name="test-latency", latency_s=0.05)
 
 
 @pytest.mark.slow
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(graph_and_budget(), st.sampled_from([LINK, HALF_DUPLEX, LATENCY_LINK]),
        st.integers(0, 3))
 def test_no_plan_beats_the_whole_departures_bound(case, hw, more):
