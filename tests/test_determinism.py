@@ -30,6 +30,7 @@ def test_first_violation_names_the_broken_row():
     assert m.first_violation({a: 0}) == "incomplete"
 
 
+@pytest.mark.slow
 def test_interleaved_cpsat_survives_an_infeasible_complete_hint():
     """A skip graph with 0 / 1e-9 / 1e-6 s ops, whose complete hint the rounded model rejects:
     OR-Tools aborts the whole process when such a hint reaches an interleaved search, so the

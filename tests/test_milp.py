@@ -99,6 +99,7 @@ def test_exhaustive_search_never_beats_the_solver(case):
     assert retention(g, p) >= exhaustive_best(g, budget) - 1e-9
 
 
+@pytest.mark.slow
 def test_exhaustive_seven_tensors():
     # a chain with a skip: 7 saved tensors, 3^7 decision vectors
     ops = [op("A", 1.0, 2.0, ["x"], ["a"]), op("B", 0.2, 0.4, ["a"], ["b"]),

@@ -255,6 +255,7 @@ def test_a_profiled_graph_records_its_hardware_and_solve_uses_it():
     assert plan.hardware.name == "cpu" and plan.info.extra["hardware_from"] == "graph"
 
 
+@pytest.mark.slow
 def test_plans_for_a_profiled_cpu_graph_never_swap():
     """Profiled on CPU, the graph records the cpu preset: no host to swap to. At the budget where
     the emulated link swaps, the default plan keeps and recomputes only."""
