@@ -285,7 +285,16 @@ def test_no_plan_beats_the_whole_departures_bound(case, hw, more):
     if bound.status == "infeasible":
         return
     for solver, options in (("cpsat", {"gap": 0.0, "time_limit_s": 20.0}), ("heuristic", {})):
-        p = ss.solve(g, budget, hw, solver=solver, **options)
+        p = ss.solve(g, budget, hw, solver=solver, strict=False, **options)
         sim = ss.simulate(g, p, hw)
         if sim.fits:
+            assert ss.validate(g, p, hw).ok, solver
             assert sim.step_time_s >= bound.step_time_s * (1 - 1e-6), solver
+
+
+@pytest.mark.parametrize("bad, integral", [(1, False), (-1, True), (1.5, True), (True, True)])
+def test_whole_departures_refuses_what_it_cannot_honour(bad, integral):
+    g = graph([op("A", 1, 1, ["x"], ["a"]), op("B", 1, 1, ["x"], ["b"])],
+              [tensor("a", 100, ["A"]), tensor("b", 60)])
+    with pytest.raises(ValueError, match="whole_departures"):
+        ss.lp_bound(g, 130, LINK, integral=integral, whole_departures=bad)

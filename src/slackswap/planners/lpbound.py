@@ -346,6 +346,13 @@ def lp_bound(graph: ActivationGraph, budget, hw: Hardware | str, *, integral: bo
     the bound is the trivial one, the ideal step, and ``note`` says why). Never a wrong bound.
     """
     start_clock = time.perf_counter()
+    if isinstance(whole_departures, bool) or not isinstance(whole_departures, int | np.integer) \
+            or whole_departures < 0:
+        raise ValueError(f"lp_bound: whole_departures must be a whole number of positions >= 0, "
+                         f"got {whole_departures!r}")
+    if whole_departures and not integral:
+        # its rows need integral decisions and binaries: without them it would be ignored
+        raise ValueError("lp_bound: whole_departures needs integral=True (its rows are binaries)")
     hw = hardware(hw)
     budget_bytes = parse_budget(budget, graph, hw)
     if integral and time_limit_s is None:
