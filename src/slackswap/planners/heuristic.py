@@ -202,13 +202,29 @@ def heuristic_codes(graph: ActivationGraph, hw: Hardware, budget: int,
                 moved = True
         if not moved:
             break
+    if fit_to_budget(graph, hw, budget, codes, mask, stats):
+        return codes, stats
+    stats["fallback"] = "swap-all" if mask is None else "most offloaded allowed"
+    return most_offloaded(graph, mask), stats
+
+
+def fit_to_budget(graph: ActivationGraph, hw: Hardware, budget: int, codes: np.ndarray,
+                  mask: np.ndarray | None = None, stats: dict | None = None) -> bool:
+    """Repair (step 5), in place: where the plan expanded with the step model's rules still tops
+    the budget, resident tensors there are offloaded (rebuilt, where nothing may be swapped),
+    largest first. Whether it fits at the end."""
+    stats = {} if stats is None else stats
+    may_swap = graph.is_saved if mask is None else mask[:, SWAP]
+    may_recompute = graph.can_recompute if mask is None else mask[:, RECOMPUTE]
+    nbytes = graph.tensor_bytes
+    members = graph.group_of
     for _ in range(50):
         exp = expand(graph, codes, None, hw, budget_bytes=budget)
         mem = exp.memory()
         over_points = np.flatnonzero(mem > budget)
         if over_points.size == 0:
-            return codes, stats
-        stats["repairs"] += 1
+            return True
+        stats["repairs"] = stats.get("repairs", 0) + 1
         p = int(over_points[np.argmax(mem[over_points])])
         live = exp.iv_tensor[(exp.iv_start <= p) & (exp.iv_end >= p)]
         live = np.unique(live[graph.is_saved[live] & (codes[live] != SWAP)])
@@ -225,7 +241,7 @@ def heuristic_codes(graph: ActivationGraph, hw: Hardware, budget: int,
             for t in kept:
                 for m in members(t):
                     codes[m] = RECOMPUTE
-                stats["recomputed"] += 1
+                stats["recomputed"] = stats.get("recomputed", 0) + 1
                 excess -= nbytes[t]
                 if excess <= 0:
                     break
@@ -238,8 +254,7 @@ def heuristic_codes(graph: ActivationGraph, hw: Hardware, budget: int,
             excess -= nbytes[t]
             if excess <= 0:
                 break
-    stats["fallback"] = "swap-all" if mask is None else "most offloaded allowed"
-    return most_offloaded(graph, mask), stats
+    return False
 
 
 def step_lower_bound(graph: ActivationGraph, hw: Hardware, codes: np.ndarray) -> float:

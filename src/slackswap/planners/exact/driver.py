@@ -86,6 +86,9 @@ CHILD_START_S = 0.7
 # positions per evaluation, about 11 ms each)
 SEARCH_POSITIONS_PER_S = 100_000
 WHOLE_MODEL_BINARIES = 2500
+# a large graph of repeated blocks: its coarse copy's solve gets this share of the time limit
+# (warmstart.coarse_start; a 640-layer GPT-style step at 120 s: 36 s for 64 layers)
+COARSE_SHARE = 0.3
 # status "optimal": proven within 1% of the plan's overhead, or 1e-5 of its step (core/plan.py)
 
 
@@ -176,7 +179,11 @@ class ExactBackend:
                               relax_solutions=work.relax_solutions, search_work=work.search_work,
                               deadline=deadline, relax_cap_s=work.relax_cap_s,
                               search_cap_s=work.search_cap_s, lp=lp,
-                              deterministic=deterministic, heuristic=heuristic)
+                              deterministic=deterministic, heuristic=heuristic,
+                              solve_coarse=lambda coarse, limit_s: self.solve(
+                                  coarse, time_limit_s=limit_s, seed=seed, workers=workers,
+                                  deterministic=deterministic).codes,
+                              coarse_limit_s=COARSE_SHARE * limit)
         heuristic_time = ws.heuristic_sim.step_time_s if ws.heuristic_sim.fits else float("inf")
         warm_time = ws.step_time_s
         bounds = [b for b in (lp_s, ws.bound_s) if b is not None]

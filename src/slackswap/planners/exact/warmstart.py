@@ -13,6 +13,7 @@ formulations/milp.md, "Solving", steps 1-2.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -111,6 +112,19 @@ HEURISTIC_MAIN_POLISH_S = 0.4
 HEURISTIC_BUNDLE_S_PER_SLOT = 1e-4
 
 
+# the coarse start (coarse_start): graphs of fewer ops are searched whole; its coarse graph has
+# about COARSE_OPS_PER_S ops per second of its limit (a 64-layer GPT-style step, 643 ops, gets its
+# plan in 30 s on the reference machine), at most COARSE_MAX_OPS, at least COARSE_MIN_BLOCKS blocks
+# and at most 1 / COARSE_RATIO of the original's
+COARSE_MIN_OPS = 1500
+COARSE_OPS_PER_S = 20
+COARSE_MAX_OPS = 650
+COARSE_MIN_BLOCKS = 4
+COARSE_RATIO = 4
+COARSE_MIN_S = 5.0
+NOT_RELAXATIONS = ("heuristic", "rounded LP", "coarse plan")
+
+
 def heuristic_start(problem: Problem, deadline: float | None = None
                     ) -> tuple[np.ndarray, SimResult]:
     """The heuristic's plan as solve(solver="heuristic") makes it (its polish bounded by work,
@@ -129,11 +143,63 @@ def heuristic_start(problem: Problem, deadline: float | None = None
     return codes, simulate_decisions(g, codes, hw, budget)
 
 
+def coarse_start(problem: Problem, solve_coarse: Callable[[Problem, float], np.ndarray],
+                 limit_s: float, notes: dict[str, Any]) -> np.ndarray | None:
+    """A large graph of repeated blocks (repeats.py): the plan of the same step with fewer
+    blocks, solved by ``solve_coarse`` within ``limit_s``, stretched back and repaired to the
+    budget; None where the graph is small or has no long repeat (formulations/milp.md, "Repeated
+    blocks")."""
+    from ...core.budget import keep_all_peak
+    from ...core.restrict import first_forbidden
+    from ..heuristic import fit_to_budget
+    from ..repeats import coarsen, consistent, find_repeats
+
+    g, hw, budget = problem.graph, problem.hardware, problem.budget_bytes
+    if g.n_ops < COARSE_MIN_OPS:
+        return None
+    began = time.perf_counter()
+    repeats = find_repeats(g)
+    if repeats is None:
+        notes["coarse"] = {"status": "no repeated blocks"}
+        return None
+    blocks = int(min(COARSE_OPS_PER_S * limit_s, COARSE_MAX_OPS)) // repeats.period
+    if blocks < COARSE_MIN_BLOCKS or COARSE_RATIO * blocks > repeats.count:
+        notes["coarse"] = {"status": "too few blocks", "blocks": repeats.count}
+        return None
+    coarse = coarsen(g, repeats, blocks)
+    if coarse is None:
+        notes["coarse"] = {"status": "a reference could not be carried over"}
+        return None
+    cg = coarse.graph
+    if cg.n_ops > 2 * COARSE_MAX_OPS:  # the repeats are a small part of the graph
+        notes["coarse"] = {"status": "coarse graph too large", "ops": cg.n_ops}
+        return None
+    # memory scales with the blocks kept: the coarse budget is the same share of its keep-all peak
+    coarse_budget = int(budget * keep_all_peak(cg, hw) // keep_all_peak(g, hw))
+    mask = None
+    if problem.mask is not None:
+        index = g.tensor_index
+        mask = problem.mask[[index[t.name] for t in cg.tensors]]
+    coarse_codes = solve_coarse(Problem(cg, hw, coarse_budget, mask), limit_s)
+    codes = consistent(g, coarse.stretch(coarse_codes), problem.mask)
+    fits = fit_to_budget(g, hw, budget, codes, problem.mask)
+    note = {"blocks": blocks, "of": repeats.count, "period": repeats.period,
+            "coarse_budget": coarse_budget, "fits": fits, "wall_s": time.perf_counter() - began}
+    notes["coarse"] = note
+    if not fits or first_forbidden(g, codes, problem.mask) is not None:
+        note["status"] = "not used"
+        return None
+    note["status"] = "used"
+    return codes
+
+
 def warm_start(problem: Problem, polish: bool = True, bound_s: float | None = None,
                gap: float = OVERHEAD_TARGET, relax_solutions: int | None = None, search_work: int | None = None,
                deadline: float | None = None, relax_cap_s: float = RELAXATION_CAP_S,
                search_cap_s: float | None = None, lp=None, deterministic: bool = False,
-               heuristic: tuple[np.ndarray, SimResult] | None = None) -> WarmStart:
+               heuristic: tuple[np.ndarray, SimResult] | None = None,
+               solve_coarse: Callable[[Problem, float], np.ndarray] | None = None,
+               coarse_limit_s: float = 0.0) -> WarmStart:
     """The heuristic's plan, improved (``polish``) by local search from the decisions of the
     integral relaxation, of its looser form, of it with 2% slower lanes, and of the heuristic,
     whichever simulates fastest. Each further start is tried only while the plan is not yet
@@ -141,7 +207,9 @@ def warm_start(problem: Problem, polish: bool = True, bound_s: float | None = No
 
     Work, not time, limits each phase (the same plan on any machine): each relaxation stops once
     proven within RELAXATION_GAP of the step (or after ``relax_solutions`` improving solutions),
-    the local searches after ``search_work`` simulated positions in all. ``deadline`` (a ``time.perf_counter()`` value) is only a cap: what would
+    the local searches after ``search_work`` simulated positions in all. A large graph of
+    repeated blocks starts from the plan of a coarse copy (``solve_coarse``, within
+    ``coarse_limit_s``; coarse_start) first. ``deadline`` (a ``time.perf_counter()`` value) is only a cap: what would
     start after it is skipped."""
     from ..heuristic import SlackSwapHeuristic
     from ..lpbound import lp_bound
@@ -209,7 +277,14 @@ def warm_start(problem: Problem, polish: bool = True, bound_s: float | None = No
             return None
         return _integral_codes(problem, lp)
 
-    starts = (("integral LP", lambda: relaxed_codes("integral_lp")),
+    def coarse_codes() -> np.ndarray | None:
+        limit = min(coarse_limit_s, 0.6 * left())
+        if solve_coarse is None or limit < COARSE_MIN_S:
+            return None
+        return coarse_start(problem, solve_coarse, limit, notes)
+
+    starts = (("coarse plan", coarse_codes),
+              ("integral LP", lambda: relaxed_codes("integral_lp")),
               ("looser integral LP", lambda: relaxed_codes("integral_lp_loose", tight=False)),
               ("integral LP with lane headroom",
                lambda: relaxed_codes("integral_lp_headroom", lanes=LANE_HEADROOM)),
@@ -217,7 +292,8 @@ def warm_start(problem: Problem, polish: bool = True, bound_s: float | None = No
     if deterministic:
         # no clock-capped phase: the LP bound's fractions, rounded, replace the integral
         # relaxations (HiGHS measures no work in their root node)
-        starts = (("rounded LP", rounded_lp), ("heuristic", lambda: h_codes))
+        starts = (("coarse plan", coarse_codes), ("rounded LP", rounded_lp),
+                  ("heuristic", lambda: h_codes))
     relaxations_fail = False
     for label, make in starts:
         if (work_left is not None and work_left <= 0) or proven():
@@ -225,16 +301,18 @@ def warm_start(problem: Problem, polish: bool = True, bound_s: float | None = No
         if left() <= 0.2 or (search_cap_s is not None and searched >= search_cap_s):
             notes[f"skipped_from_{label.replace(' ', '_')}"] = {"clock_stopped": True}
             break
-        if relaxations_fail and label not in ("heuristic", "rounded LP"):
+        if relaxations_fail and label not in NOT_RELAXATIONS:
             continue  # one relaxation found no integral point in its time: the others would not
         codes = make()
         if codes is None:
-            relaxations_fail = label not in ("heuristic", "rounded LP")
+            relaxations_fail = label not in NOT_RELAXATIONS
             continue
         if proven():
             continue
         cap = left() if search_cap_s is None else min(left(), search_cap_s - searched)
-        result = improve(g, hw, budget, codes, time_limit_s=max(0.0, cap), max_work=work_left,
+        # the coarse plan's search gets half the work: the relaxations' starts may still do better
+        work = work_left if work_left is None or label != "coarse plan" else work_left // 2
+        result = improve(g, hw, budget, codes, time_limit_s=max(0.0, cap), max_work=work,
                          mask=problem.mask)
         searched += result.wall_s
         if work_left is not None:
