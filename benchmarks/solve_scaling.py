@@ -141,6 +141,13 @@ def _goals_640_layers(hw, budget: float) -> int:
     gap = plan.info.overhead_gap
     print(f"  exact, 120 s limit: {wall:.1f} s, {plan.info.status}, overhead gap "
           f"{'-' if gap is None else f'{100 * gap:.1f}%'} (goal < 5%)", flush=True)
+    extra = plan.info.extra
+    coarse = extra.get("coarse", {})
+    overhead = plan.info.predicted_step_time_s / g.ideal_step_time_s - 1
+    print(f"    overhead {100 * overhead:.2f}% of the ideal step; warm start: "
+          f"{extra.get('warm_start', '-')}; coarse start: {coarse.get('status', '-')}"
+          + (f" ({coarse['blocks']} of {coarse['of']} repeated blocks, "
+             f"{coarse['wall_s']:.1f} s)" if "blocks" in coarse else ""), flush=True)
     return 0
 
 

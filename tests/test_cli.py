@@ -46,6 +46,7 @@ def test_solve_simulate_plot(graph_file, tmp_path, capsys):
         assert (tmp_path / f"fig{suffix}").stat().st_size > 1000
 
 
+@pytest.mark.slow
 def test_compare(graph_file, capsys):
     assert main(["compare", str(graph_file), "--budget", "0.9", "--solvers", "heuristic,cpsat,keep-all"]) == 0
     out = capsys.readouterr().out

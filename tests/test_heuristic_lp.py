@@ -215,7 +215,7 @@ def test_the_heuristics_lower_bound_is_never_above_a_simulated_step():
     assert checked == 80
 
 
-@pytest.mark.parametrize("solver", ["piqp", "ipx"])
+@pytest.mark.parametrize("solver", [pytest.param("piqp", marks=pytest.mark.slow), "ipx"])
 @settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(case=graph_and_budget())
 def test_the_interior_point_bound_is_the_simplex_bound_lowered(solver, case):

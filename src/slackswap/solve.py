@@ -16,10 +16,12 @@ from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any
 
+import numpy as np
+
 from .check.simulate import SimResult, run_timeline, simulate
 from .check.validate import validate
 from .core.budget import min_budget, parse_budget
-from .core.complete import close_expanded
+from .core.complete import close_expanded, close_from
 from .core.errors import InfeasibleBudget, PlanError
 from .core.graph import ActivationGraph
 from .core.hardware import Hardware
@@ -119,8 +121,18 @@ def solve(graph: ActivationGraph, budget: float | int | str, hardware: Hardware 
                             "memory); use a solver that keeps or recomputes")
         raise PlanError(f"solve: solver {solver!r} does not honour allowed={parse_allowed(allowed)} "
                         f"and pins ({forbidden}); use heuristic, cpsat, cbc or highs")
-    plan, expansion = close_expanded(graph, solution.codes, solution.schedule, hw, budget_bytes,
-                                     solution.info)
+    simulated = solution.simulation
+    if solution.schedule is None and simulated is not None \
+            and simulated.budget_bytes == budget_bytes \
+            and np.array_equal(simulated.expansion.codes, solution.codes):
+        # the planner's own simulation of these decisions with the default schedule: its
+        # expansion is the closed plan's (no second expansion of the step)
+        expansion = simulated.expansion
+        plan = close_from(graph, expansion, hw, budget_bytes, solution.info)
+    else:
+        simulated = None
+        plan, expansion = close_expanded(graph, solution.codes, solution.schedule, hw,
+                                         budget_bytes, solution.info)
     if mask is not None:
         plan = replace(plan, extra={**plan.extra, "allowed": list(parse_allowed(allowed)),
                                     "pins": dict(pins or {})})
@@ -131,7 +143,7 @@ def solve(graph: ActivationGraph, budget: float | int | str, hardware: Hardware 
         plan = plan.with_info(wall_s=time.perf_counter() - start)
     # the closed plan's own expansion (expanding its complete schedule again gives the same
     # step); the checker below walks the plan independently and refuses a wrong step time
-    sim = run_timeline(graph, expansion, hw, budget_bytes)
+    sim = run_timeline(graph, expansion, hw, budget_bytes) if simulated is None else simulated
     if implied:
         plan = plan.with_info(allowed_from="hardware")
     plan = plan.with_info(predicted_step_time_s=sim.step_time_s, hardware_from=hardware_from,

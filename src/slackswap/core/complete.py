@@ -44,10 +44,15 @@ def close_expanded(graph: ActivationGraph, codes: np.ndarray, schedule: Schedule
     """``close``, with the step model's expansion of the closed plan (the simulator can run it
     without expanding the step again: on a 50,000-op graph an expansion takes half a second)."""
     exp = expand(graph, codes, schedule, hw, budget_bytes=budget_bytes)
-    plan = Plan(graph_name=graph.name, graph_digest=graph.digest, budget_bytes=int(budget_bytes),
-                decisions=codes_to_decisions(graph, codes), schedule=exp.schedule(graph),
+    return close_from(graph, exp, hw, budget_bytes, info), exp
+
+
+def close_from(graph: ActivationGraph, exp: Expansion, hw: Hardware, budget_bytes: int,
+               info: SolveInfo) -> Plan:
+    """The closed plan of an expansion: its decisions and every position it holds."""
+    return Plan(graph_name=graph.name, graph_digest=graph.digest, budget_bytes=int(budget_bytes),
+                decisions=codes_to_decisions(graph, exp.codes), schedule=exp.schedule(graph),
                 info=info, hardware=hw, extra={"tensor_bytes": tensor_bytes(graph)})
-    return plan, exp
 
 
 def tensor_bytes(graph: ActivationGraph) -> dict[str, int]:

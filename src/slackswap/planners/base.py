@@ -38,11 +38,16 @@ class Problem:
 @dataclass(frozen=True)
 class Solution:
     """Decision codes per tensor (core.plan.Decision), the positions the planner chose (None or
-    partial: solve() closes the plan with the step model's defaults), and how it fared."""
+    partial: solve() closes the plan with the step model's defaults), and how it fared.
+    ``simulation``: where the planner simulated these decisions with the default schedule at the
+    problem's budget (``simulate_decisions``), that result: solve() closes the plan from its
+    expansion rather than expanding the step again (the checker still walks the closed plan on
+    its own)."""
 
     codes: np.ndarray
     schedule: Schedule | None
     info: SolveInfo
+    simulation: Any = None  # check.simulate.SimResult
 
 
 @runtime_checkable

@@ -271,12 +271,13 @@ def step_lower_bound(graph: ActivationGraph, hw: Hardware, codes: np.ndarray) ->
     return max(ideal + float(graph.forward_s[sorted(rerun)].sum()) if rerun else ideal, d2h, h2d)
 
 
-def _best_of(graph: ActivationGraph, hw: Hardware, budget: int, candidates) -> np.ndarray:
-    """The candidate plan with the shortest simulated step that fits; a candidate whose lower
-    bound (step_lower_bound) cannot beat the best so far is not simulated."""
+def _best_of(graph: ActivationGraph, hw: Hardware, budget: int, candidates):
+    """The candidate plan with the shortest simulated step that fits, and its simulation (None
+    if no candidate fits: the first is returned); a candidate whose lower bound
+    (step_lower_bound) cannot beat the best so far is not simulated."""
     from ..check.simulate import run_timeline
 
-    best, best_time = None, np.inf
+    best, best_time, best_sim = None, np.inf, None
     for codes in candidates:
         if best is not None and step_lower_bound(graph, hw, codes) >= best_time:
             continue
@@ -285,8 +286,8 @@ def _best_of(graph: ActivationGraph, hw: Hardware, budget: int, candidates) -> n
             continue  # no copy to wait on: its memory is its expansion's, and it does not fit
         sim = run_timeline(graph, exp, hw, budget)
         if sim.fits and sim.step_time_s < best_time:
-            best, best_time = codes, sim.step_time_s
-    return best if best is not None else candidates[0]
+            best, best_time, best_sim = codes, sim.step_time_s, sim
+    return (best, best_sim) if best is not None else (candidates[0], None)
 
 
 # the bundled variant is tried up to this many positions: on a 50,000-op graph it would cost
@@ -324,7 +325,7 @@ class SlackSwapHeuristic:
             # 4-layer GPT at 20%: 1.3 ms of overhead, not 7.3), worse on others; the faster wins
             variants.append(heuristic_codes(g, hw, budget, mask=problem.mask,
                                             bundle_reruns=True)[0])
-        chosen = _best_of(g, hw, budget, [*variants, *baselines])
+        chosen, simulation = _best_of(g, hw, budget, [*variants, *baselines])
         if chosen is variants[-1] and len(variants) > 1:
             stats["bundled_reruns"] = True
         elif chosen is not codes:
@@ -343,7 +344,7 @@ class SlackSwapHeuristic:
                 result = improve(g, hw, budget, codes, time_limit_s=float("inf"),
                                  max_work=evaluations * g.n_slots, mask=problem.mask)
                 stats["polish_moves"] = result.moves
-                codes = result.codes
+                codes, simulation = result.codes, result.sim
         wall = time.perf_counter() - start
         return Solution(codes, None, SolveInfo(solver=self.name, status="heuristic", wall_s=wall,
-                                               extra=stats))
+                                               extra=stats), simulation=simulation)

@@ -219,7 +219,7 @@ class ExactBackend:
                              objective=warm_time, bound=min(bound_s, warm_time), gap=gap,
                              wall_s=time.perf_counter() - start, predicted_step_time_s=warm_time,
                              extra={"strategy": "warm start proven by the bound", **base_extra})
-            return Solution(ws.codes, None, info)
+            return Solution(ws.codes, None, info, simulation=ws.sim)
         if hw.collectives_on_link and g.collectives and not hw.duplex and np.isfinite(warm_time):
             return self._fallback(ws, bound_s, warm_time, "feasible", start, {
                 **base_extra, "reason": "the MILP does not model collectives on a half-duplex "
@@ -357,4 +357,4 @@ class ExactBackend:
         info = SolveInfo(solver=self.name, status=final, objective=warm_time, bound=bound_s,
                          gap=gap, wall_s=time.perf_counter() - start,
                          predicted_step_time_s=warm_time, extra=extra)
-        return Solution(ws.codes, None, info)
+        return Solution(ws.codes, None, info, simulation=ws.sim)
