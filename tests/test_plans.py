@@ -112,3 +112,40 @@ def test_solve_predicts_what_simulating_the_closed_plan_gives(g, fraction, hw):
     sim = ss.simulate(g, again)
     assert sim.step_time_s == plan.info.predicted_step_time_s
     assert sim.fits == ss.validate(g, again).ok
+
+
+class _StaleSimulation:
+    """A planner whose Solution carries the simulation of other decisions than its own (every
+    tensor offloaded) or of another budget: solve() must close the plan from the decisions."""
+
+    name = "stale-simulation"
+    options: frozenset[str] = frozenset({"other_budget"})
+
+    def is_available(self) -> bool:
+        return True
+
+    def solve(self, problem, time_limit_s=None, other_budget=False):
+        from slackswap.check.simulate import simulate_decisions
+        from slackswap.core.plan import SolveInfo
+        from slackswap.planners.base import Solution
+        from slackswap.planners.baselines import keep_all_codes, swap_all_codes
+
+        g, hw = problem.graph, problem.hardware
+        codes = keep_all_codes(g)
+        if other_budget:
+            sim = simulate_decisions(g, codes, hw, problem.budget_bytes // 2)
+        else:
+            sim = simulate_decisions(g, swap_all_codes(g), hw, problem.budget_bytes)
+        return Solution(codes, None, SolveInfo(solver=self.name, status="heuristic"),
+                        simulation=sim)
+
+
+@pytest.mark.parametrize("other_budget", [False, True])
+def test_a_simulation_of_other_decisions_is_not_the_plans(other_budget):
+    ss.register_solver("stale-simulation", f"{__name__}:_StaleSimulation")
+    g = seeded_graph(3)
+    plan = ss.solve(g, 1.0, LINK, solver="stale-simulation", other_budget=other_budget)
+    assert set(plan.decisions.values()) == {"keep"}
+    sim = ss.simulate(g, plan)
+    assert plan.info.predicted_step_time_s == sim.step_time_s == g.ideal_step_time_s
+    assert ss.validate(g, plan).ok

@@ -17,7 +17,10 @@
    which fits any budget that can be met.
 6. Polish: steps 3-5 once more with tensors rebuilt by the same reruns priced as one bundle
    (the faster plan is kept), then a short local search (planners/local_search.py), bounded by
-   work, fixes the few tensors the aggregate rules misjudge; ``polish=False`` leaves both out
+   work, fixes the few tensors the aggregate rules misjudge (where no candidate fits, it starts
+   from the rules' plan if that is less over the budget than the fallback, with four times the
+   work: a recompute-only budget where rebuilding everything rematerializes everything at once);
+   ``polish=False`` leaves both out
    (the published scheme); ``bundle_reruns=True`` asks for the bundled candidate alone.
 See formulations/heuristic.md for what it does not see.
 """
@@ -91,11 +94,14 @@ def most_offloaded(graph: ActivationGraph, mask: np.ndarray | None) -> np.ndarra
 
 def heuristic_codes(graph: ActivationGraph, hw: Hardware, budget: int,
                     allow_chains: bool = True, mask: np.ndarray | None = None,
-                    bundle_reruns: bool = False) -> tuple[np.ndarray, dict]:
+                    bundle_reruns: bool = False, unfit: list | None = None
+                    ) -> tuple[np.ndarray, dict]:
     """The heuristic's decisions and a few counters describing how it got there. ``mask``:
     the decisions each tensor may take (core/restrict.py); None: all. ``bundle_reruns``: tensors
     rebuilt by the same reruns are priced and recomputed together (one cost for q, k and v of
-    one projection, not three), where the published rule prices each tensor alone."""
+    one projection, not three), where the published rule prices each tensor alone. ``unfit``:
+    where the rules end over the budget and the fallback is returned, their own plan is
+    appended to it (the polish searches from it: closer to a fit than the fallback)."""
     saved = graph.saved
     nbytes = graph.tensor_bytes
     cost = rebuild_cost(graph)
@@ -205,6 +211,8 @@ def heuristic_codes(graph: ActivationGraph, hw: Hardware, budget: int,
     if fit_to_budget(graph, hw, budget, codes, mask, stats):
         return codes, stats
     stats["fallback"] = "swap-all" if mask is None else "most offloaded allowed"
+    if unfit is not None:
+        unfit.append(codes)
     return most_offloaded(graph, mask), stats
 
 
@@ -295,6 +303,7 @@ def _best_of(graph: ActivationGraph, hw: Hardware, budget: int, candidates):
 BUNDLED_UP_TO_SLOTS = 20_000
 POLISH_EVALUATIONS_PER_TENSOR = 4
 POLISH_POSITIONS = 20_000  # about 0.2 s of simulation on the reference machine
+UNFIT_POLISH_FACTOR = 4  # the polish's work when no candidate fits (else no plan at all)
 
 
 class SlackSwapHeuristic:
@@ -310,7 +319,8 @@ class SlackSwapHeuristic:
 
         start = time.perf_counter()
         g, hw, budget = problem.graph, problem.hardware, problem.budget_bytes
-        codes, stats = heuristic_codes(g, hw, budget, mask=problem.mask)
+        unfit: list[np.ndarray] = []
+        codes, stats = heuristic_codes(g, hw, budget, mask=problem.mask, unfit=unfit)
         # never worse than a baseline that fits (cheap insurance on unusual graphs)
         baselines = [keep_all_codes(g), recompute_all_codes(g), swap_all_codes(g)]
         if problem.mask is not None:
@@ -336,12 +346,24 @@ class SlackSwapHeuristic:
             # rerun whose transient tops the budget): a short descent, one tensor at a time,
             # judged by the simulator, bounded by work (POLISH_EVALUATIONS plans, at most
             # POLISH_POSITIONS simulated positions), so the heuristic stays fast on large graphs
+            from ..check.simulate import simulate_decisions
             from .local_search import improve
 
             evaluations = min(POLISH_EVALUATIONS_PER_TENSOR * len(g.saved) + 8,
                               POLISH_POSITIONS // max(1, g.n_slots))
+            start_codes = codes
+            if simulation is None and unfit and evaluations >= 4:
+                # nothing fits (a recompute-only budget where recomputing everything rebuilds
+                # everything at once): the search starts from whichever plan is less over the
+                # budget, the rules' own or the fallback, with more work, since the alternative
+                # is no plan at all
+                over = [simulate_decisions(g, c, hw, budget).peak_bytes for c in (unfit[0], codes)]
+                if over[0] < over[1]:
+                    start_codes = unfit[0]
+                    stats["polish_from"] = "the rules' plan over the budget"
+                evaluations *= UNFIT_POLISH_FACTOR
             if evaluations >= 4:  # fewer: too large a graph to try a move in the work allowed
-                result = improve(g, hw, budget, codes, time_limit_s=float("inf"),
+                result = improve(g, hw, budget, start_codes, time_limit_s=float("inf"),
                                  max_work=evaluations * g.n_slots, mask=problem.mask)
                 stats["polish_moves"] = result.moves
                 codes, simulation = result.codes, result.sim

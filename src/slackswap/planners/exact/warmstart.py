@@ -5,13 +5,16 @@ The SlackSwap heuristic is fast but greedy. The LP relaxation with integral deci
 capacity at once, but in aggregate: its plan may wait on a D2H backlog or top the budget where a
 whole tensor, not a fraction of one, is still on the device. The local search (local_search.py)
 repairs that with the step model's exact rules. A second relaxation with 2% slower copy lanes gives
-decisions with headroom for that, a second start. The best plan is the MILP's hint and the floor
+decisions with headroom for that, a second start. On a large graph of repeated
+blocks, where none of that gets far, the plan of a coarse copy with fewer blocks, stretched back,
+comes first (coarse_start, repeats.py). The best plan is the MILP's hint and the floor
 of what the exact planner returns; the integral relaxation's bound tightens the proof.
 formulations/milp.md, "Solving", steps 1-2.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -23,6 +26,8 @@ from ...check.simulate import SimResult, simulate_decisions
 from ...core.plan import KEEP, OVERHEAD_TARGET, RECOMPUTE, SWAP, proof_tolerance_s
 from ..base import Problem
 from ..local_search import improve
+
+log = logging.getLogger("slackswap")
 
 
 @dataclass
@@ -180,7 +185,12 @@ def coarse_start(problem: Problem, solve_coarse: Callable[[Problem, float], np.n
     if problem.mask is not None:
         index = g.tensor_index
         mask = problem.mask[[index[t.name] for t in cg.tensors]]
-    coarse_codes = solve_coarse(Problem(cg, hw, coarse_budget, mask), limit_s)
+    try:
+        coarse_codes = solve_coarse(Problem(cg, hw, coarse_budget, mask), limit_s)
+    except ValueError as exc:  # the coarse start is optional: the original is still planned
+        log.warning("coarse start for graph %r failed: %s", g.name, exc)
+        notes["coarse"] = {"status": f"failed: {exc}"}
+        return None
     codes = consistent(g, coarse.stretch(coarse_codes), problem.mask)
     fits = fit_to_budget(g, hw, budget, codes, problem.mask)
     note = {"blocks": blocks, "of": repeats.count, "period": repeats.period,
