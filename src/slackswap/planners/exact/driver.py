@@ -128,7 +128,7 @@ class ExactBackend:
 
     name = "exact"
     honours_restrictions = True  # Problem.mask: fixed in the MILP, the bound and every start
-    options = frozenset({"seed", "workers", "warm_start", "full", "strategy", "polish", "gap",
+    options = frozenset({"seed", "workers", "warm_start", "full", "strategy", "polish", "gap", "coarse",
                          "log", "linearization_level", "deterministic"})
 
     def is_available(self) -> bool:
@@ -141,7 +141,7 @@ class ExactBackend:
     def solve(self, problem: Problem, time_limit_s: float | None = None, seed: int = 0,
               workers: int = 2, warm_start: bool = True, full: bool | None = None,
               strategy: str = "auto", polish: bool = True, deterministic: bool = False,
-              **options: Any) -> Solution:
+              coarse: bool = True, **options: Any) -> Solution:
         from ..lpbound import lp_bound
         from .decode import decode
         from .warmstart import heuristic_start
@@ -180,8 +180,8 @@ class ExactBackend:
                               deadline=deadline, relax_cap_s=work.relax_cap_s,
                               search_cap_s=work.search_cap_s, lp=lp,
                               deterministic=deterministic, heuristic=heuristic,
-                              solve_coarse=lambda coarse, limit_s: self.solve(
-                                  coarse, time_limit_s=limit_s, seed=seed, workers=workers,
+                              solve_coarse=None if not coarse else lambda small, limit_s: self.solve(
+                                  small, time_limit_s=limit_s, seed=seed, workers=workers,
                                   deterministic=deterministic).codes,
                               coarse_limit_s=COARSE_SHARE * limit)
         heuristic_time = ws.heuristic_sim.step_time_s if ws.heuristic_sim.fits else float("inf")
