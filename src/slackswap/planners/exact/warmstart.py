@@ -167,9 +167,10 @@ def coarse_start(problem: Problem, solve_coarse: Callable[[Problem, float], np.n
     if repeats is None:
         notes["coarse"] = {"status": "no repeated blocks"}
         return None
-    blocks = int(min(COARSE_OPS_PER_S * limit_s, COARSE_MAX_OPS)) // repeats.period
-    if blocks < COARSE_MIN_BLOCKS or COARSE_RATIO * blocks > repeats.count:
-        notes["coarse"] = {"status": "too few blocks", "blocks": repeats.count}
+    blocks = min(int(min(COARSE_OPS_PER_S * limit_s, COARSE_MAX_OPS)) // repeats.period,
+                 repeats.count // COARSE_RATIO)
+    if blocks < COARSE_MIN_BLOCKS:
+        notes["coarse"] = {"status": "too few repeated blocks", "of": repeats.count}
         return None
     coarse = coarsen(g, repeats, blocks)
     if coarse is None:
