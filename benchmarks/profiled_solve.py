@@ -97,7 +97,11 @@ def main() -> int:
                            overhead_pct=100 * (step / ideal - 1),
                            heuristic_overhead_pct=None if heuristic is None else 100 * (
                                heuristic.info.predicted_step_time_s / ideal - 1),
-                           clock_stopped=first.info.extra.get("clock_stopped"))
+                           # the phases the clock stopped in either solve (the second's
+                           # marked): a plan that differs between the two solves is one of them
+                           clock_stopped=list(first.info.extra.get("clock_stopped") or [])
+                           + [f"{name} (2nd)" for name in
+                              second.info.extra.get("clock_stopped") or []])
                 rows.append(row)
                 gap = "-" if row["overhead_gap"] is None else f"{100 * row['overhead_gap']:.1f}%"
                 say(f"{kind:<6} {layers:>2} {graph.n_ops:>5} {budget:>6.0%} {walls[0]:>6.1f}s "
