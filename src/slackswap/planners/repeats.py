@@ -10,9 +10,11 @@ start: it is repaired to the budget with the step model's rules and simulated li
 
 Blocks are found from the graph alone: two ops match when their tensor sizes, flags and every
 reference (inputs, saved_for, alive_until, rebuilt_before, RNG group mates, collectives), taken
-relative to the op's own position inside the repeated run and by index outside it, are equal. Which decisions a tensor may take (pins, ``allowed=``) is not compared:
-the coarse graph takes the rows of its own tensors, and a stretched decision a tensor may not
-take is replaced (``consistent``). A graph with no long periodic run gets no coarse start.
+relative to the op's own position inside the repeated run and by index outside it, are equal.
+Which decisions a tensor may take (pins, ``allowed=``) is not compared: the coarse graph takes
+the rows of its own tensors, and a stretched decision a tensor may not take is replaced
+(``consistent``; a saved tensor whose coarse copy is not saved gets one the same way). A graph
+with no long periodic run gets no coarse start.
 """
 
 from __future__ import annotations
