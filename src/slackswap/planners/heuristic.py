@@ -18,8 +18,9 @@
 6. Polish: steps 3-5 once more with tensors rebuilt by the same reruns priced as one bundle
    (the faster plan is kept), then a short local search (planners/local_search.py), bounded by
    work, fixes the few tensors the aggregate rules misjudge (where no candidate fits, it starts
-   from the rules' plan if that is less over the budget than the fallback, with four times the
-   work: a recompute-only budget where rebuilding everything rematerializes everything at once);
+   from the rules' plan if that is less over the budget than the fallback, with 32 times the
+   work, ``unfit_polish=False``: without: a recompute-only budget where rebuilding everything
+   rematerializes everything at once);
    ``polish=False`` leaves both out
    (the published scheme); ``bundle_reruns=True`` asks for the bundled candidate alone.
 See formulations/heuristic.md for what it does not see.
@@ -303,12 +304,15 @@ def _best_of(graph: ActivationGraph, hw: Hardware, budget: int, candidates):
 BUNDLED_UP_TO_SLOTS = 20_000
 POLISH_EVALUATIONS_PER_TENSOR = 4
 POLISH_POSITIONS = 20_000  # about 0.2 s of simulation on the reference machine
-UNFIT_POLISH_FACTOR = 4  # the polish's work when no candidate fits (else no plan at all)
+# the polish's work, in multiples, when no candidate fits (the alternative is no plan at all):
+# at most 640,000 simulated positions, about 6 s on the reference machine; HF GPT-2 of 6 layers
+# and BERT of 12 profiled on the CPU at 30% (keep and recompute only) need 16-32
+UNFIT_POLISH_FACTOR = 32
 
 
 class SlackSwapHeuristic:
     name = "heuristic"
-    options: frozenset[str] = frozenset({"polish", "bundle_reruns"})
+    options: frozenset[str] = frozenset({"polish", "bundle_reruns", "unfit_polish"})
     honours_restrictions = True  # Problem.mask (allowed=, pins=)
 
     def is_available(self) -> bool:
@@ -352,7 +356,8 @@ class SlackSwapHeuristic:
             evaluations = min(POLISH_EVALUATIONS_PER_TENSOR * len(g.saved) + 8,
                               POLISH_POSITIONS // max(1, g.n_slots))
             start_codes = codes
-            if simulation is None and unfit and evaluations >= 4:
+            if simulation is None and unfit and evaluations >= 4 and \
+                    options.get("unfit_polish", True):
                 # nothing fits (a recompute-only budget where recomputing everything rebuilds
                 # everything at once): the search starts from whichever plan is less over the
                 # budget, the rules' own or the fallback, with more work, since the alternative

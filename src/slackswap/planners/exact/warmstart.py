@@ -112,6 +112,9 @@ HEURISTIC_POLISH_S = 2.0  # less time left than this: the restricted heuristics 
 # less time left than this: the heuristic itself without its polish (at most 20,000 simulated
 # positions, about 0.2 s on the reference machine, and the bundled pricing)
 HEURISTIC_MAIN_POLISH_S = 0.4
+# less time left than this: the heuristic's polish does not search on with more work where no
+# candidate fits (heuristic.UNFIT_POLISH_FACTOR: at most about 6.4 s on the reference machine)
+HEURISTIC_UNFIT_POLISH_S = 8.0
 # less time left than this per position: the heuristic runs without its bundled pricing either
 # (three runs and their simulations; BERT-Large, 582 positions: 8 ms each on the reference machine)
 HEURISTIC_BUNDLE_S_PER_SLOT = 1e-4
@@ -144,7 +147,8 @@ def heuristic_start(problem: Problem, deadline: float | None = None
     # without the polish, the bundled pricing alone unless the time left would not cover it:
     # then the published rules alone, so the limit holds
     bundle = main_polish or left_now > HEURISTIC_BUNDLE_S_PER_SLOT * g.n_slots
-    codes = SlackSwapHeuristic().solve(problem, polish=main_polish, bundle_reruns=bundle).codes
+    codes = SlackSwapHeuristic().solve(problem, polish=main_polish, bundle_reruns=bundle,
+                                       unfit_polish=left_now > HEURISTIC_UNFIT_POLISH_S).codes
     return codes, simulate_decisions(g, codes, hw, budget)
 
 
