@@ -119,12 +119,12 @@ class _StaleSimulation:
     tensor offloaded) or of another budget: solve() must close the plan from the decisions."""
 
     name = "stale-simulation"
-    options: frozenset[str] = frozenset({"other_budget"})
+    options: frozenset[str] = frozenset({"other"})
 
     def is_available(self) -> bool:
         return True
 
-    def solve(self, problem, time_limit_s=None, other_budget=False):
+    def solve(self, problem, time_limit_s=None, other="decisions"):
         from slackswap.check.simulate import simulate_decisions
         from slackswap.core.plan import SolveInfo
         from slackswap.planners.base import Solution
@@ -132,20 +132,27 @@ class _StaleSimulation:
 
         g, hw = problem.graph, problem.hardware
         codes = keep_all_codes(g)
-        if other_budget:
+        if other == "budget":
             sim = simulate_decisions(g, codes, hw, problem.budget_bytes // 2)
+        elif other == "hardware":  # a link 1000x slower: the same decisions, another schedule
+            slow = hw.with_link(d2h_bytes_per_s=hw.d2h_bytes_per_s / 1000,
+                                h2d_bytes_per_s=hw.h2d_bytes_per_s / 1000)
+            sim = simulate_decisions(g, swap_all_codes(g), slow, problem.budget_bytes)
+            codes = swap_all_codes(g)
         else:
             sim = simulate_decisions(g, swap_all_codes(g), hw, problem.budget_bytes)
         return Solution(codes, None, SolveInfo(solver=self.name, status="heuristic"),
                         simulation=sim)
 
 
-@pytest.mark.parametrize("other_budget", [False, True])
-def test_a_simulation_of_other_decisions_is_not_the_plans(other_budget):
+@pytest.mark.parametrize("other", ["decisions", "budget", "hardware"])
+def test_a_simulation_of_other_decisions_is_not_the_plans(other):
     ss.register_solver("stale-simulation", f"{__name__}:_StaleSimulation")
     g = seeded_graph(3)
-    plan = ss.solve(g, 1.0, LINK, solver="stale-simulation", other_budget=other_budget)
-    assert set(plan.decisions.values()) == {"keep"}
+    plan = ss.solve(g, 1.0, LINK, solver="stale-simulation", other=other, strict=False)
+    assert set(plan.decisions.values()) == ({"swap"} if other == "hardware" else {"keep"})
     sim = ss.simulate(g, plan)
-    assert plan.info.predicted_step_time_s == sim.step_time_s == g.ideal_step_time_s
+    assert plan.info.predicted_step_time_s == sim.step_time_s
+    if other != "hardware":
+        assert sim.step_time_s == g.ideal_step_time_s
     assert ss.validate(g, plan).ok

@@ -123,7 +123,7 @@ def solve(graph: ActivationGraph, budget: float | int | str, hardware: Hardware 
                         f"and pins ({forbidden}); use heuristic, cpsat, cbc or highs")
     simulated = solution.simulation
     if solution.schedule is None and simulated is not None \
-            and simulated.budget_bytes == budget_bytes \
+            and simulated.budget_bytes == budget_bytes and simulated.hardware == hw \
             and np.array_equal(simulated.expansion.codes, solution.codes):
         # the planner's own simulation of these decisions with the default schedule: its
         # expansion is the closed plan's (no second expansion of the step)

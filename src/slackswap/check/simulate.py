@@ -42,6 +42,8 @@ class SimResult:
     # the tensors alone, without workspaces (a profiled graph's backward workspace is its
     # activation gradients): what the executor tracks as its activation peak
     tensor_peak_bytes: int
+    # the hardware it was simulated on (solve() reuses a planner's simulation only on its own)
+    hardware: Hardware | None = field(default=None, repr=False, compare=False)
 
     def summary(self) -> str:
         return (f"step {self.step_time_s * 1e3:.2f} ms (ideal {self.ideal_step_time_s * 1e3:.2f} ms), "
@@ -200,6 +202,7 @@ def run_timeline(graph: ActivationGraph, exp: Expansion, hw: Hardware, budget: i
         h2d_intervals=np.array(h2d_iv, dtype=float).reshape(-1, 3),
         expansion=exp,
         tensor_peak_bytes=int(tensors_only.max()) if tensors_only.size else 0,
+        hardware=hw,
     )
 
 

@@ -182,7 +182,7 @@ class ExactBackend:
                               deterministic=deterministic, heuristic=heuristic,
                               solve_coarse=None if not coarse else lambda small, limit_s: self.solve(
                                   small, time_limit_s=limit_s, seed=seed, workers=workers,
-                                  deterministic=deterministic).codes,
+                                  deterministic=deterministic),
                               coarse_limit_s=COARSE_SHARE * limit)
         heuristic_time = ws.heuristic_sim.step_time_s if ws.heuristic_sim.fits else float("inf")
         warm_time = ws.step_time_s

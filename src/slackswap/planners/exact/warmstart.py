@@ -152,12 +152,14 @@ def heuristic_start(problem: Problem, deadline: float | None = None
     return codes, simulate_decisions(g, codes, hw, budget)
 
 
-def coarse_start(problem: Problem, solve_coarse: Callable[[Problem, float], np.ndarray],
-                 limit_s: float, notes: dict[str, Any]) -> np.ndarray | None:
+def coarse_start(problem: Problem, solve_coarse: Callable[[Problem, float], Any],
+                 limit_s: float, notes: dict[str, Any], clocked: bool = False
+                 ) -> np.ndarray | None:
     """A large graph of repeated blocks (repeats.py): the plan of the same step with fewer
-    blocks, solved by ``solve_coarse`` within ``limit_s``, stretched back and repaired to the
-    budget; None where the graph is small or has no long repeat (formulations/milp.md, "Repeated
-    blocks")."""
+    blocks, solved by ``solve_coarse`` (a Solution) within ``limit_s``, stretched back and
+    repaired to the budget; None where the graph is small or has no long repeat
+    (formulations/milp.md, "Repeated blocks"). ``clocked``: the clock, not the time limit alone,
+    set ``limit_s`` (noted, like a clock-stopped phase of the coarse solve itself)."""
     from ...core.budget import keep_all_peak
     from ...core.restrict import first_forbidden
     from ..heuristic import fit_to_budget
@@ -191,15 +193,16 @@ def coarse_start(problem: Problem, solve_coarse: Callable[[Problem, float], np.n
         index = g.tensor_index
         mask = problem.mask[[index[t.name] for t in cg.tensors]]
     try:
-        coarse_codes = solve_coarse(Problem(cg, hw, coarse_budget, mask), limit_s)
+        solution = solve_coarse(Problem(cg, hw, coarse_budget, mask), limit_s)
     except ValueError as exc:  # the coarse start is optional: the original is still planned
         log.warning("coarse start for graph %r failed: %s", g.name, exc)
         notes["coarse"] = {"status": f"failed: {exc}"}
         return None
-    codes = consistent(g, coarse.stretch(coarse_codes), problem.mask)
+    codes = consistent(g, coarse.stretch(solution.codes), problem.mask)
     fits = fit_to_budget(g, hw, budget, codes, problem.mask)
     note = {"blocks": blocks, "of": repeats.count, "period": repeats.period,
-            "coarse_budget": coarse_budget, "fits": fits, "wall_s": time.perf_counter() - began}
+            "coarse_budget": coarse_budget, "fits": fits, "wall_s": time.perf_counter() - began,
+            "clock_stopped": clocked or bool(solution.info.extra.get("clock_stopped"))}
     notes["coarse"] = note
     if not fits or first_forbidden(g, codes, problem.mask) is not None:
         note["status"] = "not used"
@@ -213,7 +216,7 @@ def warm_start(problem: Problem, polish: bool = True, bound_s: float | None = No
                deadline: float | None = None, relax_cap_s: float = RELAXATION_CAP_S,
                search_cap_s: float | None = None, lp=None, deterministic: bool = False,
                heuristic: tuple[np.ndarray, SimResult] | None = None,
-               solve_coarse: Callable[[Problem, float], np.ndarray] | None = None,
+               solve_coarse: Callable[[Problem, float], Any] | None = None,
                coarse_limit_s: float = 0.0) -> WarmStart:
     """The heuristic's plan, improved (``polish``) by local search from the decisions of the
     integral relaxation, of its looser form, of it with 2% slower lanes, and of the heuristic,
@@ -293,10 +296,18 @@ def warm_start(problem: Problem, polish: bool = True, bound_s: float | None = No
         return _integral_codes(problem, lp)
 
     def coarse_codes() -> np.ndarray | None:
-        limit = min(coarse_limit_s, 0.6 * left())
-        if solve_coarse is None or limit < COARSE_MIN_S:
+        if solve_coarse is None or g.n_ops < COARSE_MIN_OPS:
             return None
-        return coarse_start(problem, solve_coarse, limit, notes)
+        # its share of the time limit; less where the clock has left less (then noted)
+        limit, clocked = coarse_limit_s, 0.6 * left() < coarse_limit_s
+        if clocked:
+            limit = 0.6 * left()
+        if limit < COARSE_MIN_S:
+            if clocked:
+                notes["coarse"] = {"status": "skipped", "reason": "deadline",
+                                   "clock_stopped": True}
+            return None
+        return coarse_start(problem, solve_coarse, limit, notes, clocked)
 
     starts = (("coarse plan", coarse_codes),
               ("integral LP", lambda: relaxed_codes("integral_lp")),
