@@ -116,6 +116,75 @@ def test_exhaustive_seven_tensors():
     assert retention(g, p) >= exhaustive_best(g, budget) - 1e-9
 
 
+@pytest.mark.slow
+@settings(max_examples=15, deadline=None, suppress_health_check=list(HealthCheck))
+@given(graph_budget(max_ops=5, max_saved=5))
+def test_the_models_own_bound_less_its_rounding_is_below_every_plan(case):
+    """Over every position the model rounds each op, copy and rerun up to its time unit; its
+    bound, less what that can add to a plan (Formulation.rounding_units), is a proof:
+    exhaustive search over every decision finds no plan below it."""
+    g, budget = case
+    p = ss.solve(g, budget, LINK, solver="cpsat", gap=0.0, warm_start=False, full=True,
+                 strategy="whole")
+    milp_bound = p.info.extra.get("milp_bound_s")
+    assert milp_bound is not None
+    best = None
+    names = [g.tensors[t].name for t in g.saved]
+    choices = [["keep", "swap"] + (["recompute"] if g.can_recompute[t] else []) for t in g.saved]
+    for combo in itertools.product(*choices):
+        sim = ss.simulate(g, plan(g, dict(zip(names, combo)), budget), LINK)
+        if sim.fits:
+            best = sim.step_time_s if best is None else min(best, sim.step_time_s)
+    assert milp_bound <= best * (1 + 1e-12)
+    # and the proof is not thrown away: the plan (over every schedule, so it can beat the
+    # default schedules searched above) is within the rounding's few time units of it
+    f_unit = (g.ideal_step_time_s + sum(2 * g.tensors[t].bytes / 100.0 for t in g.saved)) / 1e8
+    slack = p.info.predicted_step_time_s - milp_bound
+    assert slack <= f_unit * (2 * g.n_ops + 2 * len(g.saved) + 3 * g.n_ops ** 2 + 2) + 1e-15
+
+
+def test_rounding_taken_off_the_bound_counts_reruns_a_plan_can_afford():
+    """Two ops of 1 s forward, one of 0 s, at span 12 s (6 s of compute, 6 copies of 1 s): the
+    time unit is 1.2e-7 s, so 1 s is 8,333,333.33 units, rounded up by 0.67 of a unit, and 2 s
+    by 0.33. Positions and copies add their round-ups once each. Reruns: a plan 0.5 s over the
+    ideal reruns at most half a second of 1 s ops (fractionally: 0.33 of a unit); 2.5 s over, 2.5
+    of them (1.67 units); with no plan known, every rerun the model has."""
+    from slackswap.planners.exact.formulate import formulate
+
+    g = graph([op("A", 1.0, 2.0, ["x"], ["a"]), op("B", 1.0, 2.0, ["a"], ["b"]),
+               op("C", 0.0, 0.0, ["b"], ["c"])],
+              [tensor("a", 100, ["B"]), tensor("b", 100, ["C"]), tensor("c", 100, ["C"])])
+    f = formulate(g, LINK, ss.keep_all_peak(g, LINK), full=True)
+    unit = f.scaling.time_unit
+    assert unit == pytest.approx(12.0 / 1e8)
+    one, two = 8_333_334 - 1.0 / unit, 16_666_667 - 2.0 / unit
+    assert one == pytest.approx(2 / 3, abs=1e-6) and two == pytest.approx(1 / 3, abs=1e-6)
+    fixed = 2 * one + 2 * two + 6 * one  # forward A, B; backward A, B; 3 tensors x 2 copies
+    one_second_reruns = sum(1 for q, _ in f.rerun if q in (0, 1))
+    assert one_second_reruns >= 3
+    ideal = g.ideal_step_time_s
+    assert f.rounding_units(ideal + 0.5) == pytest.approx(fixed + 1.0 + 0.5 * one, abs=1e-6)
+    assert f.rounding_units(ideal + 2.5) == pytest.approx(fixed + 1.0 + 2.5 * one, abs=1e-6)
+    assert f.rounding_units(None) == pytest.approx(fixed + 1.0 + one_second_reruns * one,
+                                                   abs=1e-6)
+
+
+@pytest.mark.slow
+def test_the_proof_round_proves_a_cnn_plan_with_swaps():
+    """VGG16 at 90% with swaps: the plan of the candidate windows (recompute conv1_1's output,
+    swap six small tensors: 0.592% of overhead) is the optimum, but the LP bounds stop at 0.32%.
+    The model over every position (102 x 39 cells), hinted with it, proves it."""
+    hw = ss.hardware("a100-80gb-pcie4")
+    g = ss.cnn_graph("vgg16", hw, batch=16)
+    p = ss.solve(g, 0.9, hw, solver="cpsat", time_limit_s=60)
+    assert p.info.status == "optimal", p.info.extra.get("proof_round")
+    assert p.info.overhead_gap <= 0.01
+    assert p.info.extra["proof_round"]["bound_s"] >= p.info.predicted_step_time_s * (1 - 1e-4)
+    windows = ss.solve(g, 0.9, hw, solver="cpsat", time_limit_s=60, full=False)
+    assert "proof_round" not in windows.info.extra and windows.info.status != "optimal"
+    assert windows.info.predicted_step_time_s == pytest.approx(p.info.predicted_step_time_s)
+
+
 def test_timeout_returns_a_plan_no_worse_than_heuristic():
     g = ss.workload("bert-large", "a100-80gb-pcie4")
     hw = "a100-80gb-pcie4"

@@ -86,6 +86,12 @@ CHILD_START_S = 0.7
 # positions per evaluation, about 11 ms each)
 SEARCH_POSITIONS_PER_S = 100_000
 WHOLE_MODEL_BINARIES = 2500
+# the proof round (milp.md, "The proof round"): the model over every position, when a plan is
+# not proven, on graphs of at most this many positions x saved tensors (SegNet: 176 x 65) and
+# nonzeros, with at least this much time left
+PROOF_CELLS = 12_000
+PROOF_NONZEROS = 400_000
+MIN_PROOF_S = 1.0
 # a large graph of repeated blocks: its coarse copy's solve gets this share of the time limit
 # (warmstart.coarse_start; a 640-layer GPT-style step at 120 s: 36 s for 64 layers)
 COARSE_SHARE = 0.3
@@ -245,24 +251,25 @@ class ExactBackend:
         best = None  # (simulated time, codes, schedule, model objective in seconds)
         status = "timeout"
 
-        def consider(value, obj_units):
+        def consider(value, obj_units, form: Formulation = f):
             nonlocal best
             try:
-                codes, schedule = decode(f, value)
+                codes, schedule = decode(form, value)
                 sim = run_timeline(g, expand(g, codes, schedule, hw), hw, budget)
             except ValueError:
-                return  # an inconsistent solver answer is no solution; the simulator decides
+                return None  # an inconsistent solver answer is no solution; the simulator decides
 
             if sim.fits and (best is None or sim.step_time_s < best[0]):
-                best = (sim.step_time_s, codes, schedule, f.seconds(obj_units))
+                best = (sim.step_time_s, codes, schedule, form.seconds(obj_units))
+            return sim.step_time_s if sim.fits else None
 
         options = {**options, "deterministic_time_s": work.milp_deterministic_s}
         clock_runs = clock_stopped  # the same list, in info_extra too
 
-        def run(remaining: float, fixed=None):
+        def run(remaining: float, fixed=None, form: Formulation = f, opts=None):
             """The backend on the model; notes when the clock, not its work limit, stopped it."""
             began = time.perf_counter()
-            answer = self.run(f, remaining, seed, workers, options, fixed=fixed)
+            answer = self.run(form, remaining, seed, workers, opts or options, fixed=fixed)
             if answer[0] not in ("optimal", "infeasible") and \
                     time.perf_counter() - began >= 0.95 * remaining:
                 clock_runs.append(f"{self.name}_round_{len(clock_runs) + 1}")
@@ -279,7 +286,10 @@ class ExactBackend:
                 consider(value, obj)
             # the best of the valid bounds: the relaxations' and, for a model over every
             # schedule, the MILP's own (less its rounding)
-            milp_bound = None if bound is None else f.proven_bound_s(bound)
+            incumbent = min(warm_time, best[0]) if best is not None else warm_time
+            milp_bound = None if bound is None else f.proven_bound_s(bound, incumbent)
+            if milp_bound is not None:
+                info_extra["milp_bound_s"] = milp_bound
             candidates = [b for b in (milp_bound, bound_s) if b is not None]
             bound_s = max(candidates) if candidates else None
             if status != "optimal" and best is not None and within(best[0], bound_s):
@@ -308,6 +318,21 @@ class ExactBackend:
                 status = "optimal"
             else:
                 status = "timeout" if clocked else "feasible"
+        incumbent_s = min(warm_time, best[0]) if best is not None else warm_time
+        if full is None and not f.full and not within(incumbent_s, bound_s):
+            # the proof round: the model over every schedule position bounds every plan; where
+            # it is small enough, it gets the time left, from the best plan so far
+            proof = self._proof_round(problem, ws, best, left, work, options, run, consider)
+            if proof is not None:
+                info_extra["proof_round"] = proof
+                if proof.get("bound_s") is not None:
+                    bound_s = proof["bound_s"] if bound_s is None else max(bound_s, proof["bound_s"])
+                if best is not None and within(best[0], bound_s):
+                    status = "optimal"
+                elif best is None and within(warm_time, bound_s):
+                    status = "optimal"  # the warm start, proven (returned by the fallback)
+                elif proof.get("clock_stopped"):
+                    status = "timeout"
         wall = time.perf_counter() - start
         if best is not None and best[0] <= warm_time * (1 + 1e-9) + 1e-12:
             # the plan's step time is the simulator's (exact); the model's objective, rounded up
@@ -340,6 +365,49 @@ class ExactBackend:
             info_extra["reason"] = (f"{self.name} proved the model infeasible and no start fits: "
                                     "no plan within this budget with these decisions")
         return self._fallback(ws, bound_s, warm_time, status, start, info_extra, within)
+
+    def _proof_round(self, problem: Problem, ws, best, left, work: WorkLimits, options, run,
+                     consider) -> dict[str, Any] | None:
+        """The model over every schedule position (formulations/milp.md, "The proof round"),
+        hinted with the best plan so far, for the time left; None when it is too large or no
+        time is left. Its bound, less its rounding, joins the proof; a better plan it finds is
+        considered like any."""
+        from .hint import complete_hint
+
+        g = problem.graph
+        if g.n_slots * len(g.saved) > PROOF_CELLS or left() < MIN_PROOF_S:
+            return None
+        if best is not None:
+            codes, schedule = best[1], best[2]
+            index = g.tensor_index
+            hint = (codes, {index[k]: v for k, v in schedule.d2h_free.items()},
+                    {index[k]: v for k, v in schedule.h2d_issue.items()},
+                    {index[k]: v for k, v in schedule.recompute_at.items()})
+            incumbent = min(best[0], ws.step_time_s)
+        else:
+            hint, incumbent = ws.hint, ws.step_time_s
+        pf = formulate(g, problem.hardware, problem.budget_bytes, full=True, hint=hint,
+                       mask=problem.mask)
+        size = pf.model.size()
+        if size["nonzeros"] > PROOF_NONZEROS:
+            return {"skipped": f"{size['nonzeros']} nonzeros"}
+        opts = dict(options)
+        completed = complete_hint(pf, *hint)
+        if completed:
+            opts["complete_hint"] = completed
+        else:
+            opts.pop("complete_hint", None)
+        began = time.perf_counter()
+        status, value, obj, bound = run(left(), form=pf, opts=opts)
+        if value is not None:
+            fitted = consider(value, obj, pf)  # its simulated step time, if it fits
+            if fitted is not None:
+                incumbent = min(incumbent, fitted)
+        proven = None if bound is None else pf.proven_bound_s(bound, incumbent)
+        return {"model": size, "status": status, "bound_s": proven,
+                "wall_s": time.perf_counter() - began,
+                "clock_stopped": status not in ("optimal", "infeasible")
+                and time.perf_counter() - began >= 0.95 * max(left(), 0.0)}
 
     def _fallback(self, ws, bound_s, warm_time, status: str, start: float, extra,
                   within) -> Solution:

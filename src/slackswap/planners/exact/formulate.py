@@ -18,6 +18,11 @@ from ...core.stepmodel import nominal_slot_times
 from .model import Model
 
 BYTE_RANGE = 10**6  # model units for the largest of the budget and the sizes, at most
+TIME_RANGE = 10**7  # model time units in the step plus every copy (Section "Scaling")
+# graphs of at most this many positions x saved tensors get every position by default (a
+# 2-layer GPT-style step: 46 x 23)
+FULL_CELLS = 1500
+TIME_RANGE_FULL = 10**8  # finer where the bound is a proof: the rounding is taken off it
 
 
 @dataclass
@@ -76,18 +81,59 @@ class Formulation:
     def seconds(self, objective_units: float) -> float:
         return objective_units * self.scaling.time_unit + self.objective_offset_s
 
-    def proven_bound_s(self, bound_units: float) -> float | None:
+    def proven_bound_s(self, bound_units: float, incumbent_s: float | None = None) -> float | None:
         """A lower bound on the simulated step time of every plan, from the solver's bound, or
-        None. Only a model with every candidate position bounds every schedule; and each op,
-        rerun and copy on the critical path is rounded up by under one time unit (Section
-        "Scaling"), so that many units are taken off."""
+        None. Only a model with every candidate position bounds every schedule. Each op, copy
+        and rerun on the critical path is rounded up by under one time unit (Section
+        "Scaling"); what the rounding can add to a plan's model step time is taken off: the
+        exact round-up of every position and copy, and of the reruns a plan at most as slow as
+        ``incumbent_s`` (a simulated plan) can hold."""
         sc = self.scaling
         if not self.full or not (sc.exact_bytes or sc.relaxed_bytes) or self.collectives_charged:
             # windows bound only their schedules; rounded-up sizes, only their model; the H2D
             # lane's collectives sit in first-use order, not issue order (Section "Collectives")
             return None
-        rounded = 2 * self.graph.n_ops + len(self.rerun) + 2 * len(self.keep)
-        return self.seconds(bound_units) - rounded * self.scaling.time_unit
+        return self.seconds(bound_units) - self.rounding_units(incumbent_s) * sc.time_unit
+
+    def rounding_units(self, incumbent_s: float | None = None) -> float:
+        """The most the rounding adds to a plan's model step time, in units: the longest path
+        holds each position and copy at most once (their exact round-ups summed) and the
+        plan's reruns. A plan no slower than ``incumbent_s`` reruns ops of at most
+        ``incumbent_s - ideal`` seconds in all (compute is serial), so its reruns' round-up is
+        at most that times the largest round-up per second of a rerun op."""
+        g, sc = self.graph, self.scaling
+
+        def up(seconds) -> np.ndarray:
+            exact = np.asarray(seconds, dtype=float) / sc.time_unit
+            return np.maximum(0.0, np.ceil(exact - 1e-9) - exact)
+
+        fixed = float(up(np.concatenate([g.forward_s, g.backward_s])).sum())
+        sizes = g.tensor_bytes[g.saved]
+        fixed += float(up([self.hw.d2h_time(b) for b in sizes]).sum())
+        fixed += float(up([self.hw.h2d_time(b) for b in sizes]).sum())
+        # the reruns: at most count[q] of op q; a plan no slower than the incumbent holds reruns
+        # of at most ``slack`` seconds: the fractional knapsack of round-ups per second bounds
+        # what they add
+        count: dict[int, int] = {}
+        for q, _ in self.rerun:
+            count[q] = count.get(q, 0) + 1
+        ops = sorted(count)
+        seconds = np.asarray(g.forward_s[ops], dtype=float) if ops else np.zeros(0)
+        per_rerun = up(seconds)
+        every = float(sum(per_rerun[i] * count[q] for i, q in enumerate(ops)))
+        if incumbent_s is not None and ops and np.isfinite(incumbent_s):
+            slack = max(0.0, incumbent_s - g.ideal_step_time_s)
+            rounded = [i for i in range(len(ops)) if per_rerun[i] > 0]  # so seconds > 0
+            held = 0.0
+            for i in sorted(rounded, key=lambda i: -per_rerun[i] / seconds[i]):
+                runs = min(float(count[ops[i]]), slack / seconds[i])
+                held += runs * per_rerun[i]
+                slack -= runs * seconds[i]
+                if slack <= 0:
+                    break
+            every = min(every, held)
+        # one unit more: the 1e-9 of time_up and float sums
+        return fixed + every + 1.0
 
 
 def _candidates(graph: ActivationGraph, hw: Hardware, full: bool, extra=None,
@@ -165,8 +211,8 @@ def formulate(graph: ActivationGraph, hw: Hardware, budget_bytes: int, *, full: 
     ``hint``: (codes, free, issue, rebuild) of a known plan, added to the candidates and hinted."""
     n = graph.n_ops
     S = graph.n_slots
-    if full is None:
-        full = n <= 16
+    if full is None:  # every position where the model stays small (Section "Candidates")
+        full = n <= 16 or S * len(graph.saved) <= FULL_CELLS
     copies = sum(hw.d2h_time(b) + hw.h2d_time(b) for b in graph.tensor_bytes[graph.saved])
     if hw.collectives_on_link:
         copies += sum(hw.d2h_time(c.d2h_bytes) + hw.h2d_time(c.h2d_bytes)
@@ -185,7 +231,7 @@ def formulate(graph: ActivationGraph, hw: Hardware, budget_bytes: int, *, full: 
     exact = largest // unit <= BYTE_RANGE
     if not exact:
         unit = -(-largest // BYTE_RANGE)
-    sc = Scaling(byte_unit=unit, time_unit=max(span, 1e-12) / 10_000_000, exact_bytes=exact,
+    sc = Scaling(byte_unit=unit, time_unit=max(span, 1e-12) / (TIME_RANGE_FULL if full else TIME_RANGE), exact_bytes=exact,
                  relaxed_bytes=bool(full) and not exact)
     nbytes = sc.bytes_of(graph.tensor_bytes)
     budget_u = sc.budget_of(budget_bytes)
