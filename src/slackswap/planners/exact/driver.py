@@ -322,7 +322,7 @@ class ExactBackend:
         if full is None and not f.full and not within(incumbent_s, bound_s):
             # the proof round: the model over every schedule position bounds every plan; where
             # it is small enough, it gets the time left, from the best plan so far
-            proof = self._proof_round(problem, ws, best, left, work, options, run, consider)
+            proof = self._proof_round(problem, ws, best, left, options, run, consider)
             if proof is not None:
                 info_extra["proof_round"] = proof
                 if proof.get("bound_s") is not None:
@@ -366,7 +366,7 @@ class ExactBackend:
                                     "no plan within this budget with these decisions")
         return self._fallback(ws, bound_s, warm_time, status, start, info_extra, within)
 
-    def _proof_round(self, problem: Problem, ws, best, left, work: WorkLimits, options, run,
+    def _proof_round(self, problem: Problem, ws, best, left, options, run,
                      consider) -> dict[str, Any] | None:
         """The model over every schedule position (formulations/milp.md, "The proof round"),
         hinted with the best plan so far, for the time left; None when it is too large or no
@@ -374,9 +374,11 @@ class ExactBackend:
         considered like any."""
         from .hint import complete_hint
 
-        g = problem.graph
+        g, hw = problem.graph, problem.hardware
         if g.n_slots * len(g.saved) > PROOF_CELLS or left() < MIN_PROOF_S:
             return None
+        if hw.collectives_on_link and g.collectives:
+            return None  # its bound is no proof there (milp.md, "Collectives")
         if best is not None:
             codes, schedule = best[1], best[2]
             index = g.tensor_index
@@ -386,7 +388,7 @@ class ExactBackend:
             incumbent = min(best[0], ws.step_time_s)
         else:
             hint, incumbent = ws.hint, ws.step_time_s
-        pf = formulate(g, problem.hardware, problem.budget_bytes, full=True, hint=hint,
+        pf = formulate(g, hw, problem.budget_bytes, full=True, hint=hint,
                        mask=problem.mask)
         size = pf.model.size()
         if size["nonzeros"] > PROOF_NONZEROS:
