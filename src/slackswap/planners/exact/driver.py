@@ -92,6 +92,7 @@ WHOLE_MODEL_BINARIES = 2500
 PROOF_CELLS = 12_000
 PROOF_NONZEROS = 400_000
 MIN_PROOF_S = 1.0
+PROOF_DTIME_SHARE = 0.25
 # a large graph of repeated blocks: its coarse copy's solve gets this share of the time limit
 # (warmstart.coarse_start; a 640-layer GPT-style step at 120 s: 36 s for 64 layers)
 COARSE_SHARE = 0.3
@@ -322,7 +323,7 @@ class ExactBackend:
         if full is None and not f.full and not within(incumbent_s, bound_s):
             # the proof round: the model over every schedule position bounds every plan; where
             # it is small enough, it gets the time left, from the best plan so far
-            proof = self._proof_round(problem, ws, best, left, options, run, consider)
+            proof = self._proof_round(problem, ws, best, left, limit, options, run, consider)
             if proof is not None:
                 info_extra["proof_round"] = proof
                 if proof.get("bound_s") is not None:
@@ -366,7 +367,7 @@ class ExactBackend:
                                     "no plan within this budget with these decisions")
         return self._fallback(ws, bound_s, warm_time, status, start, info_extra, within)
 
-    def _proof_round(self, problem: Problem, ws, best, left, options, run,
+    def _proof_round(self, problem: Problem, ws, best, left, limit_s: float, options, run,
                      consider) -> dict[str, Any] | None:
         """The model over every schedule position (formulations/milp.md, "The proof round"),
         hinted with the best plan so far, for the time left; None when it is too large or no
@@ -388,12 +389,16 @@ class ExactBackend:
             incumbent = min(best[0], ws.step_time_s)
         else:
             hint, incumbent = ws.hint, ws.step_time_s
-        pf = formulate(g, hw, problem.budget_bytes, full=True, hint=hint,
-                       mask=problem.mask)
+        # without the lane-capacity cuts: the proof comes from search here, and their running
+        # sums slow it (VGG16 at 80%: closed in 7.7 s without them, 15.4 s with)
+        pf = formulate(g, hw, problem.budget_bytes, full=True, hint=hint, mask=problem.mask,
+                       cuts=False)
         size = pf.model.size()
         if size["nonzeros"] > PROOF_NONZEROS:
             return {"skipped": f"{size['nonzeros']} nonzeros"}
-        opts = dict(options)
+        # its work: CP-SAT's deterministic time for a quarter of the limit (about what is left
+        # by then; small models run at 0.6 of it per second here), fixed by the limit alone
+        opts = {**options, "deterministic_time_s": PROOF_DTIME_SHARE * limit_s}
         completed = complete_hint(pf, *hint)
         if completed:
             opts["complete_hint"] = completed
