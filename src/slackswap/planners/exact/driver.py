@@ -80,7 +80,8 @@ class WorkLimits:
 # reference machine (BERT-Large at 40%: 6.6 in 19.8 s; GPT-2 XL at 30%: 3.0 in 18.6 s; small
 # models run faster): its work limit is set so that it, not the clock, usually ends the search
 CPSAT_DTIME_PER_S = 0.25
-# a relaxation runs in a child process, whose start (Python, SciPy, the model) takes about this
+# a relaxation runs in a child process: its cap is its solve's share plus this (the child
+# starts in about 0.25 s since it no longer imports scipy.sparse; HiGHS keeps the difference)
 CHILD_START_S = 0.7
 # simulated positions per second of local search on the reference machine (GPT-2 XL: 1,170
 # positions per evaluation, about 11 ms each)
