@@ -154,7 +154,7 @@ def test_rounding_taken_off_the_bound_counts_reruns_a_plan_can_afford():
     g = graph([op("A", 1.0, 2.0, ["x"], ["a"]), op("B", 1.0, 2.0, ["a"], ["b"]),
                op("C", 0.0, 0.0, ["b"], ["c"])],
               [tensor("a", 100, ["B"]), tensor("b", 100, ["C"]), tensor("c", 100, ["C"])])
-    f = formulate(g, LINK, ss.keep_all_peak(g, LINK), full=True)
+    f = formulate(g, LINK, ss.keep_all_peak(g, LINK), full=True, fine_time=True)
     unit = f.scaling.time_unit
     assert unit == pytest.approx(12.0 / 1e8)
     one, two = 8_333_334 - 1.0 / unit, 16_666_667 - 2.0 / unit

@@ -59,6 +59,7 @@ PROOF_SUBSOLVERS = ("no_lp", "default_lp")
 
 class CpSatBackend(ExactBackend):
     name = "cpsat"
+    exact_arithmetic = True
 
     def is_available(self) -> bool:
         try:

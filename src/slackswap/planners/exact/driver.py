@@ -136,6 +136,9 @@ class ExactBackend:
 
     name = "exact"
     honours_restrictions = True  # Problem.mask: fixed in the MILP, the bound and every start
+    # integers solved exactly (CP-SAT), not in floating point with tolerances (HiGHS, CBC): the
+    # model may then use a finer time unit (formulations/milp.md, "Scaling and rounding")
+    exact_arithmetic = False
     options = frozenset({"seed", "workers", "warm_start", "full", "strategy", "polish", "gap", "coarse",
                          "log", "linearization_level", "deterministic"})
 
@@ -237,6 +240,7 @@ class ExactBackend:
             return self._fallback(ws, bound_s, warm_time, "timeout", start, {
                 **base_extra, "reason": "no time left for the MILP"}, within)
         f = formulate(g, hw, budget, full=full, hint=hint, extra_candidates=extra,
+                      fine_time=self.exact_arithmetic,
                       mask=problem.mask)
         if warm_start:
             from .hint import complete_hint
@@ -289,7 +293,7 @@ class ExactBackend:
             # the best of the valid bounds: the relaxations' and, for a model over every
             # schedule, the MILP's own (less its rounding)
             incumbent = min(warm_time, best[0]) if best is not None else warm_time
-            milp_bound = None if bound is None else f.proven_bound_s(bound, incumbent)
+            milp_bound = None if bound is None else f.proven_bound_s(bound, incumbent, self.exact_arithmetic)
             if milp_bound is not None:
                 info_extra["milp_bound_s"] = milp_bound
             candidates = [b for b in (milp_bound, bound_s) if b is not None]
@@ -393,7 +397,7 @@ class ExactBackend:
         # without the lane-capacity cuts: the proof comes from search here, and their running
         # sums slow it (VGG16 at 80%: closed in 7.7 s without them, 15.4 s with)
         pf = formulate(g, hw, problem.budget_bytes, full=True, hint=hint, mask=problem.mask,
-                       cuts=False)
+                       cuts=False, fine_time=self.exact_arithmetic)
         size = pf.model.size()
         if size["nonzeros"] > PROOF_NONZEROS:
             return {"skipped": f"{size['nonzeros']} nonzeros"}
@@ -411,7 +415,7 @@ class ExactBackend:
             fitted = consider(value, obj, pf)  # its simulated step time, if it fits
             if fitted is not None:
                 incumbent = min(incumbent, fitted)
-        proven = None if bound is None else pf.proven_bound_s(bound, incumbent)
+        proven = None if bound is None else pf.proven_bound_s(bound, incumbent, self.exact_arithmetic)
         return {"model": size, "status": status, "bound_s": proven,
                 "wall_s": time.perf_counter() - began,
                 "clock_stopped": status not in ("optimal", "infeasible")

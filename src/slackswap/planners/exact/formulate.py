@@ -22,7 +22,10 @@ TIME_RANGE = 10**7  # model time units in the step plus every copy (Section "Sca
 # graphs of at most this many positions x saved tensors get every position by default (a
 # 2-layer GPT-style step: 46 x 23)
 FULL_CELLS = 1500
-TIME_RANGE_FULL = 10**8  # finer where the bound is a proof: the rounding is taken off it
+# finer where the bound is a proof (the rounding is taken off it), for CP-SAT alone: its
+# arithmetic is exact, where HiGHS's big-M rows at this range returned a plan 1.2% off its
+# optimum as "optimal"
+TIME_RANGE_FULL = 10**8
 
 
 @dataclass
@@ -81,18 +84,24 @@ class Formulation:
     def seconds(self, objective_units: float) -> float:
         return objective_units * self.scaling.time_unit + self.objective_offset_s
 
-    def proven_bound_s(self, bound_units: float, incumbent_s: float | None = None) -> float | None:
+    def proven_bound_s(self, bound_units: float, incumbent_s: float | None = None,
+                       exact_arithmetic: bool = True) -> float | None:
         """A lower bound on the simulated step time of every plan, from the solver's bound, or
         None. Only a model with every candidate position bounds every schedule. Each op, copy
         and rerun on the critical path is rounded up by under one time unit (Section
         "Scaling"); what the rounding can add to a plan's model step time is taken off: the
         exact round-up of every position and copy, and of the reruns a plan at most as slow as
-        ``incumbent_s`` (a simulated plan) can hold."""
+        ``incumbent_s`` (a simulated plan) can hold. A floating-point backend's bound (HiGHS,
+        CBC: big-M rows within their tolerances) keeps the looser count of one whole unit per op,
+        copy and rerun variable."""
         sc = self.scaling
         if not self.full or not (sc.exact_bytes or sc.relaxed_bytes) or self.collectives_charged:
             # windows bound only their schedules; rounded-up sizes, only their model; the H2D
             # lane's collectives sit in first-use order, not issue order (Section "Collectives")
             return None
+        if not exact_arithmetic:
+            loose = 2 * self.graph.n_ops + len(self.rerun) + 2 * len(self.keep)
+            return self.seconds(bound_units) - loose * sc.time_unit
         return self.seconds(bound_units) - self.rounding_units(incumbent_s) * sc.time_unit
 
     def rounding_units(self, incumbent_s: float | None = None) -> float:
@@ -205,10 +214,13 @@ def _candidates(graph: ActivationGraph, hw: Hardware, full: bool, extra=None,
 
 
 def formulate(graph: ActivationGraph, hw: Hardware, budget_bytes: int, *, full: bool | None = None,
-              hint=None, extra_candidates=None, cuts: bool = True, mask=None) -> Formulation:
+              hint=None, extra_candidates=None, cuts: bool = True, mask=None,
+              fine_time: bool = False) -> Formulation:
     """The MILP for ``graph`` under ``budget_bytes``. ``full``: every candidate position (exact
     over all schedules; default for graphs of at most 16 ops), else windows (Section "Candidates").
-    ``hint``: (codes, free, issue, rebuild) of a known plan, added to the candidates and hinted."""
+    ``hint``: (codes, free, issue, rebuild) of a known plan, added to the candidates and hinted.
+    ``fine_time``: over every position, time units of span / 1e8 rather than 1e7 (for a backend
+    in exact integer arithmetic; Section "Scaling")."""
     n = graph.n_ops
     S = graph.n_slots
     if full is None:  # every position where the model stays small (Section "Candidates")
@@ -231,7 +243,7 @@ def formulate(graph: ActivationGraph, hw: Hardware, budget_bytes: int, *, full: 
     exact = largest // unit <= BYTE_RANGE
     if not exact:
         unit = -(-largest // BYTE_RANGE)
-    sc = Scaling(byte_unit=unit, time_unit=max(span, 1e-12) / (TIME_RANGE_FULL if full else TIME_RANGE), exact_bytes=exact,
+    sc = Scaling(byte_unit=unit, time_unit=max(span, 1e-12) / (TIME_RANGE_FULL if full and fine_time else TIME_RANGE), exact_bytes=exact,
                  relaxed_bytes=bool(full) and not exact)
     nbytes = sc.bytes_of(graph.tensor_bytes)
     budget_u = sc.budget_of(budget_bytes)
