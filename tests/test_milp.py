@@ -47,8 +47,12 @@ def test_backends_agree_and_plans_check_out(case):
         assert p.info.objective == pytest.approx(
             sim.step_time_s, rel=0.01, abs=1e-7 * span * (2 * g.n_ops + 2 * len(g.saved)) + 1e-15)
         objectives[solver] = p.info.objective
+    # their optima agree to the rounding: CP-SAT's time unit is 10x finer (span / 1e8, exact
+    # integers) than CBC's and HiGHS's (span / 1e7), so each objective is within the coarser
+    # model's rounding of the one optimum
     values = list(objectives.values())
-    assert max(values) - min(values) <= 1e-6 * max(values) + 1e-9, objectives
+    rounding = 1e-7 * span * (2 * g.n_ops + 2 * len(g.saved))
+    assert max(values) - min(values) <= 1e-6 * max(values) + rounding + 1e-9, objectives
 
 
 @pytest.mark.slow
