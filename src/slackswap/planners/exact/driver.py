@@ -409,8 +409,8 @@ class ExactBackend:
             opts["complete_hint"] = completed
         else:
             opts.pop("complete_hint", None)
-        began = time.perf_counter()
-        status, value, obj, bound = run(left(), form=pf, opts=opts)
+        began, remaining = time.perf_counter(), left()
+        status, value, obj, bound = run(remaining, form=pf, opts=opts)
         if value is not None:
             fitted = consider(value, obj, pf)  # its simulated step time, if it fits
             if fitted is not None:
@@ -419,7 +419,7 @@ class ExactBackend:
         return {"model": size, "status": status, "bound_s": proven,
                 "wall_s": time.perf_counter() - began,
                 "clock_stopped": status not in ("optimal", "infeasible")
-                and time.perf_counter() - began >= 0.95 * max(left(), 0.0)}
+                and time.perf_counter() - began >= 0.95 * max(remaining, 0.0)}
 
     def _fallback(self, ws, bound_s, warm_time, status: str, start: float, extra,
                   within) -> Solution:

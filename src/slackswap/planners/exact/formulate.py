@@ -109,7 +109,7 @@ class Formulation:
         holds each position and copy at most once (their exact round-ups summed) and the
         plan's reruns. A plan no slower than ``incumbent_s`` reruns ops of at most
         ``incumbent_s - ideal`` seconds in all (compute is serial), so its reruns' round-up is
-        at most that times the largest round-up per second of a rerun op."""
+        at most the fractional knapsack of round-up per second over the rerun variables."""
         g, sc = self.graph, self.scaling
 
         def up(seconds) -> np.ndarray:
