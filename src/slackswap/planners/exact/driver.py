@@ -63,6 +63,7 @@ class WorkLimits:
     search_cap_s: float  # the local searches' clock cap, beside their work limit
     search_work: int  # simulated positions, all local searches together
     milp_deterministic_s: float  # CP-SAT's deterministic time (CBC, HiGHS: the clock alone)
+    departure_deterministic_s: float  # the departure bound's (CP-SAT, one worker)
 
     @classmethod
     def for_time_limit(cls, limit_s: float) -> WorkLimits:
@@ -70,7 +71,8 @@ class WorkLimits:
         return cls(relax_solutions=None, relax_cap_s=min(5.0, 0.15 * limit_s) + CHILD_START_S,
                    search_cap_s=2.0 * search_s,
                    search_work=int(SEARCH_POSITIONS_PER_S * search_s),
-                   milp_deterministic_s=CPSAT_DTIME_PER_S * 0.6 * limit_s)
+                   milp_deterministic_s=CPSAT_DTIME_PER_S * 0.6 * limit_s,
+                   departure_deterministic_s=DEPARTURE_DTIME_SHARE * limit_s)
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -80,6 +82,10 @@ class WorkLimits:
 # reference machine (BERT-Large at 40%: 6.6 in 19.8 s; GPT-2 XL at 30%: 3.0 in 18.6 s; small
 # models run faster): its work limit is set so that it, not the clock, usually ends the search
 CPSAT_DTIME_PER_S = 0.25
+# the departure bound's deterministic time per second of the limit: one CP-SAT worker does about
+# 0.3 of it per second here, so at most 2/3 of the limit; most CNN rows need 0.3-2 (VGG16 at 90%:
+# 0.45, proven in 1 s)
+DEPARTURE_DTIME_SHARE = 0.2
 # a relaxation runs in a child process: its cap is its solve's share plus this (the child
 # starts in about 0.25 s since it no longer imports scipy.sparse; HiGHS keeps the difference)
 CHILD_START_S = 0.7
@@ -194,7 +200,8 @@ class ExactBackend:
                               solve_coarse=None if not coarse else lambda small, limit_s: self.solve(
                                   small, time_limit_s=limit_s, seed=seed, workers=workers,
                                   deterministic=deterministic),
-                              coarse_limit_s=COARSE_SHARE * limit)
+                              coarse_limit_s=COARSE_SHARE * limit,
+                              departure_work_s=work.departure_deterministic_s)
         heuristic_time = ws.heuristic_sim.step_time_s if ws.heuristic_sim.fits else float("inf")
         warm_time = ws.step_time_s
         bounds = [b for b in (lp_s, ws.bound_s) if b is not None]

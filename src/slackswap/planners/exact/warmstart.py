@@ -15,6 +15,7 @@ formulations/milp.md, "Solving", steps 1-2.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -130,7 +131,13 @@ COARSE_MAX_OPS = 650
 COARSE_MIN_BLOCKS = 4
 COARSE_RATIO = 4
 COARSE_MIN_S = 5.0
-NOT_RELAXATIONS = ("heuristic", "rounded LP", "coarse plan")
+NOT_RELAXATIONS = ("heuristic", "rounded LP", "coarse plan", "departure bound")
+# the departure bound (planners/departures.py) is built for graphs of at most this many
+# positions x saved tensors, and started with at least this much time left; its clock cap is
+# this share of the time left (its work limit, set by the caller, usually ends it first)
+DEPARTURE_CELLS = 100_000
+DEPARTURE_MIN_S = 0.5
+DEPARTURE_CLOCK_SHARE = 0.6
 
 
 def heuristic_start(problem: Problem, deadline: float | None = None
@@ -211,13 +218,57 @@ def coarse_start(problem: Problem, solve_coarse: Callable[[Problem, float], Any]
     return codes
 
 
+class _Background:
+    """One call in a thread that the caller may stop (a CP-SAT search, which releases the GIL)."""
+
+    def __init__(self) -> None:
+        self.solver: Any = None
+        self.value: Any = None
+        self.error: str | None = None
+        self.taken = False
+        self._stopped = False
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+
+    def start(self, call: Callable[[Callable[[Any], None]], Any]) -> None:
+        def on_start(solver) -> None:
+            with self._lock:
+                self.solver = solver
+                if self._stopped:
+                    solver.parameters.max_time_in_seconds = 0.0
+
+        def run() -> None:
+            try:
+                self.value = call(on_start)
+            except Exception as exc:  # noqa: BLE001 - reported as a failed start, not raised
+                self.error = f"{type(exc).__name__}: {exc}"
+
+        self._thread = threading.Thread(target=run, name="slackswap-departure-bound", daemon=True)
+        self._thread.start()
+
+    def result(self) -> Any:
+        """Its value (None if it raised), waiting for it."""
+        self.taken = True
+        if self._thread is not None:
+            self._thread.join()
+        return self.value
+
+    def stop(self) -> None:
+        with self._lock:
+            self._stopped = True
+            if self.solver is not None:
+                self.solver.StopSearch()
+        if self._thread is not None:
+            self._thread.join()
+
+
 def warm_start(problem: Problem, polish: bool = True, bound_s: float | None = None,
                gap: float = OVERHEAD_TARGET, relax_solutions: int | None = None, search_work: int | None = None,
                deadline: float | None = None, relax_cap_s: float = RELAXATION_CAP_S,
                search_cap_s: float | None = None, lp=None, deterministic: bool = False,
                heuristic: tuple[np.ndarray, SimResult] | None = None,
                solve_coarse: Callable[[Problem, float], Any] | None = None,
-               coarse_limit_s: float = 0.0) -> WarmStart:
+               coarse_limit_s: float = 0.0, departure_work_s: float | None = None) -> WarmStart:
     """The heuristic's plan, improved (``polish``) by local search from the decisions of the
     integral relaxation, of its looser form, of it with 2% slower lanes, and of the heuristic,
     whichever simulates fastest. Each further start is tried only while the plan is not yet
@@ -227,7 +278,9 @@ def warm_start(problem: Problem, polish: bool = True, bound_s: float | None = No
     proven within RELAXATION_GAP of the step (or after ``relax_solutions`` improving solutions),
     the local searches after ``search_work`` simulated positions in all. A large graph of
     repeated blocks starts from the plan of a coarse copy (``solve_coarse``, within
-    ``coarse_limit_s``; coarse_start) first. ``deadline`` (a ``time.perf_counter()`` value) is only a cap: what would
+    ``coarse_limit_s``; coarse_start) first. With ``departure_work_s`` (CP-SAT's deterministic
+    time) the departure bound comes first among the relaxations: a bound where single copies
+    are long against the compute, and its decisions a start. ``deadline`` (a ``time.perf_counter()`` value) is only a cap: what would
     start after it is skipped."""
     from ..heuristic import SlackSwapHeuristic
     from ..lpbound import lp_bound
@@ -287,8 +340,49 @@ def warm_start(problem: Problem, polish: bool = True, bound_s: float | None = No
                         "nodes": relaxation.nodes, "clock_stopped": relaxation.clock_stopped}
         if lanes == 1.0 and tight and relaxation.status in ("optimal", "timeout") \
                 and np.isfinite(relaxation.step_time_s):
-            best.bound_s = relaxation.step_time_s  # the real lanes: a valid bound
+            raise_bound(relaxation.step_time_s)  # the real lanes: a valid bound
         return _integral_codes(problem, relaxation) if relaxation.keep else None
+
+    def raise_bound(step_s: float) -> None:
+        best.bound_s = step_s if best.bound_s is None else max(best.bound_s, step_s)
+
+    departure = None
+    if departure_work_s is not None and g.n_slots * len(g.saved) <= DEPARTURE_CELLS:
+        if left() <= DEPARTURE_MIN_S:
+            notes["departure_bound"] = {"status": "skipped", "reason": "deadline",
+                                        "clock_stopped": True}
+        else:
+            # on the second core (CP-SAT releases the GIL) while the integral relaxation runs in
+            # its child process; its answer is taken at a fixed place among the starts, so the
+            # plan does not depend on which finished first
+            from ..departures import departure_bound
+
+            fits = best.sim.fits
+            incumbent, hint = (best.step_time_s, best.codes) if fits else (None, None)
+            cap_s = DEPARTURE_CLOCK_SHARE * left()
+            departure = _Background()
+            departure.start(lambda on_start: departure_bound(
+                g, budget, hw, mask=problem.mask, incumbent_s=incumbent, hint=hint,
+                deterministic_time_s=departure_work_s, time_limit_s=cap_s, on_start=on_start))
+
+    def departure_codes() -> np.ndarray | None:
+        if departure is None:
+            return None
+        found = departure.result()
+        if found is None:
+            notes["departure_bound"] = {"status": "failed", "error": departure.error}
+            return None
+        notes["departure_bound"] = {
+            "status": found.status, "wall_s": found.wall_s, "step_time_s": found.step_time_s,
+            "positions": found.positions, "binaries": found.binaries, "work": found.work,
+            "clock_stopped": found.clock_stopped, **({"note": found.note} if found.note else {})}
+        if found.status == "infeasible" and best.sim.fits:
+            # a plan fits, so the relaxation cannot be infeasible: a fault of the bound, not a proof
+            log.warning("departure bound: infeasible although a plan fits; bound ignored")
+            return None
+        if found.step_time_s is not None and found.status != "skipped":
+            raise_bound(found.step_time_s)
+        return found.codes
 
     def rounded_lp() -> np.ndarray | None:
         if lp is None or lp.status != "optimal" or not lp.keep:
@@ -311,6 +405,7 @@ def warm_start(problem: Problem, polish: bool = True, bound_s: float | None = No
 
     starts = (("coarse plan", coarse_codes),
               ("integral LP", lambda: relaxed_codes("integral_lp")),
+              ("departure bound", departure_codes),
               ("looser integral LP", lambda: relaxed_codes("integral_lp_loose", tight=False)),
               ("integral LP with lane headroom",
                lambda: relaxed_codes("integral_lp_headroom", lanes=LANE_HEADROOM)),
@@ -318,7 +413,9 @@ def warm_start(problem: Problem, polish: bool = True, bound_s: float | None = No
     if deterministic:
         # no clock-capped phase: the LP bound's fractions, rounded, replace the integral
         # relaxations (HiGHS measures no work in their root node)
-        starts = (("coarse plan", coarse_codes), ("rounded LP", rounded_lp),
+        starts = (("coarse plan", coarse_codes),
+                  ("departure bound", departure_codes),
+                  ("rounded LP", rounded_lp),
                   ("heuristic", lambda: h_codes))
     relaxations_fail = False
     for label, make in starts:
@@ -350,5 +447,8 @@ def warm_start(problem: Problem, polish: bool = True, bound_s: float | None = No
         if _better(result.sim, best.sim):
             best = _warm(problem, result.codes, result.sim, f"{label} + local search", h_codes,
                          h_sim, best.bound_s)
+    if departure is not None and not departure.taken:
+        departure.stop()  # the starts ended first (a proof, the work, the clock): not waited for
+        notes["departure_bound"] = {"status": "stopped", "clock_stopped": False}
     best.notes = notes
     return best

@@ -1,0 +1,421 @@
+"""The departure bound: a lower bound on the step time in which swapped tensors leave whole.
+
+The LP bound's lanes are fluid: an offload frees its bytes as they leave, and a fraction of a
+tensor can be swapped. On graphs whose single copies take a large share of the forward pass
+(CNNs on PCIe: one VGG activation takes 2 ms to copy in a 4.8 ms forward pass) that frees memory
+no plan can free, and the LP bound leaves most of a small overhead unproven. This bound keeps
+the decisions integral and the D2H lane a queue of whole tensors with release dates: a tensor
+is off the device at a position only once its whole copy, behind every swapped tensor produced
+before it, is done. It drops what it does not need to stay a relaxation (the H2D lane, rerun
+transients, where the reruns fall), so every plan is a feasible point; CP-SAT solves it exactly
+in integers. formulations/departure-bound.md names every variable and constraint used here.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ..core.budget import parse_budget
+from ..core.graph import ActivationGraph
+from ..core.hardware import Hardware, hardware
+from ..core.plan import KEEP, RECOMPUTE, SWAP
+from ..core.stepmodel import expand, keep_all_codes
+
+# model size past which the bound is not built (departed_by binaries): it is a tool for graphs
+# of tens to a few hundred positions, where single copies are long against the compute
+MAX_BINARIES = 40_000
+TIME_RANGE = 1e7  # time unit: (ideal step + every copy) / TIME_RANGE
+BYTE_RANGE = 1e6  # byte unit: the larger of the budget and the largest tensor / BYTE_RANGE
+
+
+@dataclass(frozen=True)
+class DepartureBound:
+    """``step_time_s``: no plan's step is shorter (None: no bound). ``codes``: the decisions of
+    the relaxation's best point (a start for a plan, not a plan: its schedule is not modelled).
+    ``status``: "optimal" (the relaxation solved), "feasible" (its work limit ended it; the bound
+    is what was proven), "timeout" (the clock did), "infeasible" (no plan fits the budget),
+    "skipped" (too large, ``note`` says), "trivial" (keeping everything fits at every position)."""
+
+    status: str
+    step_time_s: float | None
+    ideal_step_time_s: float
+    wall_s: float
+    codes: np.ndarray | None
+    positions: int = 0
+    binaries: int = 0
+    work: float = 0.0  # CP-SAT's deterministic time spent
+    clock_stopped: bool = False
+    note: str = ""
+
+    @property
+    def overhead_s(self) -> float | None:
+        return None if self.step_time_s is None else self.step_time_s - self.ideal_step_time_s
+
+
+def departure_bound(graph: ActivationGraph, budget, hw: Hardware | str, *,
+                    time_limit_s: float = 10.0, deterministic_time_s: float | None = None,
+                    workers: int = 1, seed: int = 0, incumbent_s: float | None = None,
+                    hint: np.ndarray | None = None, allowed=None, pins=None,
+                    mask: np.ndarray | None = None, max_binaries: int = MAX_BINARIES,
+                    on_start: Callable[[Any], None] | None = None) -> DepartureBound:
+    """The departure bound of ``graph`` within ``budget`` on ``hw`` (formulations/departure-bound.md).
+
+    ``deterministic_time_s``: CP-SAT's work limit over all its rounds, the same bound on any
+    machine (one worker by default: interleaved workers, CP-SAT's deterministic parallel search,
+    took 5x longer to prove VGG16 at 90%); ``time_limit_s`` is the hard cap on the clock.
+    ``hint``: decision codes of a plan that fits; its simulated timeline is the search's first
+    point. ``incumbent_s``: the step time of a known plan, which caps the overhead searched.
+    ``allowed``, ``pins`` (as for ``solve``) or a ready ``mask``: the bound of the restricted
+    problem. ``on_start(solver)`` is called before each round's search with the CP-SAT solver
+    (a caller in another thread may then stop it)."""
+    from ortools.sat.python import cp_model
+
+    began = time.perf_counter()
+    hw = hardware(hw)
+    budget_bytes = parse_budget(budget, graph, hw)
+    if mask is None and (allowed is not None or pins):
+        from ..core.restrict import decision_mask
+
+        mask = decision_mask(graph, allowed, pins)
+    ideal = graph.ideal_step_time_s
+
+    def result(status, bound=None, codes=None, note="", **kw) -> DepartureBound:
+        return DepartureBound(status, bound, ideal, time.perf_counter() - began, codes,
+                              note=note, **kw)
+
+    data = _Data(graph, budget_bytes, hw, mask)
+    if not data.critical:
+        return result("trivial", ideal, keep_all_codes(graph),
+                      note="keeping every tensor fits the budget at every position")
+    if data.binaries(data.critical) > max_binaries:
+        return result("skipped", note=f"{data.binaries(data.critical)} departed_by binaries "
+                      f"(over {max_binaries})", positions=len(data.critical),
+                      binaries=data.binaries(data.critical))
+    if not data.tu > 0:
+        return result("trivial", ideal, keep_all_codes(graph), note="a step of no time")
+    cap = 2**40
+    if incumbent_s is not None and np.isfinite(incumbent_s):
+        cap = data.up(incumbent_s - ideal) + 1  # every plan no slower fits under it
+    # positions_added: the positions most over the budget first; a round's optimum is a valid
+    # bound (fewer rows relax), and where it breaks another position, those join the next round
+    positions = set(sorted(data.critical, key=lambda k: -data.excess[k])[:FIRST_POSITIONS])
+    positions.add(data.critical[0])
+    spent, rounds, best_bound, codes = 0.0, 0, ideal, None
+    while True:
+        rounds += 1
+        whole = len(positions) == len(data.critical)
+        model = _Model(data, sorted(positions))
+        model.cp.Add(model.overhead <= cap)
+        if hint is not None:
+            model.add_hint(hint)
+        solver = cp_model.CpSolver()
+        solver.parameters.num_workers = int(workers)
+        solver.parameters.random_seed = int(seed)
+        # its linear relaxation with the Boolean rows too: proofs in half the work (VGG16 at 80%)
+        solver.parameters.linearization_level = 2
+        clock_left = time_limit_s - (time.perf_counter() - began)
+        solver.parameters.max_time_in_seconds = max(0.05, clock_left)
+        if deterministic_time_s is not None:
+            # a round over some positions gets a share; the round over all gets what is left
+            share = 1.0 if whole else ROUND_SHARE
+            solver.parameters.max_deterministic_time = max(
+                0.01, min(deterministic_time_s - spent, share * deterministic_time_s))
+            solver.parameters.interleave_search = workers > 1
+        if on_start is not None:
+            on_start(solver)
+        solve_began = time.perf_counter()
+        status = solver.Solve(model.cp)
+        spent += solver.deterministic_time
+        clocked = status not in (cp_model.OPTIMAL, cp_model.INFEASIBLE) and \
+            time.perf_counter() - solve_began >= 0.95 * solver.parameters.max_time_in_seconds
+        if status == cp_model.MODEL_INVALID:
+            raise RuntimeError(f"departure bound: CP-SAT rejected the model: {model.cp.Validate()}")
+        sizes = {"positions": len(positions), "binaries": model.binaries, "work": spent,
+                 "clock_stopped": clocked}
+        if status == cp_model.INFEASIBLE:
+            return result("infeasible", note="no plan fits the budget at some position", **sizes)
+        # the integer optimum is at most ceil(true overhead / unit): one unit below its bound is
+        # below every plan's overhead (and fewer positions only relax: each round's is a bound)
+        best_bound = max(best_bound, ideal + max(0.0, (solver.BestObjectiveBound() - 1) * data.tu))
+        if status in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+            codes = model.decisions(solver)
+        broken = model.broken_positions(solver) if status == cp_model.OPTIMAL else None
+        if broken == []:
+            return result("optimal", best_bound, codes, note=f"{rounds} rounds", **sizes)
+        spent_out = deterministic_time_s is not None and spent >= deterministic_time_s * (1 - 1e-9)
+        if whole or spent_out or clocked or time.perf_counter() - began >= 0.95 * time_limit_s:
+            clocked = clocked or not spent_out and not whole
+            return result("timeout" if clocked else "feasible", best_bound, codes,
+                          note=f"{rounds} rounds", **{**sizes, "clock_stopped": clocked})
+        if broken is None:  # the round's share ran out: every position, with the work left
+            positions = set(data.critical)
+        else:
+            positions.update(sorted(broken, key=lambda k: -data.excess[k])[:ADDED_POSITIONS])
+
+
+FIRST_POSITIONS = 8  # the first round's positions (besides the first over the budget)
+ADDED_POSITIONS = 8  # at most this many broken positions join each next round
+# a round over some positions gets at most this share of the work; one that does not solve in it
+# gives way to the round over every position (fewer rows can make the proof harder: VGG19 at
+# 90% over 25 positions was not solved with 10 of work, over all 60 with 0.8)
+ROUND_SHARE = 0.25
+
+
+class _Data:
+    """What the model reads: positions over the budget, the room for saved tensors there, the
+    units (formulations/departure-bound.md, "Units")."""
+
+    def __init__(self, graph: ActivationGraph, budget_bytes: int, hw: Hardware, mask) -> None:
+        self.graph, self.hw, self.budget_bytes, self.mask = graph, hw, budget_bytes, mask
+        S = graph.n_slots
+        saved = self.saved = [int(t) for t in graph.saved]
+        prod = self.prod = graph.producer
+        self.last_fwd = graph.last_forward_use
+        self.first_use = {t: graph.bwd_slot(int(graph.first_backward_use[t])) for t in saved}
+        self.last_use = {t: graph.bwd_slot(int(graph.last_backward_use[t])) for t in saved}
+        nbytes = self.nbytes = graph.tensor_bytes
+        # what every plan holds besides the saved tensors: unsaved tensors and workspace, as
+        # keeping everything has them (the LP bound's constants, lp-bound.md)
+        base = expand(graph, keep_all_codes(graph), None, hw)
+        other = np.zeros(S, dtype=np.int64)
+        for t, s_, e_ in zip(base.iv_tensor, base.iv_start, base.iv_end):
+            if not graph.is_saved[t]:
+                other[s_:e_ + 1] += int(nbytes[t])
+        other += base.point_workspace[base.slot_first_point].astype(np.int64)
+        self.room = [int(budget_bytes) - int(other[k]) for k in range(S)]
+        # saved bytes resident at each position when everything is kept: [producer, last use]
+        held = np.zeros(S + 1, dtype=np.int64)
+        for t in saved:
+            held[prod[t]] += int(nbytes[t])
+            held[self.last_use[t] + 1] -= int(nbytes[t])
+        held = np.cumsum(held)[:S]
+        self.critical = [k for k in range(S) if held[k] > self.room[k]]
+        self.excess = {k: int(held[k]) - self.room[k] for k in self.critical}
+        self.produced = np.sort(np.array([prod[t] for t in saved], dtype=np.int64))
+        self.order = sorted(saved, key=lambda t: (int(prod[t]), t))  # the D2H lane's order
+        copies = sum(hw.d2h_time(int(nbytes[t])) for t in saved)
+        self.tu = (graph.ideal_step_time_s + copies) / TIME_RANGE
+        self.bu = max(1, math.ceil(max(budget_bytes, int(nbytes.max(initial=1))) / BYTE_RANGE))
+        dur = np.concatenate([graph.forward_s, graph.backward_s[::-1]])
+        self.compute_before = np.concatenate([[0.0], np.cumsum(dur)])  # P[k]
+
+    def binaries(self, positions) -> int:
+        return int(np.searchsorted(self.produced, np.array(positions), side="left").sum())
+
+    # every rounding relaxes (formulations/departure-bound.md, "Units"): copy and rerun times
+    # down, time available up (one unit more than the float sum), bytes down, room up
+    def down(self, seconds: float) -> int:
+        return max(0, math.floor(seconds / self.tu * (1 - 1e-9)))
+
+    def up(self, seconds: float) -> int:
+        return math.ceil(seconds / self.tu * (1 + 1e-9)) + 1
+
+
+class _Model:
+    """The CP-SAT model over some positions, and what reads, checks and hints it."""
+
+    def __init__(self, data: _Data, positions: list[int]) -> None:
+        from ortools.sat.python import cp_model
+
+        self.data = d = data
+        g, n = d.graph, d.graph.n_ops
+        m = self.cp = cp_model.CpModel()
+        saved, mask = d.saved, d.mask
+        swap = self.swap = {t: m.NewBoolVar(f"swap[{t}]") for t in saved}
+        recompute = self.recompute = {t: m.NewBoolVar(f"recompute[{t}]") for t in saved}
+        for t in saved:
+            m.Add(swap[t] + recompute[t] <= 1)  # one_decision[x] (keep: neither)
+            if not g.can_recompute[t]:
+                m.Add(recompute[t] == 0)
+            if mask is not None:  # allowed_decision[x, c]
+                if not mask[t, KEEP]:
+                    m.Add(swap[t] + recompute[t] == 1)
+                if not mask[t, SWAP]:
+                    m.Add(swap[t] == 0)
+                if not mask[t, RECOMPUTE]:
+                    m.Add(recompute[t] == 0)
+        for group in g.rng_groups.values():  # random_group[g]
+            for a, b in zip(group, group[1:]):
+                m.Add(recompute[int(a)] == recompute[int(b)])
+        rerun_ops = sorted({int(q) for t in saved for q in g.rerun_ops[t]})
+        rerun = self.rerun = {q: m.NewBoolVar(f"rerun[{q}]") for q in rerun_ops}
+        self.rerun_of: dict[int, list[int]] = {q: [] for q in rerun_ops}
+        for t in saved:
+            for q in g.rerun_ops[t]:
+                m.AddImplication(recompute[t], rerun[int(q)])  # rerun_cover[x, q]
+                self.rerun_of[int(q)].append(t)
+        self.rerun_units = {q: d.down(float(g.forward_s[q])) for q in rerun_ops}
+        horizon = 2**40
+        overhead = self.overhead = m.NewIntVar(0, horizon, "overhead")
+        stall = self.stall = [m.NewIntVar(0, horizon, f"stall_before[{k}]") for k in range(n)]
+        for k in range(n - 1):
+            m.Add(stall[k] <= stall[k + 1])  # stall_monotone[k]
+        # overhead_split: forward stalls and reruns (backward only) take disjoint time
+        m.Add(stall[n - 1] + sum(self.rerun_units[q] * rerun[q] for q in rerun_ops) <= overhead)
+        self.copy_units = {t: d.down(d.hw.d2h_time(int(d.nbytes[t]))) for t in saved}
+        self.departed, self.ahead, self.busy = {}, {}, {}
+        self.binaries = 0
+        self.positions = set(positions)
+        for k in positions:
+            self._position(k)
+        m.Minimize(overhead)
+
+    def _position(self, k: int) -> None:
+        d, m, n = self.data, self.cp, self.data.graph.n_ops
+        P, prod, swap = d.compute_before, d.prod, self.swap
+        before = [t for t in d.order if prod[t] < k]
+        slack = self.stall[k] if k < n else self.overhead
+        departed = {}
+        for t in before:
+            departed[t] = self.departed[t, k] = m.NewBoolVar(f"departed_by[{t},{k}]")
+            m.AddImplication(departed[t], swap[t])  # departed_swapped[x, k]
+        self.binaries += len(departed)
+        groups = sorted({int(prod[t]) for t in before})
+        members = {p: [t for t in before if prod[t] == p] for p in groups}
+        previous = None
+        for p_prev, p in zip(groups, groups[1:]):
+            # departure_prefix[p, k]: the lane is first in first out in production order
+            ahead = m.NewBoolVar(f"all_before_departed[{p},{k}]")
+            self.ahead[p, k] = (ahead, [t for q in groups if q < p for t in members[q]])
+            if previous is not None:
+                m.AddImplication(ahead, previous)
+            for y in members[p_prev]:
+                m.AddBoolOr([ahead.Not(), swap[y].Not(), departed[y]])
+            for x in members[p]:
+                m.AddImplication(departed[x], ahead)
+            previous = ahead
+        # lane_busy[p, k]: copies released at or after op p's end and done by k's start fit
+        # between the two; suffix sums keep the rows short
+        later = None
+        for p in reversed(groups):
+            work = sum(self.copy_units[t] * departed[t] for t in members[p])
+            busy = m.NewIntVar(0, sum(self.copy_units[t] for t in before), f"lane_busy[{p},{k}]")
+            self.busy[p, k] = (busy, [t for q in groups if q >= p for t in members[q]])
+            m.Add(busy == work + (later if later is not None else 0))
+            m.Add(busy <= d.up(P[k] - P[p + 1]) + slack)
+            later = busy
+        # memory_at[k]: resident saved bytes within the room; a tensor is away between its
+        # last forward use and first backward use when recomputed, or swapped and departed
+        held, away = self._held_away(k)
+        m.Add(held - sum(b * self.recompute[t] for b, t in away)
+              - sum(b * departed[t] for b, t in away if t in departed) <= -(-d.room[k] // d.bu))
+
+    def _held_away(self, k: int) -> tuple[int, list[tuple[int, int]]]:
+        d = self.data
+        resident = [t for t in d.saved if d.prod[t] <= k <= d.last_use[t]]
+        held = sum(int(d.nbytes[t]) // d.bu for t in resident)
+        away = [(int(d.nbytes[t]) // d.bu, t) for t in resident
+                if d.last_fwd[t] < k < d.first_use[t]]
+        return held, away
+
+    def decisions(self, solver) -> np.ndarray:
+        codes = keep_all_codes(self.data.graph).copy()
+        for t in self.swap:
+            codes[t] = SWAP if solver.Value(self.swap[t]) else \
+                RECOMPUTE if solver.Value(self.recompute[t]) else KEEP
+        return codes
+
+    def add_hint(self, codes: np.ndarray) -> None:
+        """The point of a plan with these decisions: its simulated timeline gives which copies
+        are done by each position and the stalls; only the decisions when it does not fit."""
+        from ..check.simulate import simulate_decisions
+
+        d, m = self.data, self.cp
+        g, tu = d.graph, d.tu
+        for t in self.swap:
+            m.AddHint(self.swap[t], int(codes[t] == SWAP))
+            m.AddHint(self.recompute[t], int(codes[t] == RECOMPUTE))
+        sim = simulate_decisions(g, np.asarray(codes), d.hw, d.budget_bytes)
+        if not sim.fits:
+            return
+        n = g.n_ops
+        begins: dict[int, float] = {}
+        for s0, _, op, kind in sim.compute_intervals:
+            if kind == 0:
+                begins.setdefault(int(op), float(s0))
+            elif kind == 2:
+                begins.setdefault(2 * n - 1 - int(op), float(s0))
+        done = {int(t): float(e) for _, e, t in sim.d2h_intervals}
+        gone = {(t, k): int(codes[t] == SWAP and done.get(t, np.inf) <= begins.get(k, -np.inf))
+                for t, k in self.departed}
+        for key, var in self.departed.items():
+            m.AddHint(var, gone[key])
+        for (_, k), (var, tensors) in self.ahead.items():
+            m.AddHint(var, int(all(gone[t, k] or codes[t] != SWAP for t in tensors)))
+        for (_, k), (var, tensors) in self.busy.items():
+            m.AddHint(var, sum(self.copy_units[t] * gone[t, k] for t in tensors))
+        stalls = [max(0, math.ceil((begins.get(k, 0.0) - d.compute_before[k]) / tu) + 1)
+                  for k in range(n)]
+        for k in range(n):
+            stalls[k] = max(stalls[k], stalls[k - 1] if k else 0)
+            m.AddHint(self.stall[k], stalls[k])
+        reruns = sum(units for q, units in self.rerun_units.items()
+                     if any(codes[t] == RECOMPUTE for t in self.rerun_of[q]))
+        m.AddHint(self.overhead, max(math.ceil((sim.step_time_s - g.ideal_step_time_s) / tu) + 2,
+                                     stalls[-1] + reruns))
+
+    def broken_positions(self, solver) -> list[int]:
+        """Positions over the budget, not in this model, whose rows the solution's decisions
+        break however the copies done by then are chosen: each stall at its largest (the next
+        modelled position's, or what the overhead leaves), copies done whole group by group in
+        the lane's order while every lane_busy row holds, then one by one in the last group."""
+        d, n = self.data, self.data.graph.n_ops
+        modelled = self.positions
+        swapped = [t for t in d.order if solver.Value(self.swap[t])]
+        recomputed = {t for t in d.saved if solver.Value(self.recompute[t])}
+        overhead = solver.Value(self.overhead)
+        reruns = sum(u * solver.Value(self.rerun[q]) for q, u in self.rerun_units.items())
+        stalls = [solver.Value(v) for v in self.stall]
+        # the largest stall each forward position may have: the next modelled one's, or what
+        # the overhead leaves beside the reruns
+        largest = [overhead - reruns] * n
+        ceiling = overhead - reruns
+        for k in range(n - 1, -1, -1):
+            if k in modelled:
+                ceiling = stalls[k]
+            largest[k] = max(ceiling, stalls[k])
+        broken = []
+        for k in d.critical:
+            if k in modelled:
+                continue
+            done = self._copies_done(k, swapped, largest[k] if k < n else overhead)
+            held, away = self._held_away(k)
+            freed = sum(b for b, t in away if t in recomputed or t in done)
+            if held - freed > -(-d.room[k] // d.bu):
+                broken.append(k)
+        return broken
+
+    def _copies_done(self, k: int, swapped: list[int], slack: int) -> set[int]:
+        """Copies done by position k: whole producer groups in the lane's order while every
+        lane_busy row holds, then the largest of the next group that still fit (first in first
+        out: nothing after that group can be done)."""
+        d = self.data
+        P, prod, units = d.compute_before, d.prod, self.copy_units
+        groups = sorted({int(prod[t]) for t in swapped if prod[t] < k})
+        room = {p: d.up(P[k] - P[p + 1]) + slack for p in groups}  # lane time, p's end to k
+        load = dict.fromkeys(groups, 0)
+        done: set[int] = set()
+
+        def take(tensors: list[int], p: int) -> bool:
+            cost = sum(units[t] for t in tensors)
+            if any(load[q] + cost > room[q] for q in groups if q <= p):
+                return False
+            for q in groups:
+                if q <= p:
+                    load[q] += cost
+            done.update(tensors)
+            return True
+
+        for p in groups:
+            members = [t for t in swapped if prod[t] == p]
+            if not take(members, p):
+                for t in sorted(members, key=lambda x: -int(d.nbytes[x])):
+                    take([t], p)
+                break
+        return done

@@ -1,0 +1,120 @@
+"""The departure bound: whole tensors on a first-in-first-out D2H lane (planners/departures.py)."""
+
+import numpy as np
+import pytest
+from helpers import HALF_DUPLEX, LINK, graph, op, random_graphs, random_plans, tensor
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
+
+import slackswap as ss
+from slackswap.check.simulate import simulate_decisions
+from slackswap.core.plan import KEEP, RECOMPUTE, SWAP
+from slackswap.core.stepmodel import decision_codes
+from slackswap.planners.departures import departure_bound
+
+LATENCY_LINK = LINK.with_link(name="test-latency", latency_s=0.05)
+SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+def two_ops():
+    # a (100 B) made by A (1 s) must be gone during B for a + b (60 B) to fit in 130 B
+    return graph([op("A", 1, 1, ["x"], ["a"]), op("B", 1, 1, ["x"], ["b"])],
+                 [tensor("a", 100, ["A"]), tensor("b", 60)])
+
+
+def test_a_copy_frees_its_tensor_only_once_it_is_whole():
+    # ideal step: 1 + 1 forward, 1 + 1 backward = 4 s. The fluid lane frees 30 B of a after a
+    # 0.3 s stall (LP bound 4.3 s). Whole: a's copy (100 B at 100 B/s) ends 1 s after A, so B
+    # waits 1 s; rerunning A costs 1 s too: the optimum, and the bound, is 5 s
+    g = two_ops()
+    assert ss.lp_bound(g, 130, LINK).step_time_s == pytest.approx(4.3)
+    bound = departure_bound(g, 130, LINK, deterministic_time_s=5.0)
+    assert bound.status == "optimal"
+    assert bound.step_time_s == pytest.approx(5.0, rel=1e-6) and bound.step_time_s <= 5.0
+    best = ss.solve(g, 130, LINK, solver="cpsat", gap=0.0)
+    assert ss.simulate(g, best, LINK).step_time_s == pytest.approx(5.0)
+
+
+def test_a_faster_link_lowers_it_by_the_copy_time_saved():
+    # at 200 B/s a's copy takes 0.5 s: B waits 0.5 s, step 4.5 s (rerunning A would cost 1 s)
+    fast = LINK.with_link(name="test-fast", d2h_bytes_per_s=200.0, h2d_bytes_per_s=200.0)
+    bound = departure_bound(two_ops(), 130, fast, deterministic_time_s=5.0)
+    assert bound.step_time_s == pytest.approx(4.5, rel=1e-6)
+    assert bound.codes is not None and bound.codes[two_ops().tensor_index["a"]] == SWAP
+
+
+def test_its_decisions_keep_to_the_allowed_ones():
+    g = two_ops()
+    only_recompute = departure_bound(g, 130, LINK, allowed=("keep", "recompute"),
+                                     deterministic_time_s=5.0)
+    a = g.tensor_index["a"]
+    assert only_recompute.codes[a] == RECOMPUTE
+    assert only_recompute.step_time_s == pytest.approx(5.0, rel=1e-6)
+    pinned = departure_bound(g, 130, LINK, pins={"a": "keep"}, deterministic_time_s=5.0)
+    assert pinned.status == "infeasible"  # a kept and b made: 160 B in 130 B, whatever else
+
+
+def test_nothing_to_free_and_too_large_are_said():
+    g = two_ops()
+    assert departure_bound(g, 160, LINK).status == "trivial"
+    skipped = departure_bound(g, 130, LINK, max_binaries=0)
+    assert skipped.status == "skipped" and skipped.step_time_s is None and "binaries" in skipped.note
+
+
+@SETTINGS
+@given(random_plans(low=1 / 3, high=1.0), st.sampled_from([LINK, HALF_DUPLEX, LATENCY_LINK]))
+def test_every_plan_is_a_point_of_it(case, hw):
+    """A plan's simulated timeline is a point of the model (its complete hint): with the model
+    capped at the plan's own step, it must still find a point, and its bound stays below."""
+    g, p = case
+    codes = decision_codes(g, p)
+    sim = simulate_decisions(g, codes, hw, p.budget_bytes)
+    assume(sim.fits)
+    bound = departure_bound(g, p.budget_bytes, hw, incumbent_s=sim.step_time_s, hint=codes,
+                            deterministic_time_s=5.0)
+    assert bound.status in ("optimal", "trivial"), bound
+    assert bound.step_time_s <= sim.step_time_s * (1 + 1e-9)
+
+
+@st.composite
+def graph_and_budget(draw):
+    g = draw(random_graphs())
+    lo, hi = ss.min_budget(g, LINK), ss.keep_all_peak(g, LINK)
+    return g, draw(st.integers(max(lo, 1), max(hi, lo, 1)))
+
+
+@pytest.mark.slow
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(graph_and_budget(), st.sampled_from([LINK, HALF_DUPLEX, LATENCY_LINK]))
+def test_no_plan_beats_the_departure_bound(case, hw):
+    """The exact optimum over every schedule position (gap 0) is never below it, and its
+    decisions never take a decision the tensor cannot."""
+    g, budget = case
+    bound = departure_bound(g, budget, hw, deterministic_time_s=5.0)
+    assert bound.status in ("optimal", "trivial", "infeasible")
+    if bound.status == "infeasible":
+        return
+    can_recompute = g.can_recompute
+    assert not any(bound.codes[t] == RECOMPUTE and not can_recompute[t] for t in g.saved)
+    assert set(np.unique(bound.codes[g.saved])) <= {KEEP, SWAP, RECOMPUTE}
+    p = ss.solve(g, budget, hw, solver="cpsat", gap=0.0, time_limit_s=20.0, strict=False)
+    sim = ss.simulate(g, p, hw)
+    if sim.fits:
+        assert ss.validate(g, p, hw).ok
+        assert sim.step_time_s >= bound.step_time_s * (1 - 1e-9)
+
+
+@pytest.mark.slow
+def test_it_proves_cnn_plans_with_swaps_in_the_time_limit():
+    """FCN8 at 90% with swaps: the LP bound leaves 90% of the overhead unproven; the departure
+    bound is the optimum, and the local search from its decisions reaches it."""
+    hw = ss.hardware("a100-80gb-pcie4")
+    g = ss.cnn_graph("fcn8", hw, batch=16)
+    p = ss.solve(g, 0.9, hw, solver="cpsat", time_limit_s=10.0)
+    note = p.info.extra["departure_bound"]
+    assert note["status"] == "optimal"
+    assert p.info.status == "optimal" and p.info.overhead_gap <= 0.01
+    assert p.info.extra["warm_start"] == "departure bound + local search"
+    lp = ss.lp_bound(g, 0.9, hw)
+    ideal = g.ideal_step_time_s
+    assert (lp.step_time_s - ideal) < 0.5 * (p.info.predicted_step_time_s - ideal)
