@@ -31,6 +31,7 @@ __all__ = [
 
 _LAZY = {
     "lp_bound": ("slackswap.planners.lpbound", "lp_bound"),
+    "departure_bound": ("slackswap.planners.departures", "departure_bound"),
     "profile": ("slackswap.runtime.profiler", "profile"),
     "calibrate_link": ("slackswap.runtime.profiler", "calibrate_link"),
     "apply": ("slackswap.runtime.executor", "apply"),

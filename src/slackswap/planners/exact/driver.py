@@ -72,7 +72,8 @@ class WorkLimits:
                    search_cap_s=2.0 * search_s,
                    search_work=int(SEARCH_POSITIONS_PER_S * search_s),
                    milp_deterministic_s=CPSAT_DTIME_PER_S * 0.6 * limit_s,
-                   departure_deterministic_s=DEPARTURE_DTIME_SHARE * limit_s)
+                   departure_deterministic_s=min(DEPARTURE_DTIME_SHARE * limit_s,
+                                                 DEPARTURE_DTIME_MAX))
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -82,10 +83,13 @@ class WorkLimits:
 # reference machine (BERT-Large at 40%: 6.6 in 19.8 s; GPT-2 XL at 30%: 3.0 in 18.6 s; small
 # models run faster): its work limit is set so that it, not the clock, usually ends the search
 CPSAT_DTIME_PER_S = 0.25
-# the departure bound's deterministic time per second of the limit: one CP-SAT worker does about
-# 0.3 of it per second here, so at most 2/3 of the limit; most CNN rows need 0.3-2 (VGG16 at 90%:
-# 0.45, proven in 1 s)
+# the departure bound's deterministic time per second of the limit, and at most: one CP-SAT worker
+# does 0.25-0.35 of it per second here, so at most 2/3 of the limit (it runs beside the integral
+# relaxations, and the planner waits for what is left of it after them). The CNN rows it solves
+# need 0.1-2 (VGG16 at 90%: 0.16, 0.6 s); a 4-layer GPT-style step at 40% was proven at 60 s with
+# 12 and not with 4; an 8-layer one ran its 12 (36 s) unsolved, the planner waiting 18 s of it
 DEPARTURE_DTIME_SHARE = 0.2
+DEPARTURE_DTIME_MAX = 12.0
 # a relaxation runs in a child process: its cap is its solve's share plus this (the child
 # starts in about 0.25 s since it no longer imports scipy.sparse; HiGHS keeps the difference)
 CHILD_START_S = 0.7

@@ -352,9 +352,9 @@ def warm_start(problem: Problem, polish: bool = True, bound_s: float | None = No
             notes["departure_bound"] = {"status": "skipped", "reason": "deadline",
                                         "clock_stopped": True}
         else:
-            # on the second core (CP-SAT releases the GIL) while the integral relaxation runs in
-            # its child process; its answer is taken at a fixed place among the starts, so the
-            # plan does not depend on which finished first
+            # on the second core (CP-SAT releases the GIL) while the integral relaxations run in
+            # their child processes; its answer is taken at a fixed place among the starts (after
+            # theirs), so the plan does not depend on which finished first
             from ..departures import departure_bound
 
             fits = best.sim.fits
@@ -405,10 +405,10 @@ def warm_start(problem: Problem, polish: bool = True, bound_s: float | None = No
 
     starts = (("coarse plan", coarse_codes),
               ("integral LP", lambda: relaxed_codes("integral_lp")),
-              ("departure bound", departure_codes),
               ("looser integral LP", lambda: relaxed_codes("integral_lp_loose", tight=False)),
               ("integral LP with lane headroom",
                lambda: relaxed_codes("integral_lp_headroom", lanes=LANE_HEADROOM)),
+              ("departure bound", departure_codes),
               ("heuristic", lambda: h_codes))
     if deterministic:
         # no clock-capped phase: the LP bound's fractions, rounded, replace the integral
