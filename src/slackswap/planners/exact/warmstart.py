@@ -347,7 +347,10 @@ def warm_start(problem: Problem, polish: bool = True, bound_s: float | None = No
         best.bound_s = step_s if best.bound_s is None else max(best.bound_s, step_s)
 
     departure = None
-    if departure_work_s is not None and g.n_slots * len(g.saved) <= DEPARTURE_CELLS:
+    # with no tensor allowed to swap there is no copy lane for it to see: the LP bound and the
+    # integral relaxation cover that case (recompute-only CNN rows: 20 of 21 proven without it)
+    swappable = problem.mask is None or bool(problem.mask[g.saved, SWAP].any())
+    if departure_work_s is not None and swappable and g.n_slots * len(g.saved) <= DEPARTURE_CELLS:
         if left() <= DEPARTURE_MIN_S:
             notes["departure_bound"] = {"status": "skipped", "reason": "deadline",
                                         "clock_stopped": True}
