@@ -279,8 +279,8 @@ def warm_start(problem: Problem, polish: bool = True, bound_s: float | None = No
     the local searches after ``search_work`` simulated positions in all. A large graph of
     repeated blocks starts from the plan of a coarse copy (``solve_coarse``, within
     ``coarse_limit_s``; coarse_start) first. With ``departure_work_s`` (CP-SAT's deterministic
-    time) the departure bound comes first among the relaxations: a bound where single copies
-    are long against the compute, and its decisions a start. ``deadline`` (a ``time.perf_counter()`` value) is only a cap: what would
+    time) the departure bound runs beside the integral relaxations and is taken after them: a
+    bound where single copies are long against the compute, and its decisions a start. ``deadline`` (a ``time.perf_counter()`` value) is only a cap: what would
     start after it is skipped."""
     from ..heuristic import SlackSwapHeuristic
     from ..lpbound import lp_bound
@@ -372,8 +372,9 @@ def warm_start(problem: Problem, polish: bool = True, bound_s: float | None = No
         if departure is None:
             return None
         found = departure.result()
-        if found is None:
+        if found is None:  # a failed phase, like a native solver's crash: the others go on
             notes["departure_bound"] = {"status": "failed", "error": departure.error}
+            log.warning("departure bound failed: %s", departure.error)
             return None
         notes["departure_bound"] = {
             "status": found.status, "wall_s": found.wall_s, "step_time_s": found.step_time_s,
