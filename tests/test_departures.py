@@ -54,6 +54,15 @@ def test_its_decisions_keep_to_the_allowed_ones():
     assert pinned.status == "infeasible"  # a kept and b made: 160 B in 130 B, whatever else
 
 
+def test_keeping_everything_is_no_start_where_a_tensor_may_not_be_kept():
+    # 160 B fit in 160 B (trivial), but allowed=("swap",) forbids keeping: no keep-all start,
+    # and the exact planner's plan swaps every saved tensor
+    g = two_ops()
+    assert departure_bound(g, 160, LINK, allowed=("swap",)).codes is None
+    p = ss.solve(g, 160, LINK, solver="cpsat", allowed=("swap",))
+    assert set(p.decisions.values()) == {"swap"}
+
+
 def test_nothing_to_free_and_too_large_are_said():
     g = two_ops()
     assert departure_bound(g, 160, LINK).status == "trivial"
@@ -107,11 +116,14 @@ def test_no_plan_beats_the_departure_bound(case, hw):
 @pytest.mark.slow
 def test_it_proves_cnn_plans_with_swaps_in_the_time_limit():
     """FCN8 at 90% with swaps: the LP bound leaves 90% of the overhead unproven; the departure
-    bound is the optimum, and the local search from its decisions reaches it."""
+    bound is the optimum, and the local search from its decisions reaches it. It runs in a thread
+    beside the integral relaxations; taken at a fixed place, it gives the same plan twice."""
     hw = ss.hardware("a100-80gb-pcie4")
     g = ss.cnn_graph("fcn8", hw, batch=16)
-    p = ss.solve(g, 0.9, hw, solver="cpsat", time_limit_s=10.0)
+    p, again = (ss.solve(g, 0.9, hw, solver="cpsat", time_limit_s=10.0) for _ in range(2))
+    assert p.decisions == again.decisions and p.info.bound == again.info.bound
     note = p.info.extra["departure_bound"]
+    assert note["work"] == again.info.extra["departure_bound"]["work"]
     assert note["status"] == "optimal"
     assert p.info.status == "optimal" and p.info.overhead_gap <= 0.01
     assert p.info.extra["warm_start"] == "departure bound + local search"

@@ -90,15 +90,18 @@ def departure_bound(graph: ActivationGraph, budget, hw: Hardware | str, *,
                               note=note, **kw)
 
     data = _Data(graph, budget_bytes, hw, mask)
+    keep_all = keep_all_codes(graph)
+    if mask is not None and not mask[graph.saved, KEEP].all():
+        keep_all = None  # a tensor may not be kept: keeping everything is no start
     if not data.critical:
-        return result("trivial", ideal, keep_all_codes(graph),
+        return result("trivial", ideal, keep_all,
                       note="keeping every tensor fits the budget at every position")
     if data.binaries(data.critical) > max_binaries:
         return result("skipped", note=f"{data.binaries(data.critical)} departed_by binaries "
                       f"(over {max_binaries})", positions=len(data.critical),
                       binaries=data.binaries(data.critical))
     if not data.tu > 0:
-        return result("trivial", ideal, keep_all_codes(graph), note="a step of no time")
+        return result("trivial", ideal, keep_all, note="a step of no time")
     cap = 2**40
     if incumbent_s is not None and np.isfinite(incumbent_s):
         cap = data.up(incumbent_s - ideal) + 1  # every plan no slower fits under it

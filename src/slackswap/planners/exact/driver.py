@@ -150,7 +150,7 @@ class ExactBackend:
     # model may then use a finer time unit (formulations/milp.md, "Scaling and rounding")
     exact_arithmetic = False
     options = frozenset({"seed", "workers", "warm_start", "full", "strategy", "polish", "gap", "coarse",
-                         "log", "linearization_level", "deterministic"})
+                         "log", "linearization_level", "deterministic", "departure"})
 
     def is_available(self) -> bool:
         return True
@@ -162,7 +162,7 @@ class ExactBackend:
     def solve(self, problem: Problem, time_limit_s: float | None = None, seed: int = 0,
               workers: int = 2, warm_start: bool = True, full: bool | None = None,
               strategy: str = "auto", polish: bool = True, deterministic: bool = False,
-              coarse: bool = True, **options: Any) -> Solution:
+              coarse: bool = True, departure: bool = True, **options: Any) -> Solution:
         from ..lpbound import lp_bound
         from .decode import decode
         from .warmstart import heuristic_start
@@ -203,9 +203,9 @@ class ExactBackend:
                               deterministic=deterministic, heuristic=heuristic,
                               solve_coarse=None if not coarse else lambda small, limit_s: self.solve(
                                   small, time_limit_s=limit_s, seed=seed, workers=workers,
-                                  deterministic=deterministic),
+                                  deterministic=deterministic, departure=departure),
                               coarse_limit_s=COARSE_SHARE * limit,
-                              departure_work_s=work.departure_deterministic_s)
+                              departure_work_s=work.departure_deterministic_s if departure else None)
         heuristic_time = ws.heuristic_sim.step_time_s if ws.heuristic_sim.fits else float("inf")
         warm_time = ws.step_time_s
         bounds = [b for b in (lp_s, ws.bound_s) if b is not None]

@@ -386,7 +386,13 @@ def warm_start(problem: Problem, polish: bool = True, bound_s: float | None = No
             return None
         if found.step_time_s is not None and found.status != "skipped":
             raise_bound(found.step_time_s)
-        return found.codes
+        codes = found.codes
+        if codes is not None and problem.mask is not None and \
+                not problem.mask[g.saved, codes[g.saved]].all():
+            # never a start outside the allowed decisions (its rows forbid them: a fault)
+            log.warning("departure bound: decisions outside the allowed ones; start dropped")
+            return None
+        return codes
 
     def rounded_lp() -> np.ndarray | None:
         if lp is None or lp.status != "optimal" or not lp.keep:
