@@ -64,9 +64,19 @@ def test_keeping_everything_is_no_start_where_a_tensor_may_not_be_kept():
     assert set(p.decisions.values()) == {"swap"}
 
 
+def test_an_incumbent_below_every_plan_is_a_bound_not_an_infeasible_budget():
+    # the optimum is 5 s: asked to search under 4.5 s it finds no point, which proves every plan
+    # slower than that, not that no plan fits
+    capped = departure_bound(two_ops(), 130, LINK, incumbent_s=4.5, deterministic_time_s=5.0)
+    assert capped.status == "feasible" and "incumbent_s" in capped.note
+    assert 4.5 <= capped.step_time_s <= 5.0
+
+
 def test_nothing_to_free_and_too_large_are_said():
     g = two_ops()
     assert departure_bound(g, 160, LINK).status == "trivial"
+    with pytest.raises(ValueError, match="hint"):
+        departure_bound(g, 130, LINK, hint=np.zeros(5, dtype=np.int8))
     skipped = departure_bound(g, 130, LINK, max_binaries=0)
     assert skipped.status == "skipped" and skipped.step_time_s is None and "binaries" in skipped.note
 

@@ -70,7 +70,8 @@ def departure_bound(graph: ActivationGraph, budget, hw: Hardware | str, *,
     machine (one worker by default: interleaved workers, CP-SAT's deterministic parallel search,
     took 5x longer to prove VGG16 at 90%); ``time_limit_s`` is the hard cap on the clock.
     ``hint``: decision codes of a plan that fits; its simulated timeline is the search's first
-    point. ``incumbent_s``: the step time of a known plan, which caps the overhead searched.
+    point. ``incumbent_s``: the step time of a known plan, which caps the overhead searched (when
+    no point is under the cap, the bound is the cap, status "feasible", never "infeasible").
     ``allowed``, ``pins`` (as for ``solve``) or a ready ``mask``: the bound of the restricted
     problem. ``on_start(solver)`` is called before each round's search with the CP-SAT solver
     (a caller in another thread may then stop it)."""
@@ -84,6 +85,11 @@ def departure_bound(graph: ActivationGraph, budget, hw: Hardware | str, *,
 
         mask = decision_mask(graph, allowed, pins)
     ideal = graph.ideal_step_time_s
+    if hint is not None:
+        hint = np.asarray(hint)
+        if hint.shape != (len(graph.tensors),):
+            raise ValueError(f"departure_bound: hint must hold one decision code per tensor "
+                             f"({len(graph.tensors)}), got shape {hint.shape}")
 
     def result(status, bound=None, codes=None, note="", **kw) -> DepartureBound:
         return DepartureBound(status, bound, ideal, time.perf_counter() - began, codes,
@@ -142,6 +148,11 @@ def departure_bound(graph: ActivationGraph, budget, hw: Hardware | str, *,
         sizes = {"positions": len(positions), "binaries": model.binaries, "work": spent,
                  "clock_stopped": clocked}
         if status == cp_model.INFEASIBLE:
+            if cap < 2**40:
+                # capped at incumbent_s: no point that fast, so every plan is slower than cap
+                # units (its point has at most ceil(overhead / unit)); not "no plan fits"
+                return result("feasible", ideal + cap * data.tu, codes,
+                              note=f"no plan is as fast as incumbent_s ({rounds} rounds)", **sizes)
             return result("infeasible", note="no plan fits the budget at some position", **sizes)
         # the integer optimum is at most ceil(true overhead / unit): one unit below its bound is
         # below every plan's overhead (and fewer positions only relax: each round's is a bound)

@@ -380,9 +380,14 @@ def warm_start(problem: Problem, polish: bool = True, bound_s: float | None = No
             "status": found.status, "wall_s": found.wall_s, "step_time_s": found.step_time_s,
             "positions": found.positions, "binaries": found.binaries, "work": found.work,
             "clock_stopped": found.clock_stopped, **({"note": found.note} if found.note else {})}
-        if found.status == "infeasible" and best.sim.fits:
-            # a plan fits, so the relaxation cannot be infeasible: a fault of the bound, not a proof
-            log.warning("departure bound: infeasible although a plan fits; bound ignored")
+        beaten = found.step_time_s is not None and best.sim.fits and \
+            found.step_time_s > best.step_time_s * (1 + 1e-9)
+        if (found.status == "infeasible" or beaten) and best.sim.fits:
+            # a plan fits and is this fast: the relaxation cannot say otherwise; a fault of the
+            # bound, not a proof
+            log.warning("departure bound: %s although a plan fits at %.9g s; bound ignored",
+                        found.status if not beaten else f"bound {found.step_time_s:.9g} s",
+                        best.step_time_s)
             return None
         if found.step_time_s is not None and found.status != "skipped":
             raise_bound(found.step_time_s)
