@@ -3,6 +3,7 @@ spawned children): distributed training with and without a plan, written to JSON
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import traceback
@@ -120,7 +121,9 @@ def train(kind: str, wrapping: str, variant: str, rank: int) -> dict:
                       valid=ss.validate(graph, plan).ok, digest=plan.graph_digest,
                       recomputed=sum(d == "recompute" for d in plan.decisions.values()),
                       collectives=[[c.name, c.phase, c.d2h_bytes, c.h2d_bytes]
-                                   for c in graph.collectives])
+                                   for c in graph.collectives],
+                      root_tensors=[t.name for t in graph.tensors
+                                    if t.name.split("#")[0] == "model"])
     peaks = []
     for step in range(STEPS):
         torch.manual_seed(1000 + step)
@@ -165,7 +168,16 @@ def run_case(rank: int, world: int, port: int, kind: str, wrapping: str, variant
         out["error"] = traceback.format_exc()
     finally:
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps(out))
-        dist.destroy_process_group()
+        _leave()
+
+
+def _leave() -> None:
+    """Free the DDP and FSDP wrappers (reference cycles hold them, and through them the process
+    group) while the interpreter is whole, and leave together: a process group torn down at
+    interpreter exit aborts the process ("terminate called without an active exception")."""
+    gc.collect()
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 def mismatch_case(rank: int, world: int, port: int, fault: str, out_dir: str) -> None:

@@ -297,7 +297,9 @@ class Run:
         try:
             tracer.__exit__(None, None, None)
         finally:
-            tracer.step = None
+            # the tracer's own cycle (its lifetime tracker calls back into it) would otherwise
+            # hold the run, and through it the model, until the cyclic collector runs
+            tracer.step = tracer.run = None
             if not step.checked and step.finished:
                 # a forward that raised proves nothing about the plan: the user's error stands
                 step.checked = True

@@ -232,12 +232,22 @@ class GpuClock:
                 trace.backward_s[key] = trace.backward_s.get(key, 0.0) + seconds
 
 
+def _is_ddp(module: torch.nn.Module) -> bool:
+    parallel = getattr(torch.nn, "parallel", None)
+    ddp = getattr(parallel, "DistributedDataParallel", None)
+    return ddp is not None and isinstance(module, ddp)
+
+
 class ModulePaths:
-    """Keeps the path of the module whose forward is running."""
+    """Keeps the path of the module whose forward is running, and whether a DDP wrapper is in
+    its prelude (its own work before the module it wraps runs)."""
 
     def __init__(self, model: torch.nn.Module):
         self.stack: list[str] = []
+        self._inner_ran: list[bool] = []  # per stack entry: a submodule's forward has begun
         self.handles = []
+        self.ddp_paths = {name or "model" for name, module in model.named_modules()
+                          if _is_ddp(module)}
         for name, module in model.named_modules():
             self.handles.append(module.register_forward_pre_hook(self._enter(name or "model")))
             # always_call: the path is popped even when the module's forward raises
@@ -245,18 +255,32 @@ class ModulePaths:
 
     def _enter(self, name):
         def hook(module, args):
+            if self._inner_ran:
+                self._inner_ran[-1] = True
             self.stack.append(name)
+            self._inner_ran.append(False)
         return hook
 
     def _leave(self):
         def hook(module, args, output):
             if self.stack:
                 self.stack.pop()
+                self._inner_ran.pop()
         return hook
 
     def reset(self, name: str = "model") -> None:
         """A new step starts at the root: whatever an interrupted step left on the stack goes."""
         self.stack[:] = [name]
+        self._inner_ran[:] = [False]
+
+    @property
+    def in_ddp_prelude(self) -> bool:
+        """Whether a DistributedDataParallel wrapper runs its own work now, before the module it
+        wraps: its buffer broadcast (flattened into a buffer that gloo's or NCCL's worker thread
+        may hold a moment after the broadcast returns, so it dies at no fixed op) and its bucket
+        rebuild. That is the wrapper's traffic on buffers and parameters, not the model's."""
+        return bool(self.ddp_paths) and bool(self.stack) and self.stack[-1] in self.ddp_paths \
+            and not self._inner_ran[-1]
 
     @property
     def current(self) -> str:
@@ -322,9 +346,9 @@ class Tracer(TorchDispatchMode):
         return name
 
     def wrapper_internal(self, func, args, opened: bool = False) -> bool:
-        """Whether this op is a sharding wrapper's own work (FSDP2's all-gathers, copy-outs and
-        frees run inside ``FSDP::`` record_function spans): not the model's computation, so not
-        traced. record_function spans nest, so a stack matches each exit to its enter; called
+        """Whether this op is a wrapper's own work (FSDP2's all-gathers, copy-outs and frees run
+        inside ``FSDP::`` record_function spans; DDP's prelude, ``ModulePaths.in_ddp_prelude``):
+        not the model's computation, so not traced. record_function spans nest, so a stack matches each exit to its enter; called
         again with ``opened`` once an enter op has run. Parameters the model reads are
         recognised by type as well (``note_parameters``)."""
         aten = op_info(func)[0]
@@ -341,7 +365,7 @@ class Tracer(TorchDispatchMode):
             if self._spans:
                 self.internal_depth -= self._spans.pop()
             return internal
-        return self.internal_depth > 0
+        return self.internal_depth > 0 or self.paths.in_ddp_prelude
 
     def reads_parameters(self, in_tensors) -> bool:
         if not self.unit_of.units:
