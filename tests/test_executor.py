@@ -102,23 +102,27 @@ def test_no_leak_over_100_steps():
 
 
 def test_a_model_trained_under_a_plan_is_freed_when_the_user_drops_it():
-    """Nothing the executor leaves behind holds the model: without the cyclic collector, the
+    """Nothing the profiler or the executor leaves behind holds the model: without the cyclic collector, the
     model (and its parameters' memory) goes when the user's last reference does, as it does
     after plain training. A tracer that kept its run alive held it until the collector ran,
     and a DDP model held so was torn down at interpreter exit."""
     import weakref
 
     model, inputs, loss_fn = build("gpt")
-    graph = ss.profile(model, inputs, loss_fn, warmup=0, repeat=1)
-    plan = plan_from(graph, ["swap", "recompute", "keep"] * len(graph.saved))
     collecting = gc.isenabled()
     gc.collect()
     gc.disable()
     try:
+        graph = ss.profile(model, inputs, loss_fn, warmup=0, repeat=1)
+        plan = plan_from(graph, ["swap", "recompute", "keep"] * len(graph.saved))
         grads(model, inputs, loss_fn, plan, graph)
         ref = weakref.ref(model)
         del model
         assert ref() is None, "the model outlived its last reference (a reference cycle holds it)"
+        # nor does a tracer (holding the parameters' storages) outlive its step
+        from slackswap.runtime.trace import Tracer
+
+        assert not [o for o in gc.get_objects() if isinstance(o, Tracer)]
     finally:
         if collecting:
             gc.enable()

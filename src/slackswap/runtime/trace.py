@@ -419,6 +419,9 @@ class Tracer(TorchDispatchMode):
 
     def __exit__(self, *exc):
         self.observe_lifetimes = False  # what is alive now lives to the end of the forward
+        # the tracker's callback was the tracer's only cycle: without it the tracer, and the
+        # parameter storages it holds, go with their last reference, not at the next collection
+        self.held.on_release = None
         return super().__exit__(*exc)
 
     def input_keys(self, args, kwargs) -> tuple[list[torch.Tensor], set]:
