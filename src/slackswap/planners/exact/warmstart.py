@@ -143,6 +143,7 @@ DEPARTURE_CLOCK_SHARE = 0.6
 # tolerance under it: "no point is that fast" closes the proof (formulations/departure-bound.md,
 # "From the best plan")
 DEPARTURE_CLOSING_SHARE = 0.9
+DEPARTURE_CLOSING_WORK = 1.0  # its work, as a share of the first run's
 
 
 def heuristic_start(problem: Problem, deadline: float | None = None
@@ -430,7 +431,8 @@ def warm_start(problem: Problem, polish: bool = True, bound_s: float | None = No
         found = departure_bound(
             g, budget, hw, mask=problem.mask, hint=best.codes,
             incumbent_s=best.step_time_s - DEPARTURE_CLOSING_SHARE * tolerance,
-            deterministic_time_s=departure_work_s, time_limit_s=DEPARTURE_CLOCK_SHARE * left())
+            deterministic_time_s=DEPARTURE_CLOSING_WORK * departure_work_s,
+            time_limit_s=DEPARTURE_CLOCK_SHARE * left())
         return take_departure(found, "departure_bound_from_best")
 
     def rounded_lp() -> np.ndarray | None:
