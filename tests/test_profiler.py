@@ -119,6 +119,32 @@ def test_keep_all_peak_counts_the_activation_gradients_of_backward():
     assert sim.peak_bytes - int(g.backward_ws.max()) < 0.8 * meter.peak_bytes
 
 
+def test_the_step_meter_is_not_lowered_by_earlier_garbage():
+    """16 MB held by a reference cycle from before the window: freed inside it (a collection an
+    allocation count triggers), it would lower the figure below the 4 MB the step allocates."""
+    import gc
+
+    class Holder:
+        pass
+
+    with ss.StepMeter(sample="ops"):  # its first use in a process sets up the dispatch mode
+        torch.ones(1)
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        holder = Holder()
+        holder.cycle, holder.big = holder, torch.ones(4_000_000)  # 16 MB
+        del holder
+        with ss.StepMeter(sample="ops") as meter:
+            gc.collect()
+            kept = torch.ones(1_000_000)  # 4 MB
+        assert kept.numel() * 4 <= meter.peak_bytes < 2 * kept.numel() * 4
+        assert gc.isenabled() is False  # the meter restores the collector as it found it
+    finally:
+        if collecting:
+            gc.enable()
+
+
 def test_dropout_is_marked_and_in_place_writes_are_not_rebuilt():
     model, inputs, loss_fn = build("gpt")
     g = ss.profile(model, inputs, loss_fn, warmup=0, repeat=1)
