@@ -156,3 +156,24 @@ def test_unknown_options_are_refused_by_name():
     if EXACT:
         with pytest.raises(ValueError, match="takes no option.*gapp"):
             ss.solve(g, 0.8, LINK, solver=EXACT[0], gapp=0.0)
+
+
+@pytest.mark.parametrize("solver,option,value,message", [
+    ("cpsat", "departure", "False", "departure must be True or False"),  # truthy: would be on
+    ("cpsat", "coarse", 0, "coarse must be True or False"),
+    ("cpsat", "full", "yes", "full must be True or False"),
+    ("heuristic", "polish", "no", "polish must be True or False"),
+    ("cpsat", "workers", 0, r"workers must be an integer >= 1"),
+    ("cpsat", "seed", "1", r"seed must be an integer >= 0"),
+    ("cpsat", "seed", True, r"seed must be an integer >= 0"),
+    ("cpsat", "gap", float("nan"), r"gap must be a finite number >= 0"),
+    ("cpsat", "gap", -0.1, r"gap must be a finite number >= 0"),
+    ("cpsat", "strategy", 1, "strategy must be one of auto, whole, lp-guided"),
+    ("cpsat", "strategy", "wholee", "strategy must be one of"),  # ran lp-guided silently
+])
+def test_options_of_the_wrong_type_are_refused_by_name(solver, option, value, message):
+    g = chain([100] * 4)
+    with pytest.raises((TypeError, ValueError), match=message):
+        ss.solve(g, 0.8, LINK, solver=solver, **{option: value})
+    with pytest.raises(TypeError, match="strict must be True or False"):
+        ss.solve(g, 0.8, LINK, solver="heuristic", strict="no")

@@ -110,6 +110,9 @@ def solve(graph: ActivationGraph, budget: float | int | str, hardware: Hardware 
         if unknown:
             raise ValueError(f"solve: solver {solver!r} takes no option(s) {', '.join(unknown)}; "
                              f"it takes: {', '.join(sorted(accepted)) or 'none'}")
+    check_options(options)
+    if not isinstance(strict, (bool, np.bool_)):
+        raise TypeError(f"solve: strict must be True or False, got {strict!r}")
     start = time.perf_counter()
     solution = planner.solve(Problem(graph, hw, budget_bytes, mask), time_limit_s=time_limit_s,
                              **options)
@@ -170,6 +173,36 @@ def host_allowed(hw: Hardware, allowed) -> tuple[Any, bool]:
                         "swap to (its device memory is host memory, a swap frees nothing); "
                         "allow keep and recompute only, or plan for another hardware")
     return allowed, False
+
+
+# the planners' on/off options (``full`` may also be None: the planner decides)
+BOOLEAN_OPTIONS = ("warm_start", "polish", "deterministic", "coarse", "departure", "full",
+                   "bundle_reruns", "unfit_polish", "log")
+STRATEGIES = ("auto", "whole", "lp-guided")  # the exact planners' (planners/exact/driver.py)
+
+
+def check_options(options: Mapping[str, Any]) -> None:
+    """A switch is True or False, a count an integer, a gap a number: a truthy string like
+    "False" would otherwise turn an option on, and a string seed fail deep in the solver."""
+    for name in BOOLEAN_OPTIONS:
+        if name in options:
+            value = options[name]
+            if not isinstance(value, (bool, np.bool_)) and not (name == "full" and value is None):
+                raise TypeError(f"solve: option {name} must be True or False, got {value!r}")
+    for name, least in (("seed", 0), ("workers", 1), ("linearization_level", 0)):
+        if name in options:
+            value = options[name]
+            if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral) \
+                    or value < least:
+                raise TypeError(f"solve: option {name} must be an integer >= {least}, got {value!r}")
+    if "gap" in options:
+        value = options["gap"]
+        if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real) \
+                or not math.isfinite(value) or value < 0:
+            raise ValueError(f"solve: option gap must be a finite number >= 0, got {value!r}")
+    if "strategy" in options and options["strategy"] not in STRATEGIES:
+        raise ValueError(f"solve: option strategy must be one of {', '.join(STRATEGIES)}, got "
+                         f"{options['strategy']!r}")
 
 
 def check_time_limit(time_limit_s: float | None) -> float | None:
