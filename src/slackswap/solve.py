@@ -78,9 +78,11 @@ def solve(graph: ActivationGraph, budget: float | int | str, hardware: Hardware 
     tensors. Both are honoured by every planner and the LP bound, recorded in the plan, and
     checked by ``validate``; a solver that cannot honour them is refused by name.
 
-    time_limit_s: a hard cap on the exact solvers' wall time (default 10 s); their phases stop on
-    work limits set by it, so the same input gives the same plan on any machine.
+    time_limit_s: a hard cap on the exact solvers' wall time (default 10 s), counted from this
+    call (the planner's first load in a process included); their phases stop on work limits set
+    by it, so the same input gives the same plan on any machine.
     """
+    entered = time.perf_counter()  # the time limit counts from here
     if not isinstance(graph, ActivationGraph):
         raise TypeError(f"solve: graph must be an ActivationGraph, got {type(graph).__name__}")
     hw, hardware_from = graph_hardware(graph, hardware)
@@ -114,7 +116,8 @@ def solve(graph: ActivationGraph, budget: float | int | str, hardware: Hardware 
     if not isinstance(strict, (bool, np.bool_)):
         raise TypeError(f"solve: strict must be True or False, got {strict!r}")
     start = time.perf_counter()
-    solution = planner.solve(Problem(graph, hw, budget_bytes, mask), time_limit_s=time_limit_s,
+    solution = planner.solve(Problem(graph, hw, budget_bytes, mask, began=entered),
+                             time_limit_s=time_limit_s,
                              **options)
     forbidden = first_forbidden(graph, solution.codes, mask)
     if forbidden is not None:

@@ -24,12 +24,15 @@ from ..core.plan import Schedule, SolveInfo
 class Problem:
     """What every planner solves: a graph, the hardware, a budget in bytes, and which decisions
     each tensor may take (``mask``: tensors x (keep, swap, recompute); None: all the graph
-    allows; core/restrict.py)."""
+    allows; core/restrict.py). ``began``: the ``time.perf_counter()`` value at which the caller's
+    time limit started (solve()'s entry, before it loaded the planner); None: when the planner
+    starts. Only the deadline counts from it, never the work limits."""
 
     graph: ActivationGraph
     hardware: Hardware
     budget_bytes: int
     mask: np.ndarray | None = None
+    began: float | None = None
 
     def may(self, t: int, code: int) -> bool:
         return self.mask is None or bool(self.mask[t, code])
