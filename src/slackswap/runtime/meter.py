@@ -96,8 +96,6 @@ class StepMeter:
         # TinyGPT step after other tests): collected before it, and held off during it (as the
         # profiler holds it off: what a cycle keeps lives to the end of the step)
         gc.collect()
-        self._collecting = gc.isenabled()
-        gc.disable()
         if self.cuda:
             torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
@@ -117,6 +115,8 @@ class StepMeter:
 
             self._thread = threading.Thread(target=sample, daemon=True)
             self._thread.start()
+        self._collecting = gc.isenabled()  # held off last: a failed start leaves it as it was
+        gc.disable()
         return self
 
     def __exit__(self, *exc) -> None:

@@ -232,12 +232,6 @@ class GpuClock:
                 trace.backward_s[key] = trace.backward_s.get(key, 0.0) + seconds
 
 
-def _is_ddp(module: torch.nn.Module) -> bool:
-    parallel = getattr(torch.nn, "parallel", None)
-    ddp = getattr(parallel, "DistributedDataParallel", None)
-    return ddp is not None and isinstance(module, ddp)
-
-
 class ModulePaths:
     """Keeps the path of the module whose forward is running, and whether a DDP wrapper is in
     its prelude (its own work before the module it wraps runs)."""
@@ -247,7 +241,7 @@ class ModulePaths:
         self._inner_ran: list[bool] = []  # per stack entry: a submodule's forward has begun
         self.handles = []
         self.ddp_paths = {name or "model" for name, module in model.named_modules()
-                          if _is_ddp(module)}
+                          if isinstance(module, torch.nn.parallel.DistributedDataParallel)}
         for name, module in model.named_modules():
             self.handles.append(module.register_forward_pre_hook(self._enter(name or "model")))
             # always_call: the path is popped even when the module's forward raises
@@ -348,8 +342,8 @@ class Tracer(TorchDispatchMode):
     def wrapper_internal(self, func, args, opened: bool = False) -> bool:
         """Whether this op is a wrapper's own work (FSDP2's all-gathers, copy-outs and frees run
         inside ``FSDP::`` record_function spans; DDP's prelude, ``ModulePaths.in_ddp_prelude``):
-        not the model's computation, so not traced. record_function spans nest, so a stack matches each exit to its enter; called
-        again with ``opened`` once an enter op has run. Parameters the model reads are
+        not the model's computation, so not traced. record_function spans nest, so a stack
+        matches each exit to its enter; called again with ``opened`` once an enter op has run. Parameters the model reads are
         recognised by type as well (``note_parameters``)."""
         aten = op_info(func)[0]
         if aten == "_record_function_enter_new":
