@@ -280,6 +280,14 @@ class _Model:
         self.positions = set(positions)
         for k in positions:
             self._position(k)
+        # departed_monotone[x, k]: a copy done by one position is done by every later one
+        modelled: dict[int, list[tuple[int, Any]]] = {}
+        for (t, k), var in self.departed.items():
+            modelled.setdefault(t, []).append((k, var))
+        for pairs in modelled.values():
+            pairs.sort(key=lambda pair: pair[0])
+            for (_, earlier), (_, later) in zip(pairs, pairs[1:]):
+                m.AddImplication(earlier, later)
         m.Minimize(overhead)
 
     def _position(self, k: int) -> None:
@@ -306,15 +314,16 @@ class _Model:
             for x in members[p]:
                 m.AddImplication(departed[x], ahead)
             previous = ahead
-        # lane_busy[p, k]: copies released at or after op p's end and done by k's start fit
-        # between the two; suffix sums keep the rows short
+        # lane_busy[p, k]: copies released at or after op p's end (its compute end P[p + 1]
+        # plus the stall before it) and done by k's start fit between the two; suffix sums keep
+        # the rows short. One unit more for the stalls' rounding ("Units")
         later = None
         for p in reversed(groups):
             work = sum(self.copy_units[t] * departed[t] for t in members[p])
             busy = m.NewIntVar(0, sum(self.copy_units[t] for t in before), f"lane_busy[{p},{k}]")
             self.busy[p, k] = (busy, [t for q in groups if q >= p for t in members[q]])
             m.Add(busy == work + (later if later is not None else 0))
-            m.Add(busy <= d.up(P[k] - P[p + 1]) + slack)
+            m.Add(busy <= d.up(P[k] - P[p + 1]) + 1 + slack - self.stall[p])
             later = busy
         # memory_at[k]: resident saved bytes within the room; a tensor is away between its
         # last forward use and first backward use when recomputed, or swapped and departed
@@ -377,46 +386,51 @@ class _Model:
                                      stalls[-1] + reruns))
 
     def broken_positions(self, solver) -> list[int]:
-        """Positions over the budget, not in this model, whose rows the solution's decisions
-        break however the copies done by then are chosen: each stall at its largest (the next
-        modelled position's, or what the overhead leaves), copies done whole group by group in
-        the lane's order while every lane_busy row holds, then one by one in the last group."""
-        d, n = self.data, self.data.graph.n_ops
-        modelled = self.positions
+        """Positions over the budget, not in this model, whose memory row no completion of the
+        solution meets. The completion keeps every value the solution has (the stalls, the
+        copies done at modelled positions) and, at each critical position in order, takes the
+        copies done at the one before (departed_monotone), then more in the lane's order while
+        every lane_busy row holds, only copies done by the next modelled position. With no
+        position broken the solution is a point of the model over every position, so the
+        round's optimum is the whole model's."""
+        d = self.data
         swapped = [t for t in d.order if solver.Value(self.swap[t])]
         recomputed = {t for t in d.saved if solver.Value(self.recompute[t])}
         overhead = solver.Value(self.overhead)
-        reruns = sum(u * solver.Value(self.rerun[q]) for q, u in self.rerun_units.items())
         stalls = [solver.Value(v) for v in self.stall]
-        # the largest stall each forward position may have: the next modelled one's, or what
-        # the overhead leaves beside the reruns
-        largest = [overhead - reruns] * n
-        ceiling = overhead - reruns
-        for k in range(n - 1, -1, -1):
-            if k in modelled:
-                ceiling = stalls[k]
-            largest[k] = max(ceiling, stalls[k])
-        broken = []
-        for k in d.critical:
-            if k in modelled:
+        done_at = {k: {t for t in swapped if (t, k) in self.departed
+                       and solver.Value(self.departed[t, k])} for k in self.positions}
+        modelled = sorted(self.positions)
+        broken: list[int] = []
+        previous: set[int] = set()
+        for k in d.critical:  # in position order
+            if k in done_at:
+                previous = done_at[k]
                 continue
-            done = self._copies_done(k, swapped, largest[k] if k < n else overhead)
+            later = [j for j in modelled if j > k]
+            ceiling = done_at[later[0]] if later else None
+            previous = self._copies_done(k, swapped, stalls, overhead, previous, ceiling)
             held, away = self._held_away(k)
-            freed = sum(b for b, t in away if t in recomputed or t in done)
+            freed = sum(b for b, t in away if t in recomputed or t in previous)
             if held - freed > -(-d.room[k] // d.bu):
                 broken.append(k)
         return broken
 
-    def _copies_done(self, k: int, swapped: list[int], slack: int) -> set[int]:
-        """Copies done by position k: whole producer groups in the lane's order while every
-        lane_busy row holds, then the largest of the next group that still fit (first in first
-        out: nothing after that group can be done)."""
-        d = self.data
+    def _copies_done(self, k: int, swapped: list[int], stalls: list[int], overhead: int,
+                     floor: set[int], ceiling: set[int] | None) -> set[int]:
+        """Copies done by position k: those of ``floor`` (done at a critical position before,
+        so every lane_busy row at k holds for them), then whole producer groups in the lane's
+        order while the rows hold, then the largest of the next group that still fit (first in
+        first out: nothing after that group can be done); only tensors in ``ceiling`` (done by
+        the next modelled position) when one is given."""
+        d, n = self.data, self.data.graph.n_ops
         P, prod, units = d.compute_before, d.prod, self.copy_units
+        slack = stalls[k] if k < n else overhead
         groups = sorted({int(prod[t]) for t in swapped if prod[t] < k})
-        room = {p: d.up(P[k] - P[p + 1]) + slack for p in groups}  # lane time, p's end to k
-        load = dict.fromkeys(groups, 0)
-        done: set[int] = set()
+        # lane time from p's end to k's start, as the lane_busy row has it
+        room = {p: d.up(P[k] - P[p + 1]) + 1 + slack - stalls[p] for p in groups}
+        load = {p: sum(units[t] for t in floor if prod[t] >= p) for p in groups}
+        done = set(floor)
 
         def take(tensors: list[int], p: int) -> bool:
             cost = sum(units[t] for t in tensors)
@@ -429,9 +443,10 @@ class _Model:
             return True
 
         for p in groups:
-            members = [t for t in swapped if prod[t] == p]
-            if not take(members, p):
-                for t in sorted(members, key=lambda x: -int(d.nbytes[x])):
+            members = [t for t in swapped if prod[t] == p and t not in done]
+            allowed = [t for t in members if ceiling is None or t in ceiling]
+            if len(allowed) < len(members) or not take(allowed, p):
+                for t in sorted(allowed, key=lambda x: -int(d.nbytes[x])):
                     take([t], p)
                 break
         return done
