@@ -209,3 +209,19 @@ def test_exact_planner_starts_from_the_coarse_plan(monkeypatch):
     assert ss.validate(g, plan, HW).ok
     heuristic = ss.solve(g, 0.4, HW, solver="heuristic", pins={pinned: "keep"})
     assert plan.info.predicted_step_time_s <= heuristic.info.predicted_step_time_s * (1 + 1e-9)
+
+
+def test_a_period_of_the_shapes_alone_gives_way_to_the_references():
+    """Blocks of two ops of one shape (one input, one 1-byte output): the first reads a tensor
+    of the prefix, the second the op before. In shape alone every op matches the next (period
+    1, 27 ops); in references only every other one does: 13 blocks of 2 from k1 (ops 1-26)."""
+    ops = [op("in", 1.0, 1.0, outputs=["in.0", "in.shared"])]
+    tensors = [tensor("in.0", 5), tensor("in.shared", 3)]
+    for k in range(1, 27):
+        ops.append(op(f"k{k}", 1.0, 2.0, inputs=["in.shared" if k % 2 else f"k{k - 1}.0"],
+                      outputs=[f"k{k}.0"]))
+        tensors.append(tensor(f"k{k}.0", 1))
+    ops.append(op("loss", 1.0, 1.0, inputs=["k26.0"], outputs=["loss.0"]))
+    tensors.append(tensor("loss.0", 1))
+    r = find_repeats(graph(ops, tensors, name="alternating"))
+    assert r is not None and (r.start, r.period, r.count) == (1, 2, 13)

@@ -29,6 +29,7 @@ from ..core.plan import KEEP, RECOMPUTE, SWAP
 
 MIN_BLOCKS = 8  # fewer repeats than this: not worth a coarse problem
 MAX_PERIOD = 4096  # ops per block at most (a transformer layer at the aten level: hundreds)
+MAX_NARROWED = 8  # shape runs narrowed by their references at most (each a pass over the ops)
 
 
 @dataclass(frozen=True)
@@ -106,26 +107,33 @@ def _longest_run(ids: np.ndarray, p: int) -> tuple[int, int]:
 
 def find_repeats(graph: ActivationGraph, min_blocks: int = MIN_BLOCKS) -> RepeatedBlocks | None:
     """The longest periodic run of ops (the shortest period among equally long runs), if it has
-    at least ``min_blocks`` blocks. The period comes from the ops' own shapes; the run is then
-    narrowed to where every reference repeats too (op_signatures). Times are not compared: a
+    at least ``min_blocks`` blocks. Periods come from the ops' own shapes; each run is then
+    narrowed to where every reference repeats too (op_signatures), longest shape run first,
+    until no shape run left is longer than the best narrowed one (a shape period can be an
+    artifact: blocks of two ops of one shape, one reading a shared tensor and one the op
+    before, repeat with period 1 in shape, 2 in references). Times are not compared: a
     profile's repeated layers differ by its noise, and the coarse graph keeps its own blocks'
     times."""
     shapes = op_signatures(graph)
     n = shapes.size
-    best: tuple[int, int, int] | None = None  # (ops covered, -period, start)
+    runs = []  # (ops covered, -period, start) of each period's longest shape run
     for p in range(1, min(MAX_PERIOD, n // min_blocks) + 1):
         start, count = _longest_run(shapes, p)
+        if count >= min_blocks:
+            runs.append((count * p, -p, start))
+    runs.sort(reverse=True)
+    best: tuple[int, int, int] | None = None  # (ops covered, period, start), references too
+    for covered, neg_p, start in runs[:MAX_NARROWED]:
+        if best is not None and best[0] >= covered:
+            break  # narrowing never covers more than the shape run it starts from
+        p = -neg_p
+        begin, count = _longest_run(op_signatures(graph, (start, start + covered)), p)
         if count >= min_blocks and (best is None or count * p > best[0]):
-            best = (count * p, -p, start)
+            best = (count * p, p, begin)
     if best is None:
         return None
-    covered, neg_p, start = best
-    p, count = -neg_p, covered // -neg_p
-    # the references: the longest run where they repeat too, relative inside the shapes' run
-    start, count = _longest_run(op_signatures(graph, (start, start + count * p)), p)
-    if count < min_blocks:
-        return None
-    return RepeatedBlocks(start=start, period=p, count=count)
+    covered, p, start = best
+    return RepeatedBlocks(start=start, period=p, count=covered // p)
 
 
 @dataclass(frozen=True)
