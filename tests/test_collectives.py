@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import pytest
 from helpers import LINK, graph, op, plan, random_graphs, tensor
 from hypothesis import HealthCheck, given, settings
@@ -137,3 +138,25 @@ def test_exact_plans_with_collectives_are_valid_and_never_beat_the_bound(g, data
         assert p.info.predicted_step_time_s == pytest.approx(check.step_time_s)
         if p.info.bound is not None:
             assert p.info.bound <= check.step_time_s * (1 + 1e-9)
+
+
+def test_a_step_of_denormal_seconds_with_a_collective_on_the_link_is_bounded():
+    """Found by the test above: an ideal step of 2.2e-313 s and a 1-byte collective (0.01 s on
+    the link). In units of a thousandth of the step, the collective's time overflowed to inf and
+    the LP bound (and every exact planner through it) raised scipy's ValueError."""
+    g = ss.load_graph({
+        "format": "slackswap.graph/1", "name": "denormal", "optimizer_s": 0.0,
+        "ops": [{"name": "a", "forward_s": 0.0, "backward_s": 0.0, "inputs": [], "outputs": ["x"]},
+                {"name": "b", "forward_s": 0.0, "backward_s": 2.2250738585e-313, "inputs": [],
+                 "outputs": ["y"]}],
+        "tensors": [{"name": "x", "bytes": 0, "saved_for": []},
+                    {"name": "y", "bytes": 0, "saved_for": []}],
+        "collectives": [{"name": "c", "op": "a", "phase": "forward", "d2h_bytes": 0,
+                         "h2d_bytes": 1}]})
+    for duplex in (True, False):
+        hw = SHARED.with_link(duplex=duplex)
+        lp = ss.lp_bound(g, 1, hw)
+        assert lp.status == "optimal" and np.isfinite(lp.step_time_s)
+        p = ss.solve(g, 1, hw, solver="cpsat", time_limit_s=5.0)
+        sim = ss.simulate(g, p, hw)
+        assert ss.validate(g, p).ok and lp.step_time_s <= sim.step_time_s * (1 + 1e-6) + 1e-9

@@ -369,8 +369,10 @@ def lp_bound(graph: ActivationGraph, budget, hw: Hardware | str, *, integral: bo
     saved_bytes = float(graph.tensor_bytes[graph.saved].sum())
     copy_s = saved_bytes / min(hw.d2h_bytes_per_s, hw.h2d_bytes_per_s) + hw.latency_s * len(graph.saved)
     bu = max(budget_bytes, int(graph.tensor_bytes.max(initial=0)), 1) / MODEL_SCALE
-    tu = (graph.ideal_step_time_s if graph.ideal_step_time_s > 0 else max(copy_s, 1e-12)) / MODEL_SCALE
-    tu = tu if tu > 0 else 1e-15  # a step of denormal seconds: no unit underflows to 0
+    # a step of no time or of denormal seconds (2e-313 s): the copies set the unit, and never one
+    # so small that a copy's or a collective's seconds overflow to inf in units
+    ideal_s = graph.ideal_step_time_s
+    tu = (ideal_s if ideal_s >= 1e-12 else max(copy_s, 1e-12)) / MODEL_SCALE
     nbytes = _relax_small(graph.tensor_bytes.astype(float) / bu)
     fwd_s = _relax_small(graph.forward_s / tu)
     prod = graph.producer
