@@ -13,6 +13,7 @@ in integers. formulations/departure-bound.md names every variable and constraint
 
 from __future__ import annotations
 
+import bisect
 import math
 import time
 from collections.abc import Callable
@@ -407,8 +408,8 @@ class _Model:
             if k in done_at:
                 previous = done_at[k]
                 continue
-            later = [j for j in modelled if j > k]
-            ceiling = done_at[later[0]] if later else None
+            after = bisect.bisect_right(modelled, k)  # the next modelled position, if any
+            ceiling = done_at[modelled[after]] if after < len(modelled) else None
             previous = self._copies_done(k, swapped, stalls, overhead, previous, ceiling)
             held, away = self._held_away(k)
             freed = sum(b for b, t in away if t in recomputed or t in previous)
@@ -429,7 +430,14 @@ class _Model:
         groups = sorted({int(prod[t]) for t in swapped if prod[t] < k})
         # lane time from p's end to k's start, as the lane_busy row has it
         room = {p: d.up(P[k] - P[p + 1]) + 1 + slack - stalls[p] for p in groups}
-        load = {p: sum(units[t] for t in floor if prod[t] >= p) for p in groups}
+        # the floor's copy time from each group on (suffix sums, as lane_busy has them)
+        floor_time = dict.fromkeys(groups, 0)
+        for t in floor:
+            floor_time[int(prod[t])] += units[t]
+        load, later = {}, 0
+        for p in reversed(groups):
+            later += floor_time[p]
+            load[p] = later
         done = set(floor)
 
         def take(tensors: list[int], p: int) -> bool:

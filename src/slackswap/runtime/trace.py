@@ -343,8 +343,8 @@ class Tracer(TorchDispatchMode):
         """Whether this op is a wrapper's own work (FSDP2's all-gathers, copy-outs and frees run
         inside ``FSDP::`` record_function spans; DDP's prelude, ``ModulePaths.in_ddp_prelude``):
         not the model's computation, so not traced. record_function spans nest, so a stack
-        matches each exit to its enter; called again with ``opened`` once an enter op has run. Parameters the model reads are
-        recognised by type as well (``note_parameters``)."""
+        matches each exit to its enter; called again with ``opened`` once an enter op has run.
+        Parameters the model reads are recognised by type as well (``note_parameters``)."""
         aten = op_info(func)[0]
         if aten == "_record_function_enter_new":
             if opened:
