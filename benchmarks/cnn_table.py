@@ -34,6 +34,9 @@ def main() -> int:
     parser.add_argument("--departure-work", type=float, default=None, metavar="UNITS",
                         help="instead: the departure bound alone on the rows with swaps, from the "
                              "heuristic's plan, with this much CP-SAT work (deterministic time)")
+    parser.add_argument("--departure-gap", type=float, default=0.0, metavar="SHARE",
+                        help="with --departure-work: each round stops within this share of the "
+                             "overhead of its bound")
     args = parser.parse_args()
     if args.departure_work is not None:
         return departure_work(args)
@@ -106,7 +109,8 @@ def departure_work(args) -> int:
             start = ss.solve(g, budget, hw, solver="heuristic")
             found = departure_bound(g, budget, hw, hint=decision_codes(g, start),
                                     incumbent_s=start.info.predicted_step_time_s,
-                                    deterministic_time_s=args.departure_work, time_limit_s=600.0)
+                                    deterministic_time_s=args.departure_work, time_limit_s=600.0,
+                                    gap=args.departure_gap)
             solved += found.status in ("optimal", "trivial")
             total += found.work
             bound = "-" if found.step_time_s is None else f"{100 * (found.step_time_s / ideal - 1):.4f}%"

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from ...check.simulate import SimResult, simulate_decisions
-from ...core.plan import KEEP, OVERHEAD_TARGET, RECOMPUTE, SWAP, proof_tolerance_s
+from ...core.plan import KEEP, OVERHEAD_TARGET, RECOMPUTE, STEP_FLOOR, SWAP, proof_tolerance_s
 from ..base import Problem
 from ..local_search import improve
 
@@ -144,6 +144,8 @@ DEPARTURE_CLOCK_SHARE = 0.6
 # "From the best plan")
 DEPARTURE_CLOSING_SHARE = 0.9
 DEPARTURE_CLOSING_WORK = 1.0  # its work, as a share of the first run's
+# each departure run stops within this share of the proof tolerance of its bound
+DEPARTURE_GAP_SHARE = 0.8
 
 
 def heuristic_start(problem: Problem, deadline: float | None = None
@@ -353,6 +355,11 @@ def warm_start(problem: Problem, polish: bool = True, bound_s: float | None = No
         best.bound_s = step_s if best.bound_s is None else max(best.bound_s, step_s)
 
     departure = None
+    # its rounds stop within a share of the proof tolerance: the plan from its point then needs
+    # only the rest (formulations/departure-bound.md, "Solving it"); none when the search is to
+    # the end (gap 0)
+    departure_gap = {"gap": DEPARTURE_GAP_SHARE * gap, "min_gap_s": DEPARTURE_GAP_SHARE
+                     * STEP_FLOOR * g.ideal_step_time_s if gap > 0 else 0.0}
     # with no tensor allowed to swap there is no copy lane for it to see: the LP bound and the
     # integral relaxation cover that case (recompute-only CNN rows: 20 of 21 proven without it)
     swappable = problem.mask is None or bool(problem.mask[g.saved, SWAP].any())
@@ -372,7 +379,8 @@ def warm_start(problem: Problem, polish: bool = True, bound_s: float | None = No
             departure = _Background()
             departure.start(lambda on_start: departure_bound(
                 g, budget, hw, mask=problem.mask, incumbent_s=incumbent, hint=hint,
-                deterministic_time_s=departure_work_s, time_limit_s=cap_s, on_start=on_start))
+                deterministic_time_s=departure_work_s, time_limit_s=cap_s, on_start=on_start,
+                **departure_gap))
 
     first_departure: list = []  # the first run's answer, once taken
 
@@ -432,7 +440,7 @@ def warm_start(problem: Problem, polish: bool = True, bound_s: float | None = No
             g, budget, hw, mask=problem.mask, hint=best.codes,
             incumbent_s=best.step_time_s - DEPARTURE_CLOSING_SHARE * tolerance,
             deterministic_time_s=DEPARTURE_CLOSING_WORK * departure_work_s,
-            time_limit_s=DEPARTURE_CLOCK_SHARE * left())
+            time_limit_s=DEPARTURE_CLOCK_SHARE * left(), **departure_gap)
         return take_departure(found, "departure_bound_from_best")
 
     def rounded_lp() -> np.ndarray | None:
