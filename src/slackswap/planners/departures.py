@@ -133,9 +133,6 @@ def departure_bound(graph: ActivationGraph, budget, hw: Hardware | str, *,
         solver.parameters.random_seed = int(seed)
         # its linear relaxation with the Boolean rows too: proofs in half the work (VGG16 at 80%)
         solver.parameters.linearization_level = 2
-        # two presolve passes, not three: each repeats the probing (a unit of work on VGG19 at
-        # 50% over every position) and the third finds little (formulations/departure-bound.md)
-        solver.parameters.max_presolve_iterations = 2
         # CP-SAT's relative gap is on its objective, the overhead in units
         solver.parameters.relative_gap_limit = max(0.0, float(gap))
         solver.parameters.absolute_gap_limit = max(0.0, math.floor(min_gap_s / data.tu))

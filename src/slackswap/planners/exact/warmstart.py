@@ -425,9 +425,13 @@ def warm_start(problem: Problem, polish: bool = True, bound_s: float | None = No
         plan the first run began from: the first run's own decisions, searched locally), capped
         just under it: showing that no point is that fast is often far less work than the
         model's optimum (FCN8 at 50%: 0.3 units against more than 3). Only where the first
-        run neither failed nor solved its model to the end (then no cap changes its answer)."""
-        if not first_departure or not best.sim.fits or \
-                first_departure[0].status not in ("feasible", "timeout"):
+        run neither failed nor solved its model to the end (then no cap changes its answer);
+        one stopped within its gap did not (the 8-layer GPT-style step at 40%: the plan from its
+        point is further above it than the rest of the tolerance)."""
+        if not first_departure or not best.sim.fits:
+            return None
+        first = first_departure[0].status
+        if first not in ("feasible", "timeout") and not (first == "optimal" and departure_gap["gap"] > 0):
             return None
         if left() <= DEPARTURE_MIN_S:
             notes["departure_bound_from_best"] = {"status": "skipped", "reason": "deadline",
