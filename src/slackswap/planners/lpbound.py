@@ -309,6 +309,10 @@ def _relax_small(values: np.ndarray) -> np.ndarray:
 
 PULL_DEPTH = 4  # rebuild chains followed this many tensors deep
 PULL_VARS_PER_TENSOR = 16  # at most this many chain variables per saved tensor in all
+# the rows are built up to this many positions x saved tensors (SegNet: 11,440; BERT-Large:
+# 182,000, where they made HiGHS's branch and bound of GPT-2 XL at 50% twice as slow and Llama-7B's
+# three times, with the same bound)
+PULL_CELLS = 100_000
 
 
 def _rebuild_pulls(lp: _LP, graph: ActivationGraph, saved, column: dict[int, int], K, R,
@@ -539,9 +543,11 @@ def lp_bound(graph: ActivationGraph, budget, hw: Hardware | str, *, integral: bo
     Need = lp.running_sum(S, st_need, {})
     Freed = lp.running_sum(S, st_free, {})
     G = lp.running_sum(S, st_keep, en_keep)
-    # rebuilds pull others along (integral decisions only: for fractions the rows are void)
+    # rebuilds pull others along (integral decisions only: for fractions the rows are void;
+    # graphs of at most PULL_CELLS positions x saved tensors, where they cost branch and bound
+    # little)
     pulled = _rebuild_pulls(lp, graph, saved, column, K, R, u_slot, lb_slot, nbytes, S) \
-        if integral else None
+        if integral and S * m <= PULL_CELLS else None
     bw_d = max(SMALLEST, hw.d2h_bytes_per_s * tu / bu)
     bw_h = max(SMALLEST, hw.h2d_bytes_per_s * tu / bu)
     # everything not saved, and workspaces, as keep-all has them
