@@ -315,16 +315,18 @@ PULL_VARS_PER_TENSOR = 16  # at most this many chain variables per saved tensor 
 PULL_CELLS = 100_000
 
 
-def _rebuild_pulls(lp: _LP, graph: ActivationGraph, saved, column: dict[int, int], K, R,
-                   u_slot, lb_slot, nbytes, S: int) -> np.ndarray | None:
+def _rebuild_pulls(lp: _LP, graph: ActivationGraph, saved, column: dict[int, int], R,
+                   u_slot, nbytes, S: int) -> np.ndarray | None:
     """rebuild_pull[x, chain, z] (lp-bound.md, "Rebuilds pull others along"): a recomputed x is
     rebuilt by its first backward use; its rerun reads its frontier, and a recomputed frontier
-    tensor is rebuilt then too, as is a recomputed output of any op rerun for it, recursively;
-    a kept frontier tensor stays resident until then. So where every tensor of such a chain from
-    x is recomputed, its last, z, is resident from x's first use on: earlier than its own first
-    use (recomputed z) or past its last use (kept z). One variable per chain, at least the AND of
-    its decisions; per z and slot the OR of the chains covering it (never counted twice)."""
-    covers: dict[int, dict[int, list[int]]] = {}  # z -> first slot -> chain variables
+    tensor is rebuilt then too (or earlier), as is a recomputed output of any op rerun for it,
+    recursively, and a rebuilt tensor lives until its last use. So where every tensor of such a
+    chain from x is recomputed, its last, z, is resident from x's first use on, earlier than its
+    own. One variable per chain, at least the AND of its decisions; per z and slot the OR of the
+    chains covering it (never counted twice). A kept frontier tensor is not extended here: x
+    may be rebuilt earlier than its first use (pulled by another), when the kept one is still
+    resident."""
+    covers: dict[int, dict[int, list[int]]] = {}  # z's column -> first slot -> chain variables
     budget = PULL_VARS_PER_TENSOR * len(saved)
     for i, x in enumerate(saved):
         if not graph.can_recompute[x]:
@@ -343,17 +345,13 @@ def _rebuild_pulls(lp: _LP, graph: ActivationGraph, saved, column: dict[int, int
                     if j is None:
                         continue
                     seen.add(z)
-                    uz, lbz = int(u_slot[j]), int(lb_slot[j])
+                    uz = int(u_slot[j])
                     if graph.can_recompute[z]:
                         nxt.append((z, chain + [j]))
                         if ux < uz:  # rebuilt with x, before its own first use
                             covers.setdefault(j, {}).setdefault(ux, []).append(
                                 _and(lp, [R[c] for c in chain + [j]]))
                             budget -= 1
-                    if lbz < ux and z in graph.rerun_frontier[y]:  # kept: until x's rebuild
-                        covers.setdefault(-1 - j, {}).setdefault(lbz + 1, []).append(
-                            _and(lp, [R[c] for c in chain] + [K[j]], end=ux))
-                        budget -= 1
                     if budget <= 0:
                         break
                 if budget <= 0:
@@ -367,39 +365,26 @@ def _rebuild_pulls(lp: _LP, graph: ActivationGraph, saved, column: dict[int, int
         return None
     starts: dict[int, list[tuple[int, float]]] = {}
     ends: dict[int, list[tuple[int, float]]] = {}
-    for key, by_slot in covers.items():
-        j = key if key >= 0 else -1 - key
-        t = int(saved[j])
-        if key >= 0:  # recomputed z: resident from the earliest active chain's slot to u_z - 1
-            slots = sorted(by_slot) + [int(u_slot[j])]
-            active: list[int] = []
-            for a, first in enumerate(slots[:-1]):
-                active += by_slot[first]
-                held = lp.vars(1, ub=1.0)[0]
-                for v in active:
-                    lp.le([v, held], [1, -1], 0.0)  # held >= every chain started by now
-                _add(starts, first, (held, nbytes[t]))
-                _add(ends, slots[a + 1] - 1, (held, nbytes[t]))
-        else:  # kept z: resident from lb_z + 1 to the latest active chain's rebuild
-            for first, chains in by_slot.items():
-                # per segment up to each distinct end: held if a chain reaching it is active
-                lo = first
-                for end in sorted({e for _, e in chains}):
-                    held = lp.vars(1, ub=1.0)[0]
-                    for v, e in chains:
-                        if e >= end:
-                            lp.le([v, held], [1, -1], 0.0)
-                    _add(starts, lo, (held, nbytes[t]))
-                    _add(ends, end, (held, nbytes[t]))
-                    lo = end + 1
+    for j, by_slot in covers.items():
+        # resident from the earliest active chain's slot to u_z - 1: per segment between the
+        # chains' distinct slots, held if any chain started by then is active
+        slots = sorted(by_slot) + [int(u_slot[j])]
+        active: list[int] = []
+        for a, first in enumerate(slots[:-1]):
+            active += by_slot[first]
+            held = lp.vars(1, ub=1.0)[0]
+            for v in active:
+                lp.le([v, held], [1, -1], 0.0)
+            _add(starts, first, (held, nbytes[int(saved[j])]))
+            _add(ends, slots[a + 1] - 1, (held, nbytes[int(saved[j])]))
     return lp.running_sum(S, starts, ends)
 
 
-def _and(lp: _LP, variables: list[int], end: int | None = None):
-    """A variable at least the AND of binary ``variables`` (with ``end`` carried along)."""
+def _and(lp: _LP, variables: list[int]) -> int:
+    """A variable at least the AND of binary ``variables``."""
     v = lp.vars(1, ub=1.0)[0]
     lp.le(list(variables) + [v], [1.0] * len(variables) + [-1.0], len(variables) - 1.0)
-    return v if end is None else (v, end)
+    return v
 
 
 def _add(d: dict, k: int, item) -> None:
@@ -546,7 +531,7 @@ def lp_bound(graph: ActivationGraph, budget, hw: Hardware | str, *, integral: bo
     # rebuilds pull others along (integral decisions only: for fractions the rows are void;
     # graphs of at most PULL_CELLS positions x saved tensors, where they cost branch and bound
     # little)
-    pulled = _rebuild_pulls(lp, graph, saved, column, K, R, u_slot, lb_slot, nbytes, S) \
+    pulled = _rebuild_pulls(lp, graph, saved, column, R, u_slot, nbytes, S) \
         if integral and S * m <= PULL_CELLS else None
     bw_d = max(SMALLEST, hw.d2h_bytes_per_s * tu / bu)
     bw_h = max(SMALLEST, hw.h2d_bytes_per_s * tu / bu)
