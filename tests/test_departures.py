@@ -1,5 +1,6 @@
 """The departure bound: whole tensors on a first-in-first-out D2H lane (planners/departures.py)."""
 
+import time
 from contextlib import contextmanager
 
 import numpy as np
@@ -240,3 +241,34 @@ def test_a_gap_stops_its_rounds_early_and_keeps_the_bound_valid():
         assert early.overhead_s >= (1 - gap) * exact.overhead_s - unit, seed
         saved += early.work < exact.work and early.overhead_s < exact.overhead_s
     assert saved >= 2
+
+
+def test_a_round_whose_model_would_be_built_past_the_clock_cap_is_not_started(monkeypatch):
+    """Building a round's model is Python, outside CP-SAT's clock: with each build made to take
+    0.5 s (a loaded machine) and a 0.8 s cap, a run that needs several rounds stops after the
+    first with its bound so far, "timeout", rather than building the next one past the cap."""
+    seed, budget = None, None
+    for candidate in range(16):  # the first seeded graph whose run takes several rounds
+        g = seeded_graph(candidate, n_ops=14)
+        low, high = ss.min_budget(g, LINK), ss.keep_all_peak(g, LINK)
+        share_budget = int(low + 0.3 * (high - low))
+        with first_positions(1):
+            found = departure_bound(g, share_budget, LINK, deterministic_time_s=5.0)
+        if found.status == "optimal" and found.note != "1 rounds":
+            seed, budget = candidate, share_budget
+            break
+    assert seed is not None
+    g = seeded_graph(seed, n_ops=14)
+    build = departures._Model.__init__
+
+    def slow_build(self, *args, **kwargs):
+        time.sleep(0.5)
+        build(self, *args, **kwargs)
+
+    monkeypatch.setattr(departures._Model, "__init__", slow_build)
+    began = time.perf_counter()
+    with first_positions(1):
+        capped = departure_bound(g, budget, LINK, deterministic_time_s=5.0, time_limit_s=0.8)
+    assert time.perf_counter() - began < 0.8 + 0.5  # the next build would end past 1.0 s
+    assert capped.status == "timeout" and capped.clock_stopped and capped.note == "1 rounds"
+    assert capped.step_time_s is not None and capped.step_time_s <= found.step_time_s * (1 + 1e-9)
