@@ -109,6 +109,10 @@ def test_nothing_to_free_and_too_large_are_said():
     assert departure_bound(g, 160, LINK).status == "trivial"
     with pytest.raises(ValueError, match="hint"):
         departure_bound(g, 130, LINK, hint=np.zeros(5, dtype=np.int8))
+    for bad in ({"gap": -0.1}, {"gap": float("nan")}, {"min_gap_s": float("inf")},
+                {"gap": "1%"}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            departure_bound(g, 130, LINK, **bad)
     skipped = departure_bound(g, 130, LINK, max_binaries=0)
     assert skipped.status == "skipped" and skipped.step_time_s is None and "binaries" in skipped.note
 
@@ -266,9 +270,7 @@ def test_a_round_whose_model_would_be_built_past_the_clock_cap_is_not_started(mo
         build(self, *args, **kwargs)
 
     monkeypatch.setattr(departures._Model, "__init__", slow_build)
-    began = time.perf_counter()
     with first_positions(1):
         capped = departure_bound(g, budget, LINK, deterministic_time_s=5.0, time_limit_s=0.8)
-    assert time.perf_counter() - began < 0.8 + 0.5  # the next build would end past 1.0 s
     assert capped.status == "timeout" and capped.clock_stopped and capped.note == "1 rounds"
     assert capped.step_time_s is not None and capped.step_time_s <= found.step_time_s * (1 + 1e-9)

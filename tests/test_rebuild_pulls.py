@@ -1,6 +1,6 @@
 """The integral relaxation's rebuild-pull rows (planners/lpbound.py, lp-bound.md "Rebuilds pull
-others along"): a rebuild reads its frontier, so recomputed tensors it reads are rebuilt with it
-and kept ones stay until then. The rows only add memory every plan holds: never beaten."""
+others along"): a rebuild reads its frontier, so the recomputed tensors it reads or makes are
+rebuilt with it, recursively. The rows only add memory every plan holds: never beaten."""
 
 import numpy as np
 import pytest

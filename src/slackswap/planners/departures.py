@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import bisect
 import math
+import numbers
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -78,8 +79,9 @@ def departure_bound(graph: ActivationGraph, budget, hw: Hardware | str, *,
     problem. ``gap``, ``min_gap_s``: each round stops once its best point is within ``gap`` of its
     overhead (or ``min_gap_s``) of its bound; the bound stays valid, and a point within the gap
     is all a proof within a larger tolerance needs (the last fraction of a percent is most of the
-    work: SegNet at 50%, 3.9 units within 0.8%, more than 12 to the end). ``on_start(solver)`` is called before each round's search with the CP-SAT solver
-    (a caller in another thread may then stop it)."""
+    work: SegNet at 50%, 3.9 units within 0.8%, more than 12 to the end). ``on_start(solver)``
+    is called before each round's search with the CP-SAT solver (a caller in another thread may
+    then stop it)."""
     from ortools.sat.python import cp_model
 
     began = time.perf_counter()
@@ -90,6 +92,10 @@ def departure_bound(graph: ActivationGraph, budget, hw: Hardware | str, *,
 
         mask = decision_mask(graph, allowed, pins)
     ideal = graph.ideal_step_time_s
+    for name, value in (("gap", gap), ("min_gap_s", min_gap_s)):
+        if isinstance(value, bool) or not isinstance(value, numbers.Real) or \
+                not math.isfinite(value) or value < 0:
+            raise ValueError(f"departure_bound: {name} must be a finite number >= 0, got {value!r}")
     if hint is not None:
         hint = np.asarray(hint)
         if hint.shape != (len(graph.tensors),):
@@ -144,8 +150,8 @@ def departure_bound(graph: ActivationGraph, budget, hw: Hardware | str, *,
         # its linear relaxation with the Boolean rows too: proofs in half the work (VGG16 at 80%)
         solver.parameters.linearization_level = 2
         # CP-SAT's relative gap is on its objective, the overhead in units
-        solver.parameters.relative_gap_limit = max(0.0, float(gap))
-        solver.parameters.absolute_gap_limit = max(0.0, math.floor(min_gap_s / data.tu))
+        solver.parameters.relative_gap_limit = float(gap)
+        solver.parameters.absolute_gap_limit = math.floor(min_gap_s / data.tu)
         clock_left = time_limit_s - (time.perf_counter() - began)
         solver.parameters.max_time_in_seconds = max(0.05, clock_left)
         if deterministic_time_s is not None:

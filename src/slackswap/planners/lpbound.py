@@ -327,7 +327,7 @@ def _rebuild_pulls(lp: _LP, graph: ActivationGraph, saved, column: dict[int, int
     may be rebuilt earlier than its first use (pulled by another), when the kept one is still
     resident."""
     covers: dict[int, dict[int, list[int]]] = {}  # z's column -> first slot -> chain variables
-    budget = PULL_VARS_PER_TENSOR * len(saved)
+    chains_left = PULL_VARS_PER_TENSOR * len(saved)
     for i, x in enumerate(saved):
         if not graph.can_recompute[x]:
             continue
@@ -338,7 +338,7 @@ def _rebuild_pulls(lp: _LP, graph: ActivationGraph, saved, column: dict[int, int
         for _ in range(PULL_DEPTH - 1):
             nxt = []
             for y, chain in frontier:
-                reached = set(int(t) for t in graph.rerun_frontier[y])
+                reached = {int(t) for t in graph.rerun_frontier[y]}
                 reached |= {int(o) for q in graph.rerun_ops[y] for o in graph.op_outputs[q]}
                 for z in sorted(reached - seen):
                     j = column.get(z)
@@ -351,15 +351,15 @@ def _rebuild_pulls(lp: _LP, graph: ActivationGraph, saved, column: dict[int, int
                         if ux < uz:  # rebuilt with x, before its own first use
                             covers.setdefault(j, {}).setdefault(ux, []).append(
                                 _and(lp, [R[c] for c in chain + [j]]))
-                            budget -= 1
-                    if budget <= 0:
+                            chains_left -= 1
+                    if chains_left <= 0:
                         break
-                if budget <= 0:
+                if chains_left <= 0:
                     break
             frontier = nxt
-            if budget <= 0 or not frontier:
+            if chains_left <= 0 or not frontier:
                 break
-        if budget <= 0:
+        if chains_left <= 0:
             break
     if not covers:
         return None

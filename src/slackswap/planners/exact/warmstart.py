@@ -431,7 +431,8 @@ def warm_start(problem: Problem, polish: bool = True, bound_s: float | None = No
         if not first_departure or not best.sim.fits:
             return None
         first = first_departure[0].status
-        if first not in ("feasible", "timeout") and not (first == "optimal" and departure_gap["gap"] > 0):
+        stopped_in_gap = first == "optimal" and departure_gap["gap"] > 0
+        if first not in ("feasible", "timeout") and not stopped_in_gap:
             return None
         if left() <= DEPARTURE_MIN_S:
             notes["departure_bound_from_best"] = {"status": "skipped", "reason": "deadline",
