@@ -184,7 +184,7 @@ def departure_bound(graph: ActivationGraph, budget, hw: Hardware | str, *,
         if status in (cp_model.OPTIMAL, cp_model.FEASIBLE):
             codes = model.decisions(solver)
         broken = model.broken_positions(solver) if status == cp_model.OPTIMAL else None
-        if broken == []:
+        if broken == {}:
             return result("optimal", best_bound, codes, note=f"{rounds} rounds", **sizes)
         spent_out = deterministic_time_s is not None and spent >= deterministic_time_s * (1 - 1e-9)
         if whole or spent_out or clocked or time.perf_counter() - began >= 0.95 * time_limit_s:
@@ -194,7 +194,9 @@ def departure_bound(graph: ActivationGraph, budget, hw: Hardware | str, *,
         if broken is None:  # the round's share ran out: every position, with the work left
             positions = set(data.critical)
         else:
-            positions.update(sorted(broken, key=lambda k: -data.excess[k])[:ADDED_POSITIONS])
+            # the rows the completion misses by the most first, as a cutting-plane loop adds
+            # its most violated cuts (formulations/departure-bound.md, "Rounds over positions")
+            positions.update(sorted(broken, key=lambda k: (-broken[k], k))[:ADDED_POSITIONS])
 
 
 FIRST_POSITIONS = 8  # the first round's positions (besides the first over the budget)
@@ -409,9 +411,10 @@ class _Model:
         m.AddHint(self.overhead, max(math.ceil((sim.step_time_s - g.ideal_step_time_s) / tu) + 2,
                                      stalls[-1] + reruns))
 
-    def broken_positions(self, solver) -> list[int]:
+    def broken_positions(self, solver) -> dict[int, int]:
         """Positions over the budget, not in this model, whose memory row no completion of the
-        solution meets. The completion keeps every value the solution has (the stalls, the
+        solution meets, each with the bytes (in units) its row is missed by. The completion
+        keeps every value the solution has (the stalls, the
         copies done at modelled positions) and, at each critical position in order, takes the
         copies done at the one before (departed_monotone), then more in the lane's order while
         every lane_busy row holds, only copies done by the next modelled position. With no
@@ -425,7 +428,7 @@ class _Model:
         done_at = {k: {t for t in swapped if (t, k) in self.departed
                        and solver.Value(self.departed[t, k])} for k in self.positions}
         modelled = sorted(self.positions)
-        broken: list[int] = []
+        broken: dict[int, int] = {}
         previous: set[int] = set()
         for k in d.critical:  # in position order
             if k in done_at:
@@ -436,8 +439,9 @@ class _Model:
             previous = self._copies_done(k, swapped, stalls, overhead, previous, ceiling)
             held, away = self._held_away(k)
             freed = sum(b for b, t in away if t in recomputed or t in previous)
-            if held - freed > -(-d.room[k] // d.bu):
-                broken.append(k)
+            over = held - freed - -(-d.room[k] // d.bu)
+            if over > 0:
+                broken[k] = over
         return broken
 
     def _copies_done(self, k: int, swapped: list[int], stalls: list[int], overhead: int,
