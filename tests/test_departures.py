@@ -22,14 +22,17 @@ SETTINGS = settings(max_examples=60, deadline=None,
 
 
 @contextmanager
-def first_positions(count: int):
-    """The departure bound's first round over this many positions (and the first critical)."""
-    saved = departures.FIRST_POSITIONS
+def first_positions(count: int, probe: bool = True):
+    """The departure bound's first round over this many positions (and the first critical),
+    after the probe (the position most over the room alone) unless ``probe`` is False."""
+    saved = departures.FIRST_POSITIONS, departures.PROBE_SHARE
     departures.FIRST_POSITIONS = count
+    if not probe:
+        departures.PROBE_SHARE = 0.0
     try:
         yield
     finally:
-        departures.FIRST_POSITIONS = saved
+        departures.FIRST_POSITIONS, departures.PROBE_SHARE = saved
 
 
 def two_ops():
@@ -137,25 +140,29 @@ def test_every_plan_is_a_point_of_it(case, hw):
 
 
 def test_rounds_end_at_the_whole_models_optimum():
-    """Rounds from one position: where they end "optimal" (the completion of their optimum
-    breaks no position), their bound is the optimum of the model over every critical position.
-    Random 14-op graphs at two budgets: most of those that end optimal take several rounds."""
-    several = 0
+    """Rounds from one position, with the probe before them or not: where they end "optimal"
+    (the completion of their optimum breaks no position), their bound is the optimum of the
+    model over every critical position. Random 14-op graphs at two budgets: most of those that
+    end optimal take several rounds, and the probe alone ends some."""
+    several, by_probe = 0, 0
     for seed in range(16):
         g = seeded_graph(seed, n_ops=14)
         low, high = ss.min_budget(g, LINK), ss.keep_all_peak(g, LINK)
         for share in (0.3, 0.6):
             budget = int(low + share * (high - low))
-            with first_positions(1):
-                rounds = departure_bound(g, budget, LINK, deterministic_time_s=5.0)
-            if rounds.status != "optimal":
-                continue
-            several += rounds.note != "1 rounds"
-            with first_positions(10**6):
+            with first_positions(10**6, probe=False):
                 whole = departure_bound(g, budget, LINK, deterministic_time_s=5.0)
-            assert whole.status == "optimal" and whole.note == "1 rounds"
-            assert rounds.step_time_s == pytest.approx(whole.step_time_s, rel=1e-9), (seed, share)
-    assert several >= 8
+            for probe in (False, True):
+                with first_positions(1, probe=probe):
+                    rounds = departure_bound(g, budget, LINK, deterministic_time_s=5.0)
+                if rounds.status != "optimal":
+                    continue
+                several += not probe and rounds.note != "1 rounds"
+                by_probe += probe and rounds.note == "1 rounds"
+                assert whole.status == "optimal" and whole.note == "1 rounds"
+                assert rounds.step_time_s == pytest.approx(whole.step_time_s, rel=1e-9), \
+                    (seed, share, probe)
+    assert several >= 8 and by_probe >= 8
 
 
 @st.composite
@@ -274,3 +281,55 @@ def test_a_round_whose_model_would_be_built_past_the_clock_cap_is_not_started(mo
         capped = departure_bound(g, budget, LINK, deterministic_time_s=5.0, time_limit_s=0.8)
     assert capped.status == "timeout" and capped.clock_stopped and capped.note == "1 rounds"
     assert capped.step_time_s is not None and capped.step_time_s <= found.step_time_s * (1 + 1e-9)
+
+
+def test_a_bound_within_the_gap_of_the_incumbent_ends_the_run():
+    """With a known plan (``incumbent_s``) and ``gap``, a run stops once its bound is within
+    that share of the plan's overhead of it: a proof of that plan needs no more. Random 14-op
+    graphs, the plan 1.5 x the model's optimal overhead, gap 0.5: the bound is never above the
+    optimum, is at least the plan less half its overhead where the run stopped so, and on some
+    graphs it stops so before the model is solved."""
+    stopped = 0
+    for seed in range(16):
+        g = seeded_graph(seed, n_ops=14)
+        low, high = ss.min_budget(g, LINK), ss.keep_all_peak(g, LINK)
+        budget = int(low + 0.3 * (high - low))
+        exact = departure_bound(g, budget, LINK, deterministic_time_s=5.0)
+        if exact.status != "optimal":
+            continue
+        plan_s = exact.step_time_s + 0.5 * exact.overhead_s
+        early = departure_bound(g, budget, LINK, deterministic_time_s=5.0, incumbent_s=plan_s,
+                                gap=0.5)
+        assert early.step_time_s <= exact.step_time_s * (1 + 1e-9), seed
+        if early.note.startswith("within the gap of incumbent_s"):
+            stopped += 1
+            assert early.status == "feasible"
+            enough = plan_s - 0.5 * (plan_s - g.ideal_step_time_s)
+            assert early.step_time_s >= enough * (1 - 1e-12), seed
+    assert stopped >= 2
+
+
+@pytest.mark.slow
+def test_the_probe_alone_bounds_resnet50_at_80_percent():
+    """ResNet50 at 80% with swaps, from the heuristic's plan (1.458% overhead), 2 units of work
+    (the exact planner's at 10 s): the position most over the room alone (the probe, a quarter
+    of the work) is solved in about 0.3, and its optimum breaks no other position: the model's
+    optimum, 1.37% (within the 0.8% gap asked). Without the probe, the first round over 9
+    positions gets half the work and ends about 6% of the overhead short of it, the round over
+    all 177 the rest (its rows make the search far longer, not the bound higher)."""
+    hw = ss.hardware("a100-80gb-pcie4")
+    g = ss.cnn_graph("resnet50", hw, batch=16)
+    start = ss.solve(g, 0.8, hw, solver="heuristic")
+    ideal = g.ideal_step_time_s
+
+    def run(probe: bool):
+        with first_positions(departures.FIRST_POSITIONS, probe=probe):
+            return departure_bound(g, 0.8, hw, hint=decision_codes(g, start),
+                                   incumbent_s=start.info.predicted_step_time_s,
+                                   deterministic_time_s=2.0, gap=0.008)
+
+    probed, plain = run(True), run(False)
+    assert probed.status == "optimal" and probed.note == "1 rounds" and probed.positions == 1
+    assert probed.work <= 0.5
+    assert 100 * (probed.step_time_s / ideal - 1) >= 1.37
+    assert plain.step_time_s < probed.step_time_s - 0.05 * probed.overhead_s
