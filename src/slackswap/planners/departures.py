@@ -65,7 +65,7 @@ def departure_bound(graph: ActivationGraph, budget, hw: Hardware | str, *,
                     workers: int = 1, seed: int = 0, incumbent_s: float | None = None,
                     hint: np.ndarray | None = None, allowed=None, pins=None,
                     mask: np.ndarray | None = None, max_binaries: int = MAX_BINARIES,
-                    gap: float = 0.0, min_gap_s: float = 0.0,
+                    gap: float = 0.0, min_gap_s: float = 0.0, enough_s: float | None = None,
                     on_start: Callable[[Any], None] | None = None) -> DepartureBound:
     """The departure bound of ``graph`` within ``budget`` on ``hw`` (formulations/departure-bound.md).
 
@@ -79,7 +79,9 @@ def departure_bound(graph: ActivationGraph, budget, hw: Hardware | str, *,
     problem. ``gap``, ``min_gap_s``: each round stops once its best point is within ``gap`` of its
     overhead (or ``min_gap_s``) of its bound; the bound stays valid, and a point within the gap
     is all a proof within a larger tolerance needs (the last fraction of a percent is most of the
-    work: SegNet at 50%, 3.9 units within 0.8%, more than 12 to the end). ``on_start(solver)``
+    work: SegNet at 50%, 3.9 units within 0.8%, more than 12 to the end). ``enough_s``: a bound
+    of at least this step time is all the caller needs (a known plan's proof): the run stops
+    once it has one, status "feasible", though its model is not solved. ``on_start(solver)``
     is called before each round's search with the CP-SAT solver (a caller in another thread may
     then stop it)."""
     from ortools.sat.python import cp_model
@@ -96,6 +98,9 @@ def departure_bound(graph: ActivationGraph, budget, hw: Hardware | str, *,
         if isinstance(value, bool) or not isinstance(value, numbers.Real) or \
                 not math.isfinite(value) or value < 0:
             raise ValueError(f"departure_bound: {name} must be a finite number >= 0, got {value!r}")
+    if enough_s is not None and (isinstance(enough_s, bool) or not isinstance(
+            enough_s, numbers.Real) or math.isnan(enough_s)):
+        raise ValueError(f"departure_bound: enough_s must be a number or None, got {enough_s!r}")
     if hint is not None:
         hint = np.asarray(hint)
         if hint.shape != (len(graph.tensors),):
@@ -131,10 +136,6 @@ def departure_bound(graph: ActivationGraph, budget, hw: Hardware | str, *,
     # positions is 6% short of it after 10)
     probe = PROBE_SHARE > 0 and len(data.critical) > 1
     positions = {by_excess[0]} if probe else first
-    # a bound this close to the known plan is all a caller proving that plan within ``gap`` needs
-    enough_s = None
-    if incumbent_s is not None and np.isfinite(incumbent_s):
-        enough_s = incumbent_s - max(gap * (incumbent_s - ideal), min_gap_s)
     spent, rounds, best_bound, codes = 0.0, 0, ideal, None
     build_s_per_binary = None  # building a round's model (Python) is outside CP-SAT's clock
     sizes: dict[str, Any] = {}
@@ -196,8 +197,8 @@ def departure_bound(graph: ActivationGraph, budget, hw: Hardware | str, *,
         if broken == {}:
             return result("optimal", best_bound, codes, note=f"{rounds} rounds", **sizes)
         if enough_s is not None and best_bound >= enough_s:
-            return result("feasible", best_bound, codes, note=f"within the gap of incumbent_s "
-                          f"({rounds} rounds)", **sizes)
+            return result("feasible", best_bound, codes, note=f"enough_s reached ({rounds} rounds)",
+                          **sizes)
         spent_out = deterministic_time_s is not None and spent >= deterministic_time_s * (1 - 1e-9)
         if whole or spent_out or clocked or time.perf_counter() - began >= 0.95 * time_limit_s:
             clocked = clocked or not spent_out and not whole

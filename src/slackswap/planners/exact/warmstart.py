@@ -375,12 +375,15 @@ def warm_start(problem: Problem, polish: bool = True, bound_s: float | None = No
 
             fits = best.sim.fits
             incumbent, hint = (best.step_time_s, best.codes) if fits else (None, None)
+            # a bound this close under the plan proves it with the rest of the tolerance to spare
+            enough = None if not fits else best.step_time_s - DEPARTURE_GAP_SHARE * \
+                proof_tolerance_s(best.step_time_s, g.ideal_step_time_s, gap)
             cap_s = DEPARTURE_CLOCK_SHARE * left()
             departure = _Background()
             departure.start(lambda on_start: departure_bound(
                 g, budget, hw, mask=problem.mask, incumbent_s=incumbent, hint=hint,
                 deterministic_time_s=departure_work_s, time_limit_s=cap_s, on_start=on_start,
-                **departure_gap))
+                enough_s=enough, **departure_gap))
 
     first_departure: list = []  # the first run's answer, once taken
 
