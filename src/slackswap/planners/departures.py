@@ -132,7 +132,7 @@ def departure_bound(graph: ActivationGraph, budget, hw: Hardware | str, *,
     by_excess = sorted(data.critical, key=lambda k: (-data.excess[k], k))
     first = set(by_excess[:FIRST_POSITIONS]) | {data.critical[0]}
     # the probe: the position most over the room alone, for a small share of the work; often its
-    # optimum is already the bound (ResNet50 at 80%: 0.25 units, where the first round over 9
+    # optimum is already the bound (ResNet50 at 80%: 0.28 units, where the first round over 9
     # positions is 6% short of it after 10)
     probe = PROBE_SHARE > 0 and len(data.critical) > 1
     positions = {by_excess[0]} if probe else first
@@ -431,10 +431,10 @@ class _Model:
     def broken_positions(self, solver) -> dict[int, int]:
         """Positions over the budget, not in this model, whose memory row no completion of the
         solution meets, each with the bytes (in units) its row is missed by. The completion
-        keeps every value the solution has (the stalls, the
-        copies done at modelled positions) and, at each critical position in order, takes the
-        copies done at the one before (departed_monotone), then more in the lane's order while
-        every lane_busy row holds, only copies done by the next modelled position. With no
+        keeps every value the solution has (the stalls, the copies done at modelled positions)
+        and, at each critical position in order, takes the copies done at the one before
+        (departed_monotone), then more in the lane's order while every lane_busy row holds,
+        only copies done by the next modelled position. With no
         position broken the solution is a point of the model over every position, so the
         round's optimum is the whole model's."""
         d = self.data
