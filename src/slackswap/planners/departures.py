@@ -40,8 +40,8 @@ BYTE_RANGE = 1e6  # byte unit: the larger of the budget and the largest tensor /
 class DepartureBound:
     """``step_time_s``: no plan's step is shorter (None: no bound). ``codes``: the decisions of
     the relaxation's best point (a start for a plan, not a plan: its schedule is not modelled).
-    ``status``: "optimal" (the relaxation solved), "feasible" (its work limit ended it; the bound
-    is what was proven), "timeout" (the clock did), "infeasible" (no plan fits the budget),
+    ``status``: "optimal" (the relaxation solved), "feasible" (its work limit ended it, or its
+    bound reached ``enough_s``; the bound is what was proven), "timeout" (the clock did), "infeasible" (no plan fits the budget),
     "skipped" (too large, ``note`` says), "trivial" (keeping everything fits at every position)."""
 
     status: str
