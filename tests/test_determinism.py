@@ -62,17 +62,42 @@ def test_same_input_same_plan_and_proof_when_no_clock_stopped_a_phase(seed):
         (second.info.status, second.info.bound, second.info.gap)
 
 
-def test_a_clock_ended_phase_is_named():
+def test_a_clock_ended_phase_is_named_and_the_plan_says_timeout():
     g = ss.workload("bert-large", "a100-80gb-pcie4")
-    plan = ss.solve(g, 0.3, "a100-80gb-pcie4", solver="cpsat", time_limit_s=1.0)
-    # 1 s cannot hold the MILP on a 300-position model: whatever was cut is said
+    # 30 s of work cannot be done within a 1 s cap on any machine: the cap binds, and whatever
+    # it cut is said, with status "timeout" (another machine would return another plan)
+    plan = ss.solve(g, 0.3, "a100-80gb-pcie4", solver="cpsat", time_limit_s=1.0, work_s=30.0)
     assert plan.info.extra["clock_stopped"], plan.info.extra
+    assert plan.info.status == "timeout"
+    assert ss.validate(g, plan).ok
 
 
-def test_deterministic_option_runs_no_clock_capped_relaxation():
+def test_a_short_time_limit_sizes_the_work_and_the_clock_does_not_bind():
+    g = ss.workload("bert-large", "a100-80gb-pcie4")
+    # with work sized by a 1 s limit, the integral relaxation (182,166 cells, about 1.2 s for
+    # its root node here) is too large for the work and is left out by size, not by the clock:
+    # the same plan on any machine
+    plans = [ss.solve(g, 0.3, "a100-80gb-pcie4", solver="cpsat", time_limit_s=60.0, work_s=1.0)
+             for _ in range(2)]
+    assert plans[0].info.extra["clock_stopped"] == []
+    assert plans[0].info.extra["integral_lp"]["reason"] == "model too large for the work"
+    assert plans[0].decisions == plans[1].decisions
+    assert plans[0].info.status == plans[1].info.status != "timeout"
+
+
+def test_the_default_runs_every_phase_on_work_limits():
     g = seeded_graph(5, n_ops=10)
     budget = ss.min_budget(g, LINK)
-    plan = ss.solve(g, budget, LINK, solver="cpsat", time_limit_s=20, deterministic=True)
-    assert not any(k.startswith("integral_lp") for k in plan.info.extra)
+    plan = ss.solve(g, budget, LINK, solver="cpsat", time_limit_s=120, work_s=20)
+    limits = plan.info.extra["work_limits"]
+    # the integral relaxations stop on branch-and-bound nodes, not on a share of the clock
+    assert limits["anytime"] is False and limits["relax_nodes"] >= 1
+    assert limits["relax_cap_s"] == float("inf") and limits["search_cap_s"] is None
     assert plan.info.extra["clock_stopped"] == []
     assert ss.validate(g, plan).ok
+    # deterministic=True, the older switch, is the default; False is anytime
+    same = ss.solve(g, budget, LINK, solver="cpsat", time_limit_s=120, work_s=20,
+                    deterministic=True)
+    assert same.decisions == plan.decisions and same.info.status == plan.info.status
+    anytime = ss.solve(g, budget, LINK, solver="cpsat", time_limit_s=5, deterministic=False)
+    assert anytime.info.extra["work_limits"]["anytime"] is True

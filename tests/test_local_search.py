@@ -97,12 +97,13 @@ def test_random_groups_move_together():
 
 @pytest.mark.slow
 def test_warm_start_is_never_worse_than_the_heuristic():
+    from slackswap.planners.exact.limits import WorkLimits
     from slackswap.planners.exact.warmstart import warm_start
 
     g = ss.workload("bert-large", "a100-80gb-pcie4")
     hw = ss.hardware("a100-80gb-pcie4")
     budget = ss.parse_budget(0.4, g, hw)
-    ws = warm_start(Problem(g, hw, budget), relax_cap_s=2.0, search_work=400_000)
+    ws = warm_start(Problem(g, hw, budget), work=WorkLimits.for_work(10.0))
     assert ws.sim.fits
     assert ws.step_time_s <= ws.heuristic_sim.step_time_s
     # the integral relaxation's bound is a bound: no plan, the warm start included, beats it

@@ -79,8 +79,14 @@ def solve(graph: ActivationGraph, budget: float | int | str, hardware: Hardware 
     checked by ``validate``; a solver that cannot honour them is refused by name.
 
     time_limit_s: a hard cap on the exact solvers' wall time (default 10 s), counted from this
-    call (the planner's first load in a process included); their phases stop on work limits set
-    by it, so the same input gives the same plan on any machine.
+    call (the planner's first load in a process included). Their phases stop on work limits
+    (CP-SAT's deterministic time, branch-and-bound nodes, simplex iterations, simulated
+    positions) sized by the option ``work_s`` (default: the time limit; the default fits the
+    time limit on a 2-core machine with another busy process), so the same input gives the same
+    plan, schedule, status and bound on any machine that finishes the work in time. Where the
+    clock stops a phase first, ``plan.info.extra["clock_stopped"]`` names it and the status is
+    "timeout". ``anytime=True``: the phases share the time limit instead (a faster machine
+    searches further; two runs may differ).
     """
     entered = time.perf_counter()  # the time limit counts from here
     if not isinstance(graph, ActivationGraph):
@@ -180,7 +186,7 @@ def host_allowed(hw: Hardware, allowed) -> tuple[Any, bool]:
 
 # the planners' on/off options (``full`` may also be None: the planner decides)
 BOOLEAN_OPTIONS = ("warm_start", "polish", "deterministic", "coarse", "departure", "full",
-                   "bundle_reruns", "unfit_polish", "log")
+                   "bundle_reruns", "unfit_polish", "log", "anytime")
 STRATEGIES = ("auto", "whole", "lp-guided")  # the exact planners' (planners/exact/driver.py)
 
 
@@ -203,6 +209,12 @@ def check_options(options: Mapping[str, Any]) -> None:
         if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real) \
                 or not math.isfinite(value) or value < 0:
             raise ValueError(f"solve: option gap must be a finite number >= 0, got {value!r}")
+    if options.get("work_s") is not None:
+        value = options["work_s"]
+        if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real) \
+                or not math.isfinite(value) or value <= 0:
+            raise ValueError(f"solve: option work_s must be a finite number of seconds > 0, "
+                             f"got {value!r}")
     if "strategy" in options and options["strategy"] not in STRATEGIES:
         raise ValueError(f"solve: option strategy must be one of {', '.join(STRATEGIES)}, got "
                          f"{options['strategy']!r}")

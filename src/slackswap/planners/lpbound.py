@@ -11,7 +11,8 @@ a feasible point, so the optimum bounds the best retention from above.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Any
 
 import numpy as np
 from scipy.optimize import linprog
@@ -39,6 +40,7 @@ class LPBound:
     note: str = ""  # why no bound was proven ("unsolved", "timeout")
     nodes: int | None = None  # integral: branch-and-bound nodes explored (HiGHS's work)
     clock_stopped: bool = False  # the wall-clock cap, not a work limit or the gap, stopped it
+    iterations: int | None = None  # simplex (or interior point) iterations, where known
 
 
 class _LP:
@@ -103,8 +105,11 @@ class _LP:
             options["maxiter"] = int(max_iterations)
         res = linprog(np.array(self.c), A_ub=A_ub, b_ub=b_ub, A_eq=A_eq, b_eq=b_eq,
                       bounds=list(zip(self.lb, self.ub)), method=method, options=options)
+        # status 1 is either limit: the message says which (HiGHS's "Time limit reached")
+        timed_out = int(res.status) == 1 and "time" in str(res.message).lower()
         return _Result(int(res.status), str(res.message), res.x,
-                       None if res.fun is None else float(res.fun), None)
+                       None if res.fun is None else float(res.fun), None, timed_out,
+                       iterations=int(getattr(res, "nit", 0) or 0))
 
     def solve_interior(self, time_limit_s: float | None = None,
                        max_iterations: int | None = None):
@@ -209,10 +214,13 @@ class _LP:
 
     def solve_integral(self, integer_vars: np.ndarray, time_limit_s: float, gap: float,
                        improving_solutions: int | None = None, abs_gap: float | None = None,
-                       kill_after_s: float | None = None, max_nodes: int | None = None):
+                       kill_after_s: float | None = None, max_nodes: int | None = None,
+                       max_iterations: int | None = None,
+                       highs_options: dict[str, Any] | None = None):
         """The same model with ``integer_vars`` integral (HiGHS branch and bound), in a child
         process (planners/native.py): a crash is an error, the deadline holds.
-        ``improving_solutions`` (improving solutions) and ``max_nodes`` (branch-and-bound nodes)
+        ``improving_solutions`` (improving solutions), ``max_nodes`` (branch-and-bound nodes) and
+        ``max_iterations`` (simplex iterations over the whole search, the root node's included)
         are work limits, the same on any machine; the time limit is only a cap."""
         from .native import GRACE_S, NativeSolverError, NativeTimeout, run_in_child
 
@@ -227,12 +235,17 @@ class _LP:
             options["mip_max_improving_sols"] = int(improving_solutions)
         if max_nodes is not None:
             options["mip_max_nodes"] = int(max_nodes)
+        if max_iterations is not None:
+            options["simplex_iteration_limit"] = int(max_iterations)
+        if highs_options:
+            options["highs"] = dict(highs_options)
         # HiGHS checks its own limit only now and then (not in presolve or the root LP): the
         # child is killed later, at ``kill_after_s`` (the caller's deadline), so an incumbent
         # found a little late is not thrown away
         kill = limit + GRACE_S + 1.0 if kill_after_s is None else max(kill_after_s, limit)
         try:
-            if abs_gap is None and improving_solutions is None and max_nodes is None:
+            if abs_gap is None and improving_solutions is None and max_nodes is None \
+                    and max_iterations is None and not highs_options:
                 answer = run_in_child("scipy", {"problem": "milp", "options": options}, arrays,
                                       kill)
                 answer["status"] = {0: "optimal", 1: "time limit", 2: "infeasible"}.get(
@@ -248,7 +261,7 @@ class _LP:
         x = None if answer["x"] is None else np.array(answer["x"])
         return _Result(code, f"{answer['status']}: {answer['message']}", x, answer["fun"],
                        answer["dual_bound"], answer["status"] == "time limit",
-                       answer.get("nodes"))
+                       answer.get("nodes"), answer.get("iterations"))
 
 
 def _quiet_highs(highspy):
@@ -282,6 +295,7 @@ class _Result:
     mip_dual_bound: float | None
     timed_out: bool = False  # the wall-clock cap, not a work limit, stopped it
     nodes: int | None = None  # branch-and-bound nodes HiGHS explored (its work)
+    iterations: int | None = None  # simplex iterations (its work)
 
 
 LATENCY_ROW_SHARE = 0.1  # the every-copy-within-the-step row is added past this latency share
@@ -396,7 +410,8 @@ def lp_bound(graph: ActivationGraph, budget, hw: Hardware | str, *, integral: bo
              improving_solutions: int | None = None, max_iterations: int | None = None,
              gap_on_step: bool = True, kill_after_s: float | None = None,
              max_nodes: int | None = None, allowed=None, pins=None,
-             mask: np.ndarray | None = None, whole_departures: int = 0) -> LPBound:
+             mask: np.ndarray | None = None, whole_departures: int = 0,
+             highs_options: dict[str, Any] | None = None) -> LPBound:
     """Upper bound on the retention of any plan for ``graph`` within ``budget`` on ``hw``.
 
     integral: make the keep/swap/recompute fractions binary and solve the MILP (HiGHS) for at
@@ -650,7 +665,8 @@ def lp_bound(graph: ActivationGraph, budget, hw: Hardware | str, *, integral: bo
         res = lp.solve_integral(np.concatenate([K, W, R, queue_binaries]), time_limit_s, gap,
                                 improving_solutions,
                                 abs_gap=gap * ideal / tu if gap_on_step else None,
-                                kill_after_s=kill_after_s, max_nodes=max_nodes)
+                                kill_after_s=kill_after_s, max_nodes=max_nodes,
+                                max_iterations=max_iterations, highs_options=highs_options)
         wall = time.perf_counter() - start_clock
         if res.status == 2:
             return infeasible(res.message)
@@ -662,7 +678,8 @@ def lp_bound(graph: ActivationGraph, budget, hw: Hardware | str, *, integral: bo
             step = ideal + bound_units * tu
             return LPBound(min(1.0, ideal / step) if step > 0 else 1.0, step, ideal, budget_bytes,
                            "timeout", wall, {}, {}, {}, integral=True, gap=np.inf,
-                           nodes=res.nodes, clock_stopped=res.timed_out)
+                           nodes=res.nodes, clock_stopped=res.timed_out,
+                           iterations=res.iterations)
         objective = float(res.fun)
         if dual is None or not np.isfinite(dual):
             # optimal means within the relative gap; otherwise no bound is known but the trivial
@@ -687,7 +704,8 @@ def lp_bound(graph: ActivationGraph, budget, hw: Hardware | str, *, integral: bo
         if res.status == 2:
             return infeasible(res.message)
         if res.status == 1:
-            return no_bound("timeout", f"LP stopped at its limit: {res.message}")
+            return replace(no_bound("timeout", f"LP stopped at its limit: {res.message}"),
+                           clock_stopped=res.timed_out)
         if res.status != 0 or res.fun is None or not np.isfinite(res.fun):
             return no_bound("unsolved", f"HiGHS status {res.status}: {res.message}")
         bound_units = max(0.0, float(res.fun))
@@ -708,4 +726,5 @@ def lp_bound(graph: ActivationGraph, budget, hw: Hardware | str, *, integral: bo
         gap=mip_gap,
         nodes=res.nodes if integral else None,
         clock_stopped=bool(integral and res.timed_out),
+        iterations=res.iterations,
     )

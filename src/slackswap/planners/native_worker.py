@@ -114,6 +114,8 @@ def solve_highs_mip(req: dict, folder: Path) -> dict:
     for name in ("mip_max_improving_sols", "mip_max_nodes", "simplex_iteration_limit"):
         if name in opts:
             h.setOptionValue(name, int(opts[name]))
+    for name, value in opts.get("highs", {}).items():  # further HiGHS options, by name
+        h.setOptionValue(name, value)
     h.passModel(lp)
     h.run()
     status = h.getModelStatus()

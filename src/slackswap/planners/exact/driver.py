@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -32,81 +32,26 @@ from ...core.plan import (
 from ...core.stepmodel import expand
 from ..base import Problem, Solution
 from .formulate import Formulation, formulate
+from .limits import DEFAULT_TIME_LIMIT_S, Clock, WorkLimits
 
 log = logging.getLogger("slackswap")
 
-# the default solver returns within this on real profiled models (HF GPT-2 / BERT / Llama of
-# 2-12 layers: most plans proven in 0.6-2.5 s, benchmarks/profiled_solve.py); a longer limit is
-# for the hardest rows (the reference table uses 60 s)
-DEFAULT_TIME_LIMIT_S = 10.0
-MIN_SEARCH_S = 0.3  # below this much time left, no MILP is built
-# the LP bound's share of the time left: most of it, since without a bound nothing is proven and
-# it is fast wherever a MILP can run (GPT-2 XL: 0.45 s); on a 640-layer graph it needs about 12 s
-# (PIQP), and the heuristic's warm start, what such a graph gets anyway, about 1 s
+MIN_SEARCH_S = 0.3  # anytime: below this much time left, no MILP is built
+# anytime: the LP bound's share of the time left, and what a phase costs before it can stop on
+# its own, per position (a phase is started only when the time left covers it)
 LP_SHARE = 0.8
-# what a phase costs before it can stop on its own, per unit of size, on the reference machine:
-# a phase is started only when the time left covers it (so the time limit holds)
 LP_S_PER_SLOT = 4e-4  # building the LP bound (GPT-2 XL: 1,160 positions, 0.45 s)
 FORMULATE_S_PER_SLOT = 4e-4  # building the MILP (GPT-2 XL: 0.4 s)
 CLOSE_S_PER_SLOT = 5e-5  # solve()'s closing, checking and simulating (640 layers: about 0.6 s)
 
 
-@dataclass(frozen=True)
-class WorkLimits:
-    """How much work each phase may do, fixed by the time limit alone, never by the clock: the
-    same input gives the same plan and proof on a fast, slow or loaded machine, as long as the
-    time limit (a hard cap on the clock) is not what stops it (formulations/milp.md, "Solving").
-    The factors are this project's 2-core machine's rates, so that the work fits the limit."""
-
-    relax_solutions: int | None  # improving solutions of each relaxation (None: to its gap)
-    relax_cap_s: float  # each relaxation's clock cap (HiGHS measures no other work)
-    search_cap_s: float  # the local searches' clock cap, beside their work limit
-    search_work: int  # simulated positions, all local searches together
-    milp_deterministic_s: float  # CP-SAT's deterministic time (CBC, HiGHS: the clock alone)
-    departure_deterministic_s: float  # the departure bound's (CP-SAT, one worker)
-
-    @classmethod
-    def for_time_limit(cls, limit_s: float) -> WorkLimits:
-        search_s = min(15.0, 0.45 * limit_s)
-        return cls(relax_solutions=None, relax_cap_s=min(5.0, 0.15 * limit_s) + CHILD_START_S,
-                   search_cap_s=2.0 * search_s,
-                   search_work=int(SEARCH_POSITIONS_PER_S * search_s),
-                   milp_deterministic_s=CPSAT_DTIME_PER_S * 0.6 * limit_s,
-                   departure_deterministic_s=min(DEPARTURE_DTIME_SHARE * limit_s,
-                                                 DEPARTURE_DTIME_MAX))
-
-    def as_dict(self) -> dict[str, Any]:
-        return dict(self.__dict__)
-
-
-# CP-SAT's deterministic time per second of wall time with 2 interleaved workers on the
-# reference machine (BERT-Large at 40%: 6.6 in 19.8 s; GPT-2 XL at 30%: 3.0 in 18.6 s; small
-# models run faster): its work limit is set so that it, not the clock, usually ends the search
-CPSAT_DTIME_PER_S = 0.25
-# the departure bound's deterministic time per second of the limit, and at most: one CP-SAT worker
-# does 0.25-0.35 of it per second here, so at most 2/3 of the limit (it runs beside the integral
-# relaxations, and the planner waits for what is left of it after them). The CNN rows it solves
-# need 0.1-2 (VGG16 at 90%: 0.16, 0.6 s); a 4-layer GPT-style step at 40% was proven at 60 s with
-# 12 and not with 4; an 8-layer one ran its 12 (36 s) unsolved, the planner waiting 18 s of it
-DEPARTURE_DTIME_SHARE = 0.2
-DEPARTURE_DTIME_MAX = 12.0
-# a relaxation runs in a child process: its cap is its solve's share plus this (the child
-# starts in about 0.25 s since it no longer imports scipy.sparse; HiGHS keeps the difference)
-CHILD_START_S = 0.7
-# simulated positions per second of local search on the reference machine (GPT-2 XL: 1,170
-# positions per evaluation, about 11 ms each)
-SEARCH_POSITIONS_PER_S = 100_000
 WHOLE_MODEL_BINARIES = 2500
 # the proof round (milp.md, "The proof round"): the model over every position, when a plan is
 # not proven, on graphs of at most this many positions x saved tensors (SegNet: 176 x 65) and
 # nonzeros, with at least this much time left
 PROOF_CELLS = 12_000
 PROOF_NONZEROS = 400_000
-MIN_PROOF_S = 1.0
-PROOF_DTIME_SHARE = 0.25
-# a large graph of repeated blocks: its coarse copy's solve gets this share of the time limit
-# (warmstart.coarse_start; a 640-layer GPT-style step at 120 s: 36 s for 64 layers)
-COARSE_SHARE = 0.3
+MIN_PROOF_S = 1.0  # anytime: less time left than this, no proof round
 # status "optimal": proven within 1% of the plan's overhead, or 1e-5 of its step (core/plan.py)
 
 
@@ -131,13 +76,12 @@ def lp_fixings(f: Formulation, lp, threshold: float = 0.999, agree_with=None) ->
     return fixed
 
 
-def _skipped_bound(graph, budget: int):
-    """The trivial bound (no plan beats the ideal step), when there is no time for the LP."""
+def _skipped_bound(graph, budget: int, why: str):
+    """The trivial bound (no plan beats the ideal step), when the LP bound is not built."""
     from ..lpbound import LPBound
 
     ideal = graph.ideal_step_time_s
-    return LPBound(1.0, ideal, ideal, budget, "skipped", 0.0, {}, {}, {},
-                   note="no time left to build the LP bound")
+    return LPBound(1.0, ideal, ideal, budget, "skipped", 0.0, {}, {}, {}, note=why)
 
 
 class ExactBackend:
@@ -149,8 +93,9 @@ class ExactBackend:
     # integers solved exactly (CP-SAT), not in floating point with tolerances (HiGHS, CBC): the
     # model may then use a finer time unit (formulations/milp.md, "Scaling and rounding")
     exact_arithmetic = False
-    options = frozenset({"seed", "workers", "warm_start", "full", "strategy", "polish", "gap", "coarse",
-                         "log", "linearization_level", "deterministic", "departure"})
+    options = frozenset({"seed", "workers", "warm_start", "full", "strategy", "polish", "gap",
+                         "coarse", "log", "linearization_level", "deterministic", "departure",
+                         "anytime", "work_s"})
 
     def is_available(self) -> bool:
         return True
@@ -161,21 +106,46 @@ class ExactBackend:
 
     def solve(self, problem: Problem, time_limit_s: float | None = None, seed: int = 0,
               workers: int = 2, warm_start: bool = True, full: bool | None = None,
-              strategy: str = "auto", polish: bool = True, deterministic: bool = False,
-              coarse: bool = True, departure: bool = True, **options: Any) -> Solution:
-        from ..lpbound import lp_bound
+              strategy: str = "auto", polish: bool = True, deterministic: bool | None = None,
+              coarse: bool = True, departure: bool = True, anytime: bool = False,
+              work_s: float | None = None, **options: Any) -> Solution:
+        """The best plan found within the work allowed (``work_s``, default the time limit;
+        limits.py) and the time limit (a hard cap). By default a plan whose search the clock
+        stopped anywhere is "timeout", whatever it proved: another machine, or this one idle,
+        could return another plan (``extra["clock_stopped"]`` names the phases)."""
+        solution = self._search(problem, time_limit_s, seed, workers, warm_start, full, strategy,
+                                polish, deterministic, coarse, departure, anytime, work_s,
+                                **options)
+        extra = solution.info.extra
+        if not extra.get("anytime") and extra.get("clock_stopped") \
+                and solution.info.status != "timeout":
+            info = replace(solution.info, status="timeout",
+                           extra={**extra, "status_before_clock": solution.info.status})
+            solution = replace(solution, info=info)
+        return solution
+
+    def _search(self, problem: Problem, time_limit_s: float | None, seed: int, workers: int,
+                warm_start: bool, full: bool | None, strategy: str, polish: bool,
+                deterministic: bool | None, coarse: bool, departure: bool, anytime: bool,
+                work_s: float | None, **options: Any) -> Solution:
+        from ..lpbound import IPM_FROM_SLOTS, lp_bound
         from .decode import decode
         from .warmstart import heuristic_start
         from .warmstart import warm_start as build_warm_start
 
         start = time.perf_counter()
         limit = DEFAULT_TIME_LIMIT_S if time_limit_s is None else float(time_limit_s)
+        if deterministic is not None:
+            # the older switch: True is now the default, False the clock-shared search
+            anytime = anytime or not deterministic
         # solve() closes, checks and simulates the plan after this returns, within the limit; the
         # limit counts from solve()'s entry (its first call in a process loads this planner: about
         # 0.5 s of OR-Tools' import, which put a 1 s limit at 1.15 s)
         clock_from = start if problem.began is None else min(start, problem.began)
         deadline = clock_from + limit - CLOSE_S_PER_SLOT * problem.graph.n_slots
-        work = WorkLimits.for_time_limit(limit)
+        clock = Clock(deadline)
+        work = WorkLimits.for_work(limit if work_s is None else float(work_s), anytime=anytime,
+                                   time_limit_s=limit)
 
         def left() -> float:
             return deadline - time.perf_counter()
@@ -192,23 +162,29 @@ class ExactBackend:
                 step - bound <= proof_tolerance_s(step, ideal, target)
 
         # the heuristic's plan first: a short limit on a loaded machine still returns at least
-        # the plan of solve(solver="heuristic"); the LP bound gets the time left
-        heuristic = heuristic_start(problem, deadline)
-        if left() > 2 * LP_S_PER_SLOT * g.n_slots:
-            lp = lp_bound(g, budget, hw, time_limit_s=max(0.01, LP_SHARE * left()), mask=problem.mask)
-        else:  # no time to build it: no bound, and no proof
-            lp = _skipped_bound(g, budget)
+        # the plan of solve(solver="heuristic"); the LP bound gets its work (anytime: the time
+        # left)
+        heuristic = heuristic_start(problem, deadline if anytime else None)
+        if anytime:
+            run_lp = left() > 2 * LP_S_PER_SLOT * g.n_slots
+        else:
+            run_lp = work.solves_lp(g.n_slots, IPM_FROM_SLOTS) and not clock.passed()
+            if not run_lp and clock.passed():
+                clock.stop("lp_bound")
+        if run_lp:
+            lp = lp_bound(g, budget, hw, mask=problem.mask,
+                          max_iterations=work.lp_iterations if g.n_slots <= IPM_FROM_SLOTS else None,
+                          time_limit_s=max(0.01, (LP_SHARE if anytime else 1.0) * left()))
+        else:  # no time (anytime) or work to build it: no bound, and no proof
+            lp = _skipped_bound(g, budget, "no time left to build the LP bound" if anytime
+                                else "the LP bound's model is too large for the work allowed")
         lp_s = lp.step_time_s if lp.status == "optimal" else None
         ws = build_warm_start(problem, polish=polish and warm_start, bound_s=lp_s, gap=gap_target,
-                              relax_solutions=work.relax_solutions, search_work=work.search_work,
-                              deadline=deadline, relax_cap_s=work.relax_cap_s,
-                              search_cap_s=work.search_cap_s, lp=lp,
-                              deterministic=deterministic, heuristic=heuristic,
-                              solve_coarse=None if not coarse else lambda small, limit_s: self.solve(
-                                  small, time_limit_s=limit_s, seed=seed, workers=workers,
-                                  deterministic=deterministic, departure=departure),
-                              coarse_limit_s=COARSE_SHARE * limit,
-                              departure_work_s=work.departure_deterministic_s if departure else None)
+                              work=work, clock=clock, lp=lp, heuristic=heuristic,
+                              solve_coarse=None if not coarse else lambda small, lim, wk: self.solve(
+                                  small, time_limit_s=lim, work_s=wk, seed=seed, workers=workers,
+                                  anytime=anytime, departure=departure),
+                              departure=departure)
         heuristic_time = ws.heuristic_sim.step_time_s if ws.heuristic_sim.fits else float("inf")
         warm_time = ws.step_time_s
         bounds = [b for b in (lp_s, ws.bound_s) if b is not None]
@@ -221,11 +197,14 @@ class ExactBackend:
             "warm_start": ws.source, "warm_start_step_time_s": warm_time, **ws.notes}
         # the phases the wall clock ended (or skipped) rather than their work limits: empty means
         # the same input gives this plan and proof on any machine (milp.md, "Solving")
-        clock_stopped = [name for name, note in ws.notes.items()
-                         if isinstance(note, dict) and note.get("clock_stopped")]
-        if lp.status in ("timeout", "skipped"):
+        clock_stopped = clock.stopped
+        for name, note in ws.notes.items():
+            if isinstance(note, dict) and note.get("clock_stopped"):
+                clock.stop(name)
+        if lp.clock_stopped or (anytime and lp.status in ("timeout", "skipped")):
             clock_stopped.insert(0, "lp_bound")
         base_extra["clock_stopped"] = clock_stopped
+        base_extra["anytime"] = anytime
 
         # the backends stop on a gap relative to their objective (the step): the target in
         # those terms, at the warm start's step
@@ -249,7 +228,15 @@ class ExactBackend:
             return self._fallback(ws, bound_s, warm_time, "feasible", start, {
                 **base_extra, "reason": "the MILP does not model collectives on a half-duplex "
                 "link; the warm start's plan"}, within)
-        if left() < MIN_SEARCH_S + 2 * FORMULATE_S_PER_SLOT * g.n_slots and np.isfinite(warm_time):
+        if anytime:
+            skip_milp = left() < MIN_SEARCH_S + 2 * FORMULATE_S_PER_SLOT * g.n_slots
+        else:
+            skip_milp = clock.passed(MIN_SEARCH_S)
+            if not work.builds(g.n_slots) and np.isfinite(warm_time):
+                return self._fallback(ws, bound_s, warm_time, "feasible", start, {
+                    **base_extra, "reason": "the MILP's model is too large for the work allowed"},
+                    within)
+        if skip_milp and np.isfinite(warm_time):
             clock_stopped.append("milp_skipped")
             return self._fallback(ws, bound_s, warm_time, "timeout", start, {
                 **base_extra, "reason": "no time left for the MILP"}, within)
@@ -283,7 +270,10 @@ class ExactBackend:
                 best = (sim.step_time_s, codes, schedule, form.seconds(obj_units))
             return sim.step_time_s if sim.fits else None
 
-        options = {**options, "deterministic_time_s": work.milp_deterministic_s}
+        # the MILP's work: in the default mode its rounds (two when LP-guided) share it
+        rounds_share = 1 if anytime or strategy == "whole" else 2
+        options = {**options, "deterministic_time_s": work.cpsat_dtime(
+            work.milp_s / rounds_share, size["nonzeros"])}
         clock_runs = clock_stopped  # the same list, in info_extra too
 
         def run(remaining: float, fixed=None, form: Formulation = f, opts=None):
@@ -321,7 +311,7 @@ class ExactBackend:
             clocked_before = len(clock_runs)
             for threshold, agree in rounds:
                 remaining = left()
-                if remaining <= MIN_SEARCH_S:
+                if remaining <= (MIN_SEARCH_S if anytime else 0.05):
                     clock_runs.append("milp_rounds_skipped")
                     break
                 fixed = lp_fixings(f, lp, threshold, agree) if lp.status == "optimal" else {}
@@ -342,7 +332,7 @@ class ExactBackend:
         if full is None and not f.full and not within(incumbent_s, bound_s):
             # the proof round: the model over every schedule position bounds every plan; where
             # it is small enough, it gets the time left, from the best plan so far
-            proof = self._proof_round(problem, ws, best, left, limit, options, run, consider)
+            proof = self._proof_round(problem, ws, best, left, work, options, run, consider)
             if proof is not None:
                 info_extra["proof_round"] = proof
                 if proof.get("bound_s") is not None:
@@ -353,6 +343,8 @@ class ExactBackend:
                     status = "optimal"  # the warm start, proven (returned by the fallback)
                 elif proof.get("clock_stopped"):
                     status = "timeout"
+                if proof.get("clock_stopped"):
+                    clock.stop("proof_round")
         wall = time.perf_counter() - start
         if best is not None and best[0] <= warm_time * (1 + 1e-9) + 1e-12:
             # the plan's step time is the simulator's (exact); the model's objective, rounded up
@@ -386,7 +378,7 @@ class ExactBackend:
                                     "no plan within this budget with these decisions")
         return self._fallback(ws, bound_s, warm_time, status, start, info_extra, within)
 
-    def _proof_round(self, problem: Problem, ws, best, left, limit_s: float, options, run,
+    def _proof_round(self, problem: Problem, ws, best, left, work: WorkLimits, options, run,
                      consider) -> dict[str, Any] | None:
         """The model over every schedule position (formulations/milp.md, "The proof round"),
         hinted with the best plan so far, for the time left; None when it is too large or no
@@ -395,8 +387,10 @@ class ExactBackend:
         from .hint import complete_hint
 
         g, hw = problem.graph, problem.hardware
-        if g.n_slots * len(g.saved) > PROOF_CELLS or left() < MIN_PROOF_S:
+        if g.n_slots * len(g.saved) > PROOF_CELLS:
             return None
+        if left() < (MIN_PROOF_S if work.anytime else 0.05):
+            return {"skipped": "no time left", "clock_stopped": True}
         if hw.collectives_on_link and g.collectives:
             return None  # its bound is no proof there (milp.md, "Collectives")
         if best is not None:
@@ -415,9 +409,9 @@ class ExactBackend:
         size = pf.model.size()
         if size["nonzeros"] > PROOF_NONZEROS:
             return {"skipped": f"{size['nonzeros']} nonzeros"}
-        # its work: CP-SAT's deterministic time for a quarter of the limit (about what is left
-        # by then; small models run at 0.6 of it per second here), fixed by the limit alone
-        opts = {**options, "deterministic_time_s": PROOF_DTIME_SHARE * limit_s}
+        # its work: CP-SAT's deterministic time, fixed by the work allowed alone
+        opts = {**options, "deterministic_time_s": work.cpsat_dtime(work.proof_s,
+                                                                    size["nonzeros"])}
         completed = complete_hint(pf, *hint)
         if completed:
             opts["complete_hint"] = completed

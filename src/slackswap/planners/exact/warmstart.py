@@ -27,6 +27,7 @@ from ...check.simulate import SimResult, simulate_decisions
 from ...core.plan import KEEP, OVERHEAD_TARGET, RECOMPUTE, STEP_FLOOR, SWAP, proof_tolerance_s
 from ..base import Problem
 from ..local_search import improve
+from .limits import DEFAULT_TIME_LIMIT_S, Clock, WorkLimits
 
 log = logging.getLogger("slackswap")
 
@@ -108,6 +109,10 @@ LANE_HEADROOM = 0.98
 # HiGHS reaches by the same path on any machine); the clock is only a cap
 RELAXATION_GAP = 1e-4
 RELAXATION_CAP_S = 20.0
+# by default the relaxations run without HiGHS's sub-MIP heuristics (RINS, RENS): they were most
+# of the root node's time (SegNet at 50%: 4.1 of 4.9 s) for the same bound and nearly the same
+# decisions on the CNN rows; the root node has no other work limit
+RELAXATION_HIGHS = {"mip_heuristic_run_rins": False, "mip_heuristic_run_rens": False}
 RELAXATION_MIN_S = 1.5  # less time left than this: the relaxation is not started
 HEURISTIC_POLISH_S = 2.0  # less time left than this: the restricted heuristics without polish
 # less time left than this: the heuristic itself without its polish (at most 20,000 simulated
@@ -271,37 +276,43 @@ class _Background:
 
 
 def warm_start(problem: Problem, polish: bool = True, bound_s: float | None = None,
-               gap: float = OVERHEAD_TARGET, relax_solutions: int | None = None, search_work: int | None = None,
-               deadline: float | None = None, relax_cap_s: float = RELAXATION_CAP_S,
-               search_cap_s: float | None = None, lp=None, deterministic: bool = False,
+               gap: float = OVERHEAD_TARGET, *, work: WorkLimits | None = None,
+               clock: Clock | None = None, lp=None,
                heuristic: tuple[np.ndarray, SimResult] | None = None,
-               solve_coarse: Callable[[Problem, float], Any] | None = None,
-               coarse_limit_s: float = 0.0, departure_work_s: float | None = None) -> WarmStart:
+               solve_coarse: Callable[[Problem, float, float], Any] | None = None,
+               departure: bool = True) -> WarmStart:
     """The heuristic's plan, improved (``polish``) by local search from the decisions of the
     integral relaxation, of its looser form, of it with 2% slower lanes, and of the heuristic,
     whichever simulates fastest. Each further start is tried only while the plan is not yet
     within ``gap`` of its overhead of the best known bound (``bound_s`` or the relaxation's).
 
-    Work, not time, limits each phase (the same plan on any machine): each relaxation stops once
-    proven within RELAXATION_GAP of the step (or after ``relax_solutions`` improving solutions),
-    the local searches after ``search_work`` simulated positions in all. A large graph of
-    repeated blocks starts from the plan of a coarse copy (``solve_coarse``, within
-    ``coarse_limit_s``; coarse_start) first. With ``departure_work_s`` (CP-SAT's deterministic
-    time) the departure bound runs beside the integral relaxations and is taken after them: a
-    bound where single copies are long against the compute, and its decisions a start. ``deadline`` (a ``time.perf_counter()`` value) is only a cap: what would
-    start after it is skipped."""
+    ``work`` (limits.py; default: the exact planner's default) limits each phase: each relaxation
+    stops once proven within RELAXATION_GAP of the step or after its branch-and-bound nodes, the
+    local searches after their simulated positions in all, the departure bound after its CP-SAT
+    deterministic time (it runs beside the integral relaxations and is taken after them: a
+    bound where single copies are long against the compute, and its decisions a start). A large
+    graph of repeated blocks starts from the plan of a coarse copy (``solve_coarse(problem,
+    time limit, work)``; coarse_start) first. ``clock`` is only a cap: what would start after it
+    is skipped and named; with ``work.anytime`` the phases share the time left instead."""
     from ..heuristic import SlackSwapHeuristic
     from ..lpbound import lp_bound
 
     g, hw, budget = problem.graph, problem.hardware, problem.budget_bytes
-    # the heuristic's plan (heuristic_start: the very plan of solve(solver="heuristic") whenever
-    # the time left covers it); the restricted problems' runs below polish only with more time
-    # left (their work is bounded, but not by the deadline); the searches below go further anyway
-    h_codes, h_sim = heuristic if heuristic is not None else heuristic_start(problem, deadline)
-    left_now = float("inf") if deadline is None else deadline - time.perf_counter()
+    work = WorkLimits.for_work(DEFAULT_TIME_LIMIT_S) if work is None else work
+    clock = Clock(None) if clock is None else clock
+    anytime = work.anytime
+    deadline = clock.deadline
+    search_work: int | None = work.search_work
+    search_cap_s = work.search_cap_s
+    # the heuristic's plan (heuristic_start: the very plan of solve(solver="heuristic"), in
+    # anytime mode whenever the time left covers it); the restricted problems' runs below polish
+    # (anytime: only with more time left); the searches below go further anyway
+    h_codes, h_sim = heuristic if heuristic is not None else heuristic_start(
+        problem, deadline if anytime else None)
+    left_now = clock.left() if anytime else float("inf")
     heuristic_polish = left_now > HEURISTIC_POLISH_S
-    # their bundled pricing (a second run of the rules) too, unless the time left would not
-    # cover it: then the published rules alone, so the limit holds
+    # their bundled pricing (a second run of the rules) too, unless (anytime) the time left
+    # would not cover it: then the published rules alone, so the limit holds
     bundle = left_now > HEURISTIC_BUNDLE_S_PER_SLOT * g.n_slots
     best = _warm(problem, h_codes, h_sim, "heuristic", h_codes, h_sim)
     # more decisions must never give a worse plan: the heuristic's plans of the restricted
@@ -318,7 +329,7 @@ def warm_start(problem: Problem, polish: bool = True, bound_s: float | None = No
             best = _warm(problem, codes, sim, label, h_codes, h_sim)
 
     def left() -> float:
-        return float("inf") if deadline is None else deadline - time.perf_counter()
+        return clock.left()
 
     def proven() -> bool:
         known = [b for b in (bound_s, best.bound_s) if b is not None]
@@ -333,16 +344,23 @@ def warm_start(problem: Problem, polish: bool = True, bound_s: float | None = No
     searched = 0.0
 
     def relaxed_codes(label: str, lanes: float = 1.0, tight: bool = True) -> np.ndarray | None:
-        if left() <= RELAXATION_MIN_S + 2 * 4e-4 * g.n_slots:  # the child's start, the build
+        if not anytime and g.n_slots * len(g.saved) > work.relax_cells:
+            # its root node alone would pass the work allowed (decided by size, not the clock)
+            notes[label] = {"status": "skipped", "reason": "model too large for the work",
+                            "clock_stopped": False}
+            return None
+        if left() <= (RELAXATION_MIN_S + 2 * 4e-4 * g.n_slots if anytime else 0.1):
             notes[label] = {"status": "skipped", "reason": "deadline", "clock_stopped": True}
             return None
         planning_hw = hw if lanes == 1.0 else hw.with_link(
             d2h_bytes_per_s=hw.d2h_bytes_per_s * lanes, h2d_bytes_per_s=hw.h2d_bytes_per_s * lanes)
+        cap = max(0.1, min(work.relax_cap_s, 0.6 * left())) if anytime else max(0.1, left())
         relaxation = lp_bound(g, budget, planning_hw, integral=True, mask=problem.mask,
-                              time_limit_s=max(0.1, min(relax_cap_s, 0.6 * left())),
-                              gap=RELAXATION_GAP, improving_solutions=relax_solutions,
+                              time_limit_s=cap, gap=RELAXATION_GAP, max_nodes=work.relax_nodes,
+                              highs_options=None if anytime else RELAXATION_HIGHS,
                               producer_delay=tight, gap_on_step=False,
-                              kill_after_s=None if deadline is None else max(0.1, left() - 1.0))
+                              kill_after_s=None if deadline is None else max(
+                                  0.1, left() - (1.0 if anytime else 0.0)))
         notes[label] = {"status": relaxation.status, "wall_s": relaxation.wall_s,
                         "retention": relaxation.retention, "lanes": lanes, "tight": tight,
                         "nodes": relaxation.nodes, "clock_stopped": relaxation.clock_stopped}
@@ -354,7 +372,7 @@ def warm_start(problem: Problem, polish: bool = True, bound_s: float | None = No
     def raise_bound(step_s: float) -> None:
         best.bound_s = step_s if best.bound_s is None else max(best.bound_s, step_s)
 
-    departure = None
+    background = None
     # its rounds stop within a share of the proof tolerance: the plan from its point then needs
     # only the rest (formulations/departure-bound.md, "Solving it"); none when the search is to
     # the end (gap 0)
@@ -363,8 +381,9 @@ def warm_start(problem: Problem, polish: bool = True, bound_s: float | None = No
     # with no tensor allowed to swap there is no copy lane for it to see: the LP bound and the
     # integral relaxation cover that case (recompute-only CNN rows: 20 of 21 proven without it)
     swappable = problem.mask is None or bool(problem.mask[g.saved, SWAP].any())
+    departure_work_s = work.departure_deterministic_s if departure else None
     if departure_work_s is not None and swappable and g.n_slots * len(g.saved) <= DEPARTURE_CELLS:
-        if left() <= DEPARTURE_MIN_S:
+        if left() <= (DEPARTURE_MIN_S if anytime else 0.05):
             notes["departure_bound"] = {"status": "skipped", "reason": "deadline",
                                         "clock_stopped": True}
         else:
@@ -378,9 +397,9 @@ def warm_start(problem: Problem, polish: bool = True, bound_s: float | None = No
             # a bound this close under the plan proves it with the rest of the tolerance to spare
             enough = None if not fits else best.step_time_s - DEPARTURE_GAP_SHARE * \
                 proof_tolerance_s(best.step_time_s, g.ideal_step_time_s, gap)
-            cap_s = DEPARTURE_CLOCK_SHARE * left()
-            departure = _Background()
-            departure.start(lambda on_start: departure_bound(
+            cap_s = DEPARTURE_CLOCK_SHARE * left() if anytime else left()
+            background = _Background()
+            background.start(lambda on_start: departure_bound(
                 g, budget, hw, mask=problem.mask, incumbent_s=incumbent, hint=hint,
                 deterministic_time_s=departure_work_s, time_limit_s=cap_s, on_start=on_start,
                 enough_s=enough, **departure_gap))
@@ -388,11 +407,11 @@ def warm_start(problem: Problem, polish: bool = True, bound_s: float | None = No
     first_departure: list = []  # the first run's answer, once taken
 
     def departure_codes() -> np.ndarray | None:
-        if departure is None:
+        if background is None:
             return None
-        found = departure.result()
+        found = background.result()
         if found is None:  # a failed phase, like a native solver's crash: the others go on
-            notes["departure_bound"] = {"status": "failed", "error": departure.error}
+            notes["departure_bound"] = {"status": "failed", "error": background.error}
             log.warning("departure bound failed: %s", departure.error)
             return None
         first_departure.append(found)
@@ -437,7 +456,7 @@ def warm_start(problem: Problem, polish: bool = True, bound_s: float | None = No
         stopped_in_gap = first == "optimal" and departure_gap["gap"] > 0
         if first not in ("feasible", "timeout") and not stopped_in_gap:
             return None
-        if left() <= DEPARTURE_MIN_S:
+        if left() <= (DEPARTURE_MIN_S if anytime else 0.05):
             notes["departure_bound_from_best"] = {"status": "skipped", "reason": "deadline",
                                                   "clock_stopped": True}
             return None
@@ -448,27 +467,24 @@ def warm_start(problem: Problem, polish: bool = True, bound_s: float | None = No
             g, budget, hw, mask=problem.mask, hint=best.codes,
             incumbent_s=best.step_time_s - DEPARTURE_CLOSING_SHARE * tolerance,
             deterministic_time_s=DEPARTURE_CLOSING_WORK * departure_work_s,
-            time_limit_s=DEPARTURE_CLOCK_SHARE * left(), **departure_gap)
+            time_limit_s=DEPARTURE_CLOCK_SHARE * left() if anytime else left(), **departure_gap)
         return take_departure(found, "departure_bound_from_best")
-
-    def rounded_lp() -> np.ndarray | None:
-        if lp is None or lp.status != "optimal" or not lp.keep:
-            return None
-        return _integral_codes(problem, lp)
 
     def coarse_codes() -> np.ndarray | None:
         if solve_coarse is None or g.n_ops < COARSE_MIN_OPS:
             return None
-        # its share of the time limit; less where the clock has left less (then noted)
-        limit, clocked = coarse_limit_s, 0.6 * left() < coarse_limit_s
-        if clocked:
-            limit = 0.6 * left()
+        # its share of the work (anytime: of the time limit, less where the clock has left
+        # less, then noted); its own solve's clock cap is the time left
+        limit, clocked = work.coarse_work_s, False
+        if anytime and 0.6 * left() < limit:
+            limit, clocked = 0.6 * left(), True
         if limit < COARSE_MIN_S:
             if clocked:
                 notes["coarse"] = {"status": "skipped", "reason": "deadline",
                                    "clock_stopped": True}
             return None
-        return coarse_start(problem, solve_coarse, limit, notes, clocked)
+        return coarse_start(problem, lambda small, lim: solve_coarse(
+            small, lim if anytime else max(0.1, 0.9 * left()), limit), limit, notes, clocked)
 
     starts = (("coarse plan", coarse_codes),
               ("integral LP", lambda: relaxed_codes("integral_lp")),
@@ -478,19 +494,12 @@ def warm_start(problem: Problem, polish: bool = True, bound_s: float | None = No
               ("departure bound", departure_codes),
               ("heuristic", lambda: h_codes),
               ("departure bound from the best plan", closing_departure_codes))
-    if deterministic:
-        # no clock-capped phase: the LP bound's fractions, rounded, replace the integral
-        # relaxations (HiGHS measures no work in their root node)
-        starts = (("coarse plan", coarse_codes),
-                  ("departure bound", departure_codes),
-                  ("rounded LP", rounded_lp),
-                  ("heuristic", lambda: h_codes),
-                  ("departure bound from the best plan", closing_departure_codes))
     relaxations_fail = False
     for label, make in starts:
         if (work_left is not None and work_left <= 0) or proven():
             break
-        if left() <= 0.2 or (search_cap_s is not None and searched >= search_cap_s):
+        if left() <= (0.2 if anytime else 0.05) or \
+                (search_cap_s is not None and searched >= search_cap_s):
             notes[f"skipped_from_{label.replace(' ', '_')}"] = {"clock_stopped": True}
             break
         if relaxations_fail and label not in NOT_RELAXATIONS:
@@ -503,8 +512,9 @@ def warm_start(problem: Problem, polish: bool = True, bound_s: float | None = No
             continue
         cap = left() if search_cap_s is None else min(left(), search_cap_s - searched)
         # the coarse plan's search gets half the work: the relaxations' starts may still do better
-        work = work_left if work_left is None or label != "coarse plan" else work_left // 2
-        result = improve(g, hw, budget, codes, time_limit_s=max(0.0, cap), max_work=work,
+        allowed_work = work_left if work_left is None or label != "coarse plan" \
+            else work_left // 2
+        result = improve(g, hw, budget, codes, time_limit_s=max(0.0, cap), max_work=allowed_work,
                          mask=problem.mask)
         searched += result.wall_s
         if work_left is not None:
@@ -516,8 +526,8 @@ def warm_start(problem: Problem, polish: bool = True, bound_s: float | None = No
         if _better(result.sim, best.sim):
             best = _warm(problem, result.codes, result.sim, f"{label} + local search", h_codes,
                          h_sim, best.bound_s)
-    if departure is not None and not departure.taken:
-        departure.stop()  # the starts ended first (a proof, the work, the clock): not waited for
+    if background is not None and not background.taken:
+        background.stop()  # the starts ended first (a proof, the work, the clock): not waited for
         notes["departure_bound"] = {"status": "stopped", "clock_stopped": False}
     best.notes = notes
     return best

@@ -1,0 +1,148 @@
+"""How much each phase of the exact planner may work, and the clock's one role: a hard cap.
+
+By default every phase stops on a work limit that does not depend on the machine or its load:
+CP-SAT's deterministic time, HiGHS's branch-and-bound nodes and simplex iterations, PIQP's
+iterations, the local search's simulated positions. Whether a phase runs at all is decided from
+the problem's size and the work allowed, never from the time left. The same input and ``work_s``
+then give the same plan, schedule, status and bound on any machine that finishes the work before
+the time limit. The time limit is only a hard cap: a phase it stops or skips is named in
+``plan.info.extra["clock_stopped"]`` and the plan's status is "timeout" (formulations/milp.md,
+"Solving").
+
+``anytime=True`` is the other way: each phase gets a share of the time left, so a faster or
+idler machine searches further (and two runs may differ).
+
+The rates below are this project's reference machine's (2 cores) with another busy process
+beside the planner, so that the default work (``work_s`` equal to the time limit, 10 s) ends
+within the limit there (benchmarks/RESULTS.md, "Deterministic by default").
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+DEFAULT_TIME_LIMIT_S = 10.0
+
+# --- rates of the reference machine, loaded (one busy process beside the planner) ---
+# CP-SAT's deterministic time per second with 2 interleaved workers (idle: about 0.25; loaded,
+# the two workers share the cores with the busy process)
+CPSAT_DTIME_PER_S = 0.25
+# simulated positions per second of local search (GPT-2 XL: 1,170 positions per evaluation)
+SEARCH_POSITIONS_PER_S = 60_000
+# HiGHS branch-and-bound nodes per second of an integral relaxation (CNN graphs of 50-180 ops:
+# 20-40 ms a node; a large model's root node is charged by its size, RELAX_CELLS_PER_S)
+RELAX_NODES_PER_S = 5
+# positions x saved tensors an integral relaxation's root node handles per second of work: a
+# larger model is not started (its root alone would pass the work allowed)
+RELAX_CELLS_PER_S = 125_000
+# simplex iterations per second of the LP bound (dual simplex; a limit that a model it can solve
+# in its share never reaches)
+LP_ITERATIONS_PER_S = 200_000
+# building the MILP, per position (GPT-2 XL: 1,160 positions, 0.45 s)
+BUILD_S_PER_SLOT = 6e-4
+# building and solving the LP bound, per position: dual simplex (BERT-Large, 582 positions:
+# 0.16 s) and, past IPM_FROM_SLOTS positions, PIQP's interior point (640 layers: about 13 s)
+LP_S_PER_SLOT = 3e-4
+LP_IPM_S_PER_SLOT = 1e-3
+# CP-SAT's work beside its deterministic time, per nonzero of the model (building, presolve,
+# the first LP; Llama-7B's 126,000 nonzeros: 2.3 s of a 3.5 s round)
+CPSAT_S_PER_NONZERO = 2e-5
+
+# --- shares of the work ---
+SEARCH_SHARE = 0.3  # all local searches together
+RELAX_SHARE = 0.15  # each integral relaxation
+MILP_SHARE = 0.35  # the MILP (all its rounds)
+PROOF_SHARE = 0.2  # the proof round (CP-SAT over every position)
+LP_SHARE = 0.5  # the LP bound: most of it, since without a bound nothing is proven
+BUILD_SHARE = 0.25  # a model (LP, MILP) whose build alone is estimated above this is not built
+COARSE_SHARE = 0.3  # a large graph's coarse copy, solved first
+# the departure bound's CP-SAT deterministic time per second of work (one worker), and at most
+DEPARTURE_DTIME_SHARE = 0.2
+DEPARTURE_DTIME_MAX = 12.0
+
+
+@dataclass(frozen=True)
+class WorkLimits:
+    """The work each phase may do, fixed by ``work_s`` alone (seconds of the reference machine,
+    loaded): the same on every machine. ``anytime``: the phases share the clock instead."""
+
+    work_s: float
+    anytime: bool
+    relax_nodes: int | None  # branch-and-bound nodes of each integral relaxation
+    relax_cells: int  # the largest model (positions x saved tensors) a relaxation is built for
+    relax_cap_s: float  # anytime: each relaxation's clock cap
+    search_cap_s: float | None  # anytime: the local searches' clock cap
+    search_work: int  # simulated positions, all local searches together
+    lp_iterations: int | None  # the LP bound's simplex iterations
+    milp_s: float  # the MILP's work (all its rounds), in seconds (cpsat_dtime converts it)
+    proof_s: float  # the proof round's
+    departure_deterministic_s: float  # the departure bound's (CP-SAT, one worker)
+    coarse_work_s: float  # the coarse copy's solve
+
+    @classmethod
+    def for_work(cls, work_s: float, anytime: bool = False,
+                 time_limit_s: float | None = None) -> WorkLimits:
+        """Deterministic limits for ``work_s``; with ``anytime``, today's clock shares of
+        ``time_limit_s`` (default ``work_s``) where a phase has no work limit."""
+        limit = work_s if time_limit_s is None else time_limit_s
+        departure = min(DEPARTURE_DTIME_SHARE * work_s, DEPARTURE_DTIME_MAX)
+        if anytime:
+            search_s = min(15.0, 0.45 * limit)
+            return cls(work_s=work_s, anytime=True, relax_nodes=None, relax_cells=10**12,
+                       relax_cap_s=min(5.0, 0.15 * limit) + 0.7, search_cap_s=2.0 * search_s,
+                       search_work=int(100_000 * search_s), lp_iterations=None,
+                       milp_s=0.6 * limit, proof_s=limit,
+                       departure_deterministic_s=min(0.2 * limit, DEPARTURE_DTIME_MAX),
+                       coarse_work_s=COARSE_SHARE * limit)
+        return cls(work_s=work_s, anytime=False,
+                   relax_nodes=max(1, int(RELAX_NODES_PER_S * RELAX_SHARE * work_s)),
+                   relax_cells=int(RELAX_CELLS_PER_S * RELAX_SHARE * work_s),
+                   relax_cap_s=float("inf"), search_cap_s=None,
+                   search_work=int(SEARCH_POSITIONS_PER_S * SEARCH_SHARE * work_s),
+                   lp_iterations=max(1000, int(LP_ITERATIONS_PER_S * LP_SHARE * work_s)),
+                   milp_s=MILP_SHARE * work_s, proof_s=PROOF_SHARE * work_s,
+                   departure_deterministic_s=departure, coarse_work_s=COARSE_SHARE * work_s)
+
+    def builds(self, n_slots: int) -> bool:
+        """Whether the MILP over ``n_slots`` positions is worth building: its build alone,
+        estimated from its size, fits the work allowed (never the clock)."""
+        return self.anytime or BUILD_S_PER_SLOT * n_slots <= BUILD_SHARE * self.work_s
+
+    def solves_lp(self, n_slots: int, ipm_from_slots: int) -> bool:
+        """Whether the LP bound over ``n_slots`` positions fits its share of the work (an
+        estimate from its size; anytime: the caller looks at the clock)."""
+        per_slot = LP_IPM_S_PER_SLOT if n_slots > ipm_from_slots else LP_S_PER_SLOT
+        return self.anytime or per_slot * n_slots <= LP_SHARE * self.work_s
+
+    def cpsat_dtime(self, seconds: float, nonzeros: int) -> float:
+        """CP-SAT's deterministic time for ``seconds`` of work on a model of ``nonzeros``: what
+        is left once its size-bound work is paid (anytime: the older rate alone, 0.25 a
+        second)."""
+        if self.anytime:
+            return 0.25 * seconds
+        return max(0.05, CPSAT_DTIME_PER_S * (seconds - CPSAT_S_PER_NONZERO * nonzeros))
+
+    def as_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+@dataclass
+class Clock:
+    """The hard cap on the wall clock (a ``time.perf_counter()`` deadline, None: none) and the
+    phases it stopped or skipped. A phase checks ``passed()`` before it starts and gets
+    ``left()`` as its own cap; in the default mode nothing else reads the clock."""
+
+    deadline: float | None
+    stopped: list[str] = field(default_factory=list)
+
+    def left(self) -> float:
+        return float("inf") if self.deadline is None else self.deadline - time.perf_counter()
+
+    def passed(self, margin_s: float = 0.0) -> bool:
+        return self.left() <= margin_s
+
+    def stop(self, phase: str) -> None:
+        if phase not in self.stopped:
+            self.stopped.append(phase)
