@@ -6,7 +6,7 @@ import numpy as np
 
 from .graph import ActivationGraph
 from .hardware import Hardware, hardware
-from .plan import SWAP
+from .plan import KEEP, RECOMPUTE, SWAP
 from .stepmodel import expand, expand_positions, keep_all_codes
 from .units import budget_bytes_from
 
@@ -17,19 +17,35 @@ def keep_all_peak(graph: ActivationGraph, hw: Hardware | str) -> int:
     return int(expand(graph, keep_all_codes(graph), None, hw).memory().max())
 
 
-def min_budget(graph: ActivationGraph, hw: Hardware | str) -> int:
-    """Smallest budget any plan fits: every saved tensor offloaded, leaving the device right after
-    its last forward reader and coming back just before its first backward reader (waiting on the
-    copies as long as it takes). Keeping or rebuilding a tensor never needs less memory."""
+def offload_floor(graph: ActivationGraph, hw: Hardware | str, mask: np.ndarray | None = None
+                  ) -> int:
+    """No plan fits less: every saved tensor offloaded, leaving the device right after its last
+    forward reader and coming back just before its first backward reader (waiting on the copies
+    as long as it takes); keeping or rebuilding a tensor never needs less memory. ``mask``
+    (core/restrict.py): tensors that may only be kept are kept. Where every other tensor may be
+    offloaded a plan fits it (it is the smallest budget); where some may only be kept or
+    recomputed it is a lower bound (planners/minpeak.py finds the minimum)."""
     hw = hardware(hw)
     codes = np.where(graph.is_saved, SWAP, -1).astype(np.int8)
+    if mask is not None:
+        saved = graph.saved
+        only_keep = saved[mask[saved, KEEP] & ~mask[saved, SWAP] & ~mask[saved, RECOMPUTE]]
+        codes[only_keep] = KEEP
     saved = graph.saved
     d2h = np.full(len(graph.tensors), -1, dtype=np.int64)
     h2d = np.full(len(graph.tensors), -1, dtype=np.int64)
     d2h[saved] = graph.last_forward_use[saved]
     h2d[saved] = 2 * graph.n_ops - 1 - graph.first_backward_use[saved]  # its backward position
+    d2h[codes != SWAP] = -1
+    h2d[codes != SWAP] = -1
     rec = np.full(len(graph.tensors), -1, dtype=np.int64)
     return int(expand_positions(graph, codes, d2h, h2d, rec, hw).memory().max())
+
+
+def min_budget(graph: ActivationGraph, hw: Hardware | str) -> int:
+    """The smallest budget with every decision allowed (``offload_floor`` without a mask). With
+    restrictions (allowed=, pins=, a CPU device) use ``slackswap.min_budget``."""
+    return offload_floor(graph, hw)
 
 
 def parse_budget(budget: float | int | str, graph: ActivationGraph, hw: Hardware | str) -> int:

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 DEFAULT_TIME_LIMIT_S = 10.0
+NO_DEADLINE_S = 1e6
 
 # --- rates of the reference machine, loaded (one busy process beside the planner) ---
 # CP-SAT's deterministic time per second with 2 interleaved workers (idle: about 0.25; loaded,
@@ -138,7 +139,9 @@ class Clock:
     stopped: list[str] = field(default_factory=list)
 
     def left(self) -> float:
-        return float("inf") if self.deadline is None else self.deadline - time.perf_counter()
+        """Seconds to the cap (without one: NO_DEADLINE_S, a finite cap that never binds, which
+        the solvers' own clocks accept)."""
+        return NO_DEADLINE_S if self.deadline is None else self.deadline - time.perf_counter()
 
     def passed(self, margin_s: float = 0.0) -> bool:
         return self.left() <= margin_s

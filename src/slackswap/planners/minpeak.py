@@ -1,0 +1,202 @@
+"""The smallest budget a plan fits, with the decisions a problem allows (formulations/milp.md,
+"The smallest budget").
+
+Where every saved tensor may be offloaded (or has one decision only, keep), the minimum has a
+closed form (core/budget.py, ``offload_floor``): each tensor offloaded right after its last
+forward reader and back just before its first backward reader, waiting on the copies as long as
+it takes; keeping or rebuilding a tensor never needs less. Where some tensor may be kept or
+recomputed but not offloaded (keep and recompute only, a CPU device, pins), that floor is only a
+lower bound: recomputing everything rebuilds chains at once in backward, so the smallest budget is
+a choice of what to keep. It is found by
+
+1. a bisection over budgets with the heuristic (a plan it finds fits: an upper bound), then
+2. on graphs of at most MIN_PEAK_CELLS positions x saved tensors, the exact planner's model over
+   every schedule position with the budget a variable to minimise (CP-SAT, one worker, a fixed
+   deterministic time): where CP-SAT proves its optimum, the minimum is exact up to the byte
+   rounding of the model (``proven``).
+
+The result always carries a plan that fits its ``budget_bytes``: a plan exists there.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..core.budget import keep_all_peak, offload_floor
+from ..core.graph import ActivationGraph
+from ..core.hardware import Hardware
+from ..core.plan import KEEP, RECOMPUTE, SWAP, Schedule
+from ..core.stepmodel import expand
+from .base import Problem
+
+MIN_PEAK_CELLS = 12_000  # the exact model over every position up to this size (SegNet: 176 x 65)
+MIN_PEAK_NONZEROS = 400_000
+MIN_PEAK_DTIME = 4.0  # CP-SAT's deterministic time for it (one worker: the same on any machine)
+BISECTION_STEPS = 12  # heuristic plans tried between the floor and the keep-all peak
+
+
+@dataclass(frozen=True)
+class MinPeak:
+    """The smallest budget found and a plan that fits it.
+
+    budget_bytes: a plan fits this budget (``codes`` with ``schedule``, None: the step model's
+    default schedule at this budget). lower_bytes: no plan fits less. proven: the two agree (up
+    to the model's byte rounding, ``lower_bytes`` is then within one byte unit)."""
+
+    budget_bytes: int
+    lower_bytes: int
+    proven: bool
+    method: str  # "offload floor", "heuristic", "exact"
+    codes: np.ndarray
+    schedule: Schedule | None
+    wall_s: float
+
+
+def free_choice(graph: ActivationGraph, mask: np.ndarray | None) -> np.ndarray:
+    """Saved tensors that may be kept or recomputed but not offloaded: where the closed form
+    is only a bound."""
+    if mask is None:
+        return np.zeros(0, dtype=np.int64)
+    saved = graph.saved
+    return saved[~mask[saved, SWAP] & mask[saved, RECOMPUTE] & mask[saved, KEEP]]
+
+
+def most_offloaded(graph: ActivationGraph, mask: np.ndarray | None) -> np.ndarray:
+    codes = np.where(graph.is_saved, SWAP, -1).astype(np.int8)
+    if mask is not None:
+        for t in graph.saved:
+            codes[t] = SWAP if mask[t, SWAP] else RECOMPUTE if mask[t, RECOMPUTE] else KEEP
+    return codes
+
+
+def plan_peak(graph: ActivationGraph, hw: Hardware, codes: np.ndarray,
+              schedule: Schedule | None, budget: int | None = None) -> int:
+    """The peak of a plan on the step model (its schedule, or the default one yielding to
+    ``budget``)."""
+    return int(expand(graph, codes, schedule, hw, budget_bytes=budget).memory().max())
+
+
+def min_peak(graph: ActivationGraph, hw: Hardware, mask: np.ndarray | None = None,
+             exact: bool = True, time_limit_s: float = 60.0) -> MinPeak:
+    """The smallest budget a plan with the decisions ``mask`` allows fits (module docstring).
+    ``exact=False`` stops after the bisection. ``time_limit_s`` is a hard cap on the exact
+    model's clock; its work is MIN_PEAK_DTIME."""
+    began = time.perf_counter()
+    floor = offload_floor(graph, hw, mask)
+    if not free_choice(graph, mask).size and not _forced_recompute(graph, mask):
+        return MinPeak(floor, floor, True, "offload floor", most_offloaded(graph, mask), None,
+                       time.perf_counter() - began)
+    codes, peak = _bisect(graph, hw, mask, floor)
+    best = MinPeak(peak, floor, peak <= floor, "heuristic", codes, None,
+                   time.perf_counter() - began)
+    if exact and best.budget_bytes > floor and \
+            graph.n_slots * len(graph.saved) <= MIN_PEAK_CELLS:
+        found = _exact(graph, hw, mask, floor, best, time_limit_s)
+        if found is not None:
+            best = found
+    return MinPeak(best.budget_bytes, best.lower_bytes, best.proven, best.method, best.codes,
+                   best.schedule, time.perf_counter() - began)
+
+
+def _forced_recompute(graph: ActivationGraph, mask: np.ndarray | None) -> bool:
+    """Some tensor must be recomputed (its rebuild's transients are not in the closed form)."""
+    if mask is None:
+        return False
+    saved = graph.saved
+    return bool((mask[saved, RECOMPUTE] & ~mask[saved, SWAP] & ~mask[saved, KEEP]).any())
+
+
+def _bisect(graph: ActivationGraph, hw: Hardware, mask, floor: int) -> tuple[np.ndarray, int]:
+    """The heuristic's plans between the floor and the keep-all peak: the smallest peak of a
+    plan that fits its budget, and the plan."""
+    from .heuristic import SlackSwapHeuristic
+
+    heuristic = SlackSwapHeuristic()
+
+    def attempt(budget: int) -> tuple[np.ndarray, int] | None:
+        codes = heuristic.solve(Problem(graph, hw, budget, mask), unfit_polish=False).codes
+        peak = plan_peak(graph, hw, codes, None, budget)
+        return (codes, peak) if peak <= budget else None
+
+    hi = max(floor, keep_all_peak(graph, hw))
+    best = attempt(hi)
+    if best is None:  # the allowed decisions do not fit even the keep-all peak: search above
+        codes = most_offloaded(graph, mask)
+        peak = plan_peak(graph, hw, codes, None)
+        best = (codes, peak)
+    lo = floor
+    hi = best[1]
+    for _ in range(BISECTION_STEPS):
+        if hi - lo <= max(1, hi // 1000):
+            break
+        mid = (lo + hi) // 2
+        found = attempt(mid)
+        if found is None:
+            lo = mid  # the heuristic found none: not a proof, the exact model may
+        else:
+            best = found
+            hi = found[1]
+    return best
+
+
+def _exact(graph: ActivationGraph, hw: Hardware, mask, floor: int, start: MinPeak,
+           time_limit_s: float) -> MinPeak | None:
+    """The exact planner's model over every position with the budget a variable: minimise it."""
+    from ortools.sat.python import cp_model
+
+    from .exact.cpsat import _build
+    from .exact.decode import decode
+    from .exact.formulate import formulate
+    from .exact.hint import complete_hint
+
+    began = time.perf_counter()
+    f = formulate(graph, hw, start.budget_bytes, full=True, cuts=False, mask=mask)
+    m = f.model
+    if m.size()["nonzeros"] > MIN_PEAK_NONZEROS:
+        return None
+    sc = f.scaling
+    budget_u = sc.budget_of(start.budget_bytes)
+    # the budget becomes a variable: every memory row's right-hand side is its cap less the
+    # budget (memory_budget, memory_budget_rerun of milp.md)
+    hint = {}
+    exp = expand(graph, start.codes, None, hw, budget_bytes=start.budget_bytes)
+    free = {int(t): int(exp.d2h_free[t]) for t in graph.saved if start.codes[t] == SWAP}
+    issue = {int(t): int(exp.h2d_issue[t]) for t in graph.saved if start.codes[t] == SWAP}
+    rebuild = {int(t): int(exp.materialize_at[t]) for t in graph.saved
+               if start.codes[t] == RECOMPUTE}
+    hint = complete_hint(f, start.codes, free, issue, rebuild)
+    b = m.var("budget", 0, budget_u)
+    for c in m.constraints:
+        if c.name.startswith("memory_budget"):
+            c.terms.append((b, -1))
+            c.hi = c.hi - budget_u
+    m.objective = [(b, 1)]
+    m.objective_offset = 0
+    model, x = _build(f)
+    if hint:
+        for v, val in hint.items():
+            model.AddHint(x[v], val)
+        model.AddHint(x[b], budget_u)
+    solver = cp_model.CpSolver()
+    solver.parameters.num_workers = 1
+    solver.parameters.random_seed = 0
+    solver.parameters.max_deterministic_time = MIN_PEAK_DTIME
+    solver.parameters.max_time_in_seconds = max(0.1, time_limit_s - (time.perf_counter() - began))
+    status = solver.Solve(model)
+    if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        return None
+    # the model's sizes are exact multiples of its byte unit or rounded down (a relaxation):
+    # its bound in units, times the unit, is no more than any plan's peak; its plan's own peak
+    # is what the step model says
+    lower = max(floor, int(np.ceil(solver.BestObjectiveBound() - 1e-9)) * sc.byte_unit)
+    codes, schedule = decode(f, lambda v: solver.Value(x[v]))
+    peak = plan_peak(graph, hw, codes, schedule)
+    if peak >= start.budget_bytes:
+        return MinPeak(start.budget_bytes, max(lower, start.lower_bytes),
+                       start.budget_bytes <= max(lower, start.lower_bytes) + sc.byte_unit,
+                       start.method, start.codes, start.schedule, 0.0)
+    proven = peak <= lower + sc.byte_unit
+    return MinPeak(peak, lower, proven, "exact", codes, schedule, 0.0)
