@@ -9,14 +9,22 @@ planners, solve; runtime (profiler, executor; torch) depends on core only and lo
 from .check.simulate import SimResult, simulate
 from .check.validate import Validation, Violation, validate
 from .cnn import CNN_SHAPES, cnn_graph
-from .core.budget import keep_all_peak, min_budget, parse_budget
+from .core.budget import keep_all_peak, parse_budget
 from .core.complete import complete, load_plan
 from .core.errors import GraphError, InfeasibleBudget, PlanError
 from .core.graph import ActivationGraph, Op, Tensor, load_graph
 from .core.hardware import Hardware, hardware, hardware_names
 from .core.plan import Decision, Plan, Schedule, SolveInfo
 from .planners.base import is_available
-from .solve import compare, register_solver, result_row, solve, solver_names
+from .solve import (
+    compare,
+    min_budget,
+    register_solver,
+    result_row,
+    smallest_budget,
+    solve,
+    solver_names,
+)
 from .workloads import WORKLOADS, TransformerConfig, transformer_graph, workload
 
 __version__ = "0.2.0"
@@ -26,7 +34,7 @@ __all__ = [
     "PlanError", "Schedule", "SimResult", "SolveInfo", "Tensor", "TransformerConfig", "Validation",
     "Violation", "WORKLOADS", "cnn_graph", "compare", "complete", "hardware", "hardware_names", "is_available",
     "keep_all_peak", "load_graph", "load_plan", "min_budget", "parse_budget", "register_solver",
-    "result_row", "simulate", "solve", "solver_names", "transformer_graph", "validate", "workload",
+    "result_row", "simulate", "smallest_budget", "solve", "solver_names", "transformer_graph", "validate", "workload",
 ]
 
 _LAZY = {

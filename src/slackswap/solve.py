@@ -20,7 +20,7 @@ import numpy as np
 
 from .check.simulate import SimResult, run_timeline, simulate
 from .check.validate import validate
-from .core.budget import min_budget, parse_budget
+from .core.budget import offload_floor, parse_budget
 from .core.complete import close_expanded, close_from
 from .core.errors import InfeasibleBudget, PlanError
 from .core.graph import ActivationGraph
@@ -29,11 +29,12 @@ from .core.hardware import hardware as get_hardware
 from .core.plan import Plan, overhead_gap
 from .core.restrict import decision_mask, first_forbidden, parse_allowed, restricted
 from .planners.base import Problem, get_planner, register_solver, solver_names
+from .planners.minpeak import MinPeak, min_peak
 
 log = logging.getLogger("slackswap")
 
-__all__ = ["DEFAULT_SOLVER", "RESULT_FIELDS", "compare", "register_solver", "result_row", "solve",
-           "solver_names"]
+__all__ = ["DEFAULT_SOLVER", "RESULT_FIELDS", "compare", "min_budget", "register_solver",
+           "result_row", "smallest_budget", "solve", "solver_names"]
 
 DEFAULT_SOLVER = "cpsat"
 
@@ -97,16 +98,12 @@ def solve(graph: ActivationGraph, budget: float | int | str, hardware: Hardware 
                  "recorded in the graph" if hardware_from == "graph" else "the default")
     time_limit_s = check_time_limit(time_limit_s)
     budget_bytes = parse_budget(budget, graph, hw)
-    floor = min_budget(graph, hw)
-    if budget_bytes < floor:
-        raise InfeasibleBudget(
-            f"graph {graph.name!r} cannot fit {budget_bytes} bytes: even with every saved tensor "
-            f"offloaded it needs {floor} bytes",
-            min_budget_bytes=floor, budget_bytes=budget_bytes)
     allowed, implied = host_allowed(hw, allowed)
     mask = None
     if allowed is not None or pins:
         mask = decision_mask(graph, allowed, pins)
+    if budget_bytes < offload_floor(graph, hw, mask):
+        raise _infeasible(graph, hw, mask, budget_bytes, allowed, bool(pins), "")
     planner = get_planner(solver)
     if restricted(mask, graph) and not implied \
             and not getattr(planner, "honours_restrictions", False):
@@ -162,11 +159,101 @@ def solve(graph: ActivationGraph, budget: float | int | str, hardware: Hardware 
                           overhead_gap=overhead_gap(sim.step_time_s, graph.ideal_step_time_s,
                                                     plan.info.bound))
     check = validate(graph, plan)
+    if not sim.fits and strict:
+        # the planner's plan does not fit: where the smallest-budget plan does, it is returned
+        # (a plan exists at every budget min_budget reports), said so in its info; strict=False
+        # returns the planner's own plan (compare's rows)
+        smallest = smallest_budget_of(graph, hw, mask)
+        if smallest.budget_bytes <= budget_bytes and getattr(planner, "honours_restrictions",
+                                                             False):
+            # (a baseline's plan is what it is: keep-all does not fit, it is not replaced)
+            return _smallest_plan(graph, hw, budget_bytes, smallest, plan, mask, allowed, pins,
+                                  implied, hardware_from)
+        raise _infeasible(graph, hw, mask, budget_bytes, allowed, bool(pins),
+                          f"solver {solver!r} found no plan: {check.violations[0]}; ")
     if strict and not check.ok:
         raise InfeasibleBudget(
             f"solver {solver!r} found no plan for graph {graph.name!r} within {budget_bytes} bytes: "
-            f"{check.violations[0]}", min_budget_bytes=floor, budget_bytes=budget_bytes)
+            f"{check.violations[0]}",
+            min_budget_bytes=smallest_budget_of(graph, hw, mask).budget_bytes,
+            budget_bytes=budget_bytes)
     return plan
+
+
+# the smallest budgets found, per graph, hardware and restriction (a failed solve and the
+# InfeasibleBudget it raises ask for the same one)
+_SMALLEST: dict[tuple, MinPeak] = {}
+
+
+def smallest_budget_of(graph: ActivationGraph, hw: Hardware, mask) -> MinPeak:
+    """planners/minpeak.py's answer for this graph, hardware and mask, computed once."""
+    key = (graph.digest, repr(hw), None if mask is None else mask.tobytes())
+    found = _SMALLEST.get(key)
+    if found is None:
+        found = min_peak(graph, hw, mask)
+        if len(_SMALLEST) > 64:
+            _SMALLEST.clear()
+        _SMALLEST[key] = found
+    return found
+
+
+def _infeasible(graph: ActivationGraph, hw: Hardware, mask, budget_bytes: int, allowed,
+                pinned: bool, prefix: str) -> InfeasibleBudget:
+    smallest = smallest_budget_of(graph, hw, mask)
+    decisions = "every decision" if mask is None else \
+        f"allowed={parse_allowed(allowed)}" + (" and these pins" if pinned else "")
+    how = "proven" if smallest.proven else "the smallest found; no plan fits below " \
+        f"{smallest.lower_bytes} bytes"
+    return InfeasibleBudget(
+        f"{prefix}graph {graph.name!r} cannot fit {budget_bytes} bytes with {decisions} on "
+        f"{hw.name!r}: a plan fits {smallest.budget_bytes} bytes ({how})",
+        min_budget_bytes=smallest.budget_bytes, budget_bytes=budget_bytes)
+
+
+def _smallest_plan(graph: ActivationGraph, hw: Hardware, budget_bytes: int, smallest: MinPeak,
+                   planned: Plan, mask, allowed, pins, implied: bool, hardware_from: str) -> Plan:
+    """The smallest-budget plan, closed at ``budget_bytes``, in place of a planner's plan that
+    did not fit."""
+    from .core.plan import SolveInfo
+
+    info = SolveInfo(solver=planned.info.solver, status="feasible",
+                     extra={**planned.info.extra, "plan_from": "smallest budget "
+                            f"({smallest.method}): the planner's plan did not fit"})
+    plan, expansion = close_expanded(graph, smallest.codes, smallest.schedule, hw, budget_bytes,
+                                     info)
+    if mask is not None:
+        plan = replace(plan, extra={**plan.extra, "allowed": list(parse_allowed(allowed)),
+                                    "pins": dict(pins or {})})
+    sim = run_timeline(graph, expansion, hw, budget_bytes)
+    if implied:
+        plan = plan.with_info(allowed_from="hardware")
+    return plan.with_info(predicted_step_time_s=sim.step_time_s, hardware_from=hardware_from,
+                          overhead_gap=None)
+
+
+def min_budget(graph: ActivationGraph, hardware: Hardware | str | None = None, *, allowed=None,
+               pins: Mapping[str, str] | None = None) -> int:
+    """The smallest budget (bytes) a plan fits with the decisions allowed: ``allowed`` and
+    ``pins`` as for :func:`solve`, and the hardware's own restriction (a device whose memory is
+    the host's keeps and recomputes only). A plan exists at it: ``solve`` at this budget returns
+    one. See :func:`smallest_budget` for how it is found and whether it is proven minimal."""
+    return smallest_budget(graph, hardware, allowed=allowed, pins=pins).budget_bytes
+
+
+def smallest_budget(graph: ActivationGraph, hardware: Hardware | str | None = None, *,
+                    allowed=None, pins: Mapping[str, str] | None = None) -> MinPeak:
+    """The smallest budget and a plan that fits it (planners/minpeak.py): where every tensor
+    that is not pinned to stay may be offloaded, the all-offloaded peak (exact); otherwise the
+    heuristic's smallest fitting plan by bisection, then, on graphs of at most 12,000 positions
+    x saved tensors, the exact planner's model with the budget a variable to minimise (CP-SAT,
+    one worker, fixed deterministic time). ``proven``: no plan fits less (``lower_bytes``, the
+    offload floor or the model's bound, is within one byte unit of it)."""
+    if not isinstance(graph, ActivationGraph):
+        raise TypeError(f"min_budget: graph must be an ActivationGraph, got {type(graph).__name__}")
+    hw, _ = graph_hardware(graph, hardware)
+    allowed, _ = host_allowed(hw, allowed)
+    mask = decision_mask(graph, allowed, pins) if allowed is not None or pins else None
+    return smallest_budget_of(graph, hw, mask)
 
 
 def host_allowed(hw: Hardware, allowed) -> tuple[Any, bool]:

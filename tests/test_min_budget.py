@@ -1,0 +1,81 @@
+"""The smallest budget says what the allowed decisions reach: a plan exists at it, and where it
+is proven none exists one byte below (keep and recompute only, a CPU device, pins)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import LINK, random_graphs, seeded_graph
+from hypothesis import HealthCheck, given, settings
+
+import slackswap as ss
+from slackswap.core.budget import offload_floor
+
+CPU = ss.hardware("cpu")
+
+
+@pytest.mark.parametrize("seed", [2, 6, 7])
+def test_the_cpu_minimum_is_above_the_offload_floor_and_a_plan_exists_at_it(seed):
+    """On these graphs every tensor offloaded needs 33-38% of keep-all, which no keep/recompute
+    plan reaches (the minimum is 42-63%): the old floor named a budget no plan fits."""
+    g = seeded_graph(seed, n_ops=12)
+    floor = offload_floor(g, CPU)
+    smallest = ss.smallest_budget(g, CPU)
+    assert smallest.proven and smallest.budget_bytes > floor
+    assert ss.min_budget(g, CPU) == smallest.budget_bytes
+    plan = ss.solve(g, smallest.budget_bytes, CPU)
+    assert ss.validate(g, plan).ok
+    for budget in (floor, smallest.budget_bytes - 1):
+        with pytest.raises(ss.InfeasibleBudget) as info:
+            ss.solve(g, budget, CPU)
+        assert info.value.min_budget_bytes == smallest.budget_bytes
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(random_graphs(max_ops=7))
+def test_a_plan_fits_the_reported_minimum_and_none_below_a_proven_one(g):
+    for hw, allowed in ((CPU, None), (LINK, ("keep", "recompute")), (LINK, None)):
+        smallest = ss.smallest_budget(g, hw, allowed=allowed)
+        assert smallest.lower_bytes <= smallest.budget_bytes
+        assert offload_floor(g, hw) <= smallest.lower_bytes
+        plan = ss.solve(g, smallest.budget_bytes, hw, allowed=allowed, time_limit_s=60,
+                        work_s=2)
+        assert ss.validate(g, plan).ok
+        if smallest.proven and smallest.budget_bytes > 0:
+            with pytest.raises(ss.InfeasibleBudget) as info:
+                ss.solve(g, smallest.budget_bytes - 1, hw, allowed=allowed, time_limit_s=60,
+                         work_s=2)
+            assert info.value.min_budget_bytes == smallest.budget_bytes
+
+
+def test_pins_raise_the_minimum_and_it_is_met():
+    g = seeded_graph(3, n_ops=10)
+    free = ss.min_budget(g, LINK)
+    biggest = max(g.saved, key=lambda t: g.tensors[int(t)].bytes)
+    pins = {g.tensors[int(biggest)].name: "keep"}
+    pinned = ss.smallest_budget(g, LINK, pins=pins)
+    assert pinned.method == "offload floor" and pinned.proven  # every other tensor may swap
+    assert pinned.budget_bytes >= free
+    plan = ss.solve(g, pinned.budget_bytes, LINK, pins=pins)
+    assert ss.validate(g, plan).ok and plan.decisions[pins.popitem()[0]] == "keep"
+
+
+def test_a_profiled_model_on_the_cpu_gets_its_true_minimum():
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from models import TinyGPT
+
+    torch.manual_seed(0)
+    model = TinyGPT(d=64, layers=2)
+    x = torch.randint(0, 50, (4, 32))
+    g = ss.profile(model, x, lambda out: out.float().logsumexp(-1).mean())
+    smallest = ss.smallest_budget(g)  # the graph records the cpu preset: keep and recompute
+    assert smallest.budget_bytes > offload_floor(g, CPU)
+    plan = ss.solve(g, smallest.budget_bytes)
+    assert ss.validate(g, plan).ok
+    if smallest.proven:
+        with pytest.raises(ss.InfeasibleBudget) as info:
+            ss.solve(g, smallest.lower_bytes - 1)
+        assert info.value.min_budget_bytes == smallest.budget_bytes
