@@ -131,10 +131,13 @@ def checkpoint_regions(plan: Plan, graph: ActivationGraph,
     return {name: ops for name, ops in out.items() if name in wanted}
 
 
-def _shielded_recompute(recompute_context, buffers: set[int]):
+def _shielded_recompute(recompute_context, buffers: set[int], state=()):
     """The recompute's context, plus a mode that hands every op copies of the model's buffers:
     batch norm in training updates its running statistics in place (its schema does not say
-    so), and the recompute would update them a second time. Its outputs do not depend on them."""
+    so), and the recompute would update them a second time. Its outputs do not depend on them.
+    ``state`` (the model's buffers) is also put back as it was when the recompute ends: ops that
+    run outside the mode (a region compiled in pieces around a graph break) cannot change it
+    either."""
     import contextlib
 
     import torch
@@ -154,12 +157,20 @@ def _shielded_recompute(recompute_context, buffers: set[int]):
 
     class Both:
         def __enter__(self):
+            with _disable_current_modes():
+                self.before = [(t, t.detach().clone()) for t in state]
             stack.enter_context(recompute_context)
             stack.enter_context(ShieldBuffers())
             return self
 
         def __exit__(self, *exc):
-            return stack.__exit__(*exc)
+            try:
+                return stack.__exit__(*exc)
+            finally:
+                with _disable_current_modes(), torch.no_grad():
+                    for t, value in self.before:
+                        if not torch.equal(t, value):
+                            t.copy_(value)
 
     return Both()
 
@@ -351,31 +362,34 @@ class checkpointed:  # noqa: N801 - a context manager used like a function
         self._saved: dict[str, object] = {}
 
     def __enter__(self):
-        import functools
 
         from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
-        state = {t.untyped_storage().data_ptr() for t in self.model.buffers()}
+        buffers = list(self.model.buffers())
+        state = {t.untyped_storage().data_ptr() for t in buffers}
         for name, module in self.modules.items():
             forward = module.forward
             self._saved[name] = module.__dict__.get("forward")
             steps = self.steps[name]
 
-            def wrapped(*args, _forward=forward, _steps=steps, **kwargs):
+            # decided when the checkpoint asks for its contexts, not when the region is called:
+            # with a graph break in the region, torch.compile runs the checkpoint eagerly after
+            # tracing the call, and its recompute must then be shielded (it replays the
+            # region's Python, batch norm's statistics updates included); a compiled recompute
+            # replays no mutation and takes torch's own contexts. Made here, outside any traced
+            # frame: torch.compile accepts a plain function as context_fn, not a closure it
+            # traced being made.
+            def context(_steps=steps):
                 import torch
 
+                forward_ctx, recompute_ctx = create_selective_checkpoint_contexts(
+                    _region_policy(_steps))
                 if torch.compiler.is_compiling():
-                    # a compiled recompute replays no mutation: torch's own contexts (the only
-                    # context_fn torch.compile accepts)
-                    context = functools.partial(create_selective_checkpoint_contexts,
-                                                _region_policy(_steps))
-                else:
-                    def context():
-                        forward_ctx, recompute_ctx = create_selective_checkpoint_contexts(
-                            _region_policy(_steps))
-                        return forward_ctx, _shielded_recompute(recompute_ctx, state)
+                    return forward_ctx, recompute_ctx
+                return forward_ctx, _shielded_recompute(recompute_ctx, state, buffers)
 
-                return checkpoint(_forward, *args, use_reentrant=False, context_fn=context,
+            def wrapped(*args, _forward=forward, _context=context, **kwargs):
+                return checkpoint(_forward, *args, use_reentrant=False, context_fn=_context,
                                   preserve_rng_state=True, **kwargs)
 
             module.forward = wrapped

@@ -61,7 +61,7 @@ def run_traced_step(model, inputs, loss_fn, sync=None, keep_calls=False):
     # on a GPU, times come from CUDA events (no synchronisation per op)
     clock = GpuClock() if sync is not None else None
     tracer = Tracer(model, paths, keep_calls=keep_calls, sync=sync, observe_lifetimes=True,
-                    clock=clock)
+                    clock=clock, watch_state=True)
     saved: list[tuple[int, str]] = []
 
     def pack(t):

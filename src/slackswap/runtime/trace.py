@@ -99,6 +99,16 @@ def op_info(func) -> tuple[str, str, bool, bool]:
 
 
 _MUTATES: dict[Any, bool] = {}
+# ops whose schema does not mark the running statistics they update in training (positional
+# arguments 3 and 4, the training flag at 5); their values can also come out unchanged (a
+# cumulative average over identical batches), so the schema, the values and this list together
+UNMARKED_WRITERS = {"native_batch_norm", "cudnn_batch_norm", "miopen_batch_norm"}
+
+
+def writes_unmarked(aten: str, args) -> bool:
+    """Whether a call of one of UNMARKED_WRITERS updates running statistics."""
+    return aten in UNMARKED_WRITERS and len(args) > 5 and bool(args[5]) and \
+        (args[3] is not None or args[4] is not None)
 
 
 def mutates_state(func) -> bool:
@@ -290,9 +300,13 @@ class Tracer(TorchDispatchMode):
     """Records every aten op of a forward pass and which storages it reads and writes."""
 
     def __init__(self, model: torch.nn.Module, paths: ModulePaths, keep_calls: bool = False,
-                 sync=None, observe_lifetimes: bool = False, clock: GpuClock | None = None):
+                 sync=None, observe_lifetimes: bool = False, clock: GpuClock | None = None,
+                 watch_state: bool = False):
         super().__init__()
         self.clock = clock
+        # the profiler: compare the state an op reads (buffers, tensors the step did not make)
+        # before and after it, since a schema need not say that the op writes it
+        self.watch_state = watch_state
         self.observe_lifetimes = observe_lifetimes
         self.held = LiveStorages(on_release=self._released)  # by tensor name
         self.paths = paths
@@ -338,6 +352,28 @@ class Tracer(TorchDispatchMode):
         if name is not None and self.storage_ids.get(key) != cdata:
             return None
         return name
+
+    def state_before(self, in_tensors: list[torch.Tensor]) -> list[tuple[torch.Tensor, Any]]:
+        """Copies of the state an op reads: tensors the step did not make (buffers, inputs,
+        tensors the loss function holds) that autograd does not track. Parameters are left out:
+        autograd refuses an in-place write on a leaf that requires grad."""
+        state = []
+        for t in in_tensors:
+            if t.requires_grad or type(t) is not torch.Tensor or t.is_meta:
+                continue
+            if self.tensor_name(t) is None:
+                state.append((t, t._version, t.detach().clone()))
+        return state
+
+    @staticmethod
+    def state_written(state) -> bool:
+        """Whether the op changed any of that state (its version counter or its values: batch
+        norm's ``native_batch_norm`` updates the running statistics without either its schema
+        or the version counter saying so)."""
+        for t, version, before in state:
+            if t._version != version or t.shape != before.shape or not torch.equal(t, before):
+                return True
+        return False
 
     def wrapper_internal(self, func, args, opened: bool = False) -> bool:
         """Whether this op is a wrapper's own work (FSDP2's all-gathers, copy-outs and frees run
@@ -477,6 +513,7 @@ class Tracer(TorchDispatchMode):
             if name is not None and name not in inputs:
                 inputs.append(name)
         seq = torch._C._autograd._get_sequence_nr() - 1
+        state = self.state_before(in_tensors) if self.watch_state else ()
         clock = self.clock
         if clock is not None:
             began = clock.mark()
@@ -491,6 +528,7 @@ class Tracer(TorchDispatchMode):
             if self.sync:
                 self.sync()
             elapsed = time.perf_counter() - start
+        wrote_state = (bool(state) and self.state_written(state)) or writes_unmarked(aten, args)
         module = self.paths.current
         out_tensors, stored, outputs, writes = self.name_outputs(out, in_keys, inplace, module,
                                                                  len(self.trace.ops))
@@ -504,7 +542,7 @@ class Tracer(TorchDispatchMode):
         self.trace.ops.append(OpRecord(
             name=op_name, aten=full, module=module, inputs=inputs, outputs=outputs, seq=seq,
             forward_s=elapsed, random=random, inplace=inplace, writes=writes,
-            mutates=inplace or mutates_state(func), unit=self.unit_of(module),
+            mutates=inplace or wrote_state or mutates_state(func), unit=self.unit_of(module),
             param_unit=self.unit_of(module) if self.reads_parameters(in_tensors) else "",
             func=func if self.keep_calls else None,
             args=args if self.keep_calls else None, kwargs=kwargs if self.keep_calls else None))
