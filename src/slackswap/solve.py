@@ -29,6 +29,7 @@ from .core.hardware import hardware as get_hardware
 from .core.plan import Plan, overhead_gap
 from .core.restrict import decision_mask, first_forbidden, parse_allowed, restricted
 from .planners.base import Problem, get_planner, register_solver, solver_names
+from .planners.interrupts import interruptible
 from .planners.minpeak import MinPeak, min_peak
 
 log = logging.getLogger("slackswap")
@@ -119,9 +120,9 @@ def solve(graph: ActivationGraph, budget: float | int | str, hardware: Hardware 
     if not isinstance(strict, (bool, np.bool_)):
         raise TypeError(f"solve: strict must be True or False, got {strict!r}")
     start = time.perf_counter()
-    solution = planner.solve(Problem(graph, hw, budget_bytes, mask, began=entered),
-                             time_limit_s=time_limit_s,
-                             **options)
+    with interruptible():  # Ctrl-C stops native work at once: KeyboardInterrupt, cleaned up
+        solution = planner.solve(Problem(graph, hw, budget_bytes, mask, began=entered),
+                                 time_limit_s=time_limit_s, **options)
     forbidden = first_forbidden(graph, solution.codes, mask)
     if forbidden is not None:
         if implied:
@@ -190,7 +191,8 @@ def smallest_budget_of(graph: ActivationGraph, hw: Hardware, mask) -> MinPeak:
     key = (graph.digest, repr(hw), None if mask is None else mask.tobytes())
     found = _SMALLEST.get(key)
     if found is None:
-        found = min_peak(graph, hw, mask)
+        with interruptible():
+            found = min_peak(graph, hw, mask)
         if len(_SMALLEST) > 64:
             _SMALLEST.clear()
         _SMALLEST[key] = found

@@ -28,6 +28,7 @@ from ..core.graph import ActivationGraph
 from ..core.hardware import Hardware, hardware
 from ..core.plan import KEEP, RECOMPUTE, SWAP
 from ..core.stepmodel import expand, keep_all_codes
+from .interrupts import solve_cpsat
 
 # model size past which the bound is not built (departed_by binaries): it is a tool for graphs
 # of tens to a few hundred positions, where single copies are long against the compute
@@ -173,7 +174,7 @@ def departure_bound(graph: ActivationGraph, budget, hw: Hardware | str, *,
         if on_start is not None:
             on_start(solver)
         solve_began = time.perf_counter()
-        status = solver.Solve(model.cp)
+        status = solve_cpsat(solver, model.cp)
         spent += solver.deterministic_time
         clocked = status not in (cp_model.OPTIMAL, cp_model.INFEASIBLE) and \
             time.perf_counter() - solve_began >= 0.95 * solver.parameters.max_time_in_seconds

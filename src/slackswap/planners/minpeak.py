@@ -151,6 +151,7 @@ def _exact(graph: ActivationGraph, hw: Hardware, mask, floor: int, start: MinPea
     from .exact.decode import decode
     from .exact.formulate import formulate
     from .exact.hint import complete_hint
+    from .interrupts import solve_cpsat
 
     began = time.perf_counter()
     f = formulate(graph, hw, start.budget_bytes, full=True, cuts=False, mask=mask)
@@ -185,7 +186,7 @@ def _exact(graph: ActivationGraph, hw: Hardware, mask, floor: int, start: MinPea
     solver.parameters.random_seed = 0
     solver.parameters.max_deterministic_time = MIN_PEAK_DTIME
     solver.parameters.max_time_in_seconds = max(0.1, time_limit_s - (time.perf_counter() - began))
-    status = solver.Solve(model)
+    status = solve_cpsat(solver, model)
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         return None
     # the model's sizes are exact multiples of its byte unit or rounded down (a relaxation):

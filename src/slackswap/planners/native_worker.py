@@ -1,12 +1,14 @@
 """The child side of native.run_in_child: read a model, solve it, write the answer.
 
 Run as ``python -I native_worker.py KIND FOLDER``; imports only the solver's package, never
-slackswap. KIND "pulp": a PuLP problem (``LpProblem.to_dict``) and a solver spec; KIND "scipy":
+slackswap. Its first process forks the solver and watches the parent (supervise): a worker whose
+parent died kills its process group and removes FOLDER. KIND "pulp": a PuLP problem (``LpProblem.to_dict``) and a solver spec; KIND "scipy":
 scipy.optimize linprog / milp on arrays from FOLDER/in.npz; KIND "highs-mip": the integral
 relaxation through highspy; KIND "piqp": an LP by PIQP's interior point method.
 """
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -170,19 +172,88 @@ def solve_piqp(req: dict, folder: Path) -> dict:
             "duality_gap_rel": float(info.duality_gap_rel), "iterations": int(info.iter)}
 
 
+# the solvers by kind: native.run_in_child names one; an unknown kind is an error, never a
+# fallback to another solver
+SOLVERS = {
+    "pulp": lambda req, folder: solve_pulp(req),
+    "scipy": solve_scipy,
+    "highs-mip": solve_highs_mip,
+    "piqp": solve_piqp,
+}
+
+
 def main() -> int:
     kind, folder = sys.argv[1], Path(sys.argv[2])
-    req = json.loads((folder / "in.json").read_text())
-    if kind == "pulp":
-        answer = solve_pulp(req)
-    elif kind == "highs-mip":
-        answer = solve_highs_mip(req, folder)
-    elif kind == "piqp":
-        answer = solve_piqp(req, folder)
-    else:
-        answer = solve_scipy(req, folder)
-    (folder / "out.json").write_text(json.dumps(answer))
-    return 0
+    if kind not in SOLVERS:
+        print(f"native worker: unknown solver kind {kind!r}; known: {', '.join(SOLVERS)}",
+              file=sys.stderr)
+        return 2
+    solver = os.fork()
+    if solver == 0:  # the solver; this process's first one watches the parent
+        try:
+            req = json.loads((folder / "in.json").read_text())
+            answer = SOLVERS[kind](req, folder)
+            (folder / "out.json").write_text(json.dumps(answer))
+        except BaseException:  # noqa: BLE001 - reported on stderr, the exit status says it
+            import traceback
+
+            traceback.print_exc()
+            sys.stderr.flush()
+            os._exit(1)
+        sys.stderr.flush()
+        os._exit(0)
+    return supervise(solver, folder)
+
+
+def supervise(solver: int, folder: Path) -> int:
+    """Wait for the solver; if the parent dies first (its end of standard input closes, or the
+    parent-death signal arrives), remove the folder and kill this whole process group (the
+    solver and any process it started, CBC's own). Returns the solver's exit status, or dies of
+    the signal that killed it."""
+    import select
+    import shutil
+    import signal
+
+    parent = int(os.environ.get("SLACKSWAP_PARENT", os.getppid()))
+
+    def orphaned(*_args) -> None:
+        shutil.rmtree(folder, ignore_errors=True)
+        os.killpg(0, signal.SIGKILL)
+
+    signal.signal(signal.SIGTERM, orphaned)
+    signal.signal(signal.SIGHUP, orphaned)
+    _parent_death_signal(signal.SIGTERM)
+    if os.getppid() != parent:  # the parent died before the signal was asked for
+        orphaned()
+    try:
+        watch = [0, os.pidfd_open(solver)]
+        poll_s = None
+    except (AttributeError, OSError):  # no pidfd: poll the solver
+        watch, poll_s = [0], 0.02
+    while True:
+        ready, _, _ = select.select(watch, [], [], poll_s)
+        if 0 in ready and not os.read(0, 1):
+            orphaned()
+        done, status = os.waitpid(solver, os.WNOHANG)
+        if done:
+            if os.WIFSIGNALED(status):
+                sig = os.WTERMSIG(status)
+                signal.signal(sig, signal.SIG_DFL)
+                os.kill(os.getpid(), sig)
+            return os.waitstatus_to_exitcode(status)
+
+
+def _parent_death_signal(sig: int) -> None:
+    """Linux: ``sig`` arrives when the parent dies (prctl PR_SET_PDEATHSIG); elsewhere the end of
+    standard input alone tells."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(sig), 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from ..interrupts import solve_cpsat
 from .driver import ExactBackend
 from .formulate import Formulation
 
@@ -108,7 +109,7 @@ class CpSatBackend(ExactBackend):
             solver.parameters.max_presolve_iterations = 1
         if options.get("log"):
             solver.parameters.log_search_progress = True
-        status = solver.Solve(model)
+        status = solve_cpsat(solver, model)
         if status == cp_model.INFEASIBLE:
             return "infeasible", None, None, None
         if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
