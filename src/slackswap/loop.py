@@ -1,20 +1,24 @@
 """Planning inside the training loop: ``with ss.planned(model, loss_fn, budget) as loop``.
 
-Each step's inputs fall in a shape bucket. The first step of a bucket is profiled (a warm-up
-and a timed forward and backward, with the RNG, gradients and buffers restored after them, so
-training is unchanged), planned at once by the heuristic, and trained under that plan; the exact
-planner refines the plan in a background thread, and the loop switches to its plan at the next
-step boundary once it is ready and the simulator proves it faster. On a machine with few cores
-the background solver competes with training and with the profiling of a new bucket (its op
-times come out slower); plans stay valid, they are only timed less well. Gradients do not
-depend on the plan (the executor rebuilds bit-identical tensors), so a switch never changes training.
+Each step falls in a bucket: the shapes of its input tensors, every dimension rounded up to the
+next power of two (sequence lengths 65-128 share one), and what else changes the traced step
+(the modules' train/eval modes, which parameters require grad, their dtypes, and the non-tensor
+arguments). The first step of a bucket is profiled (a warm-up and a timed forward and backward;
+ss.profile puts back what they write, the loop the RNG) and planned at once by the heuristic,
+and trained under that plan; the exact planner refines the plan in a child process
+(refine.py), paused while the loop profiles another bucket (so that its load is not in the
+profile's op times), and the loop switches to its plan at the next step boundary once it is
+ready and the simulator proves it faster. Gradients do not depend on the plan (the executor
+rebuilds bit-identical tensors), so a switch never changes training.
 
-Bucket rule: every dimension of every input tensor rounded up to the next power of two (so
-sequence lengths 65-128 share a bucket). A bucket's plan is made at the largest shape seen in it:
-a step whose shape the plan's shape dominates (no dimension larger) runs that plan, its saved
-tensors no larger than planned, so no point of the step holds more than the planned peak; a step
-with a larger dimension is profiled and planned again and the bucket keeps the new plan. At most
-``max_plans`` buckets keep plans; the least recently used one is dropped beyond that.
+A bucket's plan is made at the largest shape seen in it: a step whose shape the plan's shape
+dominates (no dimension larger) runs that plan, its saved tensors no larger than planned, so no
+point of the step holds more than the planned peak; a step with a larger dimension is profiled
+and planned again. A step whose traced ops do not match its bucket's plan (a route that depends
+on the data) is undone (RNG and buffers) and profiled again; if it differs again, the bucket's
+steps run without a plan from then on, said once in a warning. At most ``max_plans`` buckets keep
+plans, the least recently used dropped first (its refinement cancelled). Leaving the context
+cancels every refinement.
 """
 
 from __future__ import annotations
@@ -22,17 +26,17 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-import time
+import warnings
 from collections import OrderedDict
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from .core.errors import InfeasibleBudget
+from .core.errors import InfeasibleBudget, PlanError
 from .core.graph import ActivationGraph
 from .core.hardware import Hardware
 from .core.plan import Plan
+from .refinements import Refinements
 from .solve import solve
 
 log = logging.getLogger("slackswap")
@@ -53,6 +57,31 @@ def _shapes(inputs) -> tuple:
     return ()
 
 
+def _arguments(inputs) -> tuple:
+    """The non-tensor arguments among ``inputs`` (by position or name), as a hashable key: they
+    can change the traced step (a flag, a mode string)."""
+    import torch
+
+    if isinstance(inputs, torch.Tensor):
+        return ()
+    if isinstance(inputs, dict):
+        return tuple((k, _arguments(inputs[k]) if isinstance(inputs[k], (dict, list, tuple))
+                      else None if isinstance(inputs[k], torch.Tensor) else _key(inputs[k]))
+                     for k in sorted(inputs))
+    if isinstance(inputs, (tuple, list)):
+        return tuple(_arguments(x) if isinstance(x, (dict, list, tuple))
+                     else None if isinstance(x, torch.Tensor) else _key(x) for x in inputs)
+    return (_key(inputs),)
+
+
+def _key(value) -> Any:
+    try:
+        hash(value)
+        return (type(value).__name__, value)
+    except TypeError:
+        return (type(value).__name__, repr(value))
+
+
 def _pow2(n: int) -> int:
     return 1 if n <= 1 else 1 << math.ceil(math.log2(n))
 
@@ -68,14 +97,21 @@ def _dominates(big: tuple, small: tuple) -> bool:
         for (sb, db), (ss, ds) in zip(big, small))
 
 
+def step_signature(model) -> tuple:
+    """What of the model changes the traced step besides its inputs: each module's training
+    flag, and each parameter's requires_grad and dtype."""
+    return (tuple(m.training for m in model.modules()),
+            tuple((p.requires_grad, str(p.dtype)) for p in model.parameters()))
+
+
 @dataclass(frozen=True)
 class Switch:
     """A plan change, made between steps ``step - 1`` and ``step``."""
 
     step: int
     bucket: tuple
-    source: str  # "heuristic" (a new bucket or shape) or the refining solver's name
-    predicted_step_time_s: float
+    source: str  # "heuristic" (a new bucket or shape), the refining solver's name, or "plain"
+    predicted_step_time_s: float | None
 
 
 @dataclass
@@ -83,7 +119,6 @@ class _Bucket:
     shapes: tuple
     graph: ActivationGraph
     plan: Plan
-    refining: Future | None = None
     steps: int = 0
 
 
@@ -103,37 +138,102 @@ class PlannedLoop:
     last_stats: Any = None
     steps: int = 0
     _buckets: OrderedDict = field(default_factory=OrderedDict)
-    _pool: ThreadPoolExecutor | None = None
+    _refinements: Refinements | None = None
+    _mismatches: dict = field(default_factory=dict)
+    _plain: set = field(default_factory=set)
 
     def __enter__(self) -> PlannedLoop:
         if self.refine_solver is not None:
-            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="slackswap-refine")
+            self._refinements = Refinements(self.refine_solver, self.refine_time_limit_s)
         return self
 
     def __exit__(self, *exc) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
-            self._pool = None
+        self.close()
+
+    def close(self) -> None:
+        """Cancel every refinement (running or queued): nothing outlives the loop."""
+        if self._refinements is not None:
+            self._refinements.close()
+            self._refinements = None
 
     # ------------------------------------------------------------ the step
     def step(self, inputs):
         """One training step on ``inputs`` (a tensor, a tuple of positional arguments or a dict
         of keyword arguments): forward, ``loss_fn``, backward, under the plan of the inputs'
         bucket. Returns the loss."""
-        from .runtime.executor import apply
-
         shapes = _shapes(inputs)
         if not shapes:
             raise ValueError("planned: step() needs the inputs as a tensor, tuple or dict of "
                              "tensors (their shapes choose the plan)")
-        key = bucket_of(shapes)
-        bucket = self._boundary(key, shapes, inputs)
-        bucket.steps += 1
+        key = (bucket_of(shapes), _arguments(inputs), step_signature(self.model))
+        self._adopt_refinements()
         self.steps += 1
+        if key in self._plain:
+            return self._run_plain(inputs)
+        bucket = self._boundary(key, shapes, inputs)
+        loss = self._run_planned(bucket, inputs)
+        if loss is not None:
+            bucket.steps += 1
+            return loss
+        # the step's traced ops did not match the plan: undone, profiled again at these inputs
+        self._mismatches[key] = self._mismatches.get(key, 0) + 1
+        self._drop(key)
+        if self._mismatches[key] >= 2:
+            self._plain.add(key)
+            self.switches.append(Switch(self.steps - 1, key[0], "plain", None))
+            warnings.warn(
+                f"planned: the traced step of bucket {key[0]} differs from batch to batch at "
+                "the same shapes (a route that depends on the data, such as a mixture of "
+                "experts' top-k choice): slackswap cannot plan it, and its steps run without a "
+                "plan from now on", RuntimeWarning, stacklevel=2)
+            return self._run_plain(inputs)
+        bucket = self._new_bucket(key, shapes, inputs)
+        loss = self._run_planned(bucket, inputs)
+        if loss is None:  # it changed between two runs on the same inputs
+            self._mismatches[key] = 2
+            self._plain.add(key)
+            self._drop(key)
+            warnings.warn(f"planned: the traced step of bucket {key[0]} is not the same twice "
+                          "on the same inputs: its steps run without a plan",
+                          RuntimeWarning, stacklevel=2)
+            return self._run_plain(inputs)
+        bucket.steps += 1
+        return loss
+
+    def _run_planned(self, bucket: _Bucket, inputs):
+        """The step under the bucket's plan; None (with the RNG and the model's buffers put
+        back, nothing run backward) when its forward is not the plan's."""
+        import torch
+
+        from .runtime.executor import apply
+
+        rng = torch.get_rng_state()
+        cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+        buffers = [(b, b.detach().clone()) for b in self.model.buffers()]
         with apply(bucket.plan, self.model, graph=bucket.graph, smaller_inputs=True) as run:
-            loss = self.loss_fn(self._call(inputs))
-            loss.backward()
+            try:
+                loss = self.loss_fn(self._call(inputs))
+            except PlanError as exc:
+                mismatch = exc
+            else:
+                mismatch = None
+                loss.backward()
+        if mismatch is not None:
+            log.info("planned: step %d does not match its bucket's plan (%s); profiling again",
+                     self.steps, mismatch)
+            torch.set_rng_state(rng)
+            if cuda_rng is not None:
+                torch.cuda.set_rng_state_all(cuda_rng)
+            with torch.no_grad():
+                for b, value in buffers:
+                    b.copy_(value)
+            return None
         self.last_stats = run.stats
+        return loss
+
+    def _run_plain(self, inputs):
+        loss = self.loss_fn(self._call(inputs))
+        loss.backward()
         return loss
 
     def _call(self, inputs):
@@ -146,24 +246,27 @@ class PlannedLoop:
         return self.model(inputs)
 
     def _boundary(self, key: tuple, shapes: tuple, inputs) -> _Bucket:
-        """The bucket's plan for this step: the refined one if it is ready and better, a new one
-        if this shape is not covered."""
+        """The bucket's plan for this step: a new one if this shape is not covered."""
         bucket = self._buckets.get(key)
         if bucket is not None and not _dominates(bucket.shapes, shapes):
             bucket = None  # a larger shape in this bucket: plan again at it
         if bucket is None:
-            bucket = self._new_bucket(key, shapes, inputs)
-        else:
-            self._buckets.move_to_end(key)
-            self._adopt_refinement(key, bucket)
+            return self._new_bucket(key, shapes, inputs)
+        self._buckets.move_to_end(key)
         return bucket
 
     def _new_bucket(self, key: tuple, shapes: tuple, inputs) -> _Bucket:
-        from .runtime.profiler import profile
+        from .runtime.profiler import ProfileError, profile
 
-        with _unchanged_training(self.model):
-            graph = profile(self.model, inputs, self.loss_fn, warmup=1, repeat=1,
-                            name=f"{type(self.model).__name__}-bucket{len(self._buckets)}")
+        paused = self._refinements.paused() if self._refinements else contextlib.nullcontext()
+        try:
+            with paused, _same_rng():
+                graph = profile(self.model, inputs, self.loss_fn, warmup=1, repeat=1,
+                                name=f"{type(self.model).__name__}-bucket{len(self._buckets)}")
+        except ProfileError as exc:
+            if exc.user_error is not None:  # the user's own exception, as a plain step raises it
+                raise exc.user_error.with_traceback(exc.user_error.__traceback__) from None
+            raise
         try:
             plan = solve(graph, self.budget, self.hardware, solver="heuristic")
         except InfeasibleBudget:
@@ -176,75 +279,69 @@ class PlannedLoop:
         self._buckets[key] = bucket
         self._buckets.move_to_end(key)
         while len(self._buckets) > self.max_plans:
-            self._buckets.popitem(last=False)
-        self.switches.append(Switch(self.steps, key, "heuristic", plan.info.predicted_step_time_s))
-        if self._pool is not None:
-            bucket.refining = self._pool.submit(
-                solve, graph, plan.budget_bytes, plan.hardware, solver=self.refine_solver,
-                time_limit_s=self.refine_time_limit_s, **_same_restrictions(plan))
+            self._drop(next(iter(self._buckets)))
+        self.switches.append(Switch(self.steps - 1, key[0], "heuristic",
+                                    plan.info.predicted_step_time_s))
+        if self._refinements is not None:
+            self._refinements.submit(key, graph, plan, _same_restrictions(plan))
         return bucket
 
-    def _adopt_refinement(self, key: tuple, bucket: _Bucket) -> None:
-        future = bucket.refining
-        if future is None or not future.done():
+    def _drop(self, key: tuple) -> None:
+        self._buckets.pop(key, None)
+        if self._refinements is not None:
+            self._refinements.cancel(key)
+
+    def _adopt_refinements(self) -> None:
+        if self._refinements is None:
             return
-        bucket.refining = None
-        try:
-            better = future.result()
-        except Exception as exc:  # noqa: BLE001 - the heuristic plan stays; said in the log
-            log.warning("planned: refining bucket %s failed (%s); keeping the heuristic plan",
-                        key, exc)
-            return
-        now = bucket.plan.info.predicted_step_time_s
-        new = better.info.predicted_step_time_s
-        if new is not None and now is not None and new < now * (1 - 1e-9):
-            bucket.plan = better
-            self.switches.append(Switch(self.steps, key, better.info.solver, new))
+        for key, result in self._refinements.finished():
+            bucket = self._buckets.get(key)
+            if bucket is None:
+                continue
+            if isinstance(result, Exception):
+                log.warning("planned: refining bucket %s failed (%s); keeping the heuristic "
+                            "plan", key[0], result)
+                continue
+            if result.graph_digest != bucket.graph.digest:
+                continue  # made for a graph the bucket no longer has
+            now = bucket.plan.info.predicted_step_time_s
+            new = result.info.predicted_step_time_s
+            if new is not None and now is not None and new < now * (1 - 1e-9):
+                bucket.plan = result
+                self.switches.append(Switch(self.steps, key[0], result.info.solver, new))
 
     def join(self, timeout_s: float | None = None) -> None:
-        """Wait for the background refinements (for tests and benchmarks); the next step
-        boundary adopts them."""
-        deadline = None if timeout_s is None else time.perf_counter() + timeout_s
-        for bucket in list(self._buckets.values()):
-            if bucket.refining is not None:
-                left = None if deadline is None else max(0.0, deadline - time.perf_counter())
-                with contextlib.suppress(Exception):
-                    bucket.refining.result(timeout=left)
+        """Wait for the refinements (for tests and benchmarks); the next step boundary adopts
+        them."""
+        if self._refinements is not None:
+            self._refinements.join(timeout_s)
 
     def plan_for(self, inputs) -> Plan | None:
         """The plan the inputs' bucket holds now (None before its first step)."""
-        bucket = self._buckets.get(bucket_of(_shapes(inputs)))
+        key = (bucket_of(_shapes(inputs)), _arguments(inputs), step_signature(self.model))
+        bucket = self._buckets.get(key)
         return None if bucket is None else bucket.plan
 
 
 def _same_restrictions(plan: Plan) -> dict:
-    return {"allowed": tuple(plan.extra["allowed"])} if "allowed" in plan.extra and \
+    return {"allowed": list(plan.extra["allowed"])} if "allowed" in plan.extra and \
         plan.info.extra.get("allowed_from") != "hardware" else {}
 
 
 @contextlib.contextmanager
-def _unchanged_training(model):
-    """Profiling runs a real forward and backward: the RNG streams, the gradients and the
-    buffers (batch-norm statistics) are put back as they were, so the training that follows is
-    the training without it."""
+def _same_rng():
+    """Profiling draws random numbers (dropout): the RNG streams are put back after it, so the
+    training that follows is the training without it (ss.profile puts back the rest)."""
     import torch
 
     cpu_rng = torch.get_rng_state()
     cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
-    grads = {p: p.grad for p in model.parameters()}
-    buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
     try:
         yield
     finally:
         torch.set_rng_state(cpu_rng)
         if cuda_rng is not None:
             torch.cuda.set_rng_state_all(cuda_rng)
-        for p, g in grads.items():
-            p.grad = g
-        with torch.no_grad():
-            for name, b in model.named_buffers():
-                if name in buffers:
-                    b.copy_(buffers[name])
 
 
 def planned(model, loss_fn: Callable, budget, hardware: Hardware | str | None = None, *,
@@ -255,7 +352,7 @@ def planned(model, loss_fn: Callable, budget, hardware: Hardware | str | None = 
 
     budget: as for :func:`slackswap.solve` (a fraction of each bucket's keep-all peak, bytes, or a
     string). hardware: None plans for the device the model is profiled on. refine_solver: the
-    exact planner run in the background (None: the heuristic's plans only)."""
+    exact planner run in a background process (None: the heuristic's plans only)."""
     if isinstance(max_plans, bool) or not isinstance(max_plans, int) or max_plans < 1:
         raise ValueError(f"planned: max_plans must be a positive integer, got {max_plans!r}")
     return PlannedLoop(model, loss_fn, budget, hardware, refine_solver, refine_time_limit_s,

@@ -20,7 +20,16 @@ from ..core.hardware import Hardware, hardware
 
 
 class ProfileError(ValueError):
-    """The model, its inputs or its loss cannot be profiled (the message says why)."""
+    """The model, its inputs or its loss cannot be profiled (the message says why).
+    ``user_error``: the exception the user's model or loss function raised, if that is why."""
+
+    user_error: BaseException | None = None
+
+
+def _user_failure(message: str, exc: BaseException) -> ProfileError:
+    error = ProfileError(message)
+    error.user_error = exc
+    return error
 
 
 def _call(model, inputs):
@@ -50,8 +59,11 @@ def _to(inputs, device):
     return inputs
 
 
-def run_traced_step(model, inputs, loss_fn, sync=None, keep_calls=False):
-    """One forward + backward under the tracer; returns the StepTrace."""
+def run_traced_step(model, inputs, loss_fn, sync=None, keep_calls=False,
+                    untouched: Untouched | None = None):
+    """One forward + backward under the tracer; returns the StepTrace. ``untouched``: what the
+    step writes that plain training owns (gradients of every leaf backward reaches, state the
+    forward writes) is recorded there first, to be put back (Untouched.restore)."""
     import torch
     from torch.utils._python_dispatch import _disable_current_modes
 
@@ -61,7 +73,8 @@ def run_traced_step(model, inputs, loss_fn, sync=None, keep_calls=False):
     # on a GPU, times come from CUDA events (no synchronisation per op)
     clock = GpuClock() if sync is not None else None
     tracer = Tracer(model, paths, keep_calls=keep_calls, sync=sync, observe_lifetimes=True,
-                    clock=clock, watch_state=True)
+                    clock=clock, watch_state=True,
+                    originals=None if untouched is None else untouched.state)
     saved: list[tuple[int, str]] = []
 
     def pack(t):
@@ -87,11 +100,13 @@ def run_traced_step(model, inputs, loss_fn, sync=None, keep_calls=False):
             except ProfileError:
                 raise
             except Exception as exc:
-                raise ProfileError(f"the model failed to run on the inputs: {type(exc).__name__}: {exc}") from exc
+                raise _user_failure(f"the model failed to run on the inputs: "
+                                    f"{type(exc).__name__}: {exc}", exc) from exc
             try:
                 loss = loss_fn(out)
             except Exception as exc:
-                raise ProfileError(f"loss_fn failed on the model's output: {type(exc).__name__}: {exc}") from exc
+                raise _user_failure(f"loss_fn failed on the model's output: "
+                                    f"{type(exc).__name__}: {exc}", exc) from exc
     finally:
         paths.remove()
         if collecting:
@@ -104,6 +119,8 @@ def run_traced_step(model, inputs, loss_fn, sync=None, keep_calls=False):
                            "history (all parameters frozen, or run under torch.no_grad?)")
     trace = tracer.trace
     trace.saved = saved
+    if untouched is not None:
+        untouched.take_gradients(loss)
     time_backward(loss, trace, sync, clock)
     if clock is not None:
         clock.resolve(trace)
@@ -284,7 +301,11 @@ def profile(model, inputs, loss_fn: Callable, device=None, warmup: int = 1, repe
     inputs: a tensor, a tuple (positional arguments) or a dict (keyword arguments).
     loss_fn(output) -> scalar loss. device: move model and inputs there first (None: leave them).
     group_by_module: one op per module call instead of per aten op (a coarser, faster-to-plan
-    graph with the same tensors). Gradients the steps accumulate are cleared before returning.
+    graph with the same tensors). What the steps write that training owns is put back as it
+    was: the gradient of every tensor backward reaches (parameters of the model or not, a head
+    or a temperature the loss function holds) and the state the forward writes (batch norm's
+    statistics, buffers, tensors the loss function updates). The RNG is left as the steps
+    leave it.
     """
     import torch
 
@@ -303,12 +324,14 @@ def profile(model, inputs, loss_fn: Callable, device=None, warmup: int = 1, repe
     dev = torch.device(dev)
     sync = torch.cuda.synchronize if dev.type == "cuda" else None
     traces = []
-    for step in range(warmup + repeat):
-        model.zero_grad(set_to_none=True)
-        trace = run_traced_step(model, inputs, loss_fn, sync=sync)
-        if step >= warmup:
-            traces.append(trace)
-    model.zero_grad(set_to_none=True)
+    untouched = Untouched()
+    try:
+        for step in range(warmup + repeat):
+            trace = run_traced_step(model, inputs, loss_fn, sync=sync, untouched=untouched)
+            if step >= warmup:
+                traces.append(trace)
+    finally:
+        untouched.restore()
     # the device and link the graph was profiled on (measured on CUDA): solve() plans for it
     # unless told otherwise
     link = calibrate_link(dev) if dev.type == "cuda" else hardware("cpu")
@@ -322,6 +345,45 @@ def profile(model, inputs, loss_fn: Callable, device=None, warmup: int = 1, repe
 
         graph = replace(graph, collectives=collectives)
     return _group(graph) if group_by_module else graph
+
+
+class Untouched:
+    """What profiling steps write that training owns, as it was before the first of them: each
+    leaf's gradient (the steps start from none, so their timings do not include accumulation)
+    and each state tensor's value (Tracer.state_before records them on first sight)."""
+
+    def __init__(self) -> None:
+        self.gradients: dict[int, tuple[Any, Any]] = {}
+        self.state: dict[int, tuple[Any, Any]] = {}
+
+    def take_gradients(self, loss) -> None:
+        """Before a backward from ``loss``: every leaf it reaches (AccumulateGrad nodes) is
+        recorded with its gradient on first sight, and its gradient set to none for the step."""
+        seen, stack = set(), [loss.grad_fn]
+        while stack:
+            node = stack.pop()
+            if node is None or node in seen:
+                continue
+            seen.add(node)
+            leaf = getattr(node, "variable", None)
+            if leaf is not None:
+                if id(leaf) not in self.gradients:
+                    self.gradients[id(leaf)] = (leaf, leaf.grad)
+                leaf.grad = None
+                continue
+            stack.extend(next_node for next_node, _ in node.next_functions)
+
+    def restore(self) -> None:
+        import torch
+
+        for leaf, grad in self.gradients.values():
+            leaf.grad = grad
+        with torch.no_grad():
+            for tensor, value in self.state.values():
+                if tensor.shape == value.shape and not torch.equal(tensor, value):
+                    tensor.copy_(value)
+        self.gradients.clear()
+        self.state.clear()
 
 
 def fsdp_collectives(model, graph: ActivationGraph) -> tuple:

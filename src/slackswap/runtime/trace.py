@@ -301,12 +301,14 @@ class Tracer(TorchDispatchMode):
 
     def __init__(self, model: torch.nn.Module, paths: ModulePaths, keep_calls: bool = False,
                  sync=None, observe_lifetimes: bool = False, clock: GpuClock | None = None,
-                 watch_state: bool = False):
+                 watch_state: bool = False, originals: dict | None = None):
         super().__init__()
         self.clock = clock
         # the profiler: compare the state an op reads (buffers, tensors the step did not make)
         # before and after it, since a schema need not say that the op writes it
         self.watch_state = watch_state
+        # the first value of each state tensor seen, by id (the profiler puts them back)
+        self.originals = originals
         self.observe_lifetimes = observe_lifetimes
         self.held = LiveStorages(on_release=self._released)  # by tensor name
         self.paths = paths
@@ -362,7 +364,10 @@ class Tracer(TorchDispatchMode):
             if t.requires_grad or type(t) is not torch.Tensor or t.is_meta:
                 continue
             if self.tensor_name(t) is None:
-                state.append((t, t._version, t.detach().clone()))
+                before = t.detach().clone()
+                state.append((t, t._version, before))
+                if self.originals is not None and id(t) not in self.originals:
+                    self.originals[id(t)] = (t, before)
         return state
 
     @staticmethod
