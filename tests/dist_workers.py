@@ -6,6 +6,7 @@ from __future__ import annotations
 import gc
 import json
 import os
+import time
 import traceback
 from pathlib import Path
 
@@ -194,7 +195,10 @@ def mismatch_case(rank: int, world: int, port: int, fault: str, out_dir: str) ->
             def broken(module, args):
                 raise ValueError("a user's bug in forward")
             model.module.blocks[1].register_forward_pre_hook(broken)
-        ss.plan_for_ranks(model, batch, loss_fn, 0.9, HW, timeout_s=60,
+        if rank == 1 and fault == "late":
+            time.sleep(6)  # past rank 0's timeout_s: it gives up first
+        ss.plan_for_ranks(model, batch, loss_fn, 0.9, HW,
+                          timeout_s=3 if fault == "late" else 60,
                           profile_options={"warmup": 0, "repeat": 1})
         out["error"] = None
     except Exception as exc:  # noqa: BLE001 - what every rank raised is the point

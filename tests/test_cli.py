@@ -1,6 +1,7 @@
 """The command line: every command, its output files, and one-line errors for bad input."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -112,3 +113,25 @@ def test_bad_graph_file_and_help(tmp_path):
         result = subprocess.run([sys.executable, "-m", "slackswap.cli", cmd, "--help"],
                                 capture_output=True, text=True)
         assert result.returncode == 0 and "usage" in result.stdout
+
+
+@pytest.mark.parametrize("case", ["a folder", "under a file", "a read-only folder"])
+def test_an_unwritable_out_is_refused_before_the_solve(case, tmp_path, capsys):
+    """One line, exit status 2, and no solve first (before: a traceback after the solve)."""
+    if case == "a folder":
+        path = str(tmp_path)
+    elif case == "under a file":
+        (tmp_path / "file.txt").write_text("x")
+        path = str(tmp_path / "file.txt" / "plan.json")
+    else:
+        if os.geteuid() == 0:
+            pytest.skip("root writes into read-only folders")
+        ro = tmp_path / "ro"
+        ro.mkdir()
+        ro.chmod(0o500)
+        path = str(ro / "plan.json")
+    code = main(["solve", "gpt2-xl", "--budget", "0.5", "--solver", "cpsat", "--out", path])
+    captured = capsys.readouterr()
+    assert code == 2 and captured.err.startswith("slackswap: error: --out")
+    assert len(captured.err.splitlines()) == 1 and "Traceback" not in captured.err
+    assert "solving" not in captured.out + captured.err  # refused before any work

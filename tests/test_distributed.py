@@ -91,7 +91,8 @@ def test_plans_train_every_rank_bit_identically(kind, wrapping, tmp_path):
 
 
 @pytest.mark.parametrize("fault,message", [("shapes", "rank 1 traced another step"),
-                                           ("crash", "rank 1 could not profile")])
+                                           ("crash", "rank 1 could not profile"),
+                                           ("late", "rank 1 did not reach")])
 def test_a_rank_that_differs_or_crashes_fails_every_rank_without_a_hang(fault, message, tmp_path):
     ranks = _spawn(dist_workers.mismatch_case, (fault,), tmp_path, timeout_s=120)
     for rank, out in enumerate(ranks):
@@ -100,3 +101,5 @@ def test_a_rank_that_differs_or_crashes_fails_every_rank_without_a_hang(fault, m
         assert "tensor" in ranks[0]["error"]  # the first tensor that differs is named
     if fault == "crash":
         assert "a user's bug in forward" in ranks[0]["error"]
+    if fault == "late":  # a RankError naming the late rank, not torch's raw store timeout
+        assert all(out["error"].startswith("RankError") for out in ranks), ranks

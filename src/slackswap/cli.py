@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -303,14 +304,38 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def check_output(path: str, prefix: bool = False) -> None:
+    """Before any work: ``path`` (a file to write, or with ``prefix`` the start of file names)
+    can be written. A directory, a missing or read-only folder is bad input (CliError)."""
+    target = Path(path)
+    folder = target.parent if str(target.parent) else Path(".")
+    if not prefix and target.is_dir():
+        raise CliError(f"--out {path}: is a directory; name a file")
+    if not prefix and target.exists() and not os.access(target, os.W_OK):
+        raise CliError(f"--out {path}: the file is not writable")
+    existing = folder
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent  # sweep creates missing folders; the first existing one decides
+    if not existing.is_dir():
+        raise CliError(f"--out {path}: {existing} is not a folder")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise CliError(f"--out {path}: the folder {existing} is not writable")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
+        if getattr(args, "out", None):
+            check_output(args.out, prefix=args.func is cmd_plot)
         return args.func(args)
     except (CliError, GraphError, PlanError, InfeasibleBudget, ValueError, FileNotFoundError,
             ImportError, KeyError) as exc:
         print(f"slackswap: error: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:  # a write that failed anyway (disk full, removed meanwhile)
+        print(f"slackswap: error: {exc.strerror or exc}: {exc.filename or ''}".rstrip(": "),
+              file=sys.stderr)
         return 2
 
 

@@ -142,25 +142,81 @@ def plan_for_ranks(model, inputs, loss_fn, budget, hardware: Hardware | str | No
     collective, with the model already wrapped (``fully_shard``, ``DistributedDataParallel``).
 
     slackswap's own collectives run on a gloo group of their own with ``timeout_s``: a rank that
-    never arrives (stuck in a wrapper's collective after another rank's forward raised) makes
-    the others raise after that long instead of waiting forever."""
+    never arrives (late, or stuck in a wrapper's collective after another rank's forward raised)
+    makes the others raise a RankError naming it after that long instead of waiting forever, and
+    a rank that arrives after the others gave up raises the same error at once (each rank notes
+    its arrival at each collective in torch.distributed's own store)."""
     import datetime
 
     import torch.distributed as dist
 
+    arrivals = _Arrivals(timeout_s)
     own = group is None
     if own:
-        group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+        group = arrivals.phase("the planning group's creation", lambda: dist.new_group(
+            backend="gloo", timeout=datetime.timedelta(seconds=timeout_s)))
     try:
         return _plan_for_ranks(model, inputs, loss_fn, budget, hardware, solver, time_limit_s,
-                               group, profile_options, solve_options)
+                               group, profile_options, solve_options, arrivals)
     finally:
         if own:
             dist.destroy_process_group(group)
 
 
+_CALLS = __import__("itertools").count()
+
+
+class _Arrivals:
+    """Which ranks reached which of slackswap's collectives, in the default store: a collective
+    that times out is blamed on the ranks that never arrived."""
+
+    def __init__(self, timeout_s: float):
+        import torch.distributed as dist
+        from torch.distributed.distributed_c10d import _get_default_store
+
+        self.timeout_s = timeout_s
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.prefix = f"slackswap/plan_for_ranks/{next(_CALLS)}"
+        self.store = _get_default_store()
+
+    def _given_up(self) -> None:
+        """Raise what the others raised if they gave up before this rank arrived (the store is
+        gone too when rank 0, its host, has exited since)."""
+        key = f"{self.prefix}/failed"
+        try:
+            failed = self.store.check([key])
+            failure = json.loads(self.store.get(key).decode()) if failed else None
+        except RuntimeError as exc:  # torch's DistNetworkError and DistStoreError among them
+            raise RankError(f"rank {self.rank} did not reach slackswap's planning before the "
+                            f"other ranks gave up: the store is gone ({type(exc).__name__})",
+                            self.rank) from exc
+        if failure is not None:
+            raise RankError(failure["message"], failure["rank"])
+
+    def phase(self, name: str, run):
+        """``run()``, every rank noting its arrival first; a timeout becomes a RankError."""
+        self._given_up()
+        self.store.set(f"{self.prefix}/{name}/{self.rank}", "1")
+        try:
+            return run()
+        except RankError:
+            raise
+        except Exception as exc:
+            missing = [r for r in range(self.world)
+                       if not self.store.check([f"{self.prefix}/{name}/{r}"])]
+            if not missing:
+                raise
+            message = (f"rank {missing[0]}" if len(missing) == 1 else f"ranks {missing}") + \
+                f" did not reach {name} within {self.timeout_s:g} s (late, or stuck in another " \
+                "collective); every rank must call plan_for_ranks together"
+            self.store.set(f"{self.prefix}/failed",
+                           json.dumps({"message": message, "rank": missing[0]}))
+            raise RankError(message, missing[0]) from exc
+
+
 def _plan_for_ranks(model, inputs, loss_fn, budget, hardware, solver, time_limit_s, group,
-                    profile_options, solve_options) -> tuple[ActivationGraph, Plan]:
+                    profile_options, solve_options, arrivals: _Arrivals
+                    ) -> tuple[ActivationGraph, Plan]:
     from .runtime.profiler import profile
     from .solve import solve
 
@@ -169,11 +225,12 @@ def _plan_for_ranks(model, inputs, loss_fn, budget, hardware, solver, time_limit
         graph = profile(model, inputs, loss_fn, **(profile_options or {}))
     except Exception as exc:  # noqa: BLE001 - agreed on first, then raised on every rank
         error = f"{type(exc).__name__}: {exc}"
-    shared = agree_on_graph(graph, error, group=group)
+    shared = arrivals.phase("the graphs' exchange",
+                            lambda: agree_on_graph(graph, error, group=group))
     hw = {} if hardware is None else {"hardware": hardware}
-    plan = share_plan(shared, lambda: solve(shared, budget, solver=solver,
-                                            time_limit_s=time_limit_s, **hw, **solve_options),
-                      group=group)
+    plan = arrivals.phase("the plan's exchange", lambda: share_plan(
+        shared, lambda: solve(shared, budget, solver=solver, time_limit_s=time_limit_s, **hw,
+                              **solve_options), group=group))
     if plan.hardware is None:
         raise PlanError("the shared plan carries no hardware")
     return shared, plan
