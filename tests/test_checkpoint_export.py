@@ -193,7 +193,9 @@ def test_planned_for_the_checkpoint_graph_the_policy_peaks_where_the_plan_says()
     (rebuilds at each block's entry) with boundary pins simulates the step peak the policy
     measures, within 10% (a BN ResNet of 4 blocks, 2 MiB activations, at 70%: 28.1 MiB against
     26.0; torch also reruns a block's residual add, which no rebuild needs: one activation
-    more). The same plan for the plain graph assumes rebuilds at first use: 16% over."""
+    more). A plan for the plain graph assumes rebuilds at first use: the policy holds at least
+    what it says (16% more before batch norm's outputs were kept, which writing its statistics
+    requires; 0.2% now)."""
     torch.manual_seed(0)
     model, x = _BNResNet(), torch.randn(8, 3, 64, 64)
     y = torch.randint(0, 10, (8,))
@@ -224,7 +226,7 @@ def test_planned_for_the_checkpoint_graph_the_policy_peaks_where_the_plan_says()
     simulated = ss.simulate(policy_graph, plan).peak_bytes
     assert simulated <= peak(policy_graph, plan) <= 1.1 * simulated
     unaware = ss.solve(graph, 0.7, solver="heuristic", pins=ss.boundary_pins(graph))
-    assert peak(graph, unaware) > 1.1 * ss.simulate(graph, unaware).peak_bytes
+    assert peak(graph, unaware) > ss.simulate(graph, unaware).peak_bytes
     # the executor would rerun what only the checkpoint can (batch norm's shielded update)
     with pytest.raises(ss.PlanError, match="checkpointed"):
         ss.apply(plan, model, graph=policy_graph)
@@ -377,3 +379,51 @@ def test_batch_norm_state_is_written_once_when_the_region_breaks_the_compiled_gr
         assert torch.equal(a, b), name
     for p, q in zip(plain.parameters(), ours.parameters()):
         assert torch.equal(p.grad, q.grad)
+
+
+def test_runners_refuse_what_the_checker_refuses(setup):
+    """apply and checkpointed run no plan validate refuses (a prefetch before its offload's free,
+    d2h_free before the last forward reader, swaps where the device is the host, claims the
+    plan cannot back), nor a plan for another model or a longer input."""
+    from dataclasses import replace
+
+    model, x, graph, plan = setup
+    lying = plan.with_info(status="optimal", bound=2 * plan.info.predicted_step_time_s, gap=0.9)
+    assert not ss.validate(graph, lying).ok
+    with pytest.raises(ss.PlanError, match="checker refuses.*bound"):
+        checkpointed(model, lying, graph)
+    with pytest.raises(ss.PlanError, match="checker refuses.*bound"):
+        ss.apply(lying, model, graph=graph)
+    # swaps with a schedule the checker refuses, on the emulated link the executor runs
+    link = ss.hardware("cpu-emulated-link")
+    swapping = ss.solve(graph, 0.5, link, solver="heuristic")
+    name = next(n for n, d in swapping.decisions.items() if d == "swap")
+    free = swapping.schedule.d2h_free[name]
+    early = replace(swapping, schedule=replace(swapping.schedule, h2d_issue={
+        **swapping.schedule.h2d_issue, name: free}))
+    too_soon = replace(swapping, schedule=replace(swapping.schedule, d2h_free={
+        **swapping.schedule.d2h_free, name: 0}))
+    on_cpu = replace(swapping, hardware=ss.hardware("cpu"))
+    for bad in (early, too_soon, on_cpu):
+        assert not ss.validate(graph, bad).ok
+        with pytest.raises(ss.PlanError, match="apply: the (checker refuses|plan breaks)"):
+            ss.apply(bad, model, graph=graph)
+    for bad in (early, on_cpu):  # what the plan alone shows, without the graph
+        with pytest.raises(ss.PlanError, match="apply: the plan breaks its own rules"):
+            ss.apply(bad, model)
+
+
+def test_checkpointed_refuses_a_plan_for_another_model_or_a_longer_input(setup):
+    """ss.apply refused these already (tensor names and sizes on the first forward);
+    checkpointed ran them, holding what the plan does not say."""
+    model, x, graph, plan = setup
+    for other in (TinyGPT(vocab=300, d=128, layers=4, p=0.1),  # a block added
+                  TinyGPT(vocab=300, d=64, layers=3, p=0.1)):  # another width
+        with pytest.raises(ss.PlanError, match="profiled on another model"):
+            checkpointed(other, plan, graph)
+    longer = torch.cat([x, x], dim=1)
+    with pytest.raises(ss.PlanError, match="not the profiled ones"):
+        with checkpointed(model, plan, graph):
+            loss_fn(model(longer)).backward()
+    with checkpointed(model, plan, graph):  # a shorter one holds no more than planned
+        loss_fn(model(x[:, :64])).backward()

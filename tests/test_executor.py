@@ -330,6 +330,10 @@ def test_every_planners_plan_reloaded_executes_on_its_own_schedule(solver, tmp_p
     plan.save(path)
     again = ss.load_plan(path)
     assert again.hardware == cpu and again.schedule == plan.schedule
+    if not ss.validate(graph, again).ok:  # keep-all does not fit 60%: not run, said why
+        with pytest.raises(ss.PlanError, match="checker refuses.*over the budget"):
+            ss.apply(again, model, graph=graph)
+        return
     expected, _ = grads(model, inputs, loss_fn)
     got, run = grads(model, inputs, loss_fn, again, graph)
     assert all(a is None and b is None or torch.equal(a, b) for a, b in zip(expected, got))

@@ -10,7 +10,7 @@ import slackswap
 
 ROOT = Path(slackswap.__file__).parent
 
-# lower layers never import higher ones; runtime sits beside the chain, on core alone
+# lower layers never import higher ones; runtime sits beside the chain, on core and the checker
 LAYER = {"core": 0, "check": 1, "planners": 2, "solve": 3, "workloads": 3, "cnn": 3, "plot": 3,
          "cli": 4, "demo": 4, "distributed": 4, "loop": 4, "refine": 4, "refinements": 4}
 APPLICATION = 4  # the command line and the demo may drive the runtime (profile, apply)
@@ -81,7 +81,8 @@ def test_no_import_goes_up_the_chain():
             if (mod, dep) in ALLOWED_UPWARD:
                 continue
             if mine == RUNTIME:
-                ok = theirs == RUNTIME or theirs == 0
+                # the runtime runs no plan the checker refuses: it may ask the checker
+                ok = theirs == RUNTIME or theirs == 0 or dep == "check.validate"
             elif theirs == RUNTIME:
                 ok = mine == APPLICATION
             else:

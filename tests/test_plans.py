@@ -156,3 +156,36 @@ def test_a_simulation_of_other_decisions_is_not_the_plans(other):
     if other != "hardware":
         assert sim.step_time_s == g.ideal_step_time_s
     assert ss.validate(g, plan).ok
+
+
+def test_a_plan_file_with_a_key_given_twice_is_refused():
+    g = ss.workload("bert-large", "a100-80gb-pcie4")
+    plan = ss.solve(g, 0.5, "a100-80gb-pcie4", solver="heuristic")
+    name = next(iter(plan.decisions))
+    text = plan.to_json().replace('"decisions": {', f'"decisions": {{"{name}": "recompute", ', 1)
+    with pytest.raises(ss.PlanError, match=f"key '{name}' is given twice"):
+        ss.load_plan(text)
+    graph_text = g.to_json().replace('"name": ', '"name": "twice", "name": ', 1)
+    with pytest.raises(ss.GraphError, match="given twice"):
+        ss.load_graph(graph_text)
+
+
+@pytest.mark.parametrize("solver", ["heuristic", "cpsat"])
+def test_the_checker_holds_a_plan_to_its_claims(solver):
+    """A status consistent with the gap and the bound, a bound never above the step: what
+    solve() returns passes; each false claim is refused, naming it."""
+    g = ss.workload("bert-large", "a100-80gb-pcie4")
+    plan = ss.solve(g, 0.5, "a100-80gb-pcie4", solver=solver)
+    assert ss.validate(g, plan).ok
+    step = plan.info.predicted_step_time_s
+    lies = {
+        "above its own step": plan.with_info(bound=1.5 * step, gap=None, overhead_gap=None),
+        "'optimal'": plan.with_info(status="optimal", bound=0.5 * step, gap=0.5,
+                                    overhead_gap=None),
+        "gap of": plan.with_info(bound=0.9 * step, gap=0.5, overhead_gap=None),
+        "without a bound": plan.with_info(bound=None, gap=0.1, overhead_gap=None),
+        "overhead gap": plan.with_info(bound=0.99 * step, gap=0.01, overhead_gap=0.9),
+    }
+    for what, lie in lies.items():
+        verdict = ss.validate(g, lie)
+        assert not verdict.ok and any(what in str(v) for v in verdict.violations), (what, verdict)

@@ -5,7 +5,7 @@ complete schedule, and the hardware's figures, and walks the step as formulation
 describes it: positions and points, rerun closures and their frontiers, residency of every read,
 memory at every point against the budget, and the copy lanes. It imports the core data types
 only (graph, plan, hardware, budget, errors), never the step model, the simulator or a planner:
-code shared with what it checks would share its bugs (tests/test_checker_mutations.py patches
+code shared with what it checks would share its bugs (tests/test_checker.py patches
 bugs into the step model and shows that this module still catches the plans they let through).
 It evaluates one complete assignment, as CP-SAT's solution checker does, and searches nothing.
 """
@@ -89,7 +89,7 @@ def validate(graph: ActivationGraph, plan: Plan, hw: Hardware | str | None = Non
     except PlanError as exc:
         return Validation(False, (Violation("plan", str(exc)),), 0, limit)
     walk = step.walk(decisions, plan)
-    violations = list(walk.violations) + _restrictions(plan)
+    violations = list(walk.violations) + restriction_violations(plan)
     if walk.points is None:  # the schedule could not be walked at all
         return Validation(False, tuple(violations), 0, limit)
     peak, over = step.memory(walk, limit)
@@ -101,10 +101,50 @@ def validate(graph: ActivationGraph, plan: Plan, hw: Hardware | str | None = Non
             abs(claimed - step_time) > CLAIM_TOLERANCE * step_time:
         violations.append(Violation(
             "claim", f"plan claims a step time of {claimed!r} s; its schedule gives {step_time!r} s"))
+    if same_hw:
+        violations.extend(_proof_claims(graph, plan, step_time))
     return Validation(not violations, tuple(violations), peak, limit, step_time, stall, recompute)
 
 
-def _restrictions(plan: Plan) -> list[Violation]:
+def _proof_claims(graph: ActivationGraph, plan: Plan, step_s: float) -> list[Violation]:
+    """What the plan says of its proof, against the step the walk derived: a bound is never
+    above the step (no plan beats a bound, this one included); gap and overhead gap are what
+    the step and the bound make them; "optimal" means the step is within 1% of its overhead
+    (or 1e-5 of the step) of the bound (core/plan.py's definition, recomputed here)."""
+    from ..core.plan import OVERHEAD_TARGET, STEP_FLOOR
+
+    info = plan.info
+    out: list[Violation] = []
+    bound, slack = info.bound, 1e-9 * max(step_s, 1e-300) + 1e-12
+    if bound is not None and bound > step_s + slack:
+        out.append(Violation("claim", f"plan claims a bound of {bound!r} s, above its own step "
+                                      f"of {step_s!r} s: no plan beats a valid bound"))
+        return out
+    if info.gap is not None:
+        if bound is None:
+            out.append(Violation("claim", f"plan claims a gap of {info.gap!r} without a bound"))
+        elif step_s > 0 and abs(info.gap - (step_s - bound) / step_s) > 1e-6:
+            out.append(Violation("claim", f"plan claims a gap of {info.gap!r}; its step and bound "
+                                          f"make it {(step_s - bound) / step_s!r}"))
+    ideal = float(sum(op.forward_s + op.backward_s for op in graph.ops)) + graph.optimizer_s
+    overhead = max(step_s - ideal, STEP_FLOOR * step_s)
+    if info.overhead_gap is not None and bound is not None and overhead > 0:
+        derived = max(0.0, step_s - bound) / overhead
+        if abs(info.overhead_gap - derived) > 1e-6 * max(1.0, derived):
+            out.append(Violation("claim", f"plan claims an overhead gap of {info.overhead_gap!r};"
+                                          f" its step and bound make it {derived!r}"))
+    if info.status == "optimal":
+        tolerance = max(OVERHEAD_TARGET * max(step_s - ideal, 0.0), STEP_FLOOR * step_s)
+        if bound is None or step_s - bound > tolerance * (1 + 1e-9) + 1e-15:
+            out.append(Violation("claim", "plan claims status 'optimal', but " + (
+                "names no bound" if bound is None else
+                f"its step ({step_s!r} s) is {step_s - bound!r} s above its bound, more than the "
+                f"{tolerance!r} s that 'optimal' allows (1% of the overhead, or 1e-5 of the step)"
+            )))
+    return out
+
+
+def restriction_violations(plan: Plan) -> list[Violation]:
     """The decisions the plan says it was restricted to (``allowed``, ``pins`` in its extras),
     checked against its decisions."""
     out: list[Violation] = []

@@ -715,9 +715,21 @@ def read_json_source(source: str | Path, what: str, error: type[Exception]) -> s
 
 
 def parse_json(text: str, what: str, error: type[Exception]) -> Any:
-    """JSON text as Python data; malformed or absurdly nested text is refused by name."""
+    """JSON text as Python data; malformed or absurdly nested text, and an object that gives a
+    key twice (JSON would keep the last silently: a decision given twice), are refused by
+    name."""
+
+    def unique(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for key, value in pairs:
+            if key in out:
+                raise error(f"{what}: key {key!r} is given twice in one object (JSON would keep "
+                            "the last silently)")
+            out[key] = value
+        return out
+
     try:
-        return json.loads(text)
+        return json.loads(text, object_pairs_hook=unique)
     except json.JSONDecodeError as exc:
         raise error(f"{what}: not valid JSON ({exc})") from None
     except RecursionError:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from ..core.errors import PlanError
 from ..core.graph import ActivationGraph
 from ..core.plan import Plan
 
@@ -129,6 +130,26 @@ def checkpoint_regions(plan: Plan, graph: ActivationGraph,
             wanted.add(name)
         out.setdefault(name, []).append((str(op.extra.get("aten", "")), recompute))
     return {name: ops for name, ops in out.items() if name in wanted}
+
+
+def _same_model(model, graph: ActivationGraph) -> None:
+    """The model's parameters are the profiled model's (names, shapes, dtypes): a plan made for
+    another width or with a block fewer is refused (PlanError naming the first difference)."""
+    from .profiler import model_parameters
+
+    recorded = graph.extra.get("parameters")
+    if recorded is None:  # a graph not from ss.profile: nothing to compare with
+        return
+    mine = model_parameters(model)
+    for a, b in zip(recorded, mine):
+        if list(a) != list(b):
+            raise PlanError(f"checkpointed: the graph was profiled on another model: parameter "
+                            f"{a[0]!r} {a[1]} {a[2]} there, {b[0]!r} {b[1]} {b[2]} here")
+    if len(recorded) != len(mine):
+        extra = mine[len(recorded)][0] if len(mine) > len(recorded) else recorded[len(mine)][0]
+        raise PlanError(f"checkpointed: the graph was profiled on another model: "
+                        f"{len(recorded)} parameters there, {len(mine)} here (first unmatched: "
+                        f"{extra!r})")
 
 
 def _shielded_recompute(recompute_context, buffers: set[int], state=()):
@@ -351,7 +372,13 @@ class checkpointed:  # noqa: N801 - a context manager used like a function
 
     def __init__(self, model, plan: Plan, graph: ActivationGraph,
                  regions: list[str] | None = None):
+        from .executor import refuse_what_the_checker_refuses
+
         self.model = model
+        plan.check_graph(graph)
+        refuse_what_the_checker_refuses(plan, graph, "checkpointed")
+        _same_model(model, graph)
+        self.inputs = graph.extra.get("inputs")
         self.steps = checkpoint_regions(plan, graph, regions)
         modules = dict(model.named_modules())
         missing = [r for r in self.steps if r not in modules]
@@ -367,6 +394,8 @@ class checkpointed:  # noqa: N801 - a context manager used like a function
 
         buffers = list(self.model.buffers())
         state = {t.untyped_storage().data_ptr() for t in buffers}
+        self._hook = self.model.register_forward_pre_hook(self._check_inputs, with_kwargs=True) \
+            if self.inputs is not None else None
         for name, module in self.modules.items():
             forward = module.forward
             self._saved[name] = module.__dict__.get("forward")
@@ -395,7 +424,25 @@ class checkpointed:  # noqa: N801 - a context manager used like a function
             module.forward = wrapped
         return self
 
+    def _check_inputs(self, module, args, kwargs):
+        """The step's inputs are no larger than the profile's (a longer sequence holds more
+        than the plan says): PlanError otherwise, before the forward runs."""
+        from .profiler import input_shapes
+
+        given = input_shapes((*args, kwargs) if kwargs else args)
+        recorded = self.inputs
+        fits = len(given) == len(recorded) and all(
+            dt == rdt and len(shape) == len(rshape) and all(a <= b for a, b in zip(shape, rshape))
+            for (shape, dt), (rshape, rdt) in zip(given, recorded))
+        if not fits:
+            raise PlanError(f"checkpointed: the inputs {given} are not the profiled ones "
+                            f"{recorded} (or smaller): the plan holds what it says only for "
+                            "the step it was made for; profile and plan this shape")
+
     def __exit__(self, *exc) -> None:
+        if getattr(self, "_hook", None) is not None:
+            self._hook.remove()
+            self._hook = None
         for name, module in self.modules.items():
             before = self._saved.pop(name, None)
             if before is None:

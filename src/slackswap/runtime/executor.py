@@ -22,7 +22,7 @@ import contextlib
 import time
 import warnings
 import weakref
-from collections import defaultdict
+from collections import OrderedDict, defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -163,6 +163,43 @@ class _Step:
     verified: set[str] = field(default_factory=set)  # tensors whose dtype and bytes were checked
 
 
+# the checker's verdicts on the plans run lately (a context per step: one walk per plan), by the
+# plan object's identity (held, so that no other plan takes its id) and the graph's digest
+_VERDICTS: OrderedDict = OrderedDict()
+
+
+def refuse_what_the_checker_refuses(plan: Plan, graph: ActivationGraph | None, who: str) -> None:
+    """A runner runs no plan the checker refuses: with the graph, the whole checker
+    (check/validate.py: decisions, schedule, memory, step time and the plan's claims); without
+    it, what the plan alone shows (swaps where the device is the host, restrictions it breaks,
+    a prefetch not after its offload's free). PlanError names the first fault."""
+    from ..check.validate import restriction_violations, validate
+
+    if graph is None:
+        faults = [str(v) for v in restriction_violations(plan)]
+        for name, free in plan.schedule.d2h_free.items():
+            issue = plan.schedule.h2d_issue.get(name)
+            if issue is not None and issue <= free:
+                faults.append(f"schedule: h2d_issue[{name!r}] = {issue} is not after its "
+                              f"d2h_free {free}")
+        if faults:
+            raise PlanError(f"{who}: the plan breaks its own rules: {faults[0]}")
+        return
+    key = (id(plan), graph.digest)
+    verdict = _VERDICTS.get(key)
+    if verdict is None or verdict[0] is not plan:
+        verdict = (plan, validate(graph, plan))
+        _VERDICTS[key] = verdict
+        while len(_VERDICTS) > 16:
+            _VERDICTS.popitem(last=False)
+    _VERDICTS.move_to_end(key)
+    checked = verdict[1]
+    if not checked.ok:
+        more = len(checked.violations) - 1
+        raise PlanError(f"{who}: the checker refuses this plan: {checked.violations[0]}"
+                        + (f" (and {more} more)" if more else ""))
+
+
 class Run:
     """The context ``apply`` returns; ``stats`` holds what the steps did."""
 
@@ -177,6 +214,7 @@ class Run:
                             "place included): run it with slackswap.checkpointed, or plan the "
                             "profiled graph itself for apply")
         plan.require_complete("apply")
+        refuse_what_the_checker_refuses(plan, graph, "apply")
         self.plan = plan
         self.model = model
         self.graph = graph

@@ -338,13 +338,35 @@ def profile(model, inputs, loss_fn: Callable, device=None, warmup: int = 1, repe
     graph = graph_from_traces(traces, name or type(model).__name__,
                               {"source": "slackswap.profile", "device": str(dev),
                                "torch": torch.__version__, "repeat": repeat,
-                               "hardware": link.to_dict()})
+                               "hardware": link.to_dict(),
+                               "parameters": model_parameters(model),
+                               "inputs": input_shapes(inputs)})
     collectives = fsdp_collectives(model, graph)
     if collectives:
         from dataclasses import replace
 
         graph = replace(graph, collectives=collectives)
     return _group(graph) if group_by_module else graph
+
+
+def model_parameters(model) -> list[list]:
+    """The model's parameters as [name, shape, dtype]: what a plan's runner compares with the
+    model it runs (another width, a block added)."""
+    return [[name, list(p.shape), str(p.dtype).replace("torch.", "")]
+            for name, p in model.named_parameters()]
+
+
+def input_shapes(inputs) -> list[list]:
+    """Every input tensor's [shape, dtype], in argument order (dict keys sorted)."""
+    import torch
+
+    if isinstance(inputs, torch.Tensor):
+        return [[list(inputs.shape), str(inputs.dtype).replace("torch.", "")]]
+    if isinstance(inputs, dict):
+        return [item for k in sorted(inputs) for item in input_shapes(inputs[k])]
+    if isinstance(inputs, (tuple, list)):
+        return [item for x in inputs for item in input_shapes(x)]
+    return []
 
 
 class Untouched:
