@@ -95,14 +95,16 @@ def most_offloaded(graph: ActivationGraph, mask: np.ndarray | None) -> np.ndarra
 
 def heuristic_codes(graph: ActivationGraph, hw: Hardware, budget: int,
                     allow_chains: bool = True, mask: np.ndarray | None = None,
-                    bundle_reruns: bool = False, unfit: list | None = None
-                    ) -> tuple[np.ndarray, dict]:
+                    bundle_reruns: bool = False, unfit: list | None = None,
+                    single_cover: bool = True) -> tuple[np.ndarray, dict]:
     """The heuristic's decisions and a few counters describing how it got there. ``mask``:
     the decisions each tensor may take (core/restrict.py); None: all. ``bundle_reruns``: tensors
     rebuilt by the same reruns are priced and recomputed together (one cost for q, k and v of
     one projection, not three), where the published rule prices each tensor alone. ``unfit``:
     where the rules end over the budget and the fallback is returned, their own plan is
-    appended to it (the polish searches from it: closer to a fit than the fallback)."""
+    appended to it (the polish searches from it: closer to a fit than the fallback).
+    ``single_cover``: where one unit covers a position's excess alone more cheaply than the
+    per-byte greedy set, it is taken instead (False: the published rule alone)."""
     saved = graph.saved
     nbytes = graph.tensor_bytes
     cost = rebuild_cost(graph)
@@ -167,6 +169,21 @@ def heuristic_codes(graph: ActivationGraph, hw: Hardware, budget: int,
                     return False
         return True
 
+    def unit_of(t: int, chains: bool) -> list[int]:
+        """What recomputing ``t`` recomputes: its group, and with bundle_reruns its bundle's
+        kept tensors that may be rebuilt too (their rerun is paid for)."""
+        mates_of_t = mates[tuple(graph.rerun_ops[t])] if bundle_reruns else ()
+        unit: list[int] = []
+        for x in [t] + [y for y in mates_of_t if y != t]:
+            if x != t and not (code_list[x] == KEEP and may_recompute[x]
+                               and can_rebuild(x, chains)):
+                continue
+            unit.extend(m for m in members(x) if m not in unit)
+        return unit
+
+    def freed_at(unit: list[int], s: int) -> int:
+        return int(sum(int(nbytes[m]) for m in unit if last_fwd[m] < s < u_slot[m]))
+
     for _ in range(4 * len(saved) + 1):
         over = slot_mem - budget
         s = int(np.argmax(over))
@@ -176,26 +193,54 @@ def heuristic_codes(graph: ActivationGraph, hw: Hardware, budget: int,
         if mask is not None:
             removable = removable[mask[removable, SWAP] | mask[removable, RECOMPUTE]]
         moved = False
+        excess = int(slot_mem[s] - budget)
+        order = removable[np.argsort(per_byte[removable], kind="stable")]
+        # the cheapest single unit that relieves the whole excess alone, priced before the
+        # greedy pass changes anything (see below)
+        single, single_cost = None, np.inf
+        for t in order:
+            t = int(t)
+            if np.isfinite(per_byte[t]) and cost[t] < single_cost and can_rebuild(t) and \
+                    freed_at(unit_of(t, False), s) >= excess:
+                single, single_cost = t, float(cost[t])
+        undo: list[int] = []  # tensors the greedy pass recomputed here, to take back
+        greedy_cost = 0.0
         for chains in (False, True):
-            for t in removable[np.argsort(per_byte[removable], kind="stable")]:
+            for t in order:
                 if slot_mem[s] <= budget:
                     break
                 if not np.isfinite(per_byte[t]) or not can_rebuild(int(t), chains):
                     continue
                 # its bundle's kept tensors come along: their rerun is paid for
-                mates_of_t = mates[tuple(graph.rerun_ops[int(t)])] if bundle_reruns else ()
-                for x in [int(t)] + [y for y in mates_of_t if y != t]:
-                    if x != t and not (code_list[x] == KEEP and may_recompute[x]
-                                       and can_rebuild(x, chains)):
-                        continue
-                    for m in members(x):
-                        codes[m] = RECOMPUTE
-                        code_list[m] = RECOMPUTE
-                        slot_mem[last_fwd[m] + 1: u_slot[m]] -= nbytes[m]
-                        stats["recomputed"] += 1
+                unit = unit_of(int(t), chains)
+                greedy_cost += float(cost[t])
+                for m in unit:
+                    codes[m] = RECOMPUTE
+                    code_list[m] = RECOMPUTE
+                    slot_mem[last_fwd[m] + 1: u_slot[m]] -= nbytes[m]
+                    stats["recomputed"] += 1
+                    undo.append(m)
                 moved = True
             if moved or not allow_chains:
                 break
+        if single_cover and single is not None and single_cost < greedy_cost * (1 - 1e-9):
+            # cost per byte is a greedy covering rule: where a little is missing, the cheapest
+            # per byte can be a large tensor whose rerun is dear (an op holding a quarter of
+            # the step) while a small cheap one covers the excess alone. The better of the
+            # greedy set and the best single unit is taken (the covering problem's classic
+            # guard against the greedy's worst case)
+            for m in reversed(undo):
+                codes[m] = KEEP
+                code_list[m] = KEEP
+                slot_mem[last_fwd[m] + 1: u_slot[m]] += nbytes[m]
+                stats["recomputed"] -= 1
+            for m in unit_of(single, False):
+                codes[m] = RECOMPUTE
+                code_list[m] = RECOMPUTE
+                slot_mem[last_fwd[m] + 1: u_slot[m]] -= nbytes[m]
+                stats["recomputed"] += 1
+            stats["single_covers"] = stats.get("single_covers", 0) + 1
+            moved = True
         if slot_mem[s] > budget and not moved:
             for t in removable[np.argsort(-nbytes[removable], kind="stable")]:
                 if not may_swap[t]:
@@ -324,13 +369,15 @@ class SlackSwapHeuristic:
         start = time.perf_counter()
         g, hw, budget = problem.graph, problem.hardware, problem.budget_bytes
         unfit: list[np.ndarray] = []
-        codes, stats = heuristic_codes(g, hw, budget, mask=problem.mask, unfit=unfit)
+        polish = options.get("polish", True)
+        # the published rules with polish=False; with it, the single-cover guard too
+        codes, stats = heuristic_codes(g, hw, budget, mask=problem.mask, unfit=unfit,
+                                       single_cover=polish)
         # never worse than a baseline that fits (cheap insurance on unusual graphs)
         baselines = [keep_all_codes(g), recompute_all_codes(g), swap_all_codes(g)]
         if problem.mask is not None:
             baselines = [b for b in baselines if first_forbidden(g, b, problem.mask) is None]
         variants = [codes]
-        polish = options.get("polish", True)
         # the bundled pricing is not the published scheme's rule: it comes with the polish, or
         # alone (the exact planner's start when there is no time for the polish's search)
         bundle = options.get("bundle_reruns", polish)
@@ -338,7 +385,7 @@ class SlackSwapHeuristic:
             # the same rules with reruns priced per bundle: far better on some graphs (a
             # 4-layer GPT at 20%: 1.3 ms of overhead, not 7.3), worse on others; the faster wins
             variants.append(heuristic_codes(g, hw, budget, mask=problem.mask,
-                                            bundle_reruns=True)[0])
+                                            bundle_reruns=True, single_cover=polish)[0])
         chosen, simulation = _best_of(g, hw, budget, [*variants, *baselines])
         if chosen is variants[-1] and len(variants) > 1:
             stats["bundled_reruns"] = True
