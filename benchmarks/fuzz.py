@@ -9,6 +9,15 @@ duplex links with and without latency. Exact planners get the small graphs (<= 1
 graph runs in a worker process, so a native crash is counted, not fatal. Per plan it checks:
 the independent checker passes it, its status is a documented one, no plan beats its own bound
 or the LP bound, and solve() returns within max(0.5 s, 10%) of its time limit.
+
+Per graph also (benchmarks/fuzz_classes.py): the smallest budget with keep and recompute only
+(a plan at it; none a byte below a proven one), plans whose claims are made false (a bound above
+the step, "optimal" far from the bound, a gap that is not the step's, a key given twice in the
+file: the checker or the loader must refuse each). ``--kills N``: N solves killed (SIGKILL,
+SIGTERM) or interrupted (SIGINT) at random moments: no child left running, no file left, the
+interrupt reaching the caller. ``--state-models N``: N random torch models whose ops write
+state (batch norm, in-place buffers, in several module layouts), trained a step under a plan that
+recomputes all it may: the state and gradients as plain training's.
 """
 
 from __future__ import annotations
@@ -112,6 +121,9 @@ def run_graph(task) -> list[dict]:
     except Exception as exc:  # noqa: BLE001 - counted, not hidden
         return [{"seed": seed, "kind": kind, "solver": "-", "error": type(exc).__name__,
                  "message": str(exc)[:200]}]
+    from fuzz_classes import claims_checked, restricted_minimum
+
+    out.extend(restricted_minimum(g, hw, seed, kind))
     budgets = sorted({max(floor, int(peak * f)) for f in (0.3, 0.6, 1.0)} | {floor})
     for budget in budgets:
         bound = None
@@ -149,6 +161,8 @@ def run_graph(task) -> list[dict]:
                        bound_violation=bool(beaten),
                        overrun=bool(limit is not None and wall > limit + max(0.5, 0.1 * limit)),
                        message="" if check.ok else check.report()[:200])
+            if check.ok:
+                rec["false_claims_accepted"] = claims_checked(g, plan)
             out.append(rec)
     return out
 
@@ -163,6 +177,10 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path, default=Path("benchmarks/results/fuzz.json"))
     parser.add_argument("--results", action="store_true", help="write benchmarks/RESULTS.md")
+    parser.add_argument("--kills", type=int, default=0,
+                        help="also kill or interrupt this many native solves at random moments")
+    parser.add_argument("--state-models", type=int, default=0,
+                        help="also train this many random state-writing torch models")
     args = parser.parse_args()
     from tqdm import tqdm
 
@@ -196,12 +214,21 @@ def main() -> int:
                             todo.append(task)
                 if broken and args.workers > 1:
                     args.workers = 1
+    from fuzz_classes import kill_rounds, state_rounds
+
+    extra = {}
+    if args.kills:
+        extra.update(kill_rounds(args.kills, args.seed))
+    if args.state_models:
+        extra.update(state_rounds(args.state_models, args.seed))
     summary = summarise(records, crashes, time.perf_counter() - start, args)
+    summary["counts"].update(extra)
     print(json.dumps(summary, indent=1))
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps({"summary": summary, "failures": [
         r for r in records if r.get("error") or r.get("valid") is False or r.get("bound_violation")
-        or r.get("overrun") or r.get("status") not in STATUSES | {None}]}, indent=1))
+        or r.get("overrun") or r.get("minimum_violation") or r.get("false_claims_accepted")
+        or r.get("status") not in STATUSES | {None}]}, indent=1))
     if args.results:
         from results_md import command_line, markdown_table, write_section
 
@@ -211,8 +238,10 @@ def main() -> int:
             for s, v in summary["by_solver"].items()])
         write_section("fuzz", "Fuzzing every planner", command_line(), body)
     bad = summary["counts"]
-    return 1 if any(bad[k] for k in ("invalid plans", "native crashes", "bound violations",
-                                     "undocumented statuses", "time overruns")) else 0
+    return 1 if any(bad.get(k) for k in (
+        "invalid plans", "native crashes", "bound violations", "undocumented statuses",
+        "time overruns", "minimum violations", "false claims accepted", "orphaned children",
+        "files left", "interrupts lost", "state differs")) else 0
 
 
 def summarise(records, crashes, wall, args) -> dict:
@@ -236,6 +265,10 @@ def summarise(records, crashes, wall, args) -> dict:
             "bound violations": sum(1 for r in records if r.get("bound_violation")),
             "undocumented statuses": sum(1 for r in plans if r["status"] not in STATUSES),
             "time overruns": sum(1 for r in plans if r.get("overrun")),
+            "restricted minimums": sum(1 for r in records if r.get("solver") == "min_budget"),
+            "minimum violations": sum(1 for r in records if r.get("minimum_violation")),
+            "false claims tried": sum(5 for r in plans if "false_claims_accepted" in r),
+            "false claims accepted": sum(r.get("false_claims_accepted", 0) for r in plans),
             **{f"exception {k}": v for k, v in sorted(errors.items())},
         },
         "crashed_graph_seeds": crashes,

@@ -10,6 +10,9 @@ import slackswap as ss
 LINK = ss.Hardware(name="test-link", d2h_bytes_per_s=100.0, h2d_bytes_per_s=100.0, latency_s=0.0,
                    duplex=True, peak_flops=1e12, hbm_bytes_per_s=1e12)
 HALF_DUPLEX = LINK.with_link(name="test-half", duplex=False)
+# a clock cap far above any test's work (work_s sets the work): results do not depend on how busy
+# or slow the machine is, and no test passes or fails by the clock
+CAP = 600.0
 
 
 def op(name, fwd, bwd, inputs=(), outputs=(), **kw):

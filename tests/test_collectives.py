@@ -8,7 +8,7 @@ import dataclasses
 
 import numpy as np
 import pytest
-from helpers import LINK, graph, op, plan, random_graphs, tensor
+from helpers import CAP, LINK, graph, op, plan, random_graphs, tensor
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -117,7 +117,7 @@ def test_the_integral_relaxation_is_a_bound_with_collectives(case):
         sim = ss.simulate(g, valid, SHARED)
         if not sim.fits:
             continue
-        relaxed = ss.lp_bound(g, valid.budget_bytes, SHARED, integral=True, time_limit_s=5)
+        relaxed = ss.lp_bound(g, valid.budget_bytes, SHARED, integral=True, max_nodes=5000, time_limit_s=300.0)
         if relaxed.status in ("optimal", "timeout"):
             assert relaxed.step_time_s <= sim.step_time_s * (1 + 1e-6) + 1e-9
 
@@ -132,7 +132,7 @@ def test_exact_plans_with_collectives_are_valid_and_never_beat_the_bound(g, data
         Collective("rs", data.draw(st.sampled_from(names)), "backward", 150, 0)))
     budget = data.draw(st.integers(ss.min_budget(g, SHARED), ss.keep_all_peak(g, SHARED)))
     for solver in ("heuristic", "cpsat"):
-        p = ss.solve(g, budget, SHARED, solver=solver, time_limit_s=5)
+        p = ss.solve(g, budget, SHARED, solver=solver, work_s=5, time_limit_s=CAP)
         check = ss.validate(g, p)
         assert check.ok, check.violations
         assert p.info.predicted_step_time_s == pytest.approx(check.step_time_s)
@@ -157,6 +157,6 @@ def test_a_step_of_denormal_seconds_with_a_collective_on_the_link_is_bounded():
         hw = SHARED.with_link(duplex=duplex)
         lp = ss.lp_bound(g, 1, hw)
         assert lp.status == "optimal" and np.isfinite(lp.step_time_s)
-        p = ss.solve(g, 1, hw, solver="cpsat", time_limit_s=5.0)
+        p = ss.solve(g, 1, hw, solver="cpsat", work_s=5.0, time_limit_s=CAP)
         sim = ss.simulate(g, p, hw)
         assert ss.validate(g, p).ok and lp.step_time_s <= sim.step_time_s * (1 + 1e-6) + 1e-9

@@ -5,7 +5,17 @@ from contextlib import contextmanager
 
 import numpy as np
 import pytest
-from helpers import HALF_DUPLEX, LINK, graph, op, random_graphs, random_plans, seeded_graph, tensor
+from helpers import (
+    CAP,
+    HALF_DUPLEX,
+    LINK,
+    graph,
+    op,
+    random_graphs,
+    random_plans,
+    seeded_graph,
+    tensor,
+)
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
@@ -186,7 +196,7 @@ def test_no_plan_beats_the_departure_bound(case, hw):
     can_recompute = g.can_recompute
     assert not any(bound.codes[t] == RECOMPUTE and not can_recompute[t] for t in g.saved)
     assert set(np.unique(bound.codes[g.saved])) <= {KEEP, SWAP, RECOMPUTE}
-    p = ss.solve(g, budget, hw, solver="cpsat", gap=0.0, time_limit_s=20.0, strict=False)
+    p = ss.solve(g, budget, hw, solver="cpsat", gap=0.0, work_s=20.0, time_limit_s=CAP, strict=False)
     sim = ss.simulate(g, p, hw)
     if sim.fits:
         assert ss.validate(g, p, hw).ok
@@ -200,7 +210,7 @@ def test_it_proves_cnn_plans_with_swaps_in_the_time_limit():
     beside the integral relaxations; taken at a fixed place, it gives the same plan twice."""
     hw = ss.hardware("a100-80gb-pcie4")
     g = ss.cnn_graph("fcn8", hw, batch=16)
-    p, again = (ss.solve(g, 0.9, hw, solver="cpsat", time_limit_s=10.0) for _ in range(2))
+    p, again = (ss.solve(g, 0.9, hw, solver="cpsat", work_s=10.0, time_limit_s=CAP) for _ in range(2))
     assert p.decisions == again.decisions and p.info.bound == again.info.bound
     note = p.info.extra["departure_bound"]
     assert note["work"] == again.info.extra["departure_bound"]["work"]
@@ -220,7 +230,7 @@ def test_run_again_from_the_best_plan_it_proves_what_its_first_run_could_not():
     the plan is its optimum."""
     hw = ss.hardware("a100-80gb-pcie4")
     g = ss.cnn_graph("fcn8", hw, batch=16)
-    p = ss.solve(g, 0.8, hw, solver="cpsat", time_limit_s=5.0)
+    p = ss.solve(g, 0.8, hw, solver="cpsat", work_s=5.0, time_limit_s=CAP)
     first, again = p.info.extra["departure_bound"], p.info.extra["departure_bound_from_best"]
     ideal = g.ideal_step_time_s
     overhead = p.info.predicted_step_time_s - ideal

@@ -9,7 +9,7 @@ import sys
 import textwrap
 
 import pytest
-from helpers import LINK, seeded_graph
+from helpers import CAP, LINK, seeded_graph
 
 import slackswap as ss
 from slackswap.planners.exact.model import Model
@@ -53,7 +53,7 @@ def test_interleaved_cpsat_survives_an_infeasible_complete_hint():
 def test_same_input_same_plan_and_proof_when_no_clock_stopped_a_phase(seed):
     g = seeded_graph(seed, n_ops=8)
     budget = (ss.min_budget(g, LINK) + ss.keep_all_peak(g, LINK)) // 2
-    plans = [ss.solve(g, budget, LINK, solver="cpsat", time_limit_s=30) for _ in range(2)]
+    plans = [ss.solve(g, budget, LINK, solver="cpsat", work_s=30, time_limit_s=CAP) for _ in range(2)]
     first, second = plans
     assert first.info.extra["clock_stopped"] == []  # small graph, ample time: work limits alone
     assert first.decisions == second.decisions

@@ -3,6 +3,7 @@
 import gc
 
 import pytest
+from helpers import CAP
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -73,7 +74,7 @@ def test_tracked_peak_within_budget_and_near_the_simulator(name):
     lo, hi = ss.min_budget(graph, hw), ss.keep_all_peak(graph, hw)
     for solver in ("heuristic", "cpsat", "keep-all", "swap-all"):
         budget = hi if solver == "keep-all" else lo + (hi - lo) // 2
-        plan = ss.solve(graph, budget, hw, solver=solver, time_limit_s=10)
+        plan = ss.solve(graph, budget, hw, solver=solver, work_s=10, time_limit_s=CAP)
         sim = ss.simulate(graph, plan, hw)
         reference, _ = grads(model, inputs, loss_fn)
         got, run = grads(model, inputs, loss_fn, plan, graph)
@@ -325,7 +326,7 @@ def test_every_planners_plan_reloaded_executes_on_its_own_schedule(solver, tmp_p
         pytest.skip(f"{solver} is not installed")
     model, inputs, loss_fn, graph = setup("gpt")
     cpu = ss.hardware("cpu-emulated-link")
-    plan = ss.solve(graph, 0.6, cpu, solver=solver, strict=False, time_limit_s=5)
+    plan = ss.solve(graph, 0.6, cpu, solver=solver, strict=False, work_s=5, time_limit_s=CAP)
     path = tmp_path / "plan.json"
     plan.save(path)
     again = ss.load_plan(path)

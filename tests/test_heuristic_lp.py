@@ -157,7 +157,7 @@ def test_lp_bound_hand_case():
 def test_integral_relaxation_is_a_tighter_bound_no_plan_beats(case):
     g, p = case
     fractional = ss.lp_bound(g, p.budget_bytes, LINK)
-    integral = ss.lp_bound(g, p.budget_bytes, LINK, integral=True, time_limit_s=5.0)
+    integral = ss.lp_bound(g, p.budget_bytes, LINK, integral=True, max_nodes=5000, time_limit_s=300.0)
     assert integral.integral and not fractional.integral
     if fractional.status == "infeasible":
         assert integral.status == "infeasible"
@@ -282,7 +282,7 @@ def test_no_plan_beats_the_whole_departures_bound(case, hw, more):
     """The exact optimum (every schedule position, gap 0) never beats it, on every kind of link."""
     g, budget = case
     bound = ss.lp_bound(g, budget, hw, integral=True, whole_departures=1 + more,
-                        time_limit_s=10.0)
+                        max_nodes=5000, time_limit_s=300.0)
     assert bound.status in ("optimal", "timeout", "infeasible")
     if bound.status == "infeasible":
         return

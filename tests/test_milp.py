@@ -4,7 +4,7 @@ agree, and it is never beaten by the heuristic, the baselines or exhaustive sear
 import itertools
 
 import pytest
-from helpers import LINK, graph, op, plan, random_graphs, tensor
+from helpers import CAP, LINK, graph, op, plan, random_graphs, tensor
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -34,7 +34,7 @@ def test_backends_agree_and_plans_check_out(case):
     g, budget = case
     objectives = {}
     for solver in ("cpsat", "cbc", "highs"):
-        p = ss.solve(g, budget, LINK, solver=solver, time_limit_s=20, gap=0.0)
+        p = ss.solve(g, budget, LINK, solver=solver, work_s=20, time_limit_s=CAP, gap=0.0)
         assert ss.validate(g, p, LINK).ok
         sim = ss.simulate(g, p, LINK)
         assert sim.fits and sim.peak_bytes <= budget
@@ -181,11 +181,11 @@ def test_the_proof_round_proves_a_cnn_plan_with_swaps():
     departure bound, which proves it first: test_departures.py)."""
     hw = ss.hardware("a100-80gb-pcie4")
     g = ss.cnn_graph("vgg16", hw, batch=16)
-    p = ss.solve(g, 0.9, hw, solver="cpsat", time_limit_s=60, departure=False)
+    p = ss.solve(g, 0.9, hw, solver="cpsat", work_s=60, time_limit_s=CAP, departure=False)
     assert p.info.status == "optimal", p.info.extra.get("proof_round")
     assert p.info.overhead_gap <= 0.01
     assert p.info.extra["proof_round"]["bound_s"] >= p.info.predicted_step_time_s * (1 - 1e-4)
-    windows = ss.solve(g, 0.9, hw, solver="cpsat", time_limit_s=60, full=False, departure=False)
+    windows = ss.solve(g, 0.9, hw, solver="cpsat", work_s=60, time_limit_s=CAP, full=False, departure=False)
     assert "proof_round" not in windows.info.extra and windows.info.status != "optimal"
     assert windows.info.predicted_step_time_s == pytest.approx(p.info.predicted_step_time_s)
 

@@ -9,7 +9,7 @@ import threading
 import time
 
 import pytest
-from helpers import LINK, seeded_graph
+from helpers import CAP, LINK, seeded_graph
 
 import slackswap as ss
 from slackswap.planners import native
@@ -79,7 +79,7 @@ def test_exact_planner_falls_back_when_the_native_solver_crashes(solver, tmp_pat
     monkeypatch.setattr(native, "WORKER", _worker(
         tmp_path, "import os, signal\nos.kill(os.getpid(), signal.SIGSEGV)\n"))
     g = seeded_graph(22, n_ops=8)
-    plan = ss.solve(g, 0.6, LINK, solver=solver, time_limit_s=5, full=True, warm_start=True,
+    plan = ss.solve(g, 0.6, LINK, solver=solver, work_s=5, time_limit_s=CAP, full=True, warm_start=True,
                     gap=0.0)
     assert ss.validate(g, plan).ok
     assert plan.info.status in ss.core.plan.STATUSES
@@ -102,7 +102,7 @@ def test_concurrent_solves_leave_stdout_and_pulp_alone(capfd):
 
     def solving(solver):
         try:
-            ss.solve(g, 0.6, LINK, solver=solver, time_limit_s=3, gap=0.0, warm_start=False)
+            ss.solve(g, 0.6, LINK, solver=solver, work_s=3, time_limit_s=CAP, gap=0.0, warm_start=False)
         except Exception as exc:  # noqa: BLE001 - reported below
             errors.append(exc)
 

@@ -7,7 +7,7 @@ import json
 import logging
 
 import pytest
-from helpers import HALF_DUPLEX, LINK, open_plan, random_graphs, seeded_decisions, seeded_graph
+from helpers import CAP, HALF_DUPLEX, LINK, open_plan, random_graphs, seeded_decisions, seeded_graph
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -21,7 +21,7 @@ def test_every_planner_returns_a_closed_plan_that_round_trips(solver, tmp_path):
     if not ss.is_available(solver):
         pytest.skip(f"{solver} is not installed")
     g = seeded_graph(11)
-    plan = ss.solve(g, 0.6, LINK, solver=solver, strict=False, time_limit_s=5)
+    plan = ss.solve(g, 0.6, LINK, solver=solver, strict=False, work_s=5, time_limit_s=CAP)
     assert plan.is_complete and plan.hardware == LINK
     swapped = set(plan.tensors("swap"))
     assert set(plan.schedule.d2h_free) == set(plan.schedule.h2d_issue) == swapped

@@ -1,6 +1,7 @@
 """profile(): a real torch step becomes an activation graph."""
 
 import pytest
+from helpers import CAP
 
 torch = pytest.importorskip("torch")
 
@@ -51,7 +52,7 @@ def test_saved_tensors_match_an_independent_count(name):
     hw = ss.hardware("cpu-emulated-link")
     lo, hi = ss.min_budget(again, hw), ss.keep_all_peak(again, hw)
     for solver in ("heuristic", "cpsat"):
-        plan = ss.solve(again, lo + (hi - lo) // 2, hw, solver=solver, time_limit_s=10)
+        plan = ss.solve(again, lo + (hi - lo) // 2, hw, solver=solver, work_s=10, time_limit_s=CAP)
         assert ss.validate(again, plan, hw).ok
         assert ss.simulate(again, plan, hw).fits
 
@@ -290,6 +291,6 @@ def test_plans_for_a_profiled_cpu_graph_never_swap():
     emulated = ss.solve(graph, 0.6, "cpu-emulated-link", solver="heuristic")
     assert emulated.count("swap") > 0
     for solver in ("heuristic", "cpsat"):
-        plan = ss.solve(graph, 0.6, solver=solver, time_limit_s=10)
+        plan = ss.solve(graph, 0.6, solver=solver, work_s=10, time_limit_s=CAP)
         assert plan.hardware.host_is_device and plan.count("swap") == 0
         assert ss.validate(graph, plan).ok

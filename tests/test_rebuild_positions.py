@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
-from helpers import LINK, graph, op, open_plan, random_graphs, tensor
+from helpers import CAP, LINK, graph, op, open_plan, random_graphs, tensor
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -96,7 +96,7 @@ def test_every_planner_rebuilds_no_later_than_the_graph_allows(solver, g, fracti
     budget = int(lo + fraction * (hi - lo))
     # strict=False: a plan that breaks a rule comes back (strict would refuse it as infeasible)
     options = {"gap": 0.0} if solver == "cpsat" else {}
-    plan = ss.solve(g, budget, LINK, solver=solver, time_limit_s=5, strict=False, **options)
+    plan = ss.solve(g, budget, LINK, solver=solver, work_s=5, time_limit_s=CAP, strict=False, **options)
     check = ss.validate(g, plan)
     assert not [v for v in check.violations if v.kind != "memory"], check.violations
     for name, slot in plan.schedule.recompute_at.items():
@@ -113,7 +113,7 @@ def test_no_plan_rebuilds_later_to_fit(solver):
     kept nor rebuilt; recomputing b fits only when it is rebuilt at its first use (C's backward,
     position 5). On the graph that says b is rebuilt before D's backward no plan fits; on the plain graph
     the plan recomputes b at position 5."""
-    options = dict(allowed=("keep", "recompute"), pins={"a": "keep"}, time_limit_s=5)
+    options = dict(allowed=("keep", "recompute"), pins={"a": "keep"}, work_s=5, time_limit_s=CAP)
     plain = ss.solve(chain(), 1110, LINK, solver=solver, **options)
     assert plain.decisions["b"] == "recompute" and plain.schedule.recompute_at["b"] == 5
     with pytest.raises(ss.InfeasibleBudget):

@@ -4,7 +4,7 @@ rebuilt with it, recursively. The rows only add memory every plan holds: never b
 
 import numpy as np
 import pytest
-from helpers import LINK, seeded_graph
+from helpers import CAP, LINK, seeded_graph
 
 import slackswap as ss
 import slackswap.planners.lpbound as lpbound
@@ -22,15 +22,15 @@ def test_the_pull_rows_reach_the_exact_optimum_where_the_relaxation_fell_short(m
     the integral relaxation said 45.00524 s without the rows (it let a rebuild read a frontier
     tensor that its own rebuild, later, would bring back), and is that optimum with them."""
     g = seeded_graph(14, n_ops=16)
-    exact = ss.solve(g, 2997, LINK, solver="cpsat", gap=0.0, time_limit_s=60.0)
+    exact = ss.solve(g, 2997, LINK, solver="cpsat", gap=0.0, work_s=60.0, time_limit_s=CAP)
     assert exact.info.status == "optimal"
     optimum = ss.simulate(g, exact, LINK).step_time_s
     assert optimum == pytest.approx(45.00871778851087, rel=1e-9)
-    pulled = ss.lp_bound(g, 2997, LINK, integral=True, time_limit_s=20.0)
+    pulled = ss.lp_bound(g, 2997, LINK, integral=True, max_nodes=5000, time_limit_s=300.0)
     assert pulled.status == "optimal"
     assert pulled.step_time_s == pytest.approx(optimum, rel=1e-9)
     _without_pulls(monkeypatch)
-    before = ss.lp_bound(g, 2997, LINK, integral=True, time_limit_s=20.0)
+    before = ss.lp_bound(g, 2997, LINK, integral=True, max_nodes=5000, time_limit_s=300.0)
     assert before.step_time_s == pytest.approx(45.00524281478433, rel=1e-9)
 
 
@@ -67,13 +67,13 @@ def test_no_plan_beats_the_integral_relaxation_with_pulls(monkeypatch):
             sim = simulate_decisions(g, codes, LINK, budget)
             if sim.fits:
                 cases.append((g, budget, sim.step_time_s))
-    bounds = [ss.lp_bound(g, budget, LINK, integral=True, time_limit_s=5.0)
+    bounds = [ss.lp_bound(g, budget, LINK, integral=True, max_nodes=5000, time_limit_s=300.0)
               for g, budget, _ in cases]
     for (g, budget, step), bound in zip(cases, bounds):
         assert bound.status in ("optimal", "timeout"), (g.name, budget)
         assert bound.step_time_s <= step * (1 + 1e-9), (g.name, budget)
     _without_pulls(monkeypatch)
     raised = sum(bound.step_time_s > ss.lp_bound(g, budget, LINK, integral=True,
-                                                 time_limit_s=5.0).step_time_s * (1 + 1e-9)
+                                                 max_nodes=5000, time_limit_s=300.0).step_time_s * (1 + 1e-9)
                  for (g, budget, _), bound in zip(cases, bounds))
     assert raised >= 2

@@ -8,7 +8,7 @@ import time
 
 import numpy as np
 import pytest
-from helpers import LINK, graph, op, random_graphs, tensor
+from helpers import CAP, LINK, graph, op, random_graphs, tensor
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -38,7 +38,7 @@ def test_degenerate_graphs_plan_with_every_solver(case, solver):
          "bytes from 1 to 1e12": lambda: chain([10**12, 1000, 10**12, 1000, 10**12, 1000],
                                                ws=4 * 10**11)}[case]()
     budget = max(ss.min_budget(g, LINK), int(0.5 * ss.keep_all_peak(g, LINK)))
-    plan = ss.solve(g, budget, LINK, solver=solver, time_limit_s=2)
+    plan = ss.solve(g, budget, LINK, solver=solver, work_s=2, time_limit_s=CAP)
     assert ss.validate(g, plan).ok and plan.info.status in STATUSES
     bound = ss.lp_bound(g, budget, LINK)
     assert bound.status in ("optimal", "unsolved", "timeout")
@@ -50,7 +50,7 @@ def test_degenerate_graphs_plan_with_every_solver(case, solver):
 @given(random_graphs(max_ops=6), st.floats(0.3, 1.0), st.sampled_from(EXACT or ["heuristic"]))
 def test_statuses_are_documented_and_the_bound_holds(g, fraction, solver):
     budget = max(ss.min_budget(g, LINK), int(fraction * ss.keep_all_peak(g, LINK)))
-    plan = ss.solve(g, budget, LINK, solver=solver, time_limit_s=2)
+    plan = ss.solve(g, budget, LINK, solver=solver, work_s=2, time_limit_s=CAP)
     assert plan.info.status in STATUSES
     step = ss.validate(g, plan).step_time_s
     if plan.info.bound is not None:

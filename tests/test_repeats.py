@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import LINK, graph, op, tensor
+from helpers import CAP, LINK, graph, op, tensor
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -202,7 +202,7 @@ def test_exact_planner_starts_from_the_coarse_plan(monkeypatch):
     g = ss.transformer_graph(config(40), HW)
     pinned = "L20.attn.out"
     assert pinned in g.tensor_index
-    plan = ss.solve(g, 0.4, HW, time_limit_s=20, pins={pinned: "keep"})
+    plan = ss.solve(g, 0.4, HW, work_s=20, time_limit_s=CAP, pins={pinned: "keep"})
     coarse = plan.info.extra["coarse"]
     assert coarse["status"] == "used" and coarse["blocks"] == 8
     assert plan.decisions[pinned] == "keep"

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from helpers import LINK, graph, op, random_graphs, tensor
+from helpers import CAP, LINK, graph, op, random_graphs, tensor
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
@@ -33,7 +33,7 @@ def test_restricted_plans_never_use_a_forbidden_decision_nor_beat_their_bound(g,
     bound = ss.lp_bound(g, budget, LINK, allowed=allowed, pins=pins)
     for solver in ("heuristic", "cpsat"):
         try:
-            plan = ss.solve(g, budget, LINK, solver=solver, time_limit_s=5, allowed=allowed,
+            plan = ss.solve(g, budget, LINK, solver=solver, work_s=5, time_limit_s=CAP, allowed=allowed,
                             pins=pins)
         except ss.InfeasibleBudget:
             continue  # the restriction leaves no plan within this budget
@@ -53,10 +53,10 @@ def test_restricted_plans_never_use_a_forbidden_decision_nor_beat_their_bound(g,
 @given(g=random_graphs(max_ops=5), data=st.data())
 def test_allowing_more_decisions_never_makes_the_proven_exact_plan_worse(g, data):
     budget = data.draw(st.integers(ss.min_budget(g, LINK), ss.keep_all_peak(g, LINK)))
-    full = ss.solve(g, budget, LINK, solver="cpsat", time_limit_s=10)
+    full = ss.solve(g, budget, LINK, solver="cpsat", work_s=10, time_limit_s=CAP)
     for allowed in (("keep", "swap"), ("keep", "recompute")):
         try:
-            less = ss.solve(g, budget, LINK, solver="cpsat", time_limit_s=10, allowed=allowed)
+            less = ss.solve(g, budget, LINK, solver="cpsat", work_s=10, time_limit_s=CAP, allowed=allowed)
         except ss.InfeasibleBudget:
             continue
         assume(full.info.status == "optimal")
@@ -75,7 +75,7 @@ def chain():
 
 def test_recompute_only_plans_and_pins_travel_with_the_plan():
     g = chain()
-    plan = ss.solve(g, ss.min_budget(g, LINK), LINK, solver="cpsat", time_limit_s=5,
+    plan = ss.solve(g, ss.min_budget(g, LINK), LINK, solver="cpsat", work_s=5, time_limit_s=CAP,
                     allowed=("keep", "recompute"), pins={"y": "keep"})
     assert plan.decisions["y"] == "keep" and "swap" not in plan.decisions.values()
     again = ss.load_plan(plan.to_json())
@@ -143,7 +143,7 @@ def test_overhead_gap_is_the_gap_on_what_the_user_pays():
     assert overhead_gap(2.0, 2.0, 2.0) == 0.0
     assert overhead_gap(2.0, 2.0, None) is None
     g = chain()
-    plan = ss.solve(g, ss.min_budget(g, LINK), LINK, solver="cpsat", time_limit_s=5)
+    plan = ss.solve(g, ss.min_budget(g, LINK), LINK, solver="cpsat", work_s=5, time_limit_s=CAP)
     step, ideal = plan.info.predicted_step_time_s, g.ideal_step_time_s
     assert plan.info.overhead_gap == pytest.approx(
         (step - plan.info.bound) / max(step - ideal, 1e-5 * step))
@@ -156,7 +156,7 @@ def test_overhead_gap_is_the_gap_on_what_the_user_pays():
 def test_the_exact_plan_is_never_worse_than_a_restricted_heuristic_plan(g, data):
     """More decisions never hurt: the restricted problems' heuristic plans are exact starts."""
     budget = data.draw(st.integers(ss.min_budget(g, LINK), ss.keep_all_peak(g, LINK)))
-    full = ss.solve(g, budget, LINK, solver="cpsat", time_limit_s=5)
+    full = ss.solve(g, budget, LINK, solver="cpsat", work_s=5, time_limit_s=CAP)
     for allowed in (("keep", "swap"), ("keep", "recompute")):
         try:
             less = ss.solve(g, budget, LINK, solver="heuristic", allowed=allowed)
@@ -175,7 +175,7 @@ def test_a_device_whose_memory_is_the_host_never_swaps():
     host = LINK.with_link(name="test-host", host_is_device=True)
     budget = ss.keep_all_peak(g, host)
     for solver in ("heuristic", "cpsat", "keep-all"):
-        plan = ss.solve(g, budget, host, solver=solver, time_limit_s=5)
+        plan = ss.solve(g, budget, host, solver=solver, work_s=5, time_limit_s=CAP)
         assert "swap" not in plan.decisions.values()
         assert plan.info.extra["allowed_from"] == "hardware"
         assert plan.extra["allowed"] == ["keep", "recompute"]
@@ -207,7 +207,7 @@ def test_optimal_means_proven_within_one_percent_of_the_overhead():
     for seed in range(6):
         g = seeded_graph(seed)
         lo, hi = ss.min_budget(g, LINK), ss.keep_all_peak(g, LINK)
-        plan = ss.solve(g, lo + (hi - lo) // 3, LINK, solver="cpsat", time_limit_s=5)
+        plan = ss.solve(g, lo + (hi - lo) // 3, LINK, solver="cpsat", work_s=5, time_limit_s=CAP)
         step, bound = plan.info.predicted_step_time_s, plan.info.bound
         if plan.info.status == "optimal":
             seen += 1

@@ -5,7 +5,7 @@ is refused: by the planners (not rebuildable), by complete() and by the independ
 from __future__ import annotations
 
 import pytest
-from helpers import LINK, graph, op, tensor
+from helpers import CAP, LINK, graph, op, tensor
 
 import slackswap as ss
 
@@ -29,7 +29,7 @@ def test_a_rerun_crossing_units_is_not_rebuildable_and_says_why():
     with pytest.raises(ss.PlanError, match="cannot be recomputed: op 'a0' reads the parameters"):
         ss.complete(ss.Plan(g.name, g.digest, 10**6, {"x": "recompute", "y": "keep"}), g, LINK)
     for solver in ("heuristic", "cpsat"):
-        plan = ss.solve(g, ss.min_budget(g, LINK), LINK, solver=solver, time_limit_s=5)
+        plan = ss.solve(g, ss.min_budget(g, LINK), LINK, solver=solver, work_s=5, time_limit_s=CAP)
         assert plan.decisions["x"] != "recompute"
 
 

@@ -66,8 +66,8 @@ def graph_hardware(graph: ActivationGraph, given: Hardware | str | None) -> tupl
 
 def solve(graph: ActivationGraph, budget: float | int | str, hardware: Hardware | str | None = None,
           solver: str = DEFAULT_SOLVER, time_limit_s: float | None = None, *,
-          strict: bool = True, allowed=None, pins: Mapping[str, str] | None = None,
-          **options: Any) -> Plan:
+          work_s: float | None = None, strict: bool = True, allowed=None,
+          pins: Mapping[str, str] | None = None, **options: Any) -> Plan:
     """The best plan ``solver`` finds for ``graph`` under ``budget`` on ``hardware``, closed:
     every copy and rebuild position and the hardware travel with it.
 
@@ -116,7 +116,9 @@ def solve(graph: ActivationGraph, budget: float | int | str, hardware: Hardware 
         if unknown:
             raise ValueError(f"solve: solver {solver!r} takes no option(s) {', '.join(unknown)}; "
                              f"it takes: {', '.join(sorted(accepted)) or 'none'}")
-    check_options(options)
+    check_options({**options, "work_s": work_s})
+    if work_s is not None and "work_s" in (accepted or ()):
+        options = {**options, "work_s": work_s}  # the planners without work limits ignore it
     if not isinstance(strict, (bool, np.bool_)):
         raise TypeError(f"solve: strict must be True or False, got {strict!r}")
     start = time.perf_counter()
@@ -351,7 +353,8 @@ def infeasible_row(solver: str, exc: InfeasibleBudget, **context: Any) -> dict[s
 def compare(graph: ActivationGraph, budget: float | int | str, hardware: Hardware | str | None = None,
             solvers: tuple[str, ...] = ("heuristic", "cpsat", "cbc", "highs"),
             time_limit_s: float | None = None, allowed=None,
-            pins: Mapping[str, str] | None = None, **options: Any) -> list[dict[str, Any]]:
+            pins: Mapping[str, str] | None = None, work_s: float | None = None,
+            **options: Any) -> list[dict[str, Any]]:
     """One row per solver (:func:`result_row`): retention, step time, peak, stall, solve time,
     status, gap. Each option goes to the solvers that take it; one that none takes is refused.
     ``allowed`` and ``pins`` go to every solver (see :func:`solve`)."""
@@ -375,7 +378,7 @@ def compare(graph: ActivationGraph, budget: float | int | str, hardware: Hardwar
             k: v for k, v in options.items() if k in accepted[name]}
         try:
             plan = solve(graph, budget, hw, solver=name, time_limit_s=time_limit_s,
-                         strict=False, allowed=allowed, pins=pins, **mine)
+                         work_s=work_s, strict=False, allowed=allowed, pins=pins, **mine)
         except InfeasibleBudget as exc:
             rows.append(infeasible_row(name, exc))
             continue

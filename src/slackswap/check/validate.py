@@ -102,11 +102,12 @@ def validate(graph: ActivationGraph, plan: Plan, hw: Hardware | str | None = Non
         violations.append(Violation(
             "claim", f"plan claims a step time of {claimed!r} s; its schedule gives {step_time!r} s"))
     if same_hw:
-        violations.extend(_proof_claims(graph, plan, step_time))
+        violations.extend(_proof_claims(graph, plan, step_time, fits=not over))
     return Validation(not violations, tuple(violations), peak, limit, step_time, stall, recompute)
 
 
-def _proof_claims(graph: ActivationGraph, plan: Plan, step_s: float) -> list[Violation]:
+def _proof_claims(graph: ActivationGraph, plan: Plan, step_s: float,
+                  fits: bool = True) -> list[Violation]:
     """What the plan says of its proof, against the step the walk derived: a bound is never
     above the step (no plan beats a bound, this one included); gap and overhead gap are what
     the step and the bound make them; "optimal" means the step is within 1% of its overhead
@@ -115,6 +116,11 @@ def _proof_claims(graph: ActivationGraph, plan: Plan, step_s: float) -> list[Vio
 
     info = plan.info
     out: list[Violation] = []
+    if not fits:  # a bound holds for the plans that fit; one that does not is no optimum
+        if info.status == "optimal":
+            out.append(Violation("claim", "plan claims status 'optimal' but does not fit its "
+                                          "budget"))
+        return out
     bound, slack = info.bound, 1e-9 * max(step_s, 1e-300) + 1e-12
     if bound is not None and bound > step_s + slack:
         out.append(Violation("claim", f"plan claims a bound of {bound!r} s, above its own step "

@@ -21,14 +21,17 @@ def solve_pulp(req: dict) -> dict:
 
     variables, prob = pulp.LpProblem.from_dict(req["problem"])
     opts = req["options"]
+    nodes = opts.get("max_nodes")  # a work limit (with one thread, the same on any machine)
     if req["solver"] == "cbc":
         solver = pulp.PULP_CBC_CMD(msg=False, timeLimit=max(1, int(round(opts["time_limit_s"]))),
                                    threads=opts["workers"], warmStart=opts["warm"],
-                                   gapRel=opts["gap"], options=opts.get("cbc_options", []))
+                                   gapRel=opts["gap"], options=opts.get("cbc_options", []),
+                                   maxNodes=None if nodes is None else int(nodes))
     else:
+        extra = {} if nodes is None else {"mip_max_nodes": int(nodes)}
         solver = pulp.HiGHS(msg=False, timeLimit=float(opts["time_limit_s"]),
                             threads=opts["workers"], gapRel=opts["gap"], warmStart=opts["warm"],
-                            random_seed=opts["seed"], output_flag=False)
+                            random_seed=opts["seed"], output_flag=False, **extra)
     prob.solve(solver)
     return {"status": pulp.LpStatus.get(prob.status, "Undefined"),
             "solution": {1: "optimal", 2: "feasible"}.get(getattr(prob, "sol_status", None)),

@@ -273,7 +273,8 @@ class ExactBackend:
         # the MILP's work: in the default mode its rounds (two when LP-guided) share it
         rounds_share = 1 if anytime or strategy == "whole" else 2
         options = {**options, "deterministic_time_s": work.cpsat_dtime(
-            work.milp_s / rounds_share, size["nonzeros"])}
+            work.milp_s / rounds_share, size["nonzeros"]),
+            "max_nodes": work.milp_nodes(work.milp_s / rounds_share)}
         clock_runs = clock_stopped  # the same list, in info_extra too
 
         def run(remaining: float, fixed=None, form: Formulation = f, opts=None):
@@ -411,7 +412,8 @@ class ExactBackend:
             return {"skipped": f"{size['nonzeros']} nonzeros"}
         # its work: CP-SAT's deterministic time, fixed by the work allowed alone
         opts = {**options, "deterministic_time_s": work.cpsat_dtime(work.proof_s,
-                                                                    size["nonzeros"])}
+                                                                    size["nonzeros"]),
+                "max_nodes": work.milp_nodes(work.proof_s)}
         completed = complete_hint(pf, *hint)
         if completed:
             opts["complete_hint"] = completed

@@ -32,6 +32,9 @@ NO_DEADLINE_S = 1e6
 CPSAT_DTIME_PER_S = 0.25
 # simulated positions per second of local search (GPT-2 XL: 1,170 positions per evaluation)
 SEARCH_POSITIONS_PER_S = 60_000
+# branch-and-bound nodes per second of the MILP through CBC or HiGHS (one thread; their only
+# work limit there)
+MILP_NODES_PER_S = 20
 # HiGHS branch-and-bound nodes per second of an integral relaxation (CNN graphs of 50-180 ops:
 # 20-40 ms a node; a large model's root node is charged by its size, RELAX_CELLS_PER_S)
 RELAX_NODES_PER_S = 5
@@ -116,6 +119,11 @@ class WorkLimits:
         estimate from its size; anytime: the caller looks at the clock)."""
         per_slot = LP_IPM_S_PER_SLOT if n_slots > ipm_from_slots else LP_S_PER_SLOT
         return self.anytime or per_slot * n_slots <= LP_SHARE * self.work_s
+
+    def milp_nodes(self, seconds: float) -> int | None:
+        """CBC's or HiGHS's branch-and-bound nodes for ``seconds`` of the MILP (anytime: none,
+        the clock alone)."""
+        return None if self.anytime else max(1, int(MILP_NODES_PER_S * seconds))
 
     def cpsat_dtime(self, seconds: float, nonzeros: int) -> float:
         """CP-SAT's deterministic time for ``seconds`` of work on a model of ``nonzeros``: what

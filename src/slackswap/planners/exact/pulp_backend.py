@@ -88,9 +88,12 @@ class _PulpBackend(ExactBackend):
             prob, x = _pulp_problem(f, fixed)
             data = prob.to_dict()
         gap = float(options.get("gap", 1e-3))
+        nodes = options.get("max_nodes")
         request = {"problem": data, "solver": self.solver, "options": {
-            "time_limit_s": float(time_limit_s), "workers": int(workers), "seed": int(seed),
-            "warm": bool(f.model.hint), "gap": gap,
+            "time_limit_s": float(time_limit_s),
+            # with a node limit, one thread: the same search on any machine
+            "workers": 1 if nodes is not None else int(workers), "seed": int(seed),
+            "warm": bool(f.model.hint), "gap": gap, "max_nodes": nodes,
             "cbc_options": [f"randomCbcSeed {seed + 1}", *self.cbc_options]}}
         try:
             left = time_limit_s - (time.perf_counter() - start)
