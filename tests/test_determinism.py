@@ -101,3 +101,27 @@ def test_the_default_runs_every_phase_on_work_limits():
     assert same.decisions == plan.decisions and same.info.status == plan.info.status
     anytime = ss.solve(g, budget, LINK, solver="cpsat", time_limit_s=5, deterministic=False)
     assert anytime.info.extra["work_limits"]["anytime"] is True
+
+
+@pytest.mark.slow
+def test_the_default_gives_the_same_plan_beside_two_busy_processes():
+    """FCN8 at 50% with swaps (the departure bound, the relaxations, the local searches, the
+    proof): the same decisions, schedule, status and bound idle and with two busy processes on
+    the machine's cores, and no phase stopped by the clock (its cap far above the work)."""
+    g = ss.cnn_graph("fcn8", "a100-80gb-pcie4")
+
+    def plan():
+        return ss.solve(g, 0.5, "a100-80gb-pcie4", solver="cpsat", work_s=10, time_limit_s=CAP)
+
+    idle = plan()
+    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
+    try:
+        loaded = plan()
+    finally:
+        for p in busy:
+            p.kill()
+            p.wait()
+    assert idle.info.extra["clock_stopped"] == loaded.info.extra["clock_stopped"] == []
+    assert idle.decisions == loaded.decisions and idle.schedule == loaded.schedule
+    assert (idle.info.status, idle.info.bound, idle.info.gap) == \
+        (loaded.info.status, loaded.info.bound, loaded.info.gap)

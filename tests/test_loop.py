@@ -265,7 +265,14 @@ def test_a_profile_taken_while_a_refinement_runs_is_not_slowed_by_it():
     torch.manual_seed(0)
     model = TinyGPT(vocab=512, d=256, layers=2, p=0.0)
     x = torch.randint(0, 512, (8, 128))
-    alone = ss.profile(model, x, loss_fn, warmup=1, repeat=3).ideal_step_time_s
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # one core's worth: the same share whatever else the machine runs
+
+    def ideal() -> float:  # the fastest of three profiles: noise only ever slows one
+        return min(ss.profile(model, x, loss_fn, warmup=1, repeat=3).ideal_step_time_s
+                   for _ in range(3))
+
+    alone = ideal()
     hw = ss.hardware("a100-80gb-pcie4")
     g = ss.workload("gpt2-xl", hw)
     refinements = Refinements("cpsat", 300.0)
@@ -277,8 +284,9 @@ def test_a_profile_taken_while_a_refinement_runs_is_not_slowed_by_it():
             states = [open(f"/proc/{pid}/stat").read().rsplit(")", 1)[-1].split()[0]
                       for pid in process_tree(root) if _alive(pid)]
             assert root in stopped and states and set(states) == {"T"}
-            during = ss.profile(model, x, loss_fn, warmup=1, repeat=3).ideal_step_time_s
+            during = ideal()
         assert _alive(root)  # it goes on afterwards
     finally:
         refinements.close()
+        torch.set_num_threads(threads)
     assert abs(during - alone) <= 0.2 * alone, (alone, during)
