@@ -28,6 +28,22 @@ def setup():
     return model, x, graph, plan
 
 
+class BNBlocks(torch.nn.Module):
+    """Conv, batch norm (``momentum``: None is a cumulative average), ReLU: a block per region."""
+
+    def __init__(self, blocks: int, momentum):
+        super().__init__()
+        nn = torch.nn
+        self.blocks = nn.ModuleList(nn.Sequential(
+            nn.Conv2d(3 if i == 0 else 8, 8, 3, padding=1), nn.BatchNorm2d(8, momentum=momentum),
+            nn.ReLU()) for i in range(blocks))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x.mean((2, 3))
+
+
 def step(model, call, x, sample="ops"):
     """Gradients and the measured (peak, bytes at backward start) of the third of three steps
     (the first allocates once-only buffers)."""
@@ -115,20 +131,8 @@ def test_batch_norm_statistics_are_updated_once_under_the_exported_policy():
 
     from torch import nn
 
-    class Net(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.blocks = nn.ModuleList(nn.Sequential(
-                nn.Conv2d(3 if i == 0 else 8, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU())
-                for i in range(4))
-
-        def forward(self, x):
-            for block in self.blocks:
-                x = block(x)
-            return x.mean((2, 3))
-
     torch.manual_seed(0)
-    model = Net()
+    model = BNBlocks(4, momentum=0.1)
     x = torch.randn(4, 3, 32, 32)
     graph = ss.profile(model, x, loss_fn, warmup=0, repeat=1)
     # batch norm writes its statistics: its outputs are kept, never rebuilt (at 60% no plan fits)
@@ -344,22 +348,9 @@ def test_batch_norm_state_is_written_once_when_the_region_breaks_the_compiled_gr
     and running_mean was off by 0.10 after two steps before the recompute was shielded there."""
     import copy
 
-    from torch import nn
-
-    class Net(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.blocks = nn.ModuleList(nn.Sequential(
-                nn.Conv2d(3 if i == 0 else 8, 8, 3, padding=1), nn.BatchNorm2d(8, momentum=None),
-                nn.ReLU()) for i in range(3))
-
-        def forward(self, x):
-            for block in self.blocks:
-                x = block(x)
-            return x.mean((2, 3))
 
     torch.manual_seed(0)
-    model = Net()
+    model = BNBlocks(3, momentum=None)
     x = torch.randn(4, 3, 16, 16)
     graph = ss.checkpoint_graph(ss.profile(model, x, loss_fn, warmup=0, repeat=1),
                                 compiled=compiled)

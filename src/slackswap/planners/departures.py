@@ -67,12 +67,17 @@ def departure_bound(graph: ActivationGraph, budget, hw: Hardware | str, *,
                     hint: np.ndarray | None = None, allowed=None, pins=None,
                     mask: np.ndarray | None = None, max_binaries: int = MAX_BINARIES,
                     gap: float = 0.0, min_gap_s: float = 0.0, enough_s: float | None = None,
-                    on_start: Callable[[Any], None] | None = None) -> DepartureBound:
+                    on_start: Callable[[Any], None] | None = None,
+                    work_s: float | None = None) -> DepartureBound:
     """The departure bound of ``graph`` within ``budget`` on ``hw`` (formulations/departure-bound.md).
 
     ``deterministic_time_s``: CP-SAT's work limit over all its rounds, the same bound on any
     machine (one worker by default: interleaved workers, CP-SAT's deterministic parallel search,
     took 5x longer to prove VGG16 at 90%); ``time_limit_s`` is the hard cap on the clock.
+    ``work_s``: besides, the rounds' whole work in seconds of the reference machine, each round
+    charged for its model's size (building it and CP-SAT's work beside its deterministic time,
+    ROUND_S_PER_BINARY) and its deterministic time (at DTIME_PER_S): a large model's rounds stop
+    on work, not on the clock (ResNet50 at 50%: rounds of 8,000 binaries).
     ``hint``: decision codes of a plan that fits; its simulated timeline is the search's first
     point. ``incumbent_s``: the step time of a known plan, which caps the overhead searched (when
     no point is under the cap, the bound is the cap, status "feasible", never "infeasible").
@@ -138,6 +143,7 @@ def departure_bound(graph: ActivationGraph, budget, hw: Hardware | str, *,
     probe = PROBE_SHARE > 0 and len(data.critical) > 1
     positions = {by_excess[0]} if probe else first
     spent, rounds, best_bound, codes = 0.0, 0, ideal, None
+    work_left = None if work_s is None else float(work_s)
     build_s_per_binary = None  # building a round's model (Python) is outside CP-SAT's clock
     sizes: dict[str, Any] = {}
     while True:
@@ -149,6 +155,11 @@ def departure_bound(graph: ActivationGraph, budget, hw: Hardware | str, *,
             # machine): the bound so far, said so, rather than a late answer
             return result("timeout", best_bound, codes, note=f"{rounds - 1} rounds",
                           **{**sizes, "clock_stopped": True})
+        if work_left is not None and \
+                work_left <= ROUND_S_PER_BINARY * data.binaries(sorted(positions)):
+            # its model alone would pass the work left: the bound so far (its work, not a clock)
+            return result("feasible", best_bound, codes,
+                          note=f"{rounds - 1} rounds, work spent", **sizes)
         build_began = time.perf_counter()
         model = _Model(data, sorted(positions))
         model.cp.Add(model.overhead <= cap)
@@ -168,14 +179,19 @@ def departure_bound(graph: ActivationGraph, budget, hw: Hardware | str, *,
         if deterministic_time_s is not None:
             # a round over some positions gets a share; the round over all gets what is left
             share = PROBE_SHARE if probe else 1.0 if whole else ROUND_SHARE
-            solver.parameters.max_deterministic_time = max(
-                0.01, min(deterministic_time_s - spent, share * deterministic_time_s))
+            round_dtime = min(deterministic_time_s - spent, share * deterministic_time_s)
+            if work_left is not None:
+                work_left -= ROUND_S_PER_BINARY * model.binaries
+                round_dtime = min(round_dtime, DTIME_PER_S * work_left)
+            solver.parameters.max_deterministic_time = max(0.01, round_dtime)
             solver.parameters.interleave_search = workers > 1
         if on_start is not None:
             on_start(solver)
         solve_began = time.perf_counter()
         status = solve_cpsat(solver, model.cp)
         spent += solver.deterministic_time
+        if work_left is not None:
+            work_left -= solver.deterministic_time / DTIME_PER_S
         clocked = status not in (cp_model.OPTIMAL, cp_model.INFEASIBLE) and \
             time.perf_counter() - solve_began >= 0.95 * solver.parameters.max_time_in_seconds
         if status == cp_model.MODEL_INVALID:
@@ -200,7 +216,9 @@ def departure_bound(graph: ActivationGraph, budget, hw: Hardware | str, *,
         if enough_s is not None and best_bound >= enough_s:
             return result("feasible", best_bound, codes, note=f"enough_s reached ({rounds} rounds)",
                           **sizes)
-        spent_out = deterministic_time_s is not None and spent >= deterministic_time_s * (1 - 1e-9)
+        spent_out = (deterministic_time_s is not None and
+                     spent >= deterministic_time_s * (1 - 1e-9)) or \
+            (work_left is not None and work_left <= 0.01)
         if whole or spent_out or clocked or time.perf_counter() - began >= 0.95 * time_limit_s:
             clocked = clocked or not spent_out and not whole
             return result("timeout" if clocked else "feasible", best_bound, codes,
@@ -225,6 +243,12 @@ ADDED_POSITIONS = 8  # at most this many broken positions join each next round
 # From the heuristic's plan with 2 of work, a quarter per round left VGG16 at 50% and VGG19 at
 # 90% unsolved; half solved them (1.3 and 0.8 in all)
 ROUND_SHARE = 0.5
+# what a round costs beyond CP-SAT's deterministic time, per binary of its model (the Python
+# build, the hint, CP-SAT's presolve: ResNet50 at 50%, two rounds of 4,000 binaries, 2.7 s of wall
+# time for 1 unit of deterministic time), and CP-SAT's
+# deterministic time per second with one worker on the reference machine
+ROUND_S_PER_BINARY = 5e-4
+DTIME_PER_S = 0.45
 
 
 class _Data:

@@ -31,7 +31,7 @@ NO_DEADLINE_S = 1e6
 # the two workers share the cores with the busy process)
 CPSAT_DTIME_PER_S = 0.25
 # simulated positions per second of local search (GPT-2 XL: 1,170 positions per evaluation)
-SEARCH_POSITIONS_PER_S = 60_000
+SEARCH_POSITIONS_PER_S = 100_000
 # branch-and-bound nodes per second of the MILP through CBC or HiGHS (one thread; their only
 # work limit there)
 MILP_NODES_PER_S = 20
@@ -55,13 +55,15 @@ LP_IPM_S_PER_SLOT = 1e-3
 CPSAT_S_PER_NONZERO = 2e-5
 
 # --- shares of the work ---
-SEARCH_SHARE = 0.3  # all local searches together
+SEARCH_SHARE = 0.45  # all local searches together (cheap: a few hundred ms on the CNN rows)
 RELAX_SHARE = 0.15  # each integral relaxation
-MILP_SHARE = 0.35  # the MILP (all its rounds)
+MILP_SHARE = 0.25  # the MILP (all its rounds)
 PROOF_SHARE = 0.2  # the proof round (CP-SAT over every position)
 LP_SHARE = 0.5  # the LP bound: most of it, since without a bound nothing is proven
 BUILD_SHARE = 0.25  # a model (LP, MILP) whose build alone is estimated above this is not built
 COARSE_SHARE = 0.3  # a large graph's coarse copy, solved first
+# the departure bound's work (it runs beside the integral relaxations), each run
+DEPARTURE_SHARE = 0.45
 # the departure bound's CP-SAT deterministic time per second of work (one worker), and at most
 DEPARTURE_DTIME_SHARE = 0.2
 DEPARTURE_DTIME_MAX = 12.0
@@ -83,6 +85,7 @@ class WorkLimits:
     milp_s: float  # the MILP's work (all its rounds), in seconds (cpsat_dtime converts it)
     proof_s: float  # the proof round's
     departure_deterministic_s: float  # the departure bound's (CP-SAT, one worker)
+    departure_s: float  # and its whole work, its models' sizes charged (departures.work_s)
     coarse_work_s: float  # the coarse copy's solve
 
     @classmethod
@@ -99,6 +102,7 @@ class WorkLimits:
                        search_work=int(100_000 * search_s), lp_iterations=None,
                        milp_s=0.6 * limit, proof_s=limit,
                        departure_deterministic_s=min(0.2 * limit, DEPARTURE_DTIME_MAX),
+                       departure_s=float("inf"),
                        coarse_work_s=COARSE_SHARE * limit)
         return cls(work_s=work_s, anytime=False,
                    relax_nodes=max(1, int(RELAX_NODES_PER_S * RELAX_SHARE * work_s)),
@@ -107,7 +111,8 @@ class WorkLimits:
                    search_work=int(SEARCH_POSITIONS_PER_S * SEARCH_SHARE * work_s),
                    lp_iterations=max(1000, int(LP_ITERATIONS_PER_S * LP_SHARE * work_s)),
                    milp_s=MILP_SHARE * work_s, proof_s=PROOF_SHARE * work_s,
-                   departure_deterministic_s=departure, coarse_work_s=COARSE_SHARE * work_s)
+                   departure_deterministic_s=departure,
+                   departure_s=DEPARTURE_SHARE * work_s, coarse_work_s=COARSE_SHARE * work_s)
 
     def builds(self, n_slots: int) -> bool:
         """Whether the MILP over ``n_slots`` positions is worth building: its build alone,

@@ -149,6 +149,9 @@ DEPARTURE_CLOCK_SHARE = 0.6
 # "From the best plan")
 DEPARTURE_CLOSING_SHARE = 0.9
 DEPARTURE_CLOSING_WORK = 1.0  # its work, as a share of the first run's
+# by default its whole work (its models' sizes charged) is this share of the first run's: it comes
+# after the relaxations, whose root nodes no work limit bounds (ResNet50 at 50%: 2 s each)
+DEPARTURE_CLOSING_SHARE_OF_WORK = 0.5
 # each departure run stops within this share of the proof tolerance of its bound
 DEPARTURE_GAP_SHARE = 0.8
 
@@ -402,7 +405,8 @@ def warm_start(problem: Problem, polish: bool = True, bound_s: float | None = No
             background.start(lambda on_start: departure_bound(
                 g, budget, hw, mask=problem.mask, incumbent_s=incumbent, hint=hint,
                 deterministic_time_s=departure_work_s, time_limit_s=cap_s, on_start=on_start,
-                enough_s=enough, **departure_gap))
+                enough_s=enough, work_s=None if anytime else work.departure_s,
+                **departure_gap))
 
     first_departure: list = []  # the first run's answer, once taken
 
@@ -467,7 +471,9 @@ def warm_start(problem: Problem, polish: bool = True, bound_s: float | None = No
             g, budget, hw, mask=problem.mask, hint=best.codes,
             incumbent_s=best.step_time_s - DEPARTURE_CLOSING_SHARE * tolerance,
             deterministic_time_s=DEPARTURE_CLOSING_WORK * departure_work_s,
-            time_limit_s=DEPARTURE_CLOCK_SHARE * left() if anytime else left(), **departure_gap)
+            time_limit_s=DEPARTURE_CLOCK_SHARE * left() if anytime else left(),
+            work_s=None if anytime else DEPARTURE_CLOSING_SHARE_OF_WORK * work.departure_s,
+            **departure_gap)
         return take_departure(found, "departure_bound_from_best")
 
     def coarse_codes() -> np.ndarray | None:
@@ -494,6 +500,10 @@ def warm_start(problem: Problem, polish: bool = True, bound_s: float | None = No
               ("departure bound", departure_codes),
               ("heuristic", lambda: h_codes),
               ("departure bound from the best plan", closing_departure_codes))
+    if not anytime:
+        # by default two relaxations: a third root node (no work limit bounds it; ResNet50 at
+        # 50%: 2 s each) put the closing departure run past a 10 s cap
+        starts = tuple(item for item in starts if item[0] != "integral LP with lane headroom")
     relaxations_fail = False
     for label, make in starts:
         if (work_left is not None and work_left <= 0) or proven():
