@@ -22,7 +22,7 @@ def test_the_pull_rows_reach_the_exact_optimum_where_the_relaxation_fell_short(m
     the integral relaxation said 45.00524 s without the rows (it let a rebuild read a frontier
     tensor that its own rebuild, later, would bring back), and is that optimum with them."""
     g = seeded_graph(14, n_ops=16)
-    exact = ss.solve(g, 2997, LINK, solver="cpsat", gap=0.0, work_s=60.0, time_limit_s=CAP)
+    exact = ss.solve(g, 2997, LINK, solver="cpsat", gap=0.0, work_s=240.0, time_limit_s=CAP)
     assert exact.info.status == "optimal"
     optimum = ss.simulate(g, exact, LINK).step_time_s
     assert optimum == pytest.approx(45.00871778851087, rel=1e-9)
