@@ -251,7 +251,7 @@ def smallest_budget(graph: ActivationGraph, hardware: Hardware | str | None = No
     heuristic's smallest fitting plan by bisection, then, on graphs of at most 12,000 positions
     x saved tensors, the exact planner's model with the budget a variable to minimise (CP-SAT,
     one worker, fixed deterministic time). ``proven``: no plan fits less (``lower_bytes``, the
-    offload floor or the model's bound, is within one byte unit of it)."""
+    offload floor or the model's bound, is the same figure)."""
     if not isinstance(graph, ActivationGraph):
         raise TypeError(f"min_budget: graph must be an ActivationGraph, got {type(graph).__name__}")
     hw, _ = graph_hardware(graph, hardware)

@@ -43,8 +43,7 @@ class MinPeak:
     """The smallest budget found and a plan that fits it.
 
     budget_bytes: a plan fits this budget (``codes`` with ``schedule``, None: the step model's
-    default schedule at this budget). lower_bytes: no plan fits less. proven: the two agree (up
-    to the model's byte rounding, ``lower_bytes`` is then within one byte unit)."""
+    default schedule at this budget). lower_bytes: no plan fits less. proven: the two agree."""
 
     budget_bytes: int
     lower_bytes: int
@@ -195,9 +194,11 @@ def _exact(graph: ActivationGraph, hw: Hardware, mask, floor: int, start: MinPea
     lower = max(floor, int(np.ceil(solver.BestObjectiveBound() - 1e-9)) * sc.byte_unit)
     codes, schedule = decode(f, lambda v: solver.Value(x[v]))
     peak = plan_peak(graph, hw, codes, schedule)
+    # proven only where the peak meets the bound exactly: with sizes rounded to a coarse unit
+    # (1e12-byte tensors) a unit's difference is no proof
     if peak >= start.budget_bytes:
-        return MinPeak(start.budget_bytes, max(lower, start.lower_bytes),
-                       start.budget_bytes <= max(lower, start.lower_bytes) + sc.byte_unit,
-                       start.method, start.codes, start.schedule, 0.0)
-    proven = peak <= lower + sc.byte_unit
+        lower = max(lower, start.lower_bytes)
+        return MinPeak(start.budget_bytes, lower, start.budget_bytes <= lower, start.method,
+                       start.codes, start.schedule, 0.0)
+    proven = peak <= lower
     return MinPeak(peak, lower, proven, "exact", codes, schedule, 0.0)
