@@ -66,6 +66,28 @@ def _signal_tree(root: int, sig: int) -> list[int]:
     return sent
 
 
+def _state(pid: int) -> str | None:
+    """The process's scheduler state (Linux /proc: "T" stopped, "Z" a zombie), None if gone or
+    unknown."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[-1].split()[0]
+    except (OSError, IndexError):
+        return None
+
+
+def _wait_stopped(pids: list[int], limit_s: float = 5.0) -> None:
+    """Until every process in ``pids`` is stopped or gone (at most ``limit_s``: a process that
+    does not stop then is left; its load shows in the profile, nothing worse)."""
+    if not Path("/proc").is_dir():
+        return
+    end = time.monotonic() + limit_s
+    waiting = list(pids)
+    while waiting and time.monotonic() < end:
+        waiting = [pid for pid in waiting if _state(pid) not in (None, "T", "t", "Z", "X")]
+        if waiting:
+            time.sleep(0.001)
+
+
 class _Running:
     def __init__(self, key, folder: Path, proc: subprocess.Popen, alive_w: int):
         self.key, self.folder, self.proc, self.alive_w = key, folder, proc, alive_w
@@ -120,6 +142,7 @@ class Refinements:
         stopped = []
         if self.running is not None and self.running.proc.poll() is None:
             stopped = _signal_tree(self.running.proc.pid, signal.SIGSTOP)
+            _wait_stopped(stopped)  # a signal is delivered when the process is next scheduled
         self._paused = stopped
         try:
             yield stopped
