@@ -346,3 +346,29 @@ def test_a_plan_for_other_hardware_warns_naming_both():
     plan = ss.solve(graph, 1.0, "a100-80gb-pcie4", solver="heuristic")
     with pytest.warns(UserWarning, match="a100-80gb-pcie4.*cpu"):
         grads(model, inputs, loss_fn, plan, graph)
+
+
+def test_a_plan_that_moves_nothing_checks_one_step_then_runs_untraced():
+    """Keep-all: the first step of a context is traced (names, bytes, peak), the next ones of
+    the same input shapes run as plain training; a new input shape is traced (and checked)
+    again, so a plan for another shape is still refused."""
+    model, inputs, loss_fn, graph = setup("gpt")
+    keep = ss.solve(graph, 1.0, "cpu-emulated-link", solver="keep-all")
+    reference = []
+    for _ in range(3):
+        got, _ = grads(model, inputs, loss_fn)
+        reference.append(got)
+    torch.manual_seed(7)
+    with ss.apply(keep, model, graph=graph) as run:
+        for step in range(3):
+            model.zero_grad(set_to_none=True)
+            torch.manual_seed(7)
+            loss_fn(model(inputs)).backward()
+            for a, b in zip(reference[step], [p.grad for p in model.parameters()]):
+                assert (a is None and b is None) or torch.equal(a, b)
+        assert run.stats.steps == 3 and run.stats.untraced_steps == 2
+        assert run.stats.peak_activation_bytes > 0
+        longer = inputs.repeat(1, 2) if inputs.dim() == 2 else inputs
+        with pytest.raises(ss.PlanError, match="another input shape"):
+            loss_fn(model(longer)).backward()
+    assert run.stats.untraced_steps == 2

@@ -62,8 +62,13 @@ def test_version_1_files_still_load_and_complete_deterministically():
     assert not loaded.is_complete and loaded.hardware is None  # without its graph: as written
     done = ss.load_plan(json.dumps(old), graph=g)
     assert done.is_complete and done.hardware == ss.hardware("a100-80gb-pcie4")
-    assert done.schedule == plan.schedule  # /1 plans were made for the A100 preset by default
-    assert ss.simulate(g, done).step_time_s == ss.simulate(g, plan).step_time_s
+    # /1 plans were made for the A100 preset by default: the step model's default positions
+    # for these decisions there (the solved plan's own positions may differ: it turned some
+    # tensors back to keep after scheduling the others, planners/minimal.py)
+    again = ss.complete(ss.Plan(g.name, g.digest, plan.budget_bytes, dict(plan.decisions)), g,
+                        "a100-80gb-pcie4")
+    assert done.schedule == again.schedule
+    assert ss.simulate(g, done).step_time_s == ss.simulate(g, again).step_time_s
     # a /1 plan with a partial schedule keeps the positions it gives
     first = next(iter(plan.schedule.d2h_free))
     partial = {**old, "schedule": {"d2h_free": {first: plan.schedule.d2h_free[first]}}}

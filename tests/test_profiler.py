@@ -1,5 +1,7 @@
 """profile(): a real torch step becomes an activation graph."""
 
+from dataclasses import replace
+
 import pytest
 from helpers import CAP
 
@@ -294,3 +296,60 @@ def test_plans_for_a_profiled_cpu_graph_never_swap():
         plan = ss.solve(graph, 0.6, solver=solver, work_s=10, time_limit_s=CAP)
         assert plan.hardware.host_is_device and plan.count("swap") == 0
         assert ss.validate(graph, plan).ok
+
+
+def test_op_times_sum_to_the_plain_step_of_each_phase():
+    # the tracer's relative times, the plain step's totals: each phase's op times sum to the
+    # median plain time the profile measured for it, and their ratios are the traced ones
+    model, inputs, loss_fn = build("mlp")
+    g = ss.profile(model, inputs, loss_fn, warmup=1, repeat=2)
+    timing = g.extra["timing"]
+    assert timing["scaled_to_plain"] is True
+    assert sum(o.forward_s for o in g.ops) == pytest.approx(timing["forward_plain_s"], rel=1e-9)
+    assert sum(o.backward_s for o in g.ops) == pytest.approx(timing["backward_plain_s"], rel=1e-9)
+    assert g.ideal_step_time_s == pytest.approx(
+        timing["forward_plain_s"] + timing["backward_plain_s"], rel=1e-9)
+    raw = ss.profile(model, inputs, loss_fn, warmup=1, repeat=2, calibrate=False)
+    assert "timing" not in raw.extra
+    assert [o.name for o in raw.ops] == [o.name for o in g.ops]
+
+
+def test_calibration_leaves_gradients_and_state_as_they_were():
+    # the plain steps add gradients and write batch norm's statistics: all put back
+    model, inputs, loss_fn = build("cnn")  # batch norm inside
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    grads = [None if p.grad is None else p.grad.clone() for p in model.parameters()]
+    ss.profile(model, inputs, loss_fn, warmup=1, repeat=2)
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    for p, gr in zip(model.parameters(), grads):
+        assert (p.grad is None and gr is None) or torch.equal(p.grad, gr)
+
+
+def test_link_figures_from_timings_hand_worked():
+    from slackswap.runtime.profiler import LinkTimings, link_figures
+
+    # a 1 GB copy: 40 ms D2H, 50 ms H2D alone; together 55 ms (well under 0.8 x 90 ms: duplex),
+    # so each direction kept at least 1 GB / 55 ms = 18.18 GB/s while the other ran. Batches:
+    # D2H 64 KiB in 12 us, 4 MiB in 177 us per copy: slope (177 - 12) us / (4 MiB - 64 KiB) =
+    # 4e-11 s/B (25 GB/s), intercept 12 us - 65,536 B x 4e-11 s/B = 9.38 us. H2D: 10 us and
+    # 10 + 4,128,768 x 5e-11 s/B (20 GB/s) us: intercept 10 - 3.28 = 6.72 us. The larger is kept.
+    small, medium = 64 * 2**10, 4 * 2**20
+    slope = (177e-6 - 12e-6) / (medium - small)
+    t = LinkTimings(nbytes=10**9, d2h_s=0.040, h2d_s=0.050, both_s=0.055, small_bytes=small,
+                    medium_bytes=medium, d2h_small_s=12e-6, d2h_medium_s=177e-6,
+                    h2d_small_s=10e-6, h2d_medium_s=10e-6 + (medium - small) * 5e-11)
+    f = link_figures(t)
+    assert f["duplex"] is True
+    assert f["d2h_bytes_per_s"] == pytest.approx(1e9 / 0.055)
+    assert f["h2d_bytes_per_s"] == pytest.approx(1e9 / 0.055)
+    assert f["latency_s"] == pytest.approx(12e-6 - small * slope)
+    assert f["latency_s"] == pytest.approx(9.38e-6, rel=1e-3)
+    # half duplex: together 88 ms, as long as one after the other: one link, solo bandwidths
+    half = link_figures(replace(t, both_s=0.088))
+    assert half["duplex"] is False
+    assert half["d2h_bytes_per_s"] == pytest.approx(1e9 / 0.040)
+    assert half["h2d_bytes_per_s"] == pytest.approx(1e9 / 0.050)
+    ss.hardware("a100-80gb-pcie4").with_link(**half)  # a valid Hardware
+    with pytest.raises(ValueError, match="both_s"):
+        link_figures(replace(t, both_s=float("nan")))

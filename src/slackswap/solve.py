@@ -26,10 +26,11 @@ from .core.errors import InfeasibleBudget, PlanError
 from .core.graph import ActivationGraph
 from .core.hardware import Hardware
 from .core.hardware import hardware as get_hardware
-from .core.plan import Plan, overhead_gap
+from .core.plan import KEEP, Plan, overhead_gap
 from .core.restrict import decision_mask, first_forbidden, parse_allowed, restricted
 from .planners.base import Problem, get_planner, register_solver, solver_names
 from .planners.interrupts import interruptible
+from .planners.minimal import keep_what_fits
 from .planners.minpeak import MinPeak, min_peak
 
 log = logging.getLogger("slackswap")
@@ -100,13 +101,15 @@ def solve(graph: ActivationGraph, budget: float | int | str, hardware: Hardware 
     time_limit_s = check_time_limit(time_limit_s)
     budget_bytes = parse_budget(budget, graph, hw)
     allowed, implied = host_allowed(hw, allowed)
-    mask = None
-    if allowed is not None or pins:
-        mask = decision_mask(graph, allowed, pins)
+    mask = restriction_mask(graph, hw, allowed, pins)
+    # the hardware's own restrictions (no host, tensors under min_swap_bytes) bind every planner
+    # without the caller asking: a planner that cannot honour a restriction is refused only for
+    # the caller's
+    asked = (allowed is not None and not implied) or bool(pins)
     if budget_bytes < offload_floor(graph, hw, mask):
         raise _infeasible(graph, hw, mask, budget_bytes, allowed, bool(pins), "")
     planner = get_planner(solver)
-    if restricted(mask, graph) and not implied \
+    if restricted(mask, graph) and asked \
             and not getattr(planner, "honours_restrictions", False):
         raise PlanError(f"solve: solver {solver!r} cannot honour allowed="
                         f"{parse_allowed(allowed)} and pins; use heuristic, cpsat, cbc or highs")
@@ -127,6 +130,9 @@ def solve(graph: ActivationGraph, budget: float | int | str, hardware: Hardware 
                                  time_limit_s=time_limit_s, **options)
     forbidden = first_forbidden(graph, solution.codes, mask)
     if forbidden is not None:
+        if not asked and not implied:
+            raise PlanError(f"solve: solver {solver!r} swaps a tensor under hardware "
+                            f"{hw.name!r}'s min_swap_bytes ({hw.min_swap_bytes}): {forbidden}")
         if implied:
             raise PlanError(f"solve: solver {solver!r} swaps ({forbidden}), but hardware "
                             f"{hw.name!r} has no host to swap to (its device memory is host "
@@ -145,7 +151,7 @@ def solve(graph: ActivationGraph, budget: float | int | str, hardware: Hardware 
         simulated = None
         plan, expansion = close_expanded(graph, solution.codes, solution.schedule, hw,
                                          budget_bytes, solution.info)
-    if mask is not None:
+    if allowed is not None or pins:
         plan = replace(plan, extra={**plan.extra, "allowed": list(parse_allowed(allowed)),
                                     "pins": dict(pins or {})})
     if "checkpoint_graph" in graph.extra:  # a plan for ss.checkpointed alone (the executor refuses it)
@@ -156,6 +162,9 @@ def solve(graph: ActivationGraph, budget: float | int | str, hardware: Hardware 
     # the closed plan's own expansion (expanding its complete schedule again gives the same
     # step); the checker below walks the plan independently and refuses a wrong step time
     sim = run_timeline(graph, expansion, hw, budget_bytes) if simulated is None else simulated
+    if getattr(planner, "honours_restrictions", False):
+        # nothing moved or rebuilt that the budget does not need (a baseline is what it is)
+        plan, sim = _minimal(graph, hw, budget_bytes, plan, expansion, sim, mask)
     if implied:
         plan = plan.with_info(allowed_from="hardware")
     plan = plan.with_info(predicted_step_time_s=sim.step_time_s, hardware_from=hardware_from,
@@ -183,6 +192,27 @@ def solve(graph: ActivationGraph, budget: float | int | str, hardware: Hardware 
     return plan
 
 
+def _minimal(graph: ActivationGraph, hw: Hardware, budget_bytes: int, plan: Plan,
+             expansion, sim: SimResult, mask) -> tuple[Plan, SimResult]:
+    """The plan with every swap and recompute turned back to keep that the budget allows at the
+    same or a lower step (planners/minimal.py); its info says how many."""
+    minimal = keep_what_fits(graph, hw, budget_bytes, expansion, sim,
+                             None if mask is None else mask[:, KEEP])
+    if minimal is None:
+        return plan, sim
+    info = plan.info
+    step = minimal.simulation.step_time_s
+    bound = None if info.bound is None else min(info.bound, step)
+    gap = None if bound is None else (max(0.0, (step - bound) / step) if step > 0 else 0.0)
+    objective = info.objective
+    if objective is not None and step < sim.step_time_s:
+        objective = step  # no model's objective describes the new decisions: the simulator's
+    closed = close_from(graph, minimal.expansion, hw, budget_bytes,
+                        replace(info, bound=bound, gap=gap, objective=objective,
+                                extra={**info.extra, "kept_back": len(minimal.kept_back)}))
+    return replace(closed, extra={**plan.extra, **closed.extra}), minimal.simulation
+
+
 # the smallest budgets found, per graph, hardware and restriction (a failed solve and the
 # InfeasibleBudget it raises ask for the same one)
 _SMALLEST: dict[tuple, MinPeak] = {}
@@ -206,6 +236,8 @@ def _infeasible(graph: ActivationGraph, hw: Hardware, mask, budget_bytes: int, a
     smallest = smallest_budget_of(graph, hw, mask)
     decisions = "every decision" if mask is None else \
         f"allowed={parse_allowed(allowed)}" + (" and these pins" if pinned else "")
+    if hw.min_swap_bytes and mask is not None:
+        decisions += f" (no swap under the hardware's min_swap_bytes, {hw.min_swap_bytes})"
     how = "proven" if smallest.proven else "the smallest found; no plan fits below " \
         f"{smallest.lower_bytes} bytes"
     return InfeasibleBudget(
@@ -225,7 +257,7 @@ def _smallest_plan(graph: ActivationGraph, hw: Hardware, budget_bytes: int, smal
                             f"({smallest.method}): the planner's plan did not fit"})
     plan, expansion = close_expanded(graph, smallest.codes, smallest.schedule, hw, budget_bytes,
                                      info)
-    if mask is not None:
+    if allowed is not None or pins:
         plan = replace(plan, extra={**plan.extra, "allowed": list(parse_allowed(allowed)),
                                     "pins": dict(pins or {})})
     sim = run_timeline(graph, expansion, hw, budget_bytes)
@@ -256,8 +288,17 @@ def smallest_budget(graph: ActivationGraph, hardware: Hardware | str | None = No
         raise TypeError(f"min_budget: graph must be an ActivationGraph, got {type(graph).__name__}")
     hw, _ = graph_hardware(graph, hardware)
     allowed, _ = host_allowed(hw, allowed)
-    mask = decision_mask(graph, allowed, pins) if allowed is not None or pins else None
-    return smallest_budget_of(graph, hw, mask)
+    return smallest_budget_of(graph, hw, restriction_mask(graph, hw, allowed, pins))
+
+
+def restriction_mask(graph: ActivationGraph, hw: Hardware, allowed, pins) -> np.ndarray | None:
+    """The decisions each tensor may take under ``allowed``, ``pins`` and the hardware's
+    ``min_swap_bytes``; None where nothing is restricted."""
+    saved_bytes = graph.tensor_bytes[graph.saved]
+    small = hw.min_swap_bytes > 0 and bool((saved_bytes < hw.min_swap_bytes).any())
+    if allowed is None and not pins and not small:
+        return None
+    return decision_mask(graph, allowed, pins, hw.min_swap_bytes)
 
 
 def host_allowed(hw: Hardware, allowed) -> tuple[Any, bool]:
@@ -369,7 +410,7 @@ def compare(graph: ActivationGraph, budget: float | int | str, hardware: Hardwar
     if host_allowed(hw, allowed)[1]:  # no host to swap to: the planners that always swap sit out
         solvers = tuple(n for n in solvers if n != "swap-all")
     if allowed is not None or pins:  # the planners that cannot honour a restriction sit out
-        mask = decision_mask(graph, allowed, pins)
+        mask = restriction_mask(graph, hw, host_allowed(hw, allowed)[0], pins)
         if restricted(mask, graph):
             solvers = tuple(n for n in solvers
                             if getattr(get_planner(n), "honours_restrictions", False))

@@ -12,6 +12,7 @@ It evaluates one complete assignment, as CP-SAT's solution checker does, and sea
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from ..core.errors import PlanError
@@ -89,7 +90,8 @@ def validate(graph: ActivationGraph, plan: Plan, hw: Hardware | str | None = Non
     except PlanError as exc:
         return Validation(False, (Violation("plan", str(exc)),), 0, limit)
     walk = step.walk(decisions, plan)
-    violations = list(walk.violations) + restriction_violations(plan)
+    violations = list(walk.violations) + restriction_violations(
+        plan, {t.name: t.bytes for t in graph.tensors})
     if walk.points is None:  # the schedule could not be walked at all
         return Validation(False, tuple(violations), 0, limit)
     peak, over = step.memory(walk, limit)
@@ -150,9 +152,10 @@ def _proof_claims(graph: ActivationGraph, plan: Plan, step_s: float,
     return out
 
 
-def restriction_violations(plan: Plan) -> list[Violation]:
-    """The decisions the plan says it was restricted to (``allowed``, ``pins`` in its extras),
-    checked against its decisions."""
+def restriction_violations(plan: Plan, sizes: Mapping[str, int] | None = None) -> list[Violation]:
+    """The decisions the plan says it was restricted to (``allowed``, ``pins`` in its extras)
+    and its hardware's (no host; no swap under ``min_swap_bytes``, by ``sizes`` or the plan's
+    own tensor sizes), checked against its decisions."""
     out: list[Violation] = []
     allowed = plan.extra.get("allowed")
     if allowed is not None:
@@ -168,6 +171,15 @@ def restriction_violations(plan: Plan) -> list[Violation]:
             out.append(Violation("restriction", f"restriction: tensor {swapped[0]!r} is 'swap', "
                                  f"but hardware {hw.name!r} has no host to swap to (its device "
                                  "memory is host memory)", tensor=swapped[0]))
+    if hw is not None and hw.min_swap_bytes:
+        sizes = sizes if sizes is not None else plan.extra.get("tensor_bytes") or {}
+        small = sorted(n for n, d in plan.decisions.items()
+                       if d == "swap" and n in sizes and sizes[n] < hw.min_swap_bytes)
+        if small:
+            out.append(Violation("restriction", f"restriction: tensor {small[0]!r} "
+                                 f"({sizes[small[0]]} bytes) is 'swap', but hardware {hw.name!r} "
+                                 f"swaps no tensor under {hw.min_swap_bytes} bytes "
+                                 "(min_swap_bytes)", tensor=small[0]))
     for name, decision in (plan.extra.get("pins") or {}).items():
         if plan.decisions.get(name) != decision:
             out.append(Violation("restriction", f"restriction: tensor {name!r} is pinned to "

@@ -37,6 +37,9 @@ class Hardware:
     # whether the device's memory is the host's (a CPU device): a swap would copy a tensor within
     # the same memory on the compute thread, freeing nothing, so plans there keep or recompute
     host_is_device: bool = False
+    # tensors smaller than this are never swapped: a copy's fixed cost (launch, host work, an
+    # event) buys next to no memory (formulations/step-model.md, "Minimal plans")
+    min_swap_bytes: int = 0
     sources: dict = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -64,10 +67,12 @@ class Hardware:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"hardware {self.name!r}: {name} must be true or false, got "
                                  f"{getattr(self, name)!r}")
-        if isinstance(self.memory_bytes, bool) or not isinstance(self.memory_bytes, numbers.Integral) \
-                or self.memory_bytes < 0:
-            raise ValueError(f"hardware {self.name!r}: memory_bytes must be a non-negative integer, "
-                             f"got {self.memory_bytes!r}")
+        for name in ("memory_bytes", "min_swap_bytes"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
+                raise ValueError(f"hardware {self.name!r}: {name} must be a non-negative integer, "
+                                 f"got {value!r}")
+            object.__setattr__(self, name, int(value))
 
     def d2h_time(self, nbytes: float) -> float:
         """Seconds one device-to-host transfer of ``nbytes`` occupies its lane."""
@@ -96,6 +101,8 @@ class Hardware:
         return cls(**known)
 
 
+_MIN_SWAP_SOURCE = ("1024 bytes: torchtune's OffloadActivations offloads only tensors of at least "
+                    "min_offload_size = 1024 bytes (its default)")
 _A100_SOURCES = {
     "peak_flops": "NVIDIA A100 datasheet: 312 TFLOP/s bf16 dense",
     "gemm_efficiency": "about 0.70 of peak for large GEMMs (MosaicML llm-foundry A100 MFU table)",
@@ -104,6 +111,7 @@ _A100_SOURCES = {
     "d2h_bytes_per_s": "nvbandwidth issues #11, #53: 24-26 GB/s pinned, one direction; lower end taken",
     "latency_s": "about 10 us per transfer (assumption, not a measurement)",
     "duplex": "D2H and H2D run at once (separate copy engines); a step rarely overlaps them",
+    "min_swap_bytes": _MIN_SWAP_SOURCE,
 }
 
 _PRESETS: dict[str, Hardware] = {
@@ -116,6 +124,7 @@ _PRESETS: dict[str, Hardware] = {
         peak_flops=312e12,
         hbm_bytes_per_s=2.039e12,
         memory_bytes=80 * 10**9,
+        min_swap_bytes=1024,
         sources={**_A100_SOURCES, "hbm_bytes_per_s": "A100 80GB datasheet: 2.039 TB/s"},
     ),
     "a100-40gb-pcie4": Hardware(
@@ -127,6 +136,7 @@ _PRESETS: dict[str, Hardware] = {
         peak_flops=312e12,
         hbm_bytes_per_s=1.555e12,
         memory_bytes=40 * 10**9,
+        min_swap_bytes=1024,
         sources={**_A100_SOURCES, "hbm_bytes_per_s": "A100 40GB datasheet: 1.555 TB/s"},
     ),
     "h100-sxm-pcie5": Hardware(
@@ -138,12 +148,14 @@ _PRESETS: dict[str, Hardware] = {
         peak_flops=989e12,
         hbm_bytes_per_s=3.35e12,
         memory_bytes=80 * 10**9,
+        min_swap_bytes=1024,
         sources={
             "peak_flops": "NVIDIA H100 SXM datasheet: 989 TFLOP/s bf16 dense",
             "hbm_bytes_per_s": "NVIDIA H100 SXM datasheet: 3.35 TB/s",
             "d2h_bytes_per_s": "PCIe 5.0 x16: 63 GB/s per direction theoretical; 0.8 of it taken, "
             "the ratio measured on PCIe 4.0 (25.1 of 31.5 GB/s)",
             "latency_s": "about 10 us per transfer (assumption)",
+            "min_swap_bytes": _MIN_SWAP_SOURCE,
         },
     ),
     "h200-sxm-pcie5": Hardware(
@@ -155,11 +167,13 @@ _PRESETS: dict[str, Hardware] = {
         peak_flops=989e12,
         hbm_bytes_per_s=4.8e12,
         memory_bytes=141 * 10**9,
+        min_swap_bytes=1024,
         sources={
             "peak_flops": "NVIDIA H200 datasheet: 989 TFLOP/s bf16 dense (same die as H100)",
             "hbm_bytes_per_s": "NVIDIA H200 datasheet: 4.8 TB/s HBM3e",
             "d2h_bytes_per_s": "PCIe 5.0 x16: 63 GB/s theoretical; 0.8 of it taken as for H100",
             "latency_s": "about 10 us per transfer (assumption)",
+            "min_swap_bytes": _MIN_SWAP_SOURCE,
         },
     ),
     "cpu": Hardware(

@@ -40,16 +40,18 @@ def parse_allowed(allowed: Iterable[str] | str | None) -> tuple[str, ...]:
 
 
 def decision_mask(graph: ActivationGraph, allowed: Iterable[str] | str | None = None,
-                  pins: Mapping[str, str] | None = None) -> np.ndarray:
+                  pins: Mapping[str, str] | None = None, min_swap_bytes: int = 0) -> np.ndarray:
     """(tensors x 3) booleans: may tensor t take decision code c. Recompute only where the graph
-    allows a rebuild, and for an RNG group only if every member may. Raises on a pin that names
-    no saved tensor, an unknown decision, or a pin the graph or ``allowed`` forbids."""
+    allows a rebuild, and for an RNG group only if every member may; swap only for tensors of at
+    least ``min_swap_bytes`` (the hardware's). Raises on a pin that names no saved tensor, an
+    unknown decision, or a pin the graph, ``allowed`` or the hardware forbids."""
     kinds = parse_allowed(allowed)
     mask = np.zeros((len(graph.tensors), 3), dtype=bool)
     saved = graph.saved
     for d in kinds:
         mask[saved, CODE[d]] = True
     mask[:, RECOMPUTE] &= graph.can_recompute
+    mask[graph.tensor_bytes < min_swap_bytes, SWAP] = False
     if pins is not None:
         if not isinstance(pins, Mapping):
             raise ValueError(f"pins: expected a mapping of tensor name to decision, got "
@@ -66,6 +68,10 @@ def decision_mask(graph: ActivationGraph, allowed: Iterable[str] | str | None = 
             if decision not in kinds:
                 raise PlanError(f"pins: tensor {name!r} pinned to {decision!r}, which allowed="
                                 f"{kinds} forbids")
+            if decision == "swap" and graph.tensor_bytes[t] < min_swap_bytes:
+                raise PlanError(f"pins: tensor {name!r} ({int(graph.tensor_bytes[t])} bytes) is "
+                                f"pinned to swap, but the hardware swaps no tensor under "
+                                f"{min_swap_bytes} bytes (min_swap_bytes)")
             if decision == "recompute" and not graph.can_recompute[t]:
                 raise PlanError(f"pins: tensor {name!r} cannot be recomputed: "
                                 f"{graph.recompute_blocker(t)}")
@@ -82,7 +88,8 @@ def decision_mask(graph: ActivationGraph, allowed: Iterable[str] | str | None = 
     empty = [graph.tensors[int(t)].name for t in saved if not mask[t].any()]
     if empty:
         raise PlanError(f"allowed={kinds}: tensor {empty[0]!r} has no decision left (it cannot "
-                        "be recomputed)")
+                        "be recomputed" + (f", and it is under the hardware's min_swap_bytes "
+                                           f"({min_swap_bytes})" if min_swap_bytes else "") + ")")
     return mask
 
 

@@ -7,7 +7,7 @@ import time
 import numpy as np
 
 from ..core.graph import ActivationGraph
-from ..core.plan import RECOMPUTE, SWAP, UNSAVED, SolveInfo
+from ..core.plan import KEEP, RECOMPUTE, SWAP, UNSAVED, SolveInfo
 from ..core.stepmodel import keep_all_codes
 from .base import Problem, Solution
 
@@ -15,9 +15,12 @@ __all__ = ["KeepAll", "RecomputeAll", "SwapAll", "keep_all_codes", "rebuild_cost
            "recompute_all_codes", "swap_all_codes"]
 
 
-def swap_all_codes(graph: ActivationGraph) -> np.ndarray:
-    """Offload every saved tensor (vDNN's policy)."""
-    return np.where(graph.is_saved, SWAP, UNSAVED).astype(np.int8)
+def swap_all_codes(graph: ActivationGraph, min_swap_bytes: int = 0) -> np.ndarray:
+    """Offload every saved tensor (vDNN's policy) the hardware swaps: those under its
+    ``min_swap_bytes`` stay."""
+    codes = np.where(graph.is_saved, SWAP, UNSAVED).astype(np.int8)
+    codes[graph.is_saved & (graph.tensor_bytes < min_swap_bytes)] = KEEP
+    return codes
 
 
 def rebuild_cost(graph: ActivationGraph) -> np.ndarray:
@@ -105,3 +108,9 @@ class RecomputeAll(_Baseline):
 class SwapAll(_Baseline):
     name = "swap-all"
     make = staticmethod(swap_all_codes)
+
+    def solve(self, problem: Problem, **options) -> Solution:
+        start = time.perf_counter()
+        codes = swap_all_codes(problem.graph, problem.hardware.min_swap_bytes)
+        return Solution(codes, None, SolveInfo(solver=self.name, status="baseline",
+                                               wall_s=time.perf_counter() - start))

@@ -98,7 +98,7 @@ def departure_bound(graph: ActivationGraph, budget, hw: Hardware | str, *,
     if mask is None and (allowed is not None or pins):
         from ..core.restrict import decision_mask
 
-        mask = decision_mask(graph, allowed, pins)
+        mask = decision_mask(graph, allowed, pins, hardware(hw).min_swap_bytes)
     ideal = graph.ideal_step_time_s
     for name, value in (("gap", gap), ("min_gap_s", min_gap_s)):
         if isinstance(value, bool) or not isinstance(value, numbers.Real) or \

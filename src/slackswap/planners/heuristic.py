@@ -374,7 +374,7 @@ class SlackSwapHeuristic:
         codes, stats = heuristic_codes(g, hw, budget, mask=problem.mask, unfit=unfit,
                                        single_cover=polish)
         # never worse than a baseline that fits (cheap insurance on unusual graphs)
-        baselines = [keep_all_codes(g), recompute_all_codes(g), swap_all_codes(g)]
+        baselines = [keep_all_codes(g), recompute_all_codes(g), swap_all_codes(g, hw.min_swap_bytes)]
         if problem.mask is not None:
             baselines = [b for b in baselines if first_forbidden(g, b, problem.mask) is None]
         variants = [codes]

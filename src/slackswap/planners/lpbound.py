@@ -481,7 +481,7 @@ def lp_bound(graph: ActivationGraph, budget, hw: Hardware | str, *, integral: bo
     if mask is None and (allowed is not None or pins):
         from ..core.restrict import decision_mask
 
-        mask = decision_mask(graph, allowed, pins)
+        mask = decision_mask(graph, allowed, pins, hardware(hw).min_swap_bytes)
     for i, t in enumerate(saved):
         lp.eq([K[i], W[i], R[i]], [1, 1, 1], 1.0)
         if not graph.can_recompute[t]:

@@ -19,6 +19,7 @@ forward. torch is imported here and in the profiler only.
 from __future__ import annotations
 
 import contextlib
+import heapq
 import time
 import warnings
 import weakref
@@ -32,6 +33,8 @@ from torch.utils._python_dispatch import _disable_current_modes
 from ..core.errors import PlanError
 from ..core.graph import ActivationGraph
 from ..core.plan import Plan
+from .lanes import lanes_for
+from .positions import PlanPositions, RunLog
 from .trace import LiveStorages, ModulePaths, Tracer, collect_tensors, op_info, storage_key
 
 
@@ -47,6 +50,10 @@ class RunStats:
     recompute_s: float = 0.0
     wait_s: float = 0.0
     host_pool_bytes: int = 0
+    # steps run untraced: a plan that keeps everything is checked (names, bytes, peak) on the
+    # first step of a context and on any step whose inputs change shape; the others run as
+    # plain training (peak_activation_bytes is the traced steps')
+    untraced_steps: int = 0
 
 
 @dataclass
@@ -161,6 +168,18 @@ class _Step:
     checked: bool = False
     finished: bool = False  # the model's forward returned (it did not raise)
     verified: set[str] = field(default_factory=set)  # tensors whose dtype and bytes were checked
+    # positions (runtime/positions.py): the op the forward runs next, the position the step is
+    # at, swapped tensors held until their d2h_free (a heap by that position), prefetches in
+    # flight and what the step did
+    next_op: int = 0
+    position: int = -1
+    holding: dict[str, torch.Tensor] = field(default_factory=dict)
+    release_heap: list = field(default_factory=list)
+    arrived: dict[str, Any] = field(default_factory=dict)
+    seq_to_op: dict[int, int] = field(default_factory=dict)
+    pending_hooks: list = field(default_factory=list)
+    issue_cursor: int = 0  # the prefetch positions (PlanPositions.issue_order) handled
+    log: RunLog = field(default_factory=RunLog)
 
 
 # the checker's verdicts on the plans run lately (a context per step: one walk per plan), by the
@@ -223,8 +242,11 @@ class Run:
         self.device = device
         self.cuda = device.type == "cuda"
         self.pool = _host_pool(plan, device, pinned=self.cuda)
-        self.copy_stream = torch.cuda.Stream(device) if self.cuda else None
+        self.lanes = lanes_for(device)  # chosen once: the CUDA streams or host copies
         self.prefetch_ahead = prefetch_ahead
+        # with the graph, the executor acts at the plan's own positions (and logs where it did)
+        moves = any(d != "keep" for d in plan.decisions.values())
+        self._positions = PlanPositions.of(plan, graph) if graph is not None and moves else None
         # recipes (and RNG states) are kept only when something will be rebuilt
         self.needs_recipes = any(d == "recompute" for d in plan.decisions.values())
         self._issue_at, self._need_at = self._prefetch_schedule(plan, graph)
@@ -244,8 +266,12 @@ class Run:
         self._device_index = (device.index if device.index is not None else
                               torch.cuda.current_device()) if self.cuda else -1
         self._step: _Step | None = None
+        self._last_log = RunLog()  # the log of a step no longer held
         self._stack: contextlib.ExitStack | None = None
         self._checked = False
+        # nothing to move: once a step is checked, steps of the same input shapes run untraced
+        self._moves_nothing = all(d == "keep" for d in plan.decisions.values())
+        self._signature: tuple | None = None
 
     @staticmethod
     def _prefetch_schedule(plan: Plan, graph: ActivationGraph | None):
@@ -276,6 +302,67 @@ class Run:
             warnings.warn(f"plan was made for hardware {hw.name!r} but runs on {here!r} "
                           f"({self.device}): its copy and rebuild positions were timed for the "
                           "former", stacklevel=3)
+
+    @property
+    def log(self) -> RunLog:
+        """What the last step did, by position (runtime/positions.py): ``log.schedule`` is where
+        it released, prefetched and rebuilt each tensor."""
+        return self._step.log if self._step is not None else self._last_log
+
+    # ------------------------------------------------------------ positions
+    def _release_due(self, step: _Step, after: int) -> None:
+        """Hand back the device memory of every swapped tensor whose d2h_free is at or before
+        position ``after``, once its offload is done (the compute stream waits on it)."""
+        heap = step.release_heap
+        while heap and heap[0][0] <= after:
+            _, name = heapq.heappop(heap)
+            if step.holding.pop(name, None) is not None:
+                self.lanes.release(step.host[name][2])
+                step.log.add("release", name, after)
+
+    def _hook_nodes(self, step: _Step) -> None:
+        """The backward nodes of the ops whose positions have events: a pre-hook there moves
+        the step to that position (the node exists once the op's autograd wrapper returns)."""
+        positions = self._positions
+        for op, refs in step.pending_hooks:
+            for ref in refs:
+                t = ref()
+                node = None if t is None else t.grad_fn
+                if node is not None:
+                    q = positions.backward_position(op)
+                    node.register_prehook(_AtPosition(self, step, q))
+                    break
+        step.pending_hooks.clear()
+
+    def _issue_due(self, step: _Step, q: int) -> None:
+        """Issue the prefetches the plan issues at or before position ``q`` (in forward or
+        backward) and that are not yet issued."""
+        positions = self._positions
+        order = positions.issue_order
+        while step.issue_cursor < len(order) and order[step.issue_cursor] <= q:
+            for name in positions.issue_at[order[step.issue_cursor]]:
+                if name in step.host and name not in step.device_copy \
+                        and step.handles_left.get(name, 0) > 0:
+                    step.device_copy[name] = self._bring_back(step, name)
+            step.issue_cursor += 1
+
+    def _at_backward(self, step: _Step, q: int) -> None:
+        """The backward pass reached position ``q``: release, prefetch and rebuild what the plan
+        does at or before it and has not yet done."""
+        if q <= step.position:
+            return
+        step.position = q
+        positions = self._positions
+        if step.release_heap:
+            self._release_due(step, q - 1)
+        with _disable_current_modes():
+            self._issue_due(step, q)
+            # a rebuild runs at its position when the backward reaches it; where that node does
+            # not run (its output is off the loss's path), at the tensor's first use if any
+            for name in positions.rebuild_at.get(q, ()):
+                if name in step.packed and name not in step.device_copy \
+                        and step.handles_left.get(name, 0) > 0:
+                    self._materialize(step, name)
 
     # ------------------------------------------------------------ memory tracking
     def _track(self, t: torch.Tensor, key=None, nbytes: int | None = None) -> None:
@@ -319,6 +406,8 @@ class Run:
     # ------------------------------------------------------------ forward tracing
     def _begin_forward(self) -> None:
         self._end_forward()
+        if self._step is not None:
+            self._last_log = self._step.log
         self._paths.reset(self._paths.stack[-1] if self._paths.stack else "model")
         step = _Step(tracer=None, paths=self._paths)
         self._step = step
@@ -331,6 +420,10 @@ class Run:
         if step is None or not step.active:
             return
         step.active = False
+        if step.release_heap:
+            self._release_due(step, min(step.next_op - 1, self._positions.n_ops - 1))
+        if step.pending_hooks:
+            self._hook_nodes(step)
         tracer, step.tracer = step.tracer, None  # no cycle keeps the step (and its host buffers)
         try:
             tracer.__exit__(None, None, None)
@@ -382,6 +475,12 @@ class Run:
                 # the copy is the executor's, not the model's: keep it out of the trace
                 with _disable_current_modes():
                     self._offload(step, name, t)
+                positions = self._positions
+                if positions is not None and name in positions.release_after:
+                    # the device memory goes back where the plan frees it (d2h_free), after the
+                    # offload: held until then
+                    step.holding[name] = t
+                    heapq.heappush(step.release_heap, (positions.release_after[name], name))
         else:
             handle.ref = weakref.ref(t)
         return handle
@@ -422,6 +521,10 @@ class Run:
         if node is not step.node:
             step.node = node
             step.lingering.clear()
+            if self._positions is not None and node is not None:
+                op = step.seq_to_op.get(node._sequence_nr())
+                if op is not None:
+                    self._at_backward(step, self._positions.backward_position(op))
         if name in step.dirty or (handle.ref is not None and handle.ref() is not None
                                   and handle.ref()._version != handle.version) or \
                 (handle.tensor is not None and handle.tensor._version != handle.version):
@@ -446,8 +549,8 @@ class Run:
         """Issue copies back ahead of use. With the graph: every offloaded tensor whose planned
         issue position the backward pass has reached (the position of the tensor just asked
         for, one ahead). Without it: the next ``prefetch_ahead`` in reverse order of offload."""
-        if not step.swap_order:
-            return
+        if not step.swap_order or self._positions is not None:
+            return  # with the graph, prefetches are issued at their positions (_at_backward)
         if self._issue_at is not None and name in self._need_at:
             now = self._need_at[name] + 1
             for nxt in step.swap_order:
@@ -474,36 +577,17 @@ class Run:
         if not step.taken:
             weakref.finalize(step, self.pool.give_back, step.taken)
         step.taken.append((name, buf))
-        if self.cuda:
-            self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(self.copy_stream):
-                buf[:nbytes].copy_(src, non_blocking=True)
-            # the device memory goes back to the allocator as soon as the model lets go of it,
-            # but is reused only once the copy stream has read it
-            alias = torch.empty(0, dtype=torch.uint8, device=self.device).set_(src)
-            alias.record_stream(self.copy_stream)
-            step.host[name] = (buf, nbytes, None)
-        else:
-            buf[:nbytes].copy_(src)
-            step.host[name] = (buf, nbytes, None)
+        step.host[name] = (buf, nbytes, self.lanes.offload(src, buf, nbytes))
+        step.log.add("offload", name, step.position)
         self.stats.swapped_out_bytes += nbytes
 
     def _bring_back(self, step: _Step, name: str) -> torch.UntypedStorage:
-        buf, nbytes, pending = step.host[name]
+        """Issue the tensor's prefetch on the H2D lane (its first use waits for it)."""
+        buf, nbytes, offloaded = step.host[name]
         start = time.perf_counter()
-        if self.cuda:
-            # one copy stream: the prefetch runs after the tensor's offload, with no host wait;
-            # its memory comes from the copy stream and is then handed to the compute stream
-            current = torch.cuda.current_stream(self.device)
-            with torch.cuda.stream(self.copy_stream):
-                landing = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-                landing.untyped_storage().copy_(buf[:nbytes], non_blocking=True)
-            current.wait_stream(self.copy_stream)
-            landing.record_stream(current)
-            dev = landing.untyped_storage()
-        else:
-            dev = torch.empty(nbytes, dtype=torch.uint8).untyped_storage()
-            dev.copy_(buf[:nbytes])
+        dev, arrived = self.lanes.prefetch(buf, nbytes, offloaded)
+        step.arrived[name] = arrived
+        step.log.add("prefetch", name, step.position)
         self.stats.wait_s += time.perf_counter() - start
         self.stats.swapped_in_bytes += nbytes
         return dev
@@ -514,10 +598,15 @@ class Run:
         all its readers until the last has run."""
         cached = step.device_copy.get(name)
         if cached is not None:
+            self._first_use(step, name)
             return cached
         if self.plan.decisions.get(name) == "swap" and name in step.host:
             storage = self._bring_back(step, name)
+            step.device_copy[name] = storage
+            self._first_use(step, name)
+            return storage
         else:
+            step.log.add("rebuild", name, step.position)
             # a rebuild may rebuild others first (nested) or fetch a swapped input: only the
             # outermost rebuild is timed, less the fetches (counted in wait_s), so each second
             # is counted once
@@ -532,6 +621,12 @@ class Run:
             self.stats.recomputed_bytes += storage.nbytes()
         step.device_copy[name] = storage
         return storage
+
+    def _first_use(self, step: _Step, name: str) -> None:
+        """A prefetched tensor is read: compute waits for its copy here, and only here."""
+        if name in step.arrived:
+            self.lanes.wait(step.arrived.pop(name))
+            step.log.add("wait", name, step.position)
 
     def _storage_of(self, step: _Step, name: str, transients: dict) -> torch.UntypedStorage:
         """A tensor's storage while a rebuild runs: saved tensors as the plan says, others (and
@@ -656,6 +751,20 @@ class _RecordingTracer(Tracer):
         skipped, out = self.wrapper_work(func, args, kwargs)
         if skipped:
             return out
+        step = self.step
+        op = step.next_op  # this op's position (the profiler's op index)
+        step.next_op = op + 1
+        step.position = op
+        positions = self.run._positions
+        if positions is not None:
+            if step.release_heap:
+                self.run._release_due(step, op - 1)
+            if step.pending_hooks:
+                self.run._hook_nodes(step)
+            if step.issue_cursor < len(positions.issue_order) and \
+                    positions.issue_order[step.issue_cursor] <= op:
+                self.run._issue_due(step, op)  # a prefetch the plan issues within the forward
+            step.seq_to_op.setdefault(torch._C._autograd._get_sequence_nr() - 1, op)
         aten, _, random, inplace = op_info(func)
         inplace = inplace or "out" in kwargs
         in_tensors, in_keys = self.input_keys(args, kwargs)
@@ -667,7 +776,9 @@ class _RecordingTracer(Tracer):
         out = func(*args, **kwargs)
         module = self.paths.current
         out_tensors, stored, made, writes = self.name_outputs(out, in_keys, inplace, module, None)
-        step = self.step
+        if positions is not None and op in positions.hooked_ops:
+            # (requires_grad and grad_fn are set by autograd after this op returns)
+            step.pending_hooks.append((op, [weakref.ref(t) for t in out_tensors]))
         for w in writes:
             if w in step.packed:
                 step.dirty.add(w)
@@ -692,6 +803,18 @@ class _RecordingTracer(Tracer):
         return out
 
 
+class _AtPosition:
+    """A backward node's pre-hook: the step is at this node's position."""
+
+    __slots__ = ("run", "step", "position")
+
+    def __init__(self, run: Run, step: _Step, position: int):
+        self.run, self.step, self.position = run, step, position
+
+    def __call__(self, grad_outputs):
+        self.run._at_backward(self.step, self.position)
+
+
 class _ForwardHook:
     """Each call of the model's forward starts a step; tracing goes on through the loss and
     stops for ops run by the backward pass (as the profiler traces them)."""
@@ -701,22 +824,46 @@ class _ForwardHook:
         self.handle = None
 
     def __enter__(self):
-        def pre(module, args):
-            self.run._begin_forward()
-            self.run.stats.steps += 1
+        def pre(module, args, kwargs):
+            run = self.run
+            run.stats.steps += 1
+            if run._moves_nothing:
+                signature = _input_signature(args, kwargs)
+                if run._checked and signature == run._signature:
+                    run._end_forward()
+                    if run._step is not None:
+                        run._last_log = run._step.log
+                    run._step = None  # no tracer, no recorded tensors: plain training
+                    run.stats.untraced_steps += 1
+                    return
+                run._signature = signature
+            run._begin_forward()
 
         def post(module, args, output):
             step = self.run._step
             if step is not None:
                 step.finished = True
 
-        self.handles = [self.run.model.register_forward_pre_hook(pre),
+        self.handles = [self.run.model.register_forward_pre_hook(pre, with_kwargs=True),
                         self.run.model.register_forward_hook(post)]
         return self
 
     def __exit__(self, *exc):
         for h in self.handles:
             h.remove()
+
+
+def _input_signature(args, kwargs) -> tuple:
+    """The shapes, dtypes and devices of a call's tensor arguments (one level deep), and its
+    other arguments' types: what decides the saved tensors' sizes for a given model."""
+    def one(a):
+        if isinstance(a, torch.Tensor):
+            return (tuple(a.shape), a.dtype, a.device, a.requires_grad)
+        if isinstance(a, (list, tuple)):
+            return tuple(one(x) for x in a)
+        return a if isinstance(a, (int, float, bool, str, type(None))) else type(a)
+    return (tuple(one(a) for a in args),
+            tuple(sorted((k, one(v)) for k, v in (kwargs or {}).items())))
 
 
 class _EndForwardOnBackward:

@@ -10,8 +10,11 @@ each aten op, backward times around each autograd node; medians over ``repeat`` 
 from __future__ import annotations
 
 import gc
+import math
 import statistics
+import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from ..core.errors import GraphError
@@ -169,6 +172,9 @@ def graph_from_traces(traces, graph_name: str, extra: dict[str, Any] | None = No
         fwd = statistics.median(t.ops[i].forward_s for t in traces)
         bwd_samples = [t.backward_s.get(t.ops[i].seq, 0.0) if mp.get(t.ops[i].seq) == i else 0.0
                        for t, mp in zip(traces, seq_maps)]
+        # a node off the loss's path never runs: what it saved is never read back
+        ran = any(mp.get(t.ops[i].seq) == i and t.ops[i].seq in t.backward_s
+                  for t, mp in zip(traces, seq_maps))
         ops.append(Op(
             name=rec.name, forward_s=float(fwd), backward_s=float(statistics.median(bwd_samples)),
             inputs=tuple(rec.inputs), outputs=tuple(rec.outputs),
@@ -177,6 +183,7 @@ def graph_from_traces(traces, graph_name: str, extra: dict[str, Any] | None = No
             param_unit=rec.param_unit,
             extra={"aten": rec.aten, "module": rec.module,
                    **({"random": True} if rec.random else {}),
+                   **({} if ran else {"backward_ran": False}),
                    **({"param_grad_bytes": param_grads[i]} if param_grads[i] else {})}))
     random_saved: dict[int, list[str]] = {}
     for name, rec in first.tensors.items():
@@ -295,7 +302,8 @@ def group_by_module(graph: ActivationGraph) -> ActivationGraph:
 
 
 def profile(model, inputs, loss_fn: Callable, device=None, warmup: int = 1, repeat: int = 3,
-            name: str | None = None, group_by_module: bool = False) -> ActivationGraph:
+            name: str | None = None, group_by_module: bool = False,
+            calibrate: bool = True) -> ActivationGraph:
     """Profile ``warmup + repeat`` training steps of ``model`` and return its activation graph.
 
     inputs: a tensor, a tuple (positional arguments) or a dict (keyword arguments).
@@ -306,6 +314,11 @@ def profile(model, inputs, loss_fn: Callable, device=None, warmup: int = 1, repe
     or a temperature the loss function holds) and the state the forward writes (batch norm's
     statistics, buffers, tensors the loss function updates). The RNG is left as the steps
     leave it.
+
+    calibrate: time ``repeat`` plain steps too (no tracer) and scale the forward and backward op
+    times so that each phase sums to its measured plain time (the tracer's own host time, and
+    the Python work between ops that no op is charged for, would otherwise put the ideal step
+    30% off the step it measures); ``graph.extra["timing"]`` keeps both sums.
     """
     import torch
 
@@ -325,11 +338,14 @@ def profile(model, inputs, loss_fn: Callable, device=None, warmup: int = 1, repe
     sync = torch.cuda.synchronize if dev.type == "cuda" else None
     traces = []
     untouched = Untouched()
+    plain = None
     try:
         for step in range(warmup + repeat):
             trace = run_traced_step(model, inputs, loss_fn, sync=sync, untouched=untouched)
             if step >= warmup:
                 traces.append(trace)
+        if calibrate:
+            plain = plain_phase_times(model, inputs, loss_fn, sync, repeat)
     finally:
         untouched.restore()
     # the device and link the graph was profiled on (measured on CUDA): solve() plans for it
@@ -341,12 +357,55 @@ def profile(model, inputs, loss_fn: Callable, device=None, warmup: int = 1, repe
                                "hardware": link.to_dict(),
                                "parameters": model_parameters(model),
                                "inputs": input_shapes(inputs)})
+    if plain is not None:
+        graph = scaled_to_plain(graph, *plain)
     collectives = fsdp_collectives(model, graph)
     if collectives:
         from dataclasses import replace
 
         graph = replace(graph, collectives=collectives)
     return _group(graph) if group_by_module else graph
+
+
+def plain_phase_times(model, inputs, loss_fn, sync, repeat: int) -> tuple[float, float]:
+    """The medians of ``repeat`` plain steps' forward (loss included) and backward times, as
+    training runs them: no tracer, no hooks. The gradients they add and the state they write are
+    put back by the caller (Untouched), as the traced steps' are."""
+    import time
+
+    forward, backward = [], []
+    for _ in range(repeat):
+        if sync is not None:
+            sync()
+        start = time.perf_counter()
+        loss = loss_fn(_call(model, inputs))
+        if sync is not None:
+            sync()
+        middle = time.perf_counter()
+        loss.backward()
+        if sync is not None:
+            sync()
+        forward.append(middle - start)
+        backward.append(time.perf_counter() - middle)
+        del loss
+    return statistics.median(forward), statistics.median(backward)
+
+
+def scaled_to_plain(graph: ActivationGraph, forward_s: float, backward_s: float) -> ActivationGraph:
+    """Each phase's op times scaled so that they sum to its plain time (formulations/
+    step-model.md, "Profiled times"): the relative times are the tracer's, the totals the
+    step's."""
+    from dataclasses import replace
+
+    traced_f = sum(o.forward_s for o in graph.ops)
+    traced_b = sum(o.backward_s for o in graph.ops)
+    kf = forward_s / traced_f if traced_f > 0 else 1.0
+    kb = backward_s / traced_b if traced_b > 0 else 1.0
+    ops = tuple(replace(o, forward_s=o.forward_s * kf, backward_s=o.backward_s * kb)
+                for o in graph.ops)
+    timing = {"scaled_to_plain": True, "forward_traced_s": traced_f, "forward_plain_s": forward_s,
+              "backward_traced_s": traced_b, "backward_plain_s": backward_s}
+    return replace(graph, ops=ops, extra={**graph.extra, "timing": timing})
 
 
 def model_parameters(model) -> list[list]:
@@ -467,8 +526,65 @@ def _within(path: str, unit: str) -> bool:
 _group = group_by_module
 
 
+@dataclass(frozen=True)
+class LinkTimings:
+    """What calibrate_link times, in seconds: one large copy each way alone, both at once (on
+    two streams), and a batch of small and of medium copies each way (per copy)."""
+
+    nbytes: int
+    d2h_s: float
+    h2d_s: float
+    both_s: float  # the large D2H and H2D issued together: until both are done
+    small_bytes: int
+    medium_bytes: int
+    d2h_small_s: float
+    d2h_medium_s: float
+    h2d_small_s: float
+    h2d_medium_s: float
+
+
+def link_figures(t: LinkTimings) -> dict[str, Any]:
+    """The hardware's link figures from measured timings (formulations/step-model.md, "The
+    measured link"). Duplex when the two large copies issued together end well before the sum of
+    their solo times (the lanes ran at once); then each direction's bandwidth is what it kept
+    while the other ran, at least ``nbytes / both_s`` (taken, the conservative figure). A
+    half-duplex host (together as long as one after the other) gets its solo bandwidths on one
+    link. The fixed cost of a copy (``latency_s``) is the intercept of time = latency + bytes /
+    bandwidth through the small and medium batches, the larger of the two directions'."""
+    for name in ("d2h_s", "h2d_s", "both_s", "d2h_small_s", "d2h_medium_s", "h2d_small_s",
+                 "h2d_medium_s"):
+        value = getattr(t, name)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) \
+                or not math.isfinite(value) or value <= 0:
+            raise ValueError(f"calibrate_link: timing {name} must be a positive number, "
+                             f"got {value!r}")
+    if not 0 < t.small_bytes < t.medium_bytes:
+        raise ValueError("calibrate_link: small_bytes must be positive and below medium_bytes")
+    duplex = t.both_s < DUPLEX_OVERLAP * (t.d2h_s + t.h2d_s)
+    if duplex:
+        d2h_bw = h2d_bw = t.nbytes / t.both_s
+    else:
+        d2h_bw, h2d_bw = t.nbytes / t.d2h_s, t.nbytes / t.h2d_s
+
+    def fixed_cost(small_s: float, medium_s: float, fallback_bw: float) -> float:
+        slope = (medium_s - small_s) / (t.medium_bytes - t.small_bytes)
+        if slope <= 0:  # noise: the medium copies no slower than the small ones
+            slope = 1.0 / fallback_bw
+        return max(0.0, small_s - t.small_bytes * slope)
+
+    latency = max(fixed_cost(t.d2h_small_s, t.d2h_medium_s, t.nbytes / t.d2h_s),
+                  fixed_cost(t.h2d_small_s, t.h2d_medium_s, t.nbytes / t.h2d_s))
+    return {"d2h_bytes_per_s": d2h_bw, "h2d_bytes_per_s": h2d_bw, "latency_s": latency,
+            "duplex": bool(duplex)}
+
+
+# the two directions together in under this share of their sum: they overlapped (full duplex)
+DUPLEX_OVERLAP = 0.8
+
+
 def calibrate_link(device=None, nbytes: int = 256 * 2**20, repeat: int = 5) -> Hardware:
-    """Host<->device bandwidth and per-transfer latency, measured with pinned copies on a GPU.
+    """Host<->device bandwidth, the fixed cost of one copy and whether both directions run at
+    once, measured with pinned copies on a GPU (``link_figures`` says how).
 
     On a machine without CUDA it returns the documented "cpu" preset (the host-copy transport of
     the CPU executor) unchanged.
@@ -479,30 +595,49 @@ def calibrate_link(device=None, nbytes: int = 256 * 2**20, repeat: int = 5) -> H
         return hardware("cpu")
     dev = torch.device(device or "cuda")
     host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    host2 = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
     gpu = torch.empty(nbytes, dtype=torch.uint8, device=dev)
-    small_h = torch.empty(4, dtype=torch.uint8, pin_memory=True)
-    small_g = torch.empty(4, dtype=torch.uint8, device=dev)
+    gpu2 = torch.empty(nbytes, dtype=torch.uint8, device=dev)
+    d2h_stream, h2d_stream = torch.cuda.Stream(dev), torch.cuda.Stream(dev)
+    small, medium, batch = 64 * 2**10, 4 * 2**20, 64
 
-    def timed(fn):
+    def timed(fn, copies: int = 1):
         times = []
         for _ in range(repeat):
             torch.cuda.synchronize(dev)
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
+            start = time.perf_counter()
             fn()
-            end.record()
             torch.cuda.synchronize(dev)
-            times.append(start.elapsed_time(end) / 1e3)
+            times.append((time.perf_counter() - start) / copies)
         return statistics.median(times)
 
-    h2d = timed(lambda: gpu.copy_(host, non_blocking=True))
-    d2h = timed(lambda: host.copy_(gpu, non_blocking=True))
-    lat = timed(lambda: small_g.copy_(small_h, non_blocking=True))
+    def d2h(size=nbytes, copies=1):
+        with torch.cuda.stream(d2h_stream):
+            for i in range(copies):
+                host[i * size % (nbytes - size + 1):][:size].copy_(gpu[:size], non_blocking=True)
+
+    def h2d(size=nbytes, copies=1):
+        with torch.cuda.stream(h2d_stream):
+            for i in range(copies):
+                gpu2[:size].copy_(host2[i * size % (nbytes - size + 1):][:size], non_blocking=True)
+
+    def both():
+        d2h()
+        h2d()
+
+    timings = LinkTimings(
+        nbytes=nbytes, d2h_s=timed(d2h), h2d_s=timed(h2d), both_s=timed(both),
+        small_bytes=small, medium_bytes=medium,
+        d2h_small_s=timed(lambda: d2h(small, batch), batch),
+        d2h_medium_s=timed(lambda: d2h(medium, batch), batch),
+        h2d_small_s=timed(lambda: h2d(small, batch), batch),
+        h2d_medium_s=timed(lambda: h2d(medium, batch), batch))
     name = torch.cuda.get_device_name(dev)
     props = torch.cuda.get_device_properties(dev)
     base = hardware("h200-sxm-pcie5") if "H200" in name else hardware("h100-sxm-pcie5") \
         if "H100" in name else hardware("a100-80gb-pcie4")
-    return base.with_link(name=f"measured:{name}", d2h_bytes_per_s=nbytes / d2h,
-                          h2d_bytes_per_s=nbytes / h2d, latency_s=lat,
-                          memory_bytes=int(props.total_memory),
-                          sources={**base.sources, "link": "measured by slackswap.calibrate_link"})
+    return base.with_link(name=f"measured:{name}", memory_bytes=int(props.total_memory),
+                          **link_figures(timings),
+                          sources={**base.sources, "link": "measured by slackswap.calibrate_link: "
+                                   "a large copy each way alone and both at once, and batches "
+                                   "of 64 KiB and 4 MiB copies for the fixed cost per copy"})

@@ -1,0 +1,154 @@
+"""The executor's log: on CPU (the cpu-emulated-link preset) every step records where it
+released, prefetched and rebuilt each tensor, and that schedule is the plan's own, position for
+position; replayed through the simulator it is the plan's step."""
+
+import gc
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+torch = pytest.importorskip("torch")
+
+from models import build  # noqa: E402
+
+import slackswap as ss  # noqa: E402
+
+HF = pytest.mark.skipif(__import__("importlib").util.find_spec("transformers") is None,
+                        reason="transformers")
+MODELS = ["gpt", "cnn", pytest.param("hf-gpt2", marks=HF), pytest.param("hf-bert", marks=HF),
+          pytest.param("hf-llama", marks=HF)]
+_CACHE = {}
+
+
+def setup(name):
+    if name not in _CACHE:
+        model, inputs, loss_fn = build(name)
+        graph = ss.profile(model, inputs, loss_fn, warmup=0, repeat=1)
+        _CACHE[name] = (model, inputs, loss_fn, graph)
+    return _CACHE[name]
+
+
+def random_plan(graph, choices):
+    """A valid plan from one choice per saved tensor: recompute only where the graph can
+    rebuild, an RNG group recomputed all together or not at all."""
+    decisions = {}
+    for t, c in zip(graph.saved, choices):
+        if c == "recompute" and not graph.can_recompute[t]:
+            c = "swap"
+        decisions[graph.tensors[t].name] = c
+    for members in graph.rng_groups.values():
+        names = [graph.tensors[m].name for m in members]
+        if any(decisions[n] == "recompute" for n in names) and \
+                not all(decisions[n] == "recompute" for n in names):
+            for n in names:
+                if decisions[n] == "recompute":
+                    decisions[n] = "swap"
+    return ss.complete(ss.Plan(graph.name, graph.digest, 10**12, decisions), graph,
+                       "cpu-emulated-link")
+
+
+def call(model, inputs):
+    return model(**inputs) if isinstance(inputs, dict) else model(inputs)
+
+
+def dead_positions(graph):
+    """Backward positions whose node never ran when profiled (off the loss's path, a pooler
+    whose output the loss does not read): the executor cannot act there."""
+    n = graph.n_ops
+    return {2 * n - 1 - i for i, o in enumerate(graph.ops)
+            if o.extra.get("backward_ran", True) is False}
+
+
+def unread(graph, plan, decision):
+    """Tensors of ``decision`` no backward node reads: never rebuilt nor waited for."""
+    index = {o.name: o for o in graph.ops}
+    return {name for name, d in plan.decisions.items() if d == decision and all(
+        index[r].extra.get("backward_ran", True) is False
+        for r in graph.tensors[graph.tensor_index[name]].saved_for)}
+
+
+def assert_same_positions(logged, planned, dead):
+    """Equal, except that an event the plan puts at a dead position happens at the first live
+    position after it (nothing runs in between)."""
+    assert set(logged) == set(planned)
+    for name, q in planned.items():
+        if q in dead:
+            assert logged[name] >= q and all(p in dead for p in range(q, logged[name])), name
+        else:
+            assert logged[name] == q, (name, logged[name], q)
+
+
+@pytest.mark.parametrize("name", MODELS)
+@settings(max_examples=4, deadline=None, suppress_health_check=list(HealthCheck))
+@given(data=st.data())
+def test_the_logged_schedule_is_the_plans(name, data):
+    model, inputs, loss_fn, graph = setup(name)
+    choices = data.draw(st.lists(st.sampled_from(["keep", "swap", "recompute"]),
+                                 min_size=len(graph.saved), max_size=len(graph.saved)))
+    plan = random_plan(graph, choices)
+    torch.manual_seed(3)
+    model.zero_grad(set_to_none=True)
+    loss_fn(call(model, inputs)).backward()
+    reference = [None if p.grad is None else p.grad.clone() for p in model.parameters()]
+    torch.manual_seed(3)
+    model.zero_grad(set_to_none=True)
+    with ss.apply(plan, model, graph=graph) as run:
+        loss_fn(call(model, inputs)).backward()
+    for a, p in zip(reference, model.parameters()):
+        assert (a is None and p.grad is None) or torch.equal(a, p.grad)
+    logged, planned = run.log.schedule, plan.schedule
+    dead = dead_positions(graph)
+    assert_same_positions(dict(logged.d2h_free), dict(planned.d2h_free), dead)
+    assert_same_positions(dict(logged.h2d_issue), dict(planned.h2d_issue), dead)
+    skipped = unread(graph, plan, "recompute")
+    assert_same_positions(dict(logged.recompute_at), {
+        k: v for k, v in planned.recompute_at.items() if k not in skipped}, dead)
+    # every swap: offloaded in forward, released, prefetched, then waited on, in that order
+    events = run.log.events
+    never_read = unread(graph, plan, "swap")
+    for name in plan.tensors("swap"):
+        kinds = [k for k, t, _ in events if t == name]
+        expected = ["offload", "release", "prefetch"] + ([] if name in never_read else ["wait"])
+        assert kinds == expected, (name, kinds)
+        where = {k: p for k, t, p in events if t == name}
+        assert where["offload"] <= where["release"] < where["prefetch"] <= where.get("wait", 1e9)
+    if not skipped and not dead:
+        replayed = run.log.replay(graph, plan)
+        simulated = ss.simulate(graph, plan)
+        assert replayed.step_time_s == simulated.step_time_s
+        assert replayed.peak_bytes == simulated.peak_bytes
+        np.testing.assert_array_equal(replayed.compute_intervals, simulated.compute_intervals)
+        np.testing.assert_array_equal(replayed.h2d_intervals, simulated.h2d_intervals)
+
+
+def test_a_solved_plan_runs_on_its_schedule():
+    model, inputs, loss_fn, graph = setup("gpt")
+    plan = ss.solve(graph, 0.5, "cpu-emulated-link", solver="heuristic")
+    assert plan.count("swap") + plan.count("recompute") > 0
+    with ss.apply(plan, model, graph=graph) as run:
+        loss_fn(call(model, inputs)).backward()
+    model.zero_grad(set_to_none=True)
+    assert dict(run.log.schedule.d2h_free) == dict(plan.schedule.d2h_free)
+    assert dict(run.log.schedule.h2d_issue) == dict(plan.schedule.h2d_issue)
+    assert dict(run.log.schedule.recompute_at) == dict(plan.schedule.recompute_at)
+    assert set(run.log.to_dict()) == {"events", "schedule"}
+
+
+def test_a_context_per_step_allocates_no_host_memory_after_the_first():
+    model, inputs, loss_fn, graph = setup("gpt")
+    plan = random_plan(graph, ["swap", "recompute", "keep"] * len(graph.saved))
+    collecting = gc.isenabled()
+    gc.disable()  # no cyclic collector: what a step holds must go when its graph goes
+    try:
+        pools = []
+        for _ in range(200):
+            model.zero_grad(set_to_none=True)
+            with ss.apply(plan, model, graph=graph) as run:
+                loss_fn(call(model, inputs)).backward()
+            pools.append(run.stats.host_pool_bytes)
+    finally:
+        if collecting:
+            gc.enable()
+    assert pools[0] > 0 and len(set(pools)) == 1
