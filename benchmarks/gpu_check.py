@@ -1,4 +1,19 @@
-"""The GPU check behind gpu_check.sh (see there). Writes one JSON summary."""
+"""The device check behind gpu_check.sh: does a plan run the way it was planned?
+
+For HF GPT-2 medium and an HF Llama config of about 1B parameters (bf16, SDPA attention as users
+run them), at budgets of 100 / 70 / 50 / 30% of the keep-all peak, with the heuristic and the
+default solver, and beside plain training, per-block checkpointing, torch's selective
+checkpointing (save the matmuls), save_on_cpu and torch.compile with an activation memory budget:
+the measured step (median of paired rounds against plain), the measured activation peak
+(max_memory_allocated less parameters and gradients), the simulated step and peak, gradients
+against plain, allocator counters per step, and, from one torch.profiler trace of a swapping
+plan, the share of copy time that overlaps kernels. One JSON summary, written after every row.
+
+    bash benchmarks/gpu_check.sh                 # on a GPU
+    python benchmarks/gpu_check.py --cpu --out /tmp/gpu_check_cpu.json   # the CPU fallback:
+        # the same rows on tiny configs and the cpu-emulated-link preset (no compile row)
+    python benchmarks/gpu_check.py --report benchmarks/results/gpu_check.json  # RESULTS.md
+"""
 
 from __future__ import annotations
 
@@ -6,191 +21,370 @@ import argparse
 import json
 import statistics
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
 
 import slackswap as ss
 
+BUDGETS = (1.0, 0.7, 0.5, 0.3)
 
-def gpt2_medium(seq: int, batch: int, device):
+
+def models(cpu: bool, device, dtype):
+    """(name, model, inputs, loss_fn) for GPT-2 medium and a Llama config of about 1B
+    parameters (TinyLlama's shape), or tiny configs of both for the CPU fallback."""
     import transformers
 
-    cfg = transformers.GPT2Config(n_layer=24, n_embd=1024, n_head=16, n_positions=seq,
-                                  vocab_size=50257, bos_token_id=0, eos_token_id=0)
-    model = transformers.GPT2LMHeadModel(cfg).to(device=device, dtype=torch.bfloat16)
-    model.train()
-    ids = torch.randint(0, cfg.vocab_size, (batch, seq), device=device)
-    return model, {"input_ids": ids}, (lambda out: out.logits.float().logsumexp(-1).mean())
+    torch.manual_seed(0)
+    if cpu:
+        shapes = [("gpt2-tiny", dict(n_layer=2, n_embd=128, n_head=4), 64, 2),
+                  ("llama-tiny", dict(num_hidden_layers=2, hidden_size=128, num_attention_heads=4,
+                                      num_key_value_heads=2, intermediate_size=344), 64, 2)]
+    else:
+        shapes = [("gpt2-medium", dict(n_layer=24, n_embd=1024, n_head=16), 1024, 4),
+                  ("llama-1b", dict(num_hidden_layers=22, hidden_size=2048, num_attention_heads=32,
+                                    num_key_value_heads=4, intermediate_size=5632), 2048, 2)]
+    out = []
+    for name, shape, seq, batch in shapes:
+        vocab = 1000 if cpu else 32000
+        if name.startswith("gpt2"):
+            cfg = transformers.GPT2Config(n_positions=seq, vocab_size=vocab, bos_token_id=0,
+                                          eos_token_id=0, **shape)
+            model = transformers.GPT2LMHeadModel(cfg)
+        else:
+            cfg = transformers.LlamaConfig(max_position_embeddings=seq, vocab_size=vocab, **shape)
+            model = transformers.LlamaForCausalLM(cfg)
+        model = model.to(device=device, dtype=dtype).train()
+        ids = torch.randint(0, vocab, (batch, seq), device=device)
+        out.append((name, model, {"input_ids": ids},
+                    lambda o: o.logits.float().logsumexp(-1).mean()))
+    return out
 
 
-def measure(step, repeat: int = 3) -> dict:
-    step()
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    times = []
-    for _ in range(repeat):
-        torch.cuda.synchronize()
+class Device:
+    """Synchronisation, peak memory and allocator counters, on CUDA or the CPU."""
+
+    def __init__(self, device):
+        self.device = device
+        self.cuda = device.type == "cuda"
+
+    def sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+
+    def counters(self) -> dict:
+        if not self.cuda:
+            return {}
+        s = torch.cuda.memory_stats(self.device)
+        return {"num_device_alloc": s.get("num_device_alloc", 0),
+                "num_alloc_retries": s.get("num_alloc_retries", 0)}
+
+    def peak(self, step) -> tuple[int, dict]:
+        """The step's peak bytes above what was allocated before it, and its counters. On CUDA
+        that includes the parameter gradients the step makes (the caller takes them off); on
+        the CPU it is StepMeter's figure for the step's tensors."""
+        self.sync()
+        before = self.counters()
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats(self.device)
+            start = torch.cuda.memory_allocated(self.device)
+            step()
+            self.sync()
+            peak = torch.cuda.max_memory_allocated(self.device) - start
+        else:
+            with ss.StepMeter(sample="ops") as meter:
+                step()
+            peak = meter.peak_bytes
+        after = self.counters()
+        return peak, {k: after[k] - before[k] for k in after}
+
+
+def paired(dev: Device, plain, other, rounds: int) -> tuple[float, float]:
+    """Median step time of ``other`` and its median ratio to plain, the two run back to back
+    in each round (load drifts equally over both)."""
+    plain(), other()
+    ratios, times = [], []
+    for _ in range(rounds):
+        dev.sync()
         start = time.perf_counter()
+        plain()
+        dev.sync()
+        a = time.perf_counter() - start
+        start = time.perf_counter()
+        other()
+        dev.sync()
+        b = time.perf_counter() - start
+        ratios.append(b / a)
+        times.append(b)
+    return statistics.median(times), statistics.median(ratios)
+
+
+def gradients(model) -> list:
+    return [None if p.grad is None else p.grad.detach().clone() for p in model.parameters()]
+
+
+def compare(reference, model) -> dict:
+    pairs = [(a, b) for a, b in zip(reference, (p.grad for p in model.parameters()))
+             if a is not None and b is not None]
+    return {"gradients_bit_identical": all(torch.equal(a, b) for a, b in pairs),
+            "gradients_max_abs_diff": max((float((a.float() - b.float()).abs().max())
+                                           for a, b in pairs), default=0.0)}
+
+
+def overlap_share(step) -> float | None:
+    """From one torch.profiler trace: the share of host<->device copy time during which a
+    compute kernel runs too."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
         step()
         torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-    return {"step_s": statistics.median(times), "max_memory_allocated": torch.cuda.max_memory_allocated()}
+    copies, kernels = [], []
+    for e in prof.events():
+        if e.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        span = (e.time_range.start, e.time_range.end)
+        (copies if "Memcpy" in e.name and ("DtoH" in e.name or "HtoD" in e.name)
+         else kernels).append(span)
+    if not copies:
+        return None
+    kernels.sort()
+    total = overlapped = 0.0
+    for start, end in copies:
+        total += end - start
+        covered, cursor = 0.0, start
+        for ks, ke in kernels:
+            if ke <= cursor:
+                continue
+            if ks >= end:
+                break
+            lo, hi = max(ks, cursor), min(ke, end)
+            if hi > lo:
+                covered += hi - lo
+                cursor = hi
+        overlapped += covered
+    return overlapped / total if total else None
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/gpu_check.json"))
-    parser.add_argument("--seq", type=int, default=1024)
-    parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--time-limit", type=float, default=20.0)
-    parser.add_argument("--report", type=Path,
-                        help="write the RESULTS.md section from this summary, run nothing")
-    args = parser.parse_args()
-    if args.report:
-        return report(json.loads(args.report.read_text()))
-    summary: dict = {"ok": False}
-
-    def save() -> None:  # after every measurement, so a run cut short still reports
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(summary, indent=1, default=str))
-    if not torch.cuda.is_available():
-        summary["error"] = "no CUDA device"
-        args.out.write_text(json.dumps(summary, indent=1))
-        print(summary)
-        return 1
-    # deterministic kernels, so that gradients can be compared bit for bit
-    torch.use_deterministic_algorithms(True, warn_only=True)
-    # attention's fused backward kernels are not bitwise reproducible: the math kernel is
-    torch.backends.cuda.enable_flash_sdp(False)
-    torch.backends.cuda.enable_mem_efficient_sdp(False)
-    torch.backends.cuda.enable_cudnn_sdp(False)
-    device = torch.device("cuda")
-    summary["device"] = torch.cuda.get_device_name(device)
-    summary["torch"] = torch.__version__
-    hw = ss.calibrate_link(device)
-    summary["link"] = {"d2h_GBps": hw.d2h_bytes_per_s / 1e9, "h2d_GBps": hw.h2d_bytes_per_s / 1e9,
-                       "latency_us": hw.latency_s * 1e6}
-    model, inputs, loss_fn = gpt2_medium(args.seq, args.batch, device)
-    start = time.perf_counter()
-    graph = ss.profile(model, inputs, loss_fn, warmup=1, repeat=2, name="gpt2-medium")
-    summary["profile_s"] = time.perf_counter() - start
-    summary["graph"] = graph.summary()
+def baselines(model, inputs, loss_fn, cpu: bool, compile_row: bool) -> dict:
+    """The steps of torch's own ways, each a callable."""
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
     def plain():
         model.zero_grad(set_to_none=True)
         loss_fn(model(**inputs)).backward()
 
-    base = measure(plain)
+    def with_checkpointing(**kwargs):
+        def step():
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={
+                "use_reentrant": False, **kwargs})
+            try:
+                plain()
+            finally:
+                model.gradient_checkpointing_disable()
+        return step
+
+    matmuls = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default,
+               torch.ops.aten.bmm.default}
+
+    def save_matmuls(ctx, op, *args, **kwargs):
+        return CheckpointPolicy.MUST_SAVE if op in matmuls else CheckpointPolicy.PREFER_RECOMPUTE
+
+    def save_on_cpu():
+        model.zero_grad(set_to_none=True)
+        with torch.autograd.graph.save_on_cpu(pin_memory=not cpu):
+            loss_fn(model(**inputs)).backward()
+
+    steps = {"per-block checkpointing": with_checkpointing(),
+             "selective checkpointing (save matmuls)": with_checkpointing(
+                 context_fn=partial(create_selective_checkpoint_contexts, save_matmuls)),
+             "save_on_cpu": save_on_cpu}
+    if compile_row:
+        import torch._functorch.config as functorch_config
+
+        functorch_config.activation_memory_budget = 0.5
+        compiled = torch.compile(model)
+
+        def compiled_step():
+            model.zero_grad(set_to_none=True)
+            loss_fn(compiled(**inputs)).backward()
+
+        steps["torch.compile, activation_memory_budget 0.5"] = compiled_step
+    return plain, steps
+
+
+def check_model(name, model, inputs, loss_fn, dev: Device, hw, args, summary, save) -> None:
+    entry: dict = {"model": name, "rows": []}
+    summary["models"].append(entry)
+    started = time.perf_counter()
+    graph = ss.profile(model, inputs, loss_fn, warmup=1, repeat=2, name=name)
+    entry["profile_s"] = time.perf_counter() - started
+    entry["graph"] = graph.summary()
     params = sum(p.numel() * p.element_size() for p in model.parameters())
-    summary["plain"] = {**base, "param_bytes": params}
-    summary["keep_all_peak_simulated"] = ss.keep_all_peak(graph, hw)
-    rows = []
-    torch.manual_seed(0)  # dropout is on: the same masks for the reference and each plan
-    plain()
-    reference = [None if p.grad is None else p.grad.clone() for p in model.parameters()]
+    entry["param_bytes"] = params
+    plain, others = baselines(model, inputs, loss_fn, not dev.cuda, dev.cuda and not args.no_compile)
     torch.manual_seed(0)
     plain()
-    summary["plain_bit_reproducible"] = all(
-        (a is None and b is None) or torch.equal(a, b)
-        for a, b in zip(reference, (p.grad for p in model.parameters())))
-    summary["deterministic_algorithms"] = torch.are_deterministic_algorithms_enabled()
-    solvers = [s for s in ("heuristic", "cpsat") if ss.is_available(s)]
-    summary["solvers"] = solvers
-    for fraction in (1.0, 0.7, 0.5):
-        for solver in solvers:
+    reference = gradients(model)
+    plain_s, _ = paired(dev, plain, plain, args.rounds)
+    # activation peak: the step's peak above what was allocated before it, less the parameter
+    # gradients it makes (zeroed to None first): activations and workspaces alone
+    grads = params if dev.cuda else 0
+    plain_peak, plain_counters = dev.peak(plain)
+    entry["plain"] = {"step_s": plain_s, "activation_peak_bytes": plain_peak - grads,
+                      "counters": plain_counters, "ideal_step_s": graph.ideal_step_time_s,
+                      "keep_all_peak_simulated": ss.keep_all_peak(graph, hw)}
+    save()
+    swapping = None
+    for fraction in BUDGETS:
+        for solver in args.solvers:
+            row: dict = {"budget": fraction, "solver": solver}
+            entry["rows"].append(row)
             try:
                 plan = ss.solve(graph, fraction, hw, solver=solver, time_limit_s=args.time_limit)
             except ss.InfeasibleBudget as exc:
-                rows.append({"budget": fraction, "solver": solver, "error": str(exc)})
+                row["error"] = str(exc)
+                save()
                 continue
             sim = ss.simulate(graph, plan)
-            check = ss.validate(graph, plan)
+            row.update(status=plan.info.status, checker_ok=ss.validate(graph, plan).ok,
+                       counts={d: plan.count(d) for d in ("keep", "swap", "recompute")},
+                       budget_bytes=plan.budget_bytes, simulated_step_s=sim.step_time_s,
+                       simulated_peak_bytes=sim.peak_bytes)
 
             def step(plan=plan):
                 model.zero_grad(set_to_none=True)
-                with ss.apply(plan, model, graph=graph):
+                with ss.apply(plan, model, graph=graph) as run:
                     loss_fn(model(**inputs)).backward()
+                return run
 
             try:
                 torch.manual_seed(0)
-                step()
-                pairs = [(a, b) for a, b in zip(reference, (p.grad for p in model.parameters()))
-                         if a is not None and b is not None]
-                same = all(torch.equal(a, b) for a, b in pairs)
-                max_diff = max(float((a.float() - b.float()).abs().max()) for a, b in pairs)
-                got = measure(step)
+                run = step()
+                row.update(compare(reference, model))
+                row["log_matches_plan"] = run.log.schedule == plan.schedule
+                pool_before = run.stats.host_pool_bytes
+                row["step_s"], row["x_plain"] = paired(dev, plain, step, args.rounds)
+                peak, counters = dev.peak(step)
+                row.update(activation_peak_bytes=peak - grads, counters=counters,
+                           host_pool_growth_bytes=step().stats.host_pool_bytes - pool_before)
+                row["within_budget"] = row["activation_peak_bytes"] <= plan.budget_bytes
+                if swapping is None and plan.count("swap"):
+                    swapping = step
             except Exception as exc:  # report it and go on with the other rows
-                rows.append({"budget": fraction, "solver": solver, "error": f"{type(exc).__name__}: {exc}"})
-                summary["rows"] = rows
-                save()
-                continue
-            rows.append({"budget": fraction, "solver": solver, "status": plan.info.status,
-                         "checker_ok": check.ok, "gradients_bit_identical": same,
-                         "gradients_max_abs_diff": max_diff,
-                         "counts": {d: plan.count(d) for d in ("keep", "swap", "recompute")},
-                         "budget_bytes": plan.budget_bytes, **got,
-                         "activation_bytes_measured": got["max_memory_allocated"] - params,
-                         "simulated_peak_bytes": sim.peak_bytes,
-                         "simulated_step_s": sim.step_time_s, "retention_simulated": sim.retention,
-                         "retention_measured": base["step_s"] / got["step_s"]})
-            print(rows[-1], flush=True)
-            summary["rows"] = rows
+                row["error"] = f"{type(exc).__name__}: {exc}"
+            print(name, json.dumps(row, default=str), flush=True)
             save()
-    model.gradient_checkpointing_enable()
-    ckpt = measure(plain)
-    model.gradient_checkpointing_disable()
-
-    def offload():
-        model.zero_grad(set_to_none=True)
-        with torch.autograd.graph.save_on_cpu(pin_memory=True):
-            loss_fn(model(**inputs)).backward()
-
-    summary.update(rows=rows, torch_checkpoint=ckpt, offload_everything=measure(offload), ok=True)
+    for label, fn in others.items():
+        row = {"variant": label}
+        entry["rows"].append(row)
+        try:
+            torch.manual_seed(0)
+            fn()
+            row.update(compare(reference, model))
+            row["step_s"], row["x_plain"] = paired(dev, plain, fn, args.rounds)
+            peak, counters = dev.peak(fn)
+            row.update(activation_peak_bytes=peak - grads, counters=counters)
+        except Exception as exc:
+            row["error"] = f"{type(exc).__name__}: {exc}"
+        print(name, json.dumps(row, default=str), flush=True)
+        save()
+    if dev.cuda and swapping is not None:
+        try:
+            entry["copy_overlap_share"] = overlap_share(swapping)
+        except Exception as exc:
+            entry["copy_overlap_share_error"] = f"{type(exc).__name__}: {exc}"
     save()
-    print(json.dumps({k: v for k, v in summary.items() if k != "rows"}, default=str))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/gpu_check.json"))
+    parser.add_argument("--cpu", action="store_true",
+                        help="the CPU fallback: tiny configs on the cpu-emulated-link preset")
+    parser.add_argument("--time-limit", type=float, default=10.0)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--solvers", nargs="+", default=["heuristic", "cpsat"])
+    parser.add_argument("--no-compile", action="store_true", help="leave out the compile row")
+    parser.add_argument("--report", type=Path,
+                        help="write the RESULTS.md section from this summary, run nothing")
+    args = parser.parse_args()
+    if args.report:
+        return report(json.loads(args.report.read_text()))
+    summary: dict = {"ok": False, "models": [], "torch": torch.__version__}
+
+    def save() -> None:  # after every row, so a run cut short still reports
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(summary, indent=1, default=str))
+
+    if not args.cpu and not torch.cuda.is_available():
+        summary["error"] = "no CUDA device (the CPU fallback: --cpu)"
+        save()
+        print(summary["error"])
+        return 1
+    device = torch.device("cpu" if args.cpu else "cuda")
+    dev = Device(device)
+    if dev.cuda:
+        # deterministic kernels, so that gradients can be compared bit for bit
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        summary["device"] = torch.cuda.get_device_name(device)
+        hw = ss.calibrate_link(device)
+    else:
+        summary["device"] = "cpu (fallback)"
+        hw = ss.hardware("cpu-emulated-link")
+    summary["link"] = {"name": hw.name, "d2h_GBps": hw.d2h_bytes_per_s / 1e9,
+                       "h2d_GBps": hw.h2d_bytes_per_s / 1e9, "latency_us": hw.latency_s * 1e6,
+                       "duplex": hw.duplex}
+    dtype = torch.float32 if args.cpu else torch.bfloat16
+    for name, model, inputs, loss_fn in models(args.cpu, device, dtype):
+        check_model(name, model, inputs, loss_fn, dev, hw, args, summary, save)
+        del model
+        if dev.cuda:
+            torch.cuda.empty_cache()
+    summary["ok"] = True
+    save()
     return 0
 
 
 def report(summary: dict) -> int:
-    """benchmarks/RESULTS.md's GPU section, from a summary the check wrote on the GPU."""
+    """benchmarks/RESULTS.md's device section, from a summary the check wrote."""
     from results_md import markdown_table, write_section
 
-    plain = summary["plain"]
-    rows = [["plain training", "-", "-", f"{1e3 * plain['step_s']:.1f}", "1.00",
-             f"{(plain['max_memory_allocated'] - plain['param_bytes']) / 2**30:.2f}", "-", "-"]]
-    for r in summary.get("rows", []):
-        if "error" in r:
-            rows.append([f"{r['solver']} plan", f"{100 * r['budget']:.0f}%", r["error"][:60], "", "",
-                         "", "", ""])
-            continue
-        rows.append([f"{r['solver']} plan ({r['counts']['swap']} swap, {r['counts']['recompute']} "
-                     f"recompute)", f"{100 * r['budget']:.0f}%",
-                     f"{r['budget_bytes'] / 2**30:.2f}", f"{1e3 * r['step_s']:.1f}",
-                     f"{r['step_s'] / plain['step_s']:.2f}",
-                     f"{r['activation_bytes_measured'] / 2**30:.2f}",
-                     f"{r['simulated_peak_bytes'] / 2**30:.2f}",
-                     "yes" if r["gradients_bit_identical"] else f"no ({r['gradients_max_abs_diff']:.2g})"])
-    for key, label in (("torch_checkpoint", "torch checkpointing (every block)"),
-                       ("offload_everything", "offload everything (save_on_cpu)")):
-        m = summary[key]
-        rows.append([label, "-", "-", f"{1e3 * m['step_s']:.1f}", f"{m['step_s'] / plain['step_s']:.2f}",
-                     f"{(m['max_memory_allocated'] - plain['param_bytes']) / 2**30:.2f}", "-", "-"])
-    body = markdown_table(["variant", "budget", "budget GiB", "step ms", "x plain",
-                           "measured peak - params, GiB", "simulated peak GiB",
-                           "gradients bit-identical"], rows)
-    link = summary["link"]
-    body += (f"\n\n{summary['device']}, {summary['graph']}; link measured {link['d2h_GBps']:.1f} / "
-             f"{link['h2d_GBps']:.1f} GB/s, {link['latency_us']:.1f} us; deterministic kernels "
-             f"(plain training bit-reproducible: {summary.get('plain_bit_reproducible')}); the "
-             "profile's ideal step is "
-             f"{1e3 * summary['rows'][0]['simulated_step_s']:.0f} ms against "
-             f"{1e3 * plain['step_s']:.0f} ms measured." if summary.get("rows") else "")
-    write_section("gpu_check", "GPU check (one run on the device)",
-                  "bash benchmarks/gpu_check.sh --time-limit 10  (on the GPU), then "
-                  "python benchmarks/gpu_check.py --report benchmarks/results/gpu_check.json", body,
-                  where=", ".join([summary["device"]] + (
-                      [f"torch {summary['torch']}"] if summary.get("torch") else [])))
+    body = []
+    for entry in summary.get("models", []):
+        plain = entry["plain"]
+        rows = [["plain training", "-", f"{1e3 * plain['step_s']:.1f}", "1.00",
+                 f"{plain['activation_peak_bytes'] / 2**30:.2f}", "-", "-", "-"]]
+        for r in entry["rows"]:
+            label = r.get("variant") or f"{r['solver']} at {100 * r['budget']:.0f}%"
+            if "error" in r:
+                rows.append([label, r["error"][:60], "", "", "", "", "", ""])
+                continue
+            sim = r.get("simulated_step_s")
+            rows.append([
+                label + (f" ({r['counts']['swap']} swap, {r['counts']['recompute']} recompute)"
+                         if "counts" in r else ""),
+                f"{r['budget_bytes'] / 2**30:.2f}" if "budget_bytes" in r else "-",
+                f"{1e3 * r['step_s']:.1f}", f"{r['x_plain']:.2f}",
+                f"{r['activation_peak_bytes'] / 2**30:.2f}",
+                f"{1e3 * sim:.1f}" if sim else "-",
+                f"{r['simulated_peak_bytes'] / 2**30:.2f}" if "simulated_peak_bytes" in r else "-",
+                "yes" if r.get("gradients_bit_identical") else
+                f"no ({r.get('gradients_max_abs_diff', float('nan')):.2g})"])
+        body.append(f"**{entry['model']}** ({entry['graph']}; ideal step "
+                    f"{1e3 * plain['ideal_step_s']:.1f} ms)\n\n" + markdown_table(
+                        ["variant", "budget GiB", "step ms", "x plain", "activation peak GiB",
+                         "simulated step ms", "simulated peak GiB", "gradients bit-identical"],
+                        rows))
+    link = summary.get("link", {})
+    body.append(f"Link: {link.get('name')}, {link.get('d2h_GBps', 0):.1f} / "
+                f"{link.get('h2d_GBps', 0):.1f} GB/s, {link.get('latency_us', 0):.1f} us per "
+                f"copy, duplex {link.get('duplex')}.")
+    write_section("gpu_check", "Device check (plans as they run)",
+                  "bash benchmarks/gpu_check.sh, then python benchmarks/gpu_check.py --report "
+                  "benchmarks/results/gpu_check.json", "\n\n".join(body),
+                  where=f"{summary.get('device')}, torch {summary.get('torch')}")
     return 0
 
 

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# One short GPU run (under 5 minutes) that writes a JSON summary:
+# One device run (at most 8 minutes on an H200) that writes a JSON summary:
 #   bash benchmarks/gpu_check.sh            # summary in ${OUT:-benchmarks/results}/gpu_check.json
-# Real peak memory (torch.cuda.max_memory_allocated) and step time of a GPT-2-medium-size model at
-# 100 / 70 / 50 % budgets for the heuristic and the exact plan, beside torch.utils.checkpoint and
-# offload-everything (save_on_cpu), with the simulator's prediction from a profile taken there.
+# Measured step and activation peak of HF GPT-2 medium and a 1B Llama config (bf16, SDPA) at
+# 100 / 70 / 50 / 30% budgets, heuristic and default solver, beside plain, per-block and selective
+# checkpointing, save_on_cpu and torch.compile; the simulator's figures beside (gpu_check.py).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if ! python3 -c "import slackswap" 2>/dev/null; then

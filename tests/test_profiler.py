@@ -353,3 +353,33 @@ def test_link_figures_from_timings_hand_worked():
     ss.hardware("a100-80gb-pcie4").with_link(**half)  # a valid Hardware
     with pytest.raises(ValueError, match="both_s"):
         link_figures(replace(t, both_s=float("nan")))
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(__import__("importlib").util.find_spec("transformers") is None,
+                    reason="transformers")
+def test_the_device_check_runs_on_its_cpu_fallback(tmp_path):
+    """benchmarks/gpu_check.py is one call on a GPU; its CPU fallback runs the same rows on tiny
+    configs, so the script is known to work before device time is spent on it."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "check.json"
+    subprocess.run([sys.executable, str(root / "benchmarks" / "gpu_check.py"), "--cpu", "--out",
+                    str(out), "--rounds", "1", "--time-limit", "5", "--solvers", "heuristic"],
+                   check=True, cwd=root, capture_output=True, timeout=CAP)
+    summary = json.loads(out.read_text())
+    assert summary["ok"] and [m["model"] for m in summary["models"]] == ["gpt2-tiny", "llama-tiny"]
+    for entry in summary["models"]:
+        plans = [r for r in entry["rows"] if "solver" in r]
+        assert [r["budget"] for r in plans] == [1.0, 0.7, 0.5, 0.3]
+        for r in plans:
+            assert "error" not in r, r
+            assert r["checker_ok"] and r["gradients_bit_identical"] and r["log_matches_plan"]
+        assert plans[0]["counts"]["swap"] == plans[0]["counts"]["recompute"] == 0
+        variants = {r["variant"] for r in entry["rows"] if "variant" in r}
+        assert variants == {"per-block checkpointing", "selective checkpointing (save matmuls)",
+                            "save_on_cpu"}
