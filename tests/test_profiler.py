@@ -148,18 +148,23 @@ def test_the_step_meter_is_not_lowered_by_earlier_garbage():
             gc.enable()
 
 
-def test_dropout_is_marked_and_in_place_writes_are_not_rebuilt():
+def test_dropout_is_marked_and_in_place_writes_are_rebuilt_with_their_writers():
     model, inputs, loss_fn = build("gpt")
     g = ss.profile(model, inputs, loss_fn, warmup=0, repeat=1)
     random_ops = [op for op in g.ops if op.extra.get("random")]
     assert random_ops, "dropout must show up as random ops"
-    # on CPU dropout draws its mask in place: the mask's producer may not run again
+    # on CPU dropout draws its mask in place (empty_like, then bernoulli_): the draw lists the
+    # mask in its writes, and rebuilding the mask reruns the producer and then the draw
+    index = {op.name: i for i, op in enumerate(g.ops)}
+    drawn = 0
     for op in random_ops:
-        for name in op.inputs:
+        for name in op.writes:
             t = g.tensor_index[name]
             producer = g.ops[g.producer[t]]
-            if producer.name != op.name and "empty" in producer.extra["aten"]:
-                assert not producer.recomputable
+            assert "empty" in producer.extra["aten"] and producer.recomputable
+            assert index[op.name] in g.rerun_ops[t] and g.writers[t][0] == index[op.name]
+            drawn += 1
+    assert drawn > 0
 
 
 def test_stable_names_across_steps():

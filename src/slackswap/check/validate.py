@@ -216,6 +216,13 @@ class _Step:
                 self.producer[self.tensor_of[name]] = i
         self.reads = [[self.tensor_of[x] for x in op.inputs if x in self.tensor_of] for op in ops]
         self.makes = [[self.tensor_of[x] for x in op.outputs] for op in ops]
+        # in-place writes: a tensor written after it was made is rebuilt by its producer and
+        # then its writers, in forward order
+        self.written_by: list[list[int]] = [[] for _ in graph.tensors]
+        for i, op in enumerate(ops):
+            for x in op.writes:
+                if x in self.tensor_of:
+                    self.written_by[self.tensor_of[x]].append(i)
         self.saved = [bool(t.saved_for) for t in graph.tensors]
         self.readers_bwd = [[self.op_of[o] for o in t.saved_for] for t in graph.tensors]
         self.bwd_reads: list[list[int]] = [[] for _ in ops]
@@ -245,12 +252,26 @@ class _Step:
             for t in self.reads[q]:
                 if self.saved[t]:
                     frontier.add(t)
-                elif self.producer[t] not in ops:
-                    ops.add(self.producer[t])
-                    todo.append(self.producer[t])
+                    continue
+                # an unsaved tensor as op q read it: its producer, and its writes before q
+                for r in [self.producer[t]] + [w for w in self.written_by[t] if w < q]:
+                    if r not in ops:
+                        ops.add(r)
+                        todo.append(r)
         result = (frozenset(ops), frozenset(frontier))
         self._closure[op] = result
         return result
+
+    def rebuild(self, t: int) -> tuple[frozenset[int], frozenset[int]]:
+        """Ops that run again to rebuild saved tensor ``t`` (its producer's closure, then every
+        write to it with theirs) and the saved tensors they read, ``t`` itself aside."""
+        ops, frontier = set(), set()
+        for q in [self.producer[t]] + self.written_by[t]:
+            more_ops, more = self.closure(q)
+            ops |= more_ops
+            frontier |= more
+        frontier.discard(t)
+        return frozenset(ops), frozenset(frontier)
 
     # ------------------------------------------------------------------ decisions
     def read_decisions(self, plan: Plan) -> list[str | None]:
@@ -270,7 +291,7 @@ class _Step:
             if self.saved[t] and decisions[t] is None:
                 raise PlanError(f"plan: no decision for saved tensor {tensor.name!r}")
             if decisions[t] == "recompute":
-                ops, _ = self.closure(self.producer[t])
+                ops, _ = self.rebuild(t)
                 blocked = sorted(q for q in ops if not g.ops[q].recomputable)
                 if blocked:
                     raise PlanError(f"plan: tensor {tensor.name!r} cannot be recomputed: op "
@@ -361,7 +382,7 @@ class _Step:
                     swap_reads.setdefault(k, set()).add(t)
                 elif decisions[t] == "recompute" and t not in rebuilt:
                     rebuilt[t] = k
-                    ops, frontier = self.closure(self.producer[t])
+                    ops, frontier = self.rebuild(t)
                     here |= ops
                     todo.extend(frontier)
                 if not todo:  # what the reruns make that the plan recomputes is rebuilt too

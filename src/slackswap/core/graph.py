@@ -29,6 +29,7 @@ MAX_TOTAL_SECONDS = 1e12
 _OP_FIELDS = {
     "name", "forward_s", "backward_s", "inputs", "outputs",
     "forward_workspace_bytes", "backward_workspace_bytes", "recomputable", "unit", "param_unit",
+    "writes",
 }
 _TENSOR_FIELDS = {"name", "bytes", "saved_for", "group", "alive_until", "rebuilt_before"}
 _GRAPH_FIELDS = {"format", "name", "ops", "tensors", "optimizer_s", "collectives"}
@@ -54,6 +55,10 @@ class Op:
     # "Sharded parameters"); "" when none
     unit: str = ""
     param_unit: str = ""
+    # tensors this op writes in place (it reads them too): a dropout mask filled by bernoulli_,
+    # an in-place ReLU's output. Rebuilding such a tensor reruns its producer and then its
+    # writers, in forward order (formulations/step-model.md, "Decisions")
+    writes: tuple[str, ...] = ()
     extra: Mapping[str, Any] = field(default_factory=dict, compare=False)
 
 
@@ -186,6 +191,12 @@ class ActivationGraph:
             _check_unit(op.param_unit, where)
             if len(set(op.outputs)) != len(op.outputs):
                 raise GraphError(f"{where}: an output is listed twice")
+            if not isinstance(op.writes, tuple):
+                raise GraphError(f"{where}: writes must be a tuple of tensor names")
+            for name in op.writes:
+                if name not in op.inputs:
+                    raise GraphError(f"{where}: writes {name!r} in place but does not read it "
+                                     "(an op writes in place what it reads: list it in inputs)")
         tensor_index: dict[str, int] = {}
         for j, t in enumerate(self.tensors):
             where = _where("tensor", t.name)
@@ -316,6 +327,7 @@ class ActivationGraph:
                 recomputable=_check_bool(raw.get("recomputable", True), where, "recomputable"),
                 unit=_check_unit(raw.get("unit", ""), where),
                 param_unit=_check_unit(raw.get("param_unit", ""), where),
+                writes=_names(raw.get("writes", []), where, "writes"),
                 extra={k: v for k, v in raw.items() if k not in _OP_FIELDS},
             ))
         tensors = []
@@ -388,6 +400,8 @@ class ActivationGraph:
                 d["unit"] = op.unit
             if op.param_unit:
                 d["param_unit"] = op.param_unit
+            if op.writes:
+                d["writes"] = list(op.writes)
             ops.append(d)
         tensors = []
         for t in self.tensors:
@@ -420,6 +434,7 @@ class ActivationGraph:
             "ops": [[o.name, o.forward_s, o.backward_s, list(o.inputs), list(o.outputs),
                      o.forward_workspace_bytes, o.backward_workspace_bytes, o.recomputable]
                     + ([o.unit, o.param_unit] if o.unit or o.param_unit else [])
+                    + ([{"writes": list(o.writes)}] if o.writes else [])
                     for o in self.ops],
             # alive_until only where set, so graphs without it keep their digests
             "tensors": [[t.name, t.bytes, list(t.saved_for), t.group]
@@ -488,6 +503,21 @@ class ActivationGraph:
         """Graph-tensor inputs of each op (names that are not graph tensors are dropped)."""
         ti = self.tensor_index
         return tuple(tuple(ti[n] for n in op.inputs if n in ti) for op in self.ops)
+
+    @cached_property
+    def op_writes(self) -> tuple[frozenset[int], ...]:
+        """Graph tensors each op writes in place."""
+        ti = self.tensor_index
+        return tuple(frozenset(ti[n] for n in op.writes if n in ti) for op in self.ops)
+
+    @cached_property
+    def writers(self) -> tuple[tuple[int, ...], ...]:
+        """Per tensor, the ops that write it in place, in forward order."""
+        out: list[list[int]] = [[] for _ in self.tensors]
+        for i, ws in enumerate(self.op_writes):
+            for t in ws:
+                out[t].append(i)
+        return tuple(tuple(x) for x in out)
 
     @cached_property
     def op_outputs(self) -> tuple[tuple[int, ...], ...]:
@@ -659,23 +689,55 @@ class ActivationGraph:
     def _closures(self) -> tuple[tuple[tuple[int, ...], ...], tuple[tuple[int, ...], ...]]:
         saved = self.is_saved.tolist()
         producer = self.producer.tolist()
+        writers = self.writers
+        written = self.op_writes
         op_closure: dict[int, tuple[frozenset, frozenset]] = {}
+        # the closure of op i's write of tensor t: the op and what its other reads need
+        write_closure: dict[int, tuple[frozenset, frozenset]] = {}
+
+        def tensor_closure(t: int, before: int) -> tuple[set, set]:
+            """What rebuilding tensor t as op ``before`` reads it needs: its producer's closure,
+            then the closures of the writes to it made before that op."""
+            ops, frontier = set(op_closure[producer[t]][0]), set(op_closure[producer[t]][1])
+            for w in writers[t]:
+                if w < before:
+                    ops |= write_closure[w][0]
+                    frontier |= write_closure[w][1]
+            return ops, frontier
+
         # op closures in forward order, so inputs' closures already exist
         for i, ins in enumerate(self.op_inputs):
             ops = {i}
             frontier = set()
+            own = {i}
+            own_frontier: set = set()
             for t in ins:
                 if saved[t]:
                     frontier.add(t)
+                    if t not in written[i]:
+                        own_frontier.add(t)
                 else:
-                    sub_ops, sub_front = op_closure[producer[t]]
+                    sub_ops, sub_front = tensor_closure(t, i)
                     ops |= sub_ops
                     frontier |= sub_front
+                    if t not in written[i]:
+                        own |= sub_ops
+                        own_frontier |= sub_front
             op_closure[i] = (frozenset(ops), frozenset(frontier))
-        # sorted once per op: an op's outputs share its closure
+            if written[i]:
+                write_closure[i] = (frozenset(own), frozenset(own_frontier))
+        # sorted once per op: an op's outputs share its closure, unless written in place
         sorted_closure = {i: (tuple(sorted(ops)), tuple(sorted(fr)))
                           for i, (ops, fr) in op_closure.items()}
-        per_tensor = [sorted_closure[p] for p in producer]
+        per_tensor = []
+        end = len(self.ops)
+        for t, p in enumerate(producer):
+            if writers[t]:
+                ops, frontier = tensor_closure(t, end)
+                frontier.discard(t)
+                per_tensor.append((tuple(sorted(ops)), tuple(sorted(frontier))))
+            else:
+                per_tensor.append(sorted_closure[p])
         return tuple(c[0] for c in per_tensor), tuple(c[1] for c in per_tensor)
 
     def summary(self) -> str:

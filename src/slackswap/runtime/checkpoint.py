@@ -29,7 +29,10 @@ def checkpoint_policy(plan: Plan, graph: ActivationGraph):
     steps = []
     for i, op in enumerate(graph.ops):
         keeps = [graph.tensors[t].name for t in graph.op_outputs[i] if graph.is_saved[t]]
-        recompute = not op.recomputable or not keeps or any(
+        # torch caches a saved output where it is made: one written in place later cannot be
+        # (Op.writes), so its op reruns with the writers
+        written = any(graph.writers[t] for t in graph.op_outputs[i])
+        recompute = not op.recomputable or written or not keeps or any(
             plan.decisions.get(name) == "recompute" for name in keeps)
         steps.append((op_kind(str(op.extra.get("aten", ""))), recompute))
     cursor = {False: 0, True: 0}
@@ -117,7 +120,8 @@ def checkpoint_regions(plan: Plan, graph: ActivationGraph,
         # as checkpoint_policy: views and intermediates backward never reads, and ops whose
         # outputs are written in place later (a dropout mask drawn in place: rerun with the
         # in-place op, the RNG state restored) are rerun; the rest as the plan says
-        recompute = not op.recomputable or not keeps or rebuilt
+        written = any(graph.writers[t] for t in graph.op_outputs[i])
+        recompute = not op.recomputable or written or not keeps or rebuilt
         if not recompute:
             # torch caches every output of a saved op: one whose outputs backward does not read
             # outweigh the ones it keeps (batch norm's output beside its saved statistics) is
@@ -272,10 +276,15 @@ def checkpoint_graph(graph: ActivationGraph, regions: list[str] | None = None,
     ops = list(graph.ops)
     saved_under_compile = _drawn(graph) if compiled else set()
     for i, op in enumerate(ops):
-        if of_op[i] and not op.recomputable and graph.op_outputs[i] and \
+        # an op whose output is written in place later (Op.writes) is rerun by the checkpoint
+        # with its writers whatever a plan says, as one that may not run again is
+        written = any(graph.writers[t] for t in graph.op_outputs[i])
+        if of_op[i] and (not op.recomputable or written) and graph.op_outputs[i] and \
                 i not in saved_under_compile:
             ops[i] = replace(op, recomputable=True,
                              extra={**op.extra, "rerun_by_checkpoint": True})
+        elif i in saved_under_compile and written:
+            ops[i] = replace(op, recomputable=False)  # saved by the compiled policy
     if compiled:
         held = 0  # parameter gradients made by the backward so far (it runs the ops in reverse)
         for i in range(len(ops) - 1, -1, -1):

@@ -164,6 +164,7 @@ class _Step:
     swap_order: list[str] = field(default_factory=list)
     taken: list = field(default_factory=list)
     recipes: dict[str, Any] = field(default_factory=dict)
+    rewrites: dict[str, list] = field(default_factory=dict)  # in-place writes, in forward order
     active: bool = False
     checked: bool = False
     finished: bool = False  # the model's forward returned (it did not raise)
@@ -644,12 +645,30 @@ class Run:
         return transients[name]
 
     def _rerun_for(self, step: _Step, name: str, transients: dict) -> torch.UntypedStorage:
+        """Tensor ``name`` made again: its producer, then every op that wrote it in place."""
         rec = step.recipes.get(name)
         if rec is None:
-            raise RuntimeError(f"tensor {name!r} cannot be rebuilt: the op that made it wrote its "
-                               "output in place (plan it as keep or swap)")
+            raise RuntimeError(f"tensor {name!r} cannot be rebuilt: no recipe recorded for the "
+                               "op that made it (plan it as keep or swap)")
+        tensors = self._run_recipe(step, rec, transients, {})
+        for t, out_name in zip(tensors, rec.out_names, strict=False):
+            if out_name == name:
+                storage = t.untyped_storage()
+                break
+        else:
+            raise RuntimeError(f"rerun of op {rec.op!r} did not produce tensor {name!r}")
+        for writer in step.rewrites.get(name, ()):
+            self._run_recipe(step, writer, transients, {name: storage})
+        return storage
+
+    def _run_recipe(self, step: _Step, rec, transients: dict, fresh: dict) -> list:
+        """One recorded op run again (its RNG state as it first ran), under no_grad; ``fresh``:
+        storages a rebuild has just made, read in place of the step's own."""
         def resolve(ref: _Ref) -> torch.Tensor:
-            return ref.view.on(self._storage_of(step, ref.name, transients), self.device)
+            storage = fresh.get(ref.name)
+            if storage is None:
+                storage = self._storage_of(step, ref.name, transients)
+            return ref.view.on(storage, self.device)
 
         call_args = _fill(rec.args, resolve)
         call_kwargs = {k: _fill(v, resolve) for k, v in rec.kwargs.items()}
@@ -668,11 +687,7 @@ class Run:
                 torch.set_rng_state(saved_state)
                 if cuda_state is not None:
                     torch.cuda.set_rng_state(cuda_state, self.device)
-        tensors = [out] if isinstance(out, torch.Tensor) else collect_tensors(out, [])
-        for t, out_name in zip(tensors, rec.out_names, strict=False):
-            if out_name == name:
-                return t.untyped_storage()
-        raise RuntimeError(f"rerun of op {rec.op!r} did not produce tensor {name!r}")
+        return [out] if isinstance(out, torch.Tensor) else collect_tensors(out, [])
 
 
 @dataclass
@@ -798,21 +813,31 @@ class _RecordingTracer(Tracer):
                              {k: _template(v, self) for k, v in kwargs.items()}, out_names, rng)
             for n in made:
                 step.recipes[n] = recipe
-        for w in writes:
-            step.recipes.pop(w, None)  # written in place: its producer cannot rebuild it
+        if writes:
+            # written in place: rebuilt by its producer, then by this op again (in order)
+            recipe = _Recipe(f"{module}/{aten}", func, _template(args, self),
+                             {k: _template(v, self) for k, v in kwargs.items()}, [], rng)
+            for w in writes:
+                if w in step.recipes:
+                    step.rewrites.setdefault(w, []).append(recipe)
         return out
 
 
 class _AtPosition:
-    """A backward node's pre-hook: the step is at this node's position."""
+    """A backward node's pre-hook: the step is at this node's position. It holds the run and
+    the step weakly: a node outlives its backward (the hook with it), and a strong reference
+    would make a cycle (the step holds the node it unpacks for) that keeps the model alive
+    until the cyclic collector runs."""
 
     __slots__ = ("run", "step", "position")
 
     def __init__(self, run: Run, step: _Step, position: int):
-        self.run, self.step, self.position = run, step, position
+        self.run, self.step, self.position = weakref.ref(run), weakref.ref(step), position
 
     def __call__(self, grad_outputs):
-        self.run._at_backward(self.step, self.position)
+        run, step = self.run(), self.step()
+        if run is not None and step is not None:
+            run._at_backward(step, self.position)
 
 
 class _ForwardHook:

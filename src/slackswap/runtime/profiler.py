@@ -163,8 +163,6 @@ def graph_from_traces(traces, graph_name: str, extra: dict[str, Any] | None = No
         for i, rec in enumerate(t.ops):
             mapping.setdefault(rec.seq, i)
         seq_maps.append(mapping)
-    # a tensor written in place after it was made cannot be rebuilt by rerunning its producer
-    frozen = {first.tensors[n].producer for rec in first.ops for n in rec.writes if n in first.tensors}
     grad_bytes = backward_gradient_bytes(traces, seq_maps, len(first.ops))
     param_grads = parameter_gradient_bytes(traces, seq_maps, len(first.ops))
     ops = []
@@ -179,7 +177,10 @@ def graph_from_traces(traces, graph_name: str, extra: dict[str, Any] | None = No
             name=rec.name, forward_s=float(fwd), backward_s=float(statistics.median(bwd_samples)),
             inputs=tuple(rec.inputs), outputs=tuple(rec.outputs),
             backward_workspace_bytes=grad_bytes[i],
-            recomputable=not rec.mutates and i not in frozen, unit=rec.unit,
+            # a tensor written in place after it was made is rebuilt by its producer, then its
+            # writers (Op.writes); an op that writes anything else may not run again
+            recomputable=not rec.mutates, unit=rec.unit,
+            writes=tuple(dict.fromkeys(n for n in rec.writes if n in first.tensors)),
             param_unit=rec.param_unit,
             extra={"aten": rec.aten, "module": rec.module,
                    **({"random": True} if rec.random else {}),
@@ -283,6 +284,8 @@ def group_by_module(graph: ActivationGraph) -> ActivationGraph:
             forward_workspace_bytes=max(graph.ops[i].forward_workspace_bytes for i in members),
             backward_workspace_bytes=max(graph.ops[i].backward_workspace_bytes for i in members),
             recomputable=all(graph.ops[i].recomputable for i in members),
+            writes=tuple(dict.fromkeys(x for i in members for x in graph.ops[i].writes
+                                       if x not in made)),
             unit=graph.ops[members[0]].unit,
             param_unit=next((graph.ops[i].param_unit for i in members if graph.ops[i].param_unit), ""),
             extra={"module": module, "aten_ops": len(members),

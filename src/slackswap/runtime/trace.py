@@ -124,6 +124,22 @@ def mutates_state(func) -> bool:
     return known
 
 
+def written_arguments(func, args, kwargs) -> list:
+    """The arguments an op writes into (its schema marks them ``(a!)``), tensors or not."""
+    schema = getattr(func, "_schema", None)
+    if schema is None:
+        return []
+    out = []
+    for i, a in enumerate(schema.arguments):
+        if a.alias_info is not None and a.alias_info.is_write:
+            if a.kwarg_only or i >= len(args):
+                if a.name in kwargs:
+                    out.append(kwargs[a.name])
+            else:
+                out.append(args[i])
+    return out
+
+
 class LiveStorages:
     """Storages alive while any tensor object registered on them is alive, counted per key with
     weak references: the profiler learns when the model lets go of a tensor (``on_release``),
@@ -534,6 +550,14 @@ class Tracer(TorchDispatchMode):
                 self.sync()
             elapsed = time.perf_counter() - start
         wrote_state = (bool(state) and self.state_written(state)) or writes_unmarked(aten, args)
+        # an in-place write into tensors of the step alone (a dropout mask's bernoulli_, an
+        # in-place ReLU) may run again as part of a rebuild: producer, then writers in order
+        graph_write = False
+        if (inplace or "out" in kwargs) and not wrote_state:
+            targets = collect_tensors(written_arguments(func, args, kwargs), [])
+            graph_write = bool(targets) and all(
+                self.tensor_name(t) is not None and storage_key(t) not in self.external
+                for t in targets)
         module = self.paths.current
         out_tensors, stored, outputs, writes = self.name_outputs(out, in_keys, inplace, module,
                                                                  len(self.trace.ops))
@@ -547,7 +571,8 @@ class Tracer(TorchDispatchMode):
         self.trace.ops.append(OpRecord(
             name=op_name, aten=full, module=module, inputs=inputs, outputs=outputs, seq=seq,
             forward_s=elapsed, random=random, inplace=inplace, writes=writes,
-            mutates=inplace or wrote_state or mutates_state(func), unit=self.unit_of(module),
+            mutates=(inplace or wrote_state or mutates_state(func)) and not graph_write,
+            unit=self.unit_of(module),
             param_unit=self.unit_of(module) if self.reads_parameters(in_tensors) else "",
             func=func if self.keep_calls else None,
             args=args if self.keep_calls else None, kwargs=kwargs if self.keep_calls else None))
