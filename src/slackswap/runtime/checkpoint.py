@@ -285,7 +285,8 @@ def checkpoint_graph(graph: ActivationGraph, regions: list[str] | None = None,
                              extra={**op.extra, "rerun_by_checkpoint": True})
         elif i in saved_under_compile and written:
             ops[i] = replace(op, recomputable=False)  # saved by the compiled policy
-    if compiled:
+    if compiled and graph.extra.get("parameter_gradients") != "made":
+        # (a profile with gradients made in the step counts them already)
         held = 0  # parameter gradients made by the backward so far (it runs the ops in reverse)
         for i in range(len(ops) - 1, -1, -1):
             held += int(ops[i].extra.get("param_grad_bytes", 0))

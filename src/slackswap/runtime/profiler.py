@@ -306,7 +306,7 @@ def group_by_module(graph: ActivationGraph) -> ActivationGraph:
 
 def profile(model, inputs, loss_fn: Callable, device=None, warmup: int = 1, repeat: int = 3,
             name: str | None = None, group_by_module: bool = False,
-            calibrate: bool = True) -> ActivationGraph:
+            calibrate: bool = True, gradients: str = "made") -> ActivationGraph:
     """Profile ``warmup + repeat`` training steps of ``model`` and return its activation graph.
 
     inputs: a tensor, a tuple (positional arguments) or a dict (keyword arguments).
@@ -322,11 +322,18 @@ def profile(model, inputs, loss_fn: Callable, device=None, warmup: int = 1, repe
     times so that each phase sums to its measured plain time (the tracer's own host time, and
     the Python work between ops that no op is charged for, would otherwise put the ideal step
     30% off the step it measures); ``graph.extra["timing"]`` keeps both sums.
+
+    gradients: "made" (the default, as training with ``zero_grad()`` runs: set to None, so each
+    step makes its parameter gradients) counts in each op's backward the parameter gradients made
+    before it in the step; "held" (``zero_grad(set_to_none=False)``: they exist before the step
+    and are accumulated in place) leaves them out, as does a model sharded with FSDP2.
     """
     import torch
 
     if not isinstance(model, torch.nn.Module):
         raise ProfileError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if gradients not in GRADIENTS:
+        raise ProfileError(f"gradients must be one of {GRADIENTS}, got {gradients!r}")
     if hasattr(model, "_orig_mod") and type(model).__name__ == "OptimizedModule":
         # a torch.compile'd module: profile the eager model behind it (the same parameters and
         # saved tensors); run the plan with slackswap.checkpointed around the compiled one
@@ -363,11 +370,35 @@ def profile(model, inputs, loss_fn: Callable, device=None, warmup: int = 1, repe
     if plain is not None:
         graph = scaled_to_plain(graph, *plain)
     collectives = fsdp_collectives(model, graph)
+    # under FSDP2 a unit's gradients are reduce-scattered and freed as its backward ends: the
+    # step holds shards, not whole gradients, so they are left out there
+    graph = with_parameter_gradients(graph, "held" if collectives else gradients)
     if collectives:
         from dataclasses import replace
 
         graph = replace(graph, collectives=collectives)
     return _group(graph) if group_by_module else graph
+
+
+GRADIENTS = ("made", "held")
+
+
+def with_parameter_gradients(graph: ActivationGraph, gradients: str) -> ActivationGraph:
+    """``graph`` with the parameter gradients a step makes counted where plain training holds
+    them (formulations/step-model.md, "Parameter gradients"): made in the step, each op's
+    backward also holds those made by the backward ops before it (eager autograd stores each in
+    ``.grad`` at once); held before the step, none (accumulated in place)."""
+    from dataclasses import replace
+
+    ops = list(graph.ops)
+    if gradients == "made":
+        held = 0  # made by the backward so far (it runs the ops in reverse)
+        for i in range(len(ops) - 1, -1, -1):
+            held += int(ops[i].extra.get("param_grad_bytes", 0))
+            if held:
+                ops[i] = replace(ops[i], backward_workspace_bytes=ops[i].backward_workspace_bytes
+                                 + held)
+    return replace(graph, ops=tuple(ops), extra={**graph.extra, "parameter_gradients": gradients})
 
 
 def plain_phase_times(model, inputs, loss_fn, sync, repeat: int) -> tuple[float, float]:
