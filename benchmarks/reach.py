@@ -110,7 +110,8 @@ def paired(a, b, rounds: int) -> float:
 
 def measure(name, model, inputs, loss_fn, blocks, hw, rounds: int) -> dict:
     """One model's row: measured peaks, the smallest budget, a plan at per-block's peak."""
-    graph = ss.profile(model, inputs, loss_fn, warmup=1, repeat=1, name=name)
+    # measured with the gradients made before the step (accumulated in place): so profiled
+    graph = ss.profile(model, inputs, loss_fn, warmup=1, repeat=1, name=name, gradients="held")
     keep_all = ss.keep_all_peak(graph, hw)
 
     def plain():
