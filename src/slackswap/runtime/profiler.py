@@ -306,7 +306,7 @@ def group_by_module(graph: ActivationGraph) -> ActivationGraph:
 
 def profile(model, inputs, loss_fn: Callable, device=None, warmup: int = 1, repeat: int = 3,
             name: str | None = None, group_by_module: bool = False,
-            calibrate: bool = True, gradients: str = "made") -> ActivationGraph:
+            calibrate: bool = True, gradients: str = "held") -> ActivationGraph:
     """Profile ``warmup + repeat`` training steps of ``model`` and return its activation graph.
 
     inputs: a tensor, a tuple (positional arguments) or a dict (keyword arguments).
@@ -323,10 +323,12 @@ def profile(model, inputs, loss_fn: Callable, device=None, warmup: int = 1, repe
     the Python work between ops that no op is charged for, would otherwise put the ideal step
     30% off the step it measures); ``graph.extra["timing"]`` keeps both sums.
 
-    gradients: "made" (the default, as training with ``zero_grad()`` runs: set to None, so each
-    step makes its parameter gradients) counts in each op's backward the parameter gradients made
-    before it in the step; "held" (``zero_grad(set_to_none=False)``: they exist before the step
-    and are accumulated in place) leaves them out, as does a model sharded with FSDP2.
+    gradients: "held" (the default: parameter gradients are not activation memory; they exist
+    before the step where training accumulates in place, ``zero_grad(set_to_none=False)``) leaves
+    them out, as does a model sharded with FSDP2; "made" (training with ``zero_grad()``, which
+    sets them to None so each step makes them) counts in each op's backward the parameter
+    gradients made before it in the step. "made" is what such a step holds, and no plan moves
+    them: on small models they set the smallest budget.
     """
     import torch
 
