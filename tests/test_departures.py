@@ -149,6 +149,7 @@ def test_every_plan_is_a_point_of_it(case, hw):
     assert bound.step_time_s <= sim.step_time_s * (1 + 1e-9)
 
 
+@pytest.mark.slow
 def test_rounds_end_at_the_whole_models_optimum():
     """Rounds from one position, with the probe before them or not: where they end "optimal"
     (the completion of their optimum breaks no position), their bound is the optimum of the

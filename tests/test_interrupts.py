@@ -101,6 +101,7 @@ def test_ctrl_c_ends_the_solve_as_keyboard_interrupt_and_cleans_up(solver, tmp_p
     assert not any(tmp_path.iterdir()), list(tmp_path.iterdir())
 
 
+@pytest.mark.slow
 def test_an_ordinary_solve_leaves_nothing_in_the_temporary_directory(tmp_path, monkeypatch):
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     g = ss.workload("bert-large", "a100-80gb-pcie4")

@@ -31,6 +31,7 @@ def test_the_cpu_minimum_is_above_the_offload_floor_and_a_plan_exists_at_it(seed
         assert info.value.min_budget_bytes == smallest.budget_bytes
 
 
+@pytest.mark.slow
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(random_graphs(max_ops=7))
 def test_a_plan_fits_the_reported_minimum_and_none_below_a_proven_one(g):
@@ -60,6 +61,7 @@ def test_pins_raise_the_minimum_and_it_is_met():
     assert ss.validate(g, plan).ok and plan.decisions[pins.popitem()[0]] == "keep"
 
 
+@pytest.mark.slow
 def test_a_profiled_model_on_the_cpu_gets_its_true_minimum():
     import sys
     from pathlib import Path

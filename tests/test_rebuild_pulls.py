@@ -17,6 +17,7 @@ def _without_pulls(monkeypatch):
     monkeypatch.setattr(lpbound, "_rebuild_pulls", lambda *args, **kwargs: None)
 
 
+@pytest.mark.slow
 def test_the_pull_rows_reach_the_exact_optimum_where_the_relaxation_fell_short(monkeypatch):
     """A 16-op seeded graph at 2,997 bytes: the exact planner's proven optimum is 45.00872 s;
     the integral relaxation said 45.00524 s without the rows (it let a rebuild read a frontier
