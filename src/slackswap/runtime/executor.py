@@ -34,7 +34,10 @@ from ..core.errors import PlanError
 from ..core.graph import ActivationGraph
 from ..core.plan import Plan
 from .lanes import lanes_for
+from .pool import host_pool
 from .positions import PlanPositions, RunLog
+from .rebuild import Recipe, Ref, View, fill, template
+from .step_hooks import AtPosition, EndForwardOnBackward, ForwardHook
 from .trace import LiveStorages, ModulePaths, Tracer, collect_tensors, op_info, storage_key
 
 
@@ -57,91 +60,14 @@ class RunStats:
 
 
 @dataclass
-class _View:
-    """How a saved tensor sits in its storage, so the exact layout can be rebuilt."""
-
-    offset: int
-    size: tuple[int, ...]
-    stride: tuple[int, ...]
-    dtype: torch.dtype
-    requires_grad: bool
-
-    @classmethod
-    def of(cls, t: torch.Tensor) -> _View:
-        return cls(t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype, t.requires_grad)
-
-    def on(self, storage: torch.UntypedStorage, device) -> torch.Tensor:
-        out = torch.empty(0, dtype=self.dtype, device=device)
-        out.set_(storage, self.offset, self.size, self.stride)
-        return out
-
-
-@dataclass
 class _Handle:
     name: str
     kind: str
-    view: _View
+    view: View
     version: int
     step: Any = None
     tensor: torch.Tensor | None = None
     ref: Any = None
-
-
-class _HostPool:
-    """Host buffers reused across steps, per swapped tensor name (pinned when the device is
-    CUDA): a step takes a buffer and gives it back when its autograd graph is gone, so steady
-    training allocates no host memory, and steps alive together (gradient accumulation,
-    retain_graph) never share one."""
-
-    def __init__(self, pinned: bool):
-        self.pinned = pinned
-        self.free: dict[str, list[torch.UntypedStorage]] = {}
-        self.total = 0
-
-    def get(self, name: str, nbytes: int) -> torch.UntypedStorage:
-        bufs = self.free.get(name, [])
-        for i, buf in enumerate(bufs):
-            if buf.nbytes() >= nbytes:
-                return bufs.pop(i)
-        t = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pinned)
-        self.total += nbytes
-        return t.untyped_storage()
-
-    def reserve(self, sizes: dict[str, int]) -> None:
-        """One host slab for a whole step's offloads, carved per tensor (sized from the plan)."""
-        total = sum(sizes.values())
-        if total <= 0:
-            return
-        slab = torch.empty(total, dtype=torch.uint8, pin_memory=self.pinned).untyped_storage()
-        self.total += total
-        offset = 0
-        for name, nbytes in sizes.items():
-            self.free.setdefault(name, []).append(slab[offset:offset + nbytes])
-            offset += nbytes
-
-    def give_back(self, taken: list[tuple[str, torch.UntypedStorage]]) -> None:
-        for name, buf in taken:
-            self.free.setdefault(name, []).append(buf)
-        taken.clear()
-
-    @property
-    def nbytes(self) -> int:
-        return self.total
-
-
-_POOLS: dict[tuple, _HostPool] = {}
-_POOLS_KEPT = 2  # host pools kept for later contexts, most recent plans first
-
-
-def _host_pool(plan: Plan, device, pinned: bool) -> _HostPool:
-    """The host pool for ``plan`` on ``device``: the one an earlier context used, if any (pinned
-    allocation costs about a second per few GB, far more than a training step)."""
-    key = (plan.graph_digest, tuple(sorted(plan.tensors("swap"))), str(device), pinned)
-    pool = _POOLS.pop(key, None) or _HostPool(pinned=pinned)
-    _POOLS[key] = pool
-    while len(_POOLS) > _POOLS_KEPT:
-        _POOLS.pop(next(iter(_POOLS)))
-    return pool
 
 
 @dataclass
@@ -242,7 +168,7 @@ class Run:
         device = next((p.device for p in model.parameters()), torch.device("cpu"))
         self.device = device
         self.cuda = device.type == "cuda"
-        self.pool = _host_pool(plan, device, pinned=self.cuda)
+        self.pool = host_pool(plan, device, pinned=self.cuda)
         self.lanes = lanes_for(device)  # chosen once: the CUDA streams or host copies
         self.prefetch_ahead = prefetch_ahead
         # with the graph, the executor acts at the plan's own positions (and logs where it did)
@@ -331,7 +257,7 @@ class Run:
                 node = None if t is None else t.grad_fn
                 if node is not None:
                     q = positions.backward_position(op)
-                    node.register_prehook(_AtPosition(self, step, q))
+                    node.register_prehook(AtPosition(self, step, q))
                     break
         step.pending_hooks.clear()
 
@@ -382,8 +308,8 @@ class Run:
         self._paths = ModulePaths(self.model)
         self._stack.callback(self._paths.remove)
         self._stack.enter_context(torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack))
-        self._stack.enter_context(_ForwardHook(self))
-        self._stack.enter_context(_EndForwardOnBackward(self))
+        self._stack.enter_context(ForwardHook(self))
+        self._stack.enter_context(EndForwardOnBackward(self))
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
@@ -465,7 +391,7 @@ class Run:
         step.packed.add(name)
         step.seen.add(name)
         step.handles_left[name] += 1
-        handle = _Handle(name, decision, _View.of(t), t._version, step)
+        handle = _Handle(name, decision, View.of(t), t._version, step)
         if decision == "keep":
             handle.tensor = t
             step.kept[name] = t.untyped_storage()
@@ -664,14 +590,14 @@ class Run:
     def _run_recipe(self, step: _Step, rec, transients: dict, fresh: dict) -> list:
         """One recorded op run again (its RNG state as it first ran), under no_grad; ``fresh``:
         storages a rebuild has just made, read in place of the step's own."""
-        def resolve(ref: _Ref) -> torch.Tensor:
+        def resolve(ref: Ref) -> torch.Tensor:
             storage = fresh.get(ref.name)
             if storage is None:
                 storage = self._storage_of(step, ref.name, transients)
             return ref.view.on(storage, self.device)
 
-        call_args = _fill(rec.args, resolve)
-        call_kwargs = {k: _fill(v, resolve) for k, v in rec.kwargs.items()}
+        call_args = fill(rec.args, resolve)
+        call_kwargs = {k: fill(v, resolve) for k, v in rec.kwargs.items()}
         rng = rec.rng
         if rng is not None:
             saved_state = torch.get_rng_state()
@@ -688,63 +614,6 @@ class Run:
                 if cuda_state is not None:
                     torch.cuda.set_rng_state(cuda_state, self.device)
         return [out] if isinstance(out, torch.Tensor) else collect_tensors(out, [])
-
-
-@dataclass
-class _Recipe:
-    op: str
-    func: Any
-    args: Any  # the op's arguments, graph tensors replaced by _Ref
-    kwargs: Any
-    out_names: list
-    rng: Any
-
-
-@dataclass(frozen=True)
-class _External:
-    """A tensor a rerun reads that is not a graph tensor (the batch, a parameter): rebuilding
-    from it after it was modified in place would give wrong gradients, so that raises (as torch's
-    own checkpointing does)."""
-
-    tensor: torch.Tensor
-    version: int
-
-    def check(self) -> torch.Tensor:
-        if self.tensor._version != self.version:
-            raise RuntimeError(
-                f"a tensor of shape {tuple(self.tensor.shape)} that a recomputed op reads (an input "
-                "of the model, or a parameter) was modified in place between forward and "
-                "backward; rebuilding from it would give wrong gradients")
-        return self.tensor
-
-
-@dataclass(frozen=True)
-class _Ref:
-    """A graph tensor in a recipe's arguments: its name and how it sat in its storage."""
-
-    name: str
-    view: _View
-
-
-def _template(obj, tracer: Tracer):
-    """The op's arguments with every traced tensor replaced by a _Ref (nothing else is held);
-    other tensors (the batch, parameters) are kept with their version, checked at rerun."""
-    if isinstance(obj, torch.Tensor):
-        name = tracer.tensor_name(obj)
-        return _External(obj, obj._version) if name is None else _Ref(name, _View.of(obj))
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_template(a, tracer) for a in obj)
-    return obj
-
-
-def _fill(obj, resolve):
-    if isinstance(obj, _Ref):
-        return resolve(obj)
-    if isinstance(obj, _External):
-        return obj.check()
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_fill(a, resolve) for a in obj)
-    return obj
 
 
 class _RecordingTracer(Tracer):
@@ -809,120 +678,18 @@ class _RecordingTracer(Tracer):
             for key, _ in stored:
                 name = self.by_storage.get(key)
                 out_names.append(name if name in made else None)
-            recipe = _Recipe(f"{module}/{aten}", func, _template(args, self),
-                             {k: _template(v, self) for k, v in kwargs.items()}, out_names, rng)
+            recipe = Recipe(f"{module}/{aten}", func, template(args, self),
+                             {k: template(v, self) for k, v in kwargs.items()}, out_names, rng)
             for n in made:
                 step.recipes[n] = recipe
         if writes:
             # written in place: rebuilt by its producer, then by this op again (in order)
-            recipe = _Recipe(f"{module}/{aten}", func, _template(args, self),
-                             {k: _template(v, self) for k, v in kwargs.items()}, [], rng)
+            recipe = Recipe(f"{module}/{aten}", func, template(args, self),
+                             {k: template(v, self) for k, v in kwargs.items()}, [], rng)
             for w in writes:
                 if w in step.recipes:
                     step.rewrites.setdefault(w, []).append(recipe)
         return out
-
-
-class _AtPosition:
-    """A backward node's pre-hook: the step is at this node's position. It holds the run and
-    the step weakly: a node outlives its backward (the hook with it), and a strong reference
-    would make a cycle (the step holds the node it unpacks for) that keeps the model alive
-    until the cyclic collector runs."""
-
-    __slots__ = ("run", "step", "position")
-
-    def __init__(self, run: Run, step: _Step, position: int):
-        self.run, self.step, self.position = weakref.ref(run), weakref.ref(step), position
-
-    def __call__(self, grad_outputs):
-        run, step = self.run(), self.step()
-        if run is not None and step is not None:
-            run._at_backward(step, self.position)
-
-
-class _ForwardHook:
-    """Each call of the model's forward starts a step; tracing goes on through the loss and
-    stops for ops run by the backward pass (as the profiler traces them)."""
-
-    def __init__(self, run: Run):
-        self.run = run
-        self.handle = None
-
-    def __enter__(self):
-        def pre(module, args, kwargs):
-            run = self.run
-            run.stats.steps += 1
-            if run._moves_nothing:
-                signature = _input_signature(args, kwargs)
-                if run._checked and signature == run._signature:
-                    run._end_forward()
-                    if run._step is not None:
-                        run._last_log = run._step.log
-                    run._step = None  # no tracer, no recorded tensors: plain training
-                    run.stats.untraced_steps += 1
-                    return
-                run._signature = signature
-            run._begin_forward()
-
-        def post(module, args, output):
-            step = self.run._step
-            if step is not None:
-                step.finished = True
-
-        self.handles = [self.run.model.register_forward_pre_hook(pre, with_kwargs=True),
-                        self.run.model.register_forward_hook(post)]
-        return self
-
-    def __exit__(self, *exc):
-        for h in self.handles:
-            h.remove()
-
-
-def _input_signature(args, kwargs) -> tuple:
-    """The shapes, dtypes and devices of a call's tensor arguments (one level deep), and its
-    other arguments' types: what decides the saved tensors' sizes for a given model."""
-    def one(a):
-        if isinstance(a, torch.Tensor):
-            return (tuple(a.shape), a.dtype, a.device, a.requires_grad)
-        if isinstance(a, (list, tuple)):
-            return tuple(one(x) for x in a)
-        return a if isinstance(a, (int, float, bool, str, type(None))) else type(a)
-    return (tuple(one(a) for a in args),
-            tuple(sorted((k, one(v)) for k, v in (kwargs or {}).items())))
-
-
-class _EndForwardOnBackward:
-    """Stops tracing when backward is called: autograd runs its ops under the dispatch modes
-    active at that call, so a mode left on would see (and slow down) every backward op. Wraps
-    ``torch.autograd.backward`` and ``torch.autograd.grad`` (``Tensor.backward`` calls the
-    former) for the life of the context; code holding its own reference to them still trains
-    correctly, as the tracer ignores backward ops, only more slowly. A backward run inside the
-    model's forward (a gradient penalty) leaves tracing on, as the forward goes on after it."""
-
-    def __init__(self, run: Run):
-        self.run = run
-        self.saved: tuple = ()
-
-    def __enter__(self):
-        backward, grad = torch.autograd.backward, torch.autograd.grad
-        run = self.run
-
-        def traced_backward(*args, **kwargs):
-            if not run._paths.stack:
-                run._end_forward()
-            return backward(*args, **kwargs)
-
-        def traced_grad(*args, **kwargs):
-            if not run._paths.stack:
-                run._end_forward()
-            return grad(*args, **kwargs)
-
-        self.saved = (backward, grad)
-        torch.autograd.backward, torch.autograd.grad = traced_backward, traced_grad
-        return self
-
-    def __exit__(self, *exc):
-        torch.autograd.backward, torch.autograd.grad = self.saved
 
 
 def apply(plan: Plan, model: torch.nn.Module, graph: ActivationGraph | None = None, *,

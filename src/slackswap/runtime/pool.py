@@ -1,0 +1,66 @@
+"""The executor's host memory: one pool of buffers per plan and device (pinned on CUDA), sized
+from the plan's swapped tensors, reused by every step and by later contexts on the same plan,
+so that steady training allocates no host memory."""
+
+from __future__ import annotations
+
+import torch
+
+from ..core.plan import Plan
+
+
+class HostPool:
+    """Host buffers reused across steps, per swapped tensor name (pinned when the device is
+    CUDA): a step takes a buffer and gives it back when its autograd graph is gone, so steady
+    training allocates no host memory, and steps alive together (gradient accumulation,
+    retain_graph) never share one."""
+
+    def __init__(self, pinned: bool):
+        self.pinned = pinned
+        self.free: dict[str, list[torch.UntypedStorage]] = {}
+        self.total = 0
+
+    def get(self, name: str, nbytes: int) -> torch.UntypedStorage:
+        bufs = self.free.get(name, [])
+        for i, buf in enumerate(bufs):
+            if buf.nbytes() >= nbytes:
+                return bufs.pop(i)
+        t = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pinned)
+        self.total += nbytes
+        return t.untyped_storage()
+
+    def reserve(self, sizes: dict[str, int]) -> None:
+        """One host slab for a whole step's offloads, carved per tensor (sized from the plan)."""
+        total = sum(sizes.values())
+        if total <= 0:
+            return
+        slab = torch.empty(total, dtype=torch.uint8, pin_memory=self.pinned).untyped_storage()
+        self.total += total
+        offset = 0
+        for name, nbytes in sizes.items():
+            self.free.setdefault(name, []).append(slab[offset:offset + nbytes])
+            offset += nbytes
+
+    def give_back(self, taken: list[tuple[str, torch.UntypedStorage]]) -> None:
+        for name, buf in taken:
+            self.free.setdefault(name, []).append(buf)
+        taken.clear()
+
+    @property
+    def nbytes(self) -> int:
+        return self.total
+
+
+POOLS: dict[tuple, HostPool] = {}
+POOLS_KEPT = 2  # host pools kept for later contexts, most recent plans first
+
+
+def host_pool(plan: Plan, device, pinned: bool) -> HostPool:
+    """The host pool for ``plan`` on ``device``: the one an earlier context used, if any (pinned
+    allocation costs about a second per few GB, far more than a training step)."""
+    key = (plan.graph_digest, tuple(sorted(plan.tensors("swap"))), str(device), pinned)
+    pool = POOLS.pop(key, None) or HostPool(pinned=pinned)
+    POOLS[key] = pool
+    while len(POOLS) > POOLS_KEPT:
+        POOLS.pop(next(iter(POOLS)))
+    return pool
