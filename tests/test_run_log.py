@@ -152,3 +152,24 @@ def test_a_context_per_step_allocates_no_host_memory_after_the_first():
         if collecting:
             gc.enable()
     assert pools[0] > 0 and len(set(pools)) == 1
+
+
+def test_plans_for_one_graph_share_one_host_pool():
+    """The loop runs the heuristic's plan, then a refined one: the second allocates host memory
+    only for tensors the first did not swap, and alternating them afterwards allocates none."""
+    model, inputs, loss_fn, graph = setup("gpt")
+    first = random_plan(graph, ["swap", "keep", "keep"] * len(graph.saved))
+    second = random_plan(graph, ["keep", "swap", "swap"] * len(graph.saved))
+    sizes = {n: graph.tensors[graph.tensor_index[n]].bytes for n in graph.tensor_index}
+    union = sum(sizes[n] for n in set(first.tensors("swap")) | set(second.tensors("swap")))
+    from slackswap.runtime import pool
+
+    pool.POOLS.clear()
+    totals = []
+    for plan in (first, second, first, second, first):
+        model.zero_grad(set_to_none=True)
+        with ss.apply(plan, model, graph=graph) as run:
+            loss_fn(call(model, inputs)).backward()
+        totals.append(run.stats.host_pool_bytes)
+    assert totals[0] == sum(sizes[n] for n in first.tensors("swap"))
+    assert totals[1:] == [union] * 4

@@ -178,12 +178,13 @@ class Run:
         self.needs_recipes = any(d == "recompute" for d in plan.decisions.values())
         self._issue_at, self._need_at = self._prefetch_schedule(plan, graph)
         self._check_device()
-        if graph is not None and not self.pool.total:
-            # the graph gives every offloaded storage's size: one pinned slab up front, kept for
-            # the next context on the same plan (a context per step allocates nothing)
-            self.pool.reserve({name: int(graph.tensors[graph.tensor_index[name]].bytes)
-                               for name, d in plan.decisions.items()
-                               if d == "swap" and name in graph.tensor_index})
+        if graph is not None:
+            # the graph gives every offloaded storage's size: one pinned slab for what an
+            # earlier plan on this graph left no buffer for (a context per step, or the loop's
+            # next plan, allocates nothing)
+            self.pool.reserve_missing({name: int(graph.tensors[graph.tensor_index[name]].bytes)
+                                       for name, d in plan.decisions.items()
+                                       if d == "swap" and name in graph.tensor_index})
         self._live = LiveStorages()  # device storages by storage key
         self._planned_bytes = dict(plan.extra.get("tensor_bytes", {}))
         # a plan made at a larger input shape runs a smaller one: every saved tensor no larger

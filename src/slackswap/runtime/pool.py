@@ -1,6 +1,7 @@
-"""The executor's host memory: one pool of buffers per plan and device (pinned on CUDA), sized
-from the plan's swapped tensors, reused by every step and by later contexts on the same plan,
-so that steady training allocates no host memory."""
+"""The executor's host memory: one pool of buffers per graph and device (pinned on CUDA), sized
+from the swapped tensors of the plans run on it, reused by every step, by later contexts and by
+every plan for the same graph (the training loop's heuristic plan, then its refined one), so
+that steady training allocates no host memory."""
 
 from __future__ import annotations
 
@@ -19,6 +20,13 @@ class HostPool:
         self.pinned = pinned
         self.free: dict[str, list[torch.UntypedStorage]] = {}
         self.total = 0
+        self.sized: dict[str, int] = {}  # per name, the largest buffer made for it
+
+    def reserve_missing(self, sizes: dict[str, int]) -> None:
+        """One slab for the tensors of ``sizes`` that have no buffer of their size yet: a plan
+        run before on this graph left the rest."""
+        missing = {n: b for n, b in sizes.items() if self.sized.get(n, -1) < b}
+        self.reserve(missing)
 
     def get(self, name: str, nbytes: int) -> torch.UntypedStorage:
         bufs = self.free.get(name, [])
@@ -27,6 +35,7 @@ class HostPool:
                 return bufs.pop(i)
         t = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pinned)
         self.total += nbytes
+        self.sized[name] = max(self.sized.get(name, 0), nbytes)
         return t.untyped_storage()
 
     def reserve(self, sizes: dict[str, int]) -> None:
@@ -39,6 +48,7 @@ class HostPool:
         offset = 0
         for name, nbytes in sizes.items():
             self.free.setdefault(name, []).append(slab[offset:offset + nbytes])
+            self.sized[name] = max(self.sized.get(name, 0), nbytes)
             offset += nbytes
 
     def give_back(self, taken: list[tuple[str, torch.UntypedStorage]]) -> None:
@@ -52,13 +62,14 @@ class HostPool:
 
 
 POOLS: dict[tuple, HostPool] = {}
-POOLS_KEPT = 2  # host pools kept for later contexts, most recent plans first
+POOLS_KEPT = 2  # host pools kept for later contexts, most recently used graphs first
 
 
 def host_pool(plan: Plan, device, pinned: bool) -> HostPool:
-    """The host pool for ``plan`` on ``device``: the one an earlier context used, if any (pinned
-    allocation costs about a second per few GB, far more than a training step)."""
-    key = (plan.graph_digest, tuple(sorted(plan.tensors("swap"))), str(device), pinned)
+    """The host pool for ``plan``'s graph on ``device``: the one an earlier context used, for
+    this plan or another of the same graph, if any (pinned allocation costs about a second per
+    few GB, far more than a training step)."""
+    key = (plan.graph_digest, str(device), pinned)
     pool = POOLS.pop(key, None) or HostPool(pinned=pinned)
     POOLS[key] = pool
     while len(POOLS) > POOLS_KEPT:
