@@ -118,3 +118,17 @@ def build(name):
     model, inputs, loss_fn = BUILDERS[name]()
     model.train()
     return model, inputs, loss_fn
+
+
+_PROFILED: dict = {}
+
+
+def profiled(name):
+    """``build(name)`` and its profile (one step), made once per test process."""
+    if name not in _PROFILED:
+        import slackswap as ss
+
+        model, inputs, loss_fn = build(name)
+        graph = ss.profile(model, inputs, loss_fn, warmup=0, repeat=1)
+        _PROFILED[name] = (model, inputs, loss_fn, graph)
+    return _PROFILED[name]

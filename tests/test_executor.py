@@ -9,22 +9,14 @@ from hypothesis import strategies as st
 
 torch = pytest.importorskip("torch")
 
-from models import build  # noqa: E402
+from models import build, profiled  # noqa: E402
 
 import slackswap as ss  # noqa: E402
 
 MODELS = ["mlp", "encoder", "gpt", "cnn"] + [
     pytest.param("hf-gpt2", marks=pytest.mark.skipif(
         __import__("importlib").util.find_spec("transformers") is None, reason="transformers"))]
-_CACHE = {}
-
-
-def setup(name):
-    if name not in _CACHE:
-        model, inputs, loss_fn = build(name)
-        graph = ss.profile(model, inputs, loss_fn, warmup=0, repeat=1)
-        _CACHE[name] = (model, inputs, loss_fn, graph)
-    return _CACHE[name]
+setup = profiled  # one profile per model for the whole process
 
 
 def grads(model, inputs, loss_fn, plan=None, graph=None, seed=7):

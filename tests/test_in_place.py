@@ -63,3 +63,52 @@ def test_the_planner_prices_the_writers():
     check = ss.validate(g, p)
     assert check.ok and p.info.status == "optimal"
     assert check.step_time_s == pytest.approx(ss.simulate(g, p).step_time_s)
+
+
+def _profiled_stale():
+    """sigmoid reads y, then y is written in place (y * 2), then both are read: sigmoid run
+    again in backward would read the doubled y."""
+    torch = pytest.importorskip("torch")
+
+    class ReadThenWritten(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(8, 8)
+
+        def forward(self, x):
+            y = self.lin(x)
+            z = torch.sigmoid(y)
+            y.mul_(2)
+            return (z * y).sum()
+
+    torch.manual_seed(0)
+    model, x = ReadThenWritten(), torch.randn(4, 8)
+    return model, x, ss.profile(model, x, lambda out: out, warmup=0, repeat=1)
+
+
+def test_an_op_that_read_a_tensor_written_later_may_not_run_again():
+    model, x, g = _profiled_stale()
+    sig = next(i for i, o in enumerate(g.ops) if "sigmoid" in o.extra["aten"])
+    assert not g.ops[sig].recomputable
+    z = g.op_outputs[sig][0]
+    assert g.is_saved[z] and not g.can_recompute[z]
+    assert "sigmoid" in g.recompute_blocker(z)
+
+
+def test_the_executor_refuses_a_rebuild_that_would_read_a_later_version():
+    # the graph edited to let sigmoid run again (as a hand-written graph could): the executor
+    # refuses the rebuild by name rather than give gradients from the doubled y
+    from dataclasses import replace
+
+    model, x, g = _profiled_stale()
+    sig = next(i for i, o in enumerate(g.ops) if "sigmoid" in o.extra["aten"])
+    ops = list(g.ops)
+    ops[sig] = replace(ops[sig], recomputable=True)
+    edited = replace(g, ops=tuple(ops))
+    z = edited.tensors[edited.op_outputs[sig][0]].name
+    decisions = {edited.tensors[t].name: "keep" for t in edited.saved}
+    decisions[z] = "recompute"
+    p = ss.complete(ss.Plan(edited.name, edited.digest, 10**9, decisions), edited, "cpu")
+    with pytest.raises(RuntimeError, match="before it was written in place"):
+        with ss.apply(p, model, graph=edited):
+            model(x).backward()

@@ -314,6 +314,10 @@ def test_op_times_sum_to_the_plain_step_of_each_phase():
     assert sum(o.backward_s for o in g.ops) == pytest.approx(timing["backward_plain_s"], rel=1e-9)
     assert g.ideal_step_time_s == pytest.approx(
         timing["forward_plain_s"] + timing["backward_plain_s"], rel=1e-9)
+    with pytest.raises(ProfileError, match="calibrate"):
+        ss.profile(model, inputs, loss_fn, calibrate="no")
+    with pytest.raises(ProfileError, match="gradients"):
+        ss.profile(model, inputs, loss_fn, gradients="some")
     raw = ss.profile(model, inputs, loss_fn, warmup=1, repeat=2, calibrate=False)
     assert "timing" not in raw.extra
     assert [o.name for o in raw.ops] == [o.name for o in g.ops]

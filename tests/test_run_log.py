@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 torch = pytest.importorskip("torch")
 
-from models import build  # noqa: E402
+from models import profiled  # noqa: E402
 
 import slackswap as ss  # noqa: E402
 
@@ -19,15 +19,7 @@ HF = pytest.mark.skipif(__import__("importlib").util.find_spec("transformers") i
                         reason="transformers")
 MODELS = ["gpt", "cnn", pytest.param("hf-gpt2", marks=HF), pytest.param("hf-bert", marks=HF),
           pytest.param("hf-llama", marks=HF)]
-_CACHE = {}
-
-
-def setup(name):
-    if name not in _CACHE:
-        model, inputs, loss_fn = build(name)
-        graph = ss.profile(model, inputs, loss_fn, warmup=0, repeat=1)
-        _CACHE[name] = (model, inputs, loss_fn, graph)
-    return _CACHE[name]
+setup = profiled  # one profile per model for the whole process
 
 
 def random_plan(graph, choices):

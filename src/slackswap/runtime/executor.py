@@ -91,6 +91,7 @@ class _Step:
     taken: list = field(default_factory=list)
     recipes: dict[str, Any] = field(default_factory=dict)
     rewrites: dict[str, list] = field(default_factory=dict)  # in-place writes, in forward order
+    written: dict[str, int] = field(default_factory=dict)  # in-place writes so far, per tensor
     active: bool = False
     checked: bool = False
     finished: bool = False  # the model's forward returned (it did not raise)
@@ -594,6 +595,11 @@ class Run:
         def resolve(ref: Ref) -> torch.Tensor:
             storage = fresh.get(ref.name)
             if storage is None:
+                if step.written.get(ref.name, 0) != ref.writes:
+                    raise RuntimeError(
+                        f"rebuilding with op {rec.op!r} would read tensor {ref.name!r} as it is "
+                        "now, but the op read it before it was written in place: plan what the "
+                        "op makes as keep or swap")
                 storage = self._storage_of(step, ref.name, transients)
             return ref.view.on(storage, self.device)
 
@@ -679,17 +685,19 @@ class _RecordingTracer(Tracer):
             for key, _ in stored:
                 name = self.by_storage.get(key)
                 out_names.append(name if name in made else None)
-            recipe = Recipe(f"{module}/{aten}", func, template(args, self),
-                             {k: template(v, self) for k, v in kwargs.items()}, out_names, rng)
+            recipe = Recipe(f"{module}/{aten}", func, template(args, self, step.written),
+                             {k: template(v, self, step.written) for k, v in kwargs.items()}, out_names, rng)
             for n in made:
                 step.recipes[n] = recipe
         if writes:
             # written in place: rebuilt by its producer, then by this op again (in order)
-            recipe = Recipe(f"{module}/{aten}", func, template(args, self),
-                             {k: template(v, self) for k, v in kwargs.items()}, [], rng)
+            recipe = Recipe(f"{module}/{aten}", func, template(args, self, step.written),
+                             {k: template(v, self, step.written) for k, v in kwargs.items()}, [], rng)
             for w in writes:
                 if w in step.recipes:
                     step.rewrites.setdefault(w, []).append(recipe)
+        for w in writes:
+            step.written[w] = step.written.get(w, 0) + 1
         return out
 
 

@@ -165,6 +165,15 @@ def graph_from_traces(traces, graph_name: str, extra: dict[str, Any] | None = No
         seq_maps.append(mapping)
     grad_bytes = backward_gradient_bytes(traces, seq_maps, len(first.ops))
     param_grads = parameter_gradient_bytes(traces, seq_maps, len(first.ops))
+    # an op that reads a tensor written in place after it would, run again, read the later
+    # version: it may not run again (a writer reading what it writes is replayed in order)
+    written_at: dict[str, list[int]] = {}
+    for i, rec in enumerate(first.ops):
+        for n in rec.writes:
+            written_at.setdefault(n, []).append(i)
+    stale = {i for i, rec in enumerate(first.ops)
+             if any(w > i for n in rec.inputs if n not in rec.writes
+                    for w in written_at.get(n, ()))}
     ops = []
     for i, rec in enumerate(first.ops):
         fwd = statistics.median(t.ops[i].forward_s for t in traces)
@@ -179,7 +188,7 @@ def graph_from_traces(traces, graph_name: str, extra: dict[str, Any] | None = No
             backward_workspace_bytes=grad_bytes[i],
             # a tensor written in place after it was made is rebuilt by its producer, then its
             # writers (Op.writes); an op that writes anything else may not run again
-            recomputable=not rec.mutates, unit=rec.unit,
+            recomputable=not rec.mutates and i not in stale, unit=rec.unit,
             writes=tuple(dict.fromkeys(n for n in rec.writes if n in first.tensors)),
             param_unit=rec.param_unit,
             extra={"aten": rec.aten, "module": rec.module,
@@ -334,6 +343,8 @@ def profile(model, inputs, loss_fn: Callable, device=None, warmup: int = 1, repe
 
     if not isinstance(model, torch.nn.Module):
         raise ProfileError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if not isinstance(calibrate, bool):
+        raise ProfileError(f"calibrate must be True or False, got {calibrate!r}")
     if gradients not in GRADIENTS:
         raise ProfileError(f"gradients must be one of {GRADIENTS}, got {gradients!r}")
     if hasattr(model, "_orig_mod") and type(model).__name__ == "OptimizedModule":

@@ -63,20 +63,26 @@ class External:
 
 @dataclass(frozen=True)
 class Ref:
-    """A graph tensor in a recipe's arguments: its name and how it sat in its storage."""
+    """A graph tensor in a recipe's arguments: its name, how it sat in its storage, and how
+    many in-place writes it had had when the op read it (a rebuild reading a later version
+    would compute something else: refused)."""
 
     name: str
     view: View
+    writes: int = 0
 
 
-def template(obj, tracer: Tracer):
+def template(obj, tracer: Tracer, written: dict[str, int]):
     """The op's arguments with every traced tensor replaced by a Ref (nothing else is held);
-    other tensors (the batch, parameters) are kept with their version, checked at rerun."""
+    other tensors (the batch, parameters) are kept with their version, checked at rerun.
+    ``written``: in-place writes so far, per tensor of the step."""
     if isinstance(obj, torch.Tensor):
         name = tracer.tensor_name(obj)
-        return External(obj, obj._version) if name is None else Ref(name, View.of(obj))
+        if name is None:
+            return External(obj, obj._version)
+        return Ref(name, View.of(obj), written.get(name, 0))
     if isinstance(obj, (list, tuple)):
-        return type(obj)(template(a, tracer) for a in obj)
+        return type(obj)(template(a, tracer, written) for a in obj)
     return obj
 
 
