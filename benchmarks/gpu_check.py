@@ -243,8 +243,8 @@ def check_model(name, model, inputs, loss_fn, dev: Device, hw, args, summary, sa
             entry["rows"].append(row)
             try:
                 plan = ss.solve(graph, fraction, hw, solver=solver, time_limit_s=args.time_limit)
-            except ss.InfeasibleBudget as exc:
-                row["error"] = str(exc)
+            except ss.InfeasibleBudget as exc:  # below the smallest budget: a finding, not a fault
+                row.update(infeasible=str(exc), smallest_budget_bytes=exc.min_budget_bytes)
                 save()
                 continue
             sim = ss.simulate(graph, plan)
@@ -360,6 +360,11 @@ def report(summary: dict) -> int:
             label = r.get("variant") or f"{r['solver']} at {100 * r['budget']:.0f}%"
             if "error" in r:
                 rows.append([label, r["error"][:60], "", "", "", "", "", ""])
+                continue
+            if "infeasible" in r:
+                rows.append([label, f"below the smallest budget "
+                             f"({r['smallest_budget_bytes'] / 2**30:.2f} GiB)", "", "", "", "", "",
+                             ""])
                 continue
             sim = r.get("simulated_step_s")
             rows.append([

@@ -387,6 +387,9 @@ def test_the_device_check_runs_on_its_cpu_fallback(tmp_path):
         assert [r["budget"] for r in plans] == [1.0, 0.7, 0.5, 0.3]
         for r in plans:
             assert "error" not in r, r
+            if "infeasible" in r:  # the loss's backward temporaries put 30% out of reach
+                assert r["budget"] < 0.5 and r["smallest_budget_bytes"] > 0, r
+                continue
             assert r["checker_ok"] and r["gradients_bit_identical"] and r["log_matches_plan"]
         assert plans[0]["counts"]["swap"] == plans[0]["counts"]["recompute"] == 0
         variants = {r["variant"] for r in entry["rows"] if "variant" in r}
@@ -423,9 +426,9 @@ def _sized(name):
 def test_the_keep_all_peak_counts_the_gradients_the_step_makes(name):
     """Training as torch's zero_grad() leaves it (gradients set to None, made in the step,
     gradients="made"): each backward op holds the parameter gradients made before it, all of
-    them by the last one. The
-    simulated keep-all peak (at the start of backward, where few are made yet) is within 10% of
-    StepMeter's measured peak: 0.92-0.95 of it, what is missing not yet found."""
+    them by the last one. The simulated keep-all peak is within 3% of StepMeter's measured peak
+    (0.998 of it when written): both are at the loss's backward, where logsumexp's formula holds
+    two temporaries of the logits' size beside its result (trace.BackwardTransients)."""
     model, inputs, loss_fn = _sized(name)
     g = ss.profile(model, inputs, loss_fn, warmup=1, repeat=1, gradients="made")
     held = ss.profile(model, inputs, loss_fn, warmup=1, repeat=1)
@@ -442,4 +445,4 @@ def test_the_keep_all_peak_counts_the_gradients_the_step_makes(name):
     assert made >= params  # every parameter's gradient (tied weights' once per use)
     assert g.ops[0].backward_workspace_bytes >= made > held.ops[0].backward_workspace_bytes
     assert peak >= without
-    assert peak == pytest.approx(meter.peak_bytes, rel=0.10), (peak, meter.peak_bytes)
+    assert peak == pytest.approx(meter.peak_bytes, rel=0.03), (peak, meter.peak_bytes)

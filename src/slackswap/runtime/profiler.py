@@ -227,9 +227,10 @@ def graph_from_traces(traces, graph_name: str, extra: dict[str, Any] | None = No
 
 
 def backward_gradient_bytes(traces, seq_maps, n_ops: int) -> list[int]:
-    """Per op, the activation gradients alive during its backward (trace.GradientLedger), the
+    """Per op, the activation gradients alive during its backward (trace.GradientLedger) and
+    the temporaries its backward formula holds above them (trace.BackwardTransients), the
     largest over the traces: the op's backward workspace in the step model, so that plans count
-    the gradient memory backward adds to the saved tensors. An autograd node with no op of its
+    the memory backward adds to the saved tensors. An autograd node with no op of its
     own (a view's) counts for the op whose backward ran last before it."""
     out = [0] * n_ops
     for trace, mapping in zip(traces, seq_maps):
@@ -237,7 +238,8 @@ def backward_gradient_bytes(traces, seq_maps, n_ops: int) -> list[int]:
         for seq in trace.backward_order:
             current = mapping.get(seq, current)
             if current is not None:
-                out[current] = max(out[current], int(trace.backward_grad_bytes.get(seq, 0)))
+                out[current] = max(out[current], int(trace.backward_grad_bytes.get(seq, 0))
+                                   + int(trace.backward_transient_bytes.get(seq, 0)))
     return out
 
 

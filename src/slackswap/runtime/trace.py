@@ -219,6 +219,9 @@ class StepTrace:
     # and those waiting for later nodes), by sequence nr, and the nodes' order of execution
     backward_grad_bytes: dict[int, int] = field(default_factory=dict)
     backward_order: list[int] = field(default_factory=list)
+    # memory a node's backward formula allocates and frees before it returns (above what is
+    # alive when it returns: BackwardTransients), by sequence nr
+    backward_transient_bytes: dict[int, int] = field(default_factory=dict)
     # parameter gradients each autograd node sends to AccumulateGrad (bytes, by sequence nr)
     param_grad_bytes: dict[int, int] = field(default_factory=dict)
     # index of the last op run while the model still held each storage (released in forward)
@@ -626,6 +629,54 @@ class GradientLedger:
             self.waiting.setdefault(id(target), []).append(key)
 
 
+class BackwardTransients(TorchDispatchMode):
+    """The memory each autograd node's backward formula holds only while it runs: logsumexp's
+    backward, ``grad * (self - result).exp()``, holds two temporaries of the input's size beside
+    its result, which the gradients the ledger sees at the node's end never show (on HF GPT-2
+    the step's peak is there). Counted from the storages the backward's aten ops allocate, alive
+    by weak reference, so the figure is the same on every device: the highest level while a node
+    runs less the level when it returns."""
+
+    def __init__(self, trace: StepTrace):
+        super().__init__()
+        self.trace = trace
+        self.live = LiveStorages()
+        self.seq: int | None = None
+        self.high = 0
+
+    def began(self, seq: int) -> None:
+        self.seq, self.high = seq, self.live.total
+
+    def ended(self, seq: int) -> None:
+        if self.seq != seq:
+            return
+        above = max(0, self.high - self.live.total)
+        if above:
+            self.trace.backward_transient_bytes[seq] = max(
+                self.trace.backward_transient_bytes.get(seq, 0), above)
+        self.seq = None
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if self.seq is None:
+            return out
+        ins = {storage_key(t) for t in collect_tensors(list(args) + list(kwargs.values()), [])
+               if t.layout == torch.strided}
+        for t in collect_tensors(out if isinstance(out, (list, tuple)) else [out], []):
+            if t.layout != torch.strided:
+                continue
+            try:
+                key = storage_key(t)
+                nbytes = int(local_tensor(t).untyped_storage().nbytes())
+            except RuntimeError:  # a wrapper subclass without storage
+                continue
+            if key not in ins:
+                self.live.add(t, key, nbytes)
+        self.high = max(self.high, self.live.total)
+        return out
+
+
 def time_backward(loss: torch.Tensor, trace: StepTrace, sync=None,
                   clock: GpuClock | None = None) -> None:
     """Backward time of every autograd node, by its sequence number (pre- and post-hooks); with a
@@ -636,6 +687,7 @@ def time_backward(loss: torch.Tensor, trace: StepTrace, sync=None,
     handles = []
     starts: dict[int, float] = {}
     ledger = GradientLedger(trace)
+    transients = BackwardTransients(trace)
     while stack:
         node = stack.pop()
         if node is None or node in seen:
@@ -644,6 +696,7 @@ def time_backward(loss: torch.Tensor, trace: StepTrace, sync=None,
         seq = node._sequence_nr()
 
         def pre(grad_outputs, seq=seq):
+            transients.began(seq)
             if clock is not None:
                 starts[seq] = clock.mark()
                 return
@@ -652,6 +705,7 @@ def time_backward(loss: torch.Tensor, trace: StepTrace, sync=None,
             starts[seq] = time.perf_counter()
 
         def post(grad_inputs, grad_outputs, seq=seq, node=node):
+            transients.ended(seq)
             ledger.ran(node, seq, grad_inputs, grad_outputs)
             if clock is not None:
                 if seq in starts:
@@ -666,7 +720,8 @@ def time_backward(loss: torch.Tensor, trace: StepTrace, sync=None,
         handles.append(node.register_hook(post))
         stack.extend(n for n, _ in node.next_functions)
     try:
-        loss.backward()
+        with transients:
+            loss.backward()
     finally:
         for h in handles:
             h.remove()
