@@ -15,6 +15,7 @@ from .core.errors import GraphError, InfeasibleBudget, PlanError
 from .core.graph import ActivationGraph, Op, Tensor, load_graph
 from .core.hardware import Hardware, hardware, hardware_names
 from .core.plan import Decision, Plan, Schedule, SolveInfo
+from .fit import FitReport, fit
 from .planners.base import is_available
 from .solve import (
     compare,
@@ -30,9 +31,9 @@ from .workloads import WORKLOADS, TransformerConfig, transformer_graph, workload
 __version__ = "0.2.0"
 
 __all__ = [
-    "ActivationGraph", "CNN_SHAPES", "Decision", "GraphError", "Hardware", "InfeasibleBudget", "Op", "Plan",
+    "ActivationGraph", "CNN_SHAPES", "Decision", "FitReport", "GraphError", "Hardware", "InfeasibleBudget", "Op", "Plan",
     "PlanError", "Schedule", "SimResult", "SolveInfo", "Tensor", "TransformerConfig", "Validation",
-    "Violation", "WORKLOADS", "cnn_graph", "compare", "complete", "hardware", "hardware_names", "is_available",
+    "Violation", "WORKLOADS", "cnn_graph", "compare", "complete", "fit", "hardware", "hardware_names", "is_available",
     "keep_all_peak", "load_graph", "load_plan", "min_budget", "parse_budget", "register_solver",
     "result_row", "simulate", "smallest_budget", "solve", "solver_names", "transformer_graph", "validate", "workload",
 ]

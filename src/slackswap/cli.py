@@ -216,6 +216,52 @@ def cmd_profile(args) -> int:
     return 0
 
 
+def cmd_fit(args) -> int:
+    """Profile a Hugging Face config fake (no weights, no activation memory) and say whether its
+    training step fits the device, and how fast it runs there."""
+    from .fit import fit
+    from .runtime.hf_models import meta_model, training_batch
+    from .runtime.profiler import profile
+
+    try:
+        overrides = json.loads(args.hf_config) if args.hf_config else {}
+    except json.JSONDecodeError as exc:
+        raise CliError(f"--hf-config is not JSON: {exc}") from None
+    if not isinstance(overrides, dict):
+        raise CliError("--hf-config must be a JSON object of config fields")
+    if args.plan:
+        check_output(args.plan)
+    model, config = meta_model(args.family, overrides, dtype=args.dtype)
+    inputs, loss_fn = training_batch(config, args.seq, args.batch)
+    with _Spinner("profiling (fake)"):
+        g = profile(model, inputs, loss_fn, fake=True, hardware=args.hardware,
+                    optimizer=args.optimizer, gradients=args.gradients,
+                    name=f"{args.family}-s{args.seq}-b{args.batch}")
+    print(g.summary())
+    with _Spinner("planning"):
+        report = fit(g, args.hardware, time_limit_s=args.time_limit, solver=args.solver,
+                     **({"memory_bytes": _bytes(args.memory)} if args.memory else {}))
+    print(report.table())
+    if args.out:
+        Path(args.out).write_text(g.to_json(indent=1))
+        print(f"wrote {args.out}")
+    if args.plan:
+        if report.plan is None:
+            raise CliError(f"--plan {args.plan}: no plan fits, nothing written")
+        Path(args.plan).write_text(report.plan.to_json(indent=1))
+        print(f"wrote {args.plan}")
+    return 0
+
+
+def _bytes(text: str) -> int:
+    from .core.units import budget_bytes_from
+
+    def no_fraction() -> int:
+        raise CliError(f"--memory {text!r}: give bytes or a size such as 80GB, not a fraction")
+
+    return budget_bytes_from(text, no_fraction)
+
+
 class _Progress:
     """A tqdm bar on stderr (hidden when not a terminal, as in CI logs)."""
 
@@ -301,6 +347,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--name")
     p.set_defaults(func=cmd_profile)
+
+    p = sub.add_parser("fit", help="will a Hugging Face model's training step fit the device? "
+                                   "(profiled fake: no weights, no memory)")
+    p.add_argument("family", help="gpt2, bert, llama or mistral")
+    p.add_argument("--hf-config", default=None,
+                   help="JSON object of config fields over the family's defaults")
+    p.add_argument("--seq", type=int, required=True)
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--dtype", default="bfloat16", help="float32, bfloat16 or float16")
+    p.add_argument("--optimizer", default="adamw", help="adamw, adam, sgd-momentum, sgd or none")
+    p.add_argument("--gradients", default="made", help="made (zero_grad() to None) or held")
+    p.add_argument("--hardware", default="a100-80gb-pcie4", help="hardware preset (default %(default)s)")
+    p.add_argument("--memory", help="device memory instead of the preset's, e.g. 24GB")
+    p.add_argument("--solver", default="cpsat")
+    p.add_argument("--time-limit", type=float, default=60.0, help="seconds for the plan (default %(default)s)")
+    p.add_argument("--out", help="write the graph JSON here")
+    p.add_argument("--plan", help="write the plan JSON here")
+    p.set_defaults(func=cmd_fit)
     return parser
 
 

@@ -429,9 +429,21 @@ class ActivationGraph:
     @cached_property
     def digest(self) -> str:
         """sha256 of the graph's content (names, times, bytes, saved_for), not its extras."""
+        return self._content_digest(times=True)
+
+    @cached_property
+    def structure_digest(self) -> str:
+        """sha256 of the graph's content without its times: equal for a fake profile and a real
+        one of the same model, inputs and device."""
+        return self._content_digest(times=False)
+
+    def _content_digest(self, times: bool) -> str:
+        def timed(o: Op) -> list:
+            return [o.forward_s, o.backward_s] if times else []
+
         core = {
             # unit only where set, so graphs without units keep their digests
-            "ops": [[o.name, o.forward_s, o.backward_s, list(o.inputs), list(o.outputs),
+            "ops": [[o.name, *timed(o), list(o.inputs), list(o.outputs),
                      o.forward_workspace_bytes, o.backward_workspace_bytes, o.recomputable]
                     + ([o.unit, o.param_unit] if o.unit or o.param_unit else [])
                     + ([{"writes": list(o.writes)}] if o.writes else [])
@@ -441,7 +453,7 @@ class ActivationGraph:
                         + ([t.alive_until] if t.alive_until is not None else [])
                         + ([{"rebuilt_before": t.rebuilt_before}] if t.rebuilt_before else [])
                         for t in self.tensors],
-            "optimizer_s": self.optimizer_s,
+            **({"optimizer_s": self.optimizer_s} if times else {}),
         }
         if self.collectives:  # only where present, so graphs without keep their digests
             core["collectives"] = [[c.name, c.op, c.phase, c.d2h_bytes, c.h2d_bytes]

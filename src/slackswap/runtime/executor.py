@@ -177,6 +177,13 @@ class Run:
         self._positions = PlanPositions.of(plan, graph) if graph is not None and moves else None
         # recipes (and RNG states) are kept only when something will be rebuilt
         self.needs_recipes = any(d == "recompute" for d in plan.decisions.values())
+        # with the graph, only the ops a rebuild reruns (the closures of the recomputed tensors,
+        # their in-place writers included) keep recipes: the other ops are named, not recorded
+        self.recipe_ops: frozenset[int] | None = None
+        if graph is not None and self.needs_recipes:
+            self.recipe_ops = frozenset(
+                q for name, d in plan.decisions.items() if d == "recompute"
+                for q in graph.rerun_ops[graph.tensor_index[name]])
         self._issue_at, self._need_at = self._prefetch_schedule(plan, graph)
         self._check_device()
         if graph is not None:
@@ -660,8 +667,9 @@ class _RecordingTracer(Tracer):
         inplace = inplace or "out" in kwargs
         in_tensors, in_keys = self.input_keys(args, kwargs)
         self.note_parameters(in_tensors)
+        recorded = self.recipes and (self.run.recipe_ops is None or op in self.run.recipe_ops)
         rng = None
-        if random and self.recipes:
+        if random and recorded:
             rng = (torch.get_rng_state(),
                    torch.cuda.get_rng_state(self.run.device) if self.run.cuda else None)
         out = func(*args, **kwargs)
@@ -678,7 +686,9 @@ class _RecordingTracer(Tracer):
         for t, (key, storage) in zip(out_tensors, stored):
             if key in live or self.by_storage.get(key) in made:
                 track(t, key, storage.nbytes())
-        if not self.recipes:
+        if not recorded:
+            for w in writes:
+                step.written[w] = step.written.get(w, 0) + 1
             return out
         if made and not inplace:
             out_names = []

@@ -21,6 +21,8 @@ from ..core.errors import GraphError
 from ..core.graph import ActivationGraph, Op, Tensor
 from ..core.hardware import Hardware, hardware
 
+_preset = hardware  # profile() takes a ``hardware`` argument
+
 
 class ProfileError(ValueError):
     """The model, its inputs or its loss cannot be profiled (the message says why).
@@ -63,10 +65,11 @@ def _to(inputs, device):
 
 
 def run_traced_step(model, inputs, loss_fn, sync=None, keep_calls=False,
-                    untouched: Untouched | None = None):
+                    untouched: Untouched | None = None, cost=None):
     """One forward + backward under the tracer; returns the StepTrace. ``untouched``: what the
     step writes that plain training owns (gradients of every leaf backward reaches, state the
-    forward writes) is recorded there first, to be put back (Untouched.restore)."""
+    forward writes) is recorded there first, to be put back (Untouched.restore). ``cost``: a
+    fake step's op times (runtime/costmodel.py), in place of the clock."""
     import torch
     from torch.utils._python_dispatch import _disable_current_modes
 
@@ -74,10 +77,13 @@ def run_traced_step(model, inputs, loss_fn, sync=None, keep_calls=False,
 
     paths = ModulePaths(model)
     # on a GPU, times come from CUDA events (no synchronisation per op)
-    clock = GpuClock() if sync is not None else None
+    clock = GpuClock() if sync is not None and cost is None else None
     tracer = Tracer(model, paths, keep_calls=keep_calls, sync=sync, observe_lifetimes=True,
-                    clock=clock, watch_state=True,
-                    originals=None if untouched is None else untouched.state)
+                    # a fake step has no values to compare: state writes are known by the
+                    # ops' schemas and trace.UNMARKED_WRITERS alone
+                    clock=clock, watch_state=cost is None,
+                    originals=None if untouched is None else untouched.state, cost=cost,
+                    fake=cost is not None)
     saved: list[tuple[int, str]] = []
 
     def pack(t):
@@ -124,7 +130,7 @@ def run_traced_step(model, inputs, loss_fn, sync=None, keep_calls=False,
     trace.saved = saved
     if untouched is not None:
         untouched.take_gradients(loss)
-    time_backward(loss, trace, sync, clock)
+    time_backward(loss, trace, sync, clock, cost)
     if clock is not None:
         clock.resolve(trace)
     return trace
@@ -317,7 +323,8 @@ def group_by_module(graph: ActivationGraph) -> ActivationGraph:
 
 def profile(model, inputs, loss_fn: Callable, device=None, warmup: int = 1, repeat: int = 3,
             name: str | None = None, group_by_module: bool = False,
-            calibrate: bool = True, gradients: str = "held") -> ActivationGraph:
+            calibrate: bool = True, gradients: str = "held", *, fake: bool = False,
+            hardware: Hardware | str | None = None, optimizer: str = "adamw") -> ActivationGraph:
     """Profile ``warmup + repeat`` training steps of ``model`` and return its activation graph.
 
     inputs: a tensor, a tuple (positional arguments) or a dict (keyword arguments).
@@ -340,8 +347,28 @@ def profile(model, inputs, loss_fn: Callable, device=None, warmup: int = 1, repe
     sets them to None so each step makes them) counts in each op's backward the parameter
     gradients made before it in the step. "made" is what such a step holds, and no plan moves
     them: on small models they set the smallest budget.
+
+    fake: trace one step under torch's FakeTensorMode instead (runtime/fake.py): no tensor
+    memory, so a model built on the ``meta`` device profiles at any size; the graph's structure
+    is the real step's on that device, its op times the cost model's for ``hardware``
+    (runtime/costmodel.py; required with ``fake``), named in ``graph.extra["times"]``.
+
+    optimizer: whose state ``graph.extra["model_state"]`` counts beside the parameters and
+    their gradients (OPTIMIZER_STATE_BYTES), for :func:`slackswap.fit`.
     """
     import torch
+
+    if not isinstance(fake, bool):
+        raise ProfileError(f"fake must be True or False, got {fake!r}")
+    if optimizer not in OPTIMIZER_STATE_BYTES:
+        raise ProfileError(f"optimizer must be one of {sorted(OPTIMIZER_STATE_BYTES)}, got "
+                           f"{optimizer!r}")
+    if fake:
+        if hardware is None:
+            raise ProfileError("profile(fake=True) needs hardware=...: a fake step runs no kernel, "
+                               "its op times come from the cost model for that device")
+        return _profile_fake(model, inputs, loss_fn, device, name, group_by_module, gradients,
+                             hardware, optimizer)
 
     if not isinstance(model, torch.nn.Module):
         raise ProfileError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -375,7 +402,7 @@ def profile(model, inputs, loss_fn: Callable, device=None, warmup: int = 1, repe
         untouched.restore()
     # the device and link the graph was profiled on (measured on CUDA): solve() plans for it
     # unless told otherwise
-    link = calibrate_link(dev) if dev.type == "cuda" else hardware("cpu")
+    link = calibrate_link(dev) if dev.type == "cuda" else _preset("cpu")
     graph = graph_from_traces(traces, name or type(model).__name__,
                               {"source": "slackswap.profile", "device": str(dev),
                                "torch": torch.__version__, "repeat": repeat,
@@ -392,10 +419,75 @@ def profile(model, inputs, loss_fn: Callable, device=None, warmup: int = 1, repe
         from dataclasses import replace
 
         graph = replace(graph, collectives=collectives)
+    graph = _with_model_state(graph, model, optimizer)
     return _group(graph) if group_by_module else graph
 
 
 GRADIENTS = ("made", "held")
+
+# bytes of optimizer state per trainable parameter element: AdamW and Adam keep two fp32
+# moments (exp_avg, exp_avg_sq), SGD with momentum one buffer, plain SGD none
+OPTIMIZER_STATE_BYTES = {"adamw": 8, "adam": 8, "sgd-momentum": 4, "sgd": 0, "none": 0}
+
+
+def model_state(model, optimizer: str) -> dict[str, Any]:
+    """What plain training holds besides activations: the parameters (tied ones once), their
+    gradients, and the named optimizer's state."""
+    seen: set[int] = set()
+    params = grads = elements = 0
+    for p in model.parameters():
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        nbytes = int(p.numel()) * p.element_size()
+        params += nbytes
+        if p.requires_grad:
+            grads += nbytes
+            elements += int(p.numel())
+    state = elements * OPTIMIZER_STATE_BYTES[optimizer]
+    return {"parameter_bytes": params, "gradient_bytes": grads, "optimizer": optimizer,
+            "optimizer_state_bytes": state, "total_bytes": params + grads + state}
+
+
+def _with_model_state(graph: ActivationGraph, model, optimizer: str) -> ActivationGraph:
+    from dataclasses import replace
+
+    return replace(graph, extra={**graph.extra, "model_state": model_state(model, optimizer)})
+
+
+def _profile_fake(model, inputs, loss_fn, device, name, group_by_module, gradients,
+                  hw, optimizer) -> ActivationGraph:
+    """One step under FakeTensorMode, timed by the cost model (runtime/fake.py)."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from .costmodel import CostModel
+    from .fake import fake_device, fake_inputs, fake_model
+
+    hw = hardware(hw)
+    if hasattr(model, "_orig_mod") and type(model).__name__ == "OptimizedModule":
+        model = model._orig_mod
+    dev = fake_device(model, inputs, device)
+    cost = CostModel(hw)
+    # real tensors the model holds outside its parameters and buffers (constants) enter as fakes
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    with fake_model(model, mode, dev), torch.random.fork_rng(devices=[]):
+        args = fake_inputs(inputs, mode, dev)
+        untouched = Untouched()
+        try:
+            with mode:
+                trace = run_traced_step(model, args, loss_fn, untouched=untouched, cost=cost)
+        finally:
+            untouched.restore()
+    graph = graph_from_traces([trace], name or type(model).__name__,
+                              {"source": "slackswap.profile", "fake": True, "device": str(dev),
+                               "torch": torch.__version__, "repeat": 1,
+                               "hardware": hw.to_dict(), "times": cost.describe(),
+                               "parameters": model_parameters(model),
+                               "inputs": input_shapes(inputs)})
+    graph = with_parameter_gradients(graph, gradients)
+    graph = _with_model_state(graph, model, optimizer)
+    return _group(graph) if group_by_module else graph
 
 
 def with_parameter_gradients(graph: ActivationGraph, gradients: str) -> ActivationGraph:

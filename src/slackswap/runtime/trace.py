@@ -24,8 +24,15 @@ def storage_key(t: torch.Tensor) -> tuple[int, int]:
     """(device index, -1 for CPU; storage address): what makes two tensors one storage. A
     wrapper subclass (FSDP2's sharded DTensor parameters) is keyed by its local tensor."""
     if type(t) is not torch.Tensor and type(t) is not torch.nn.Parameter:
+        if is_fake(t):  # no data: the storage object itself (views share it)
+            return (t.get_device(), t.untyped_storage()._cdata)
         t = local_tensor(t)
     return (t.get_device(), t.untyped_storage().data_ptr())
+
+
+def is_fake(t: torch.Tensor) -> bool:
+    """A FakeTensorMode tensor (shape, dtype and device without data): a fake profile's."""
+    return getattr(t, "fake_mode", None) is not None
 
 
 def _storage_id(t: torch.Tensor) -> int:
@@ -320,9 +327,15 @@ class Tracer(TorchDispatchMode):
 
     def __init__(self, model: torch.nn.Module, paths: ModulePaths, keep_calls: bool = False,
                  sync=None, observe_lifetimes: bool = False, clock: GpuClock | None = None,
-                 watch_state: bool = False, originals: dict | None = None):
+                 watch_state: bool = False, originals: dict | None = None, cost=None,
+                 fake: bool = False):
         super().__init__()
         self.clock = clock
+        # a fake step (profile(fake=True)): op times from ``cost(func, args, kwargs, out)``, and
+        # storages known by their storage objects (they have no data address)
+        self.cost = cost
+        self.fake = fake
+        self._fake_keys: dict[str, tuple[int, int]] = {}
         # the profiler: compare the state an op reads (buffers, tensors the step did not make)
         # before and after it, since a schema need not say that the op writes it
         self.watch_state = watch_state
@@ -360,8 +373,10 @@ class Tracer(TorchDispatchMode):
     def tensor_name(self, t: torch.Tensor) -> str | None:
         if type(t) is not torch.Tensor and type(t) is not torch.nn.Parameter:
             t = local_tensor(t)
+        elif self.fake:  # a real tensor in a fake step: a constant the model made, never named
+            return None
         storage = t.untyped_storage()
-        key = (t.get_device(), storage.data_ptr())
+        key = (t.get_device(), storage._cdata if self.fake else storage.data_ptr())
         if key in self.external:
             return None
         cdata = storage._cdata
@@ -470,6 +485,13 @@ class Tracer(TorchDispatchMode):
     def _released(self, name: str) -> None:
         if self.observe_lifetimes:
             self.trace.released_after[name] = len(self.trace.ops) - 1
+        if self.fake:
+            # a fake storage is known by its object's address, which the next one may take: the
+            # name goes with the last tensor on it (a real storage is checked by address and
+            # object, storage_ids)
+            key = self._fake_keys.pop(name, None)
+            if key is not None and self.by_storage.get(key) == name:
+                del self.by_storage[key]
 
     def __exit__(self, *exc):
         self.observe_lifetimes = False  # what is alive now lives to the end of the forward
@@ -502,7 +524,8 @@ class Tracer(TorchDispatchMode):
         by_storage = self.by_storage
         for t in out_tensors:
             storage = t.untyped_storage()
-            key = (t.get_device(), storage.data_ptr())  # storage_key, without a second lookup
+            # storage_key, without a second lookup
+            key = (t.get_device(), storage._cdata if self.fake else storage.data_ptr())
             stored.append((key, storage))
             if key in in_keys:
                 # a view or an in-place result: same storage, same tensor
@@ -513,6 +536,8 @@ class Tracer(TorchDispatchMode):
             self.counters[module] += 1
             by_storage[key] = name
             self.storage_ids[key] = storage._cdata
+            if self.fake:
+                self._fake_keys[name] = key
             if producer is not None:
                 self.trace.tensors[name] = TensorRecord(
                     name=name, bytes=int(storage.nbytes()), shape=tuple(t.shape),
@@ -524,6 +549,8 @@ class Tracer(TorchDispatchMode):
         kwargs = kwargs or {}
         if torch._C._current_autograd_node() is not None:
             return func(*args, **kwargs)  # backward ops are not part of the forward trace
+        if self.fake and getattr(func, "namespace", "") == "prim":  # a fake tensor's metadata queries
+            return func(*args, **kwargs)
         skipped, out = self.wrapper_work(func, args, kwargs)
         if skipped:
             return out
@@ -539,7 +566,10 @@ class Tracer(TorchDispatchMode):
         seq = torch._C._autograd._get_sequence_nr() - 1
         state = self.state_before(in_tensors) if self.watch_state else ()
         clock = self.clock
-        if clock is not None:
+        if self.cost is not None:
+            out = func(*args, **kwargs)
+            elapsed = self.cost(func, args, kwargs, out)
+        elif clock is not None:
             began = clock.mark()
             out = func(*args, **kwargs)
             ended = clock.mark()
@@ -562,6 +592,10 @@ class Tracer(TorchDispatchMode):
                 self.tensor_name(t) is not None and storage_key(t) not in self.external
                 for t in targets)
         module = self.paths.current
+        if self.fake and aten == "lift_fresh":
+            # a constant made in the step (torch.tensor(...)) entering the fake mode: the real
+            # op returns its argument, which the trace does not name; nor is its fake named
+            in_keys = in_keys | {storage_key(t) for t in collect_tensors([out], [])}
         out_tensors, stored, outputs, writes = self.name_outputs(out, in_keys, inplace, module,
                                                                  len(self.trace.ops))
         if self.observe_lifetimes:
@@ -579,7 +613,7 @@ class Tracer(TorchDispatchMode):
             param_unit=self.unit_of(module) if self.reads_parameters(in_tensors) else "",
             func=func if self.keep_calls else None,
             args=args if self.keep_calls else None, kwargs=kwargs if self.keep_calls else None))
-        if clock is not None:
+        if clock is not None and self.cost is None:
             clock.spans.append((began, ended, self.trace.ops[-1], None))
         return out
 
@@ -637,9 +671,10 @@ class BackwardTransients(TorchDispatchMode):
     by weak reference, so the figure is the same on every device: the highest level while a node
     runs less the level when it returns."""
 
-    def __init__(self, trace: StepTrace):
+    def __init__(self, trace: StepTrace, cost=None):
         super().__init__()
         self.trace = trace
+        self.cost = cost  # a fake step: each node's time is its ops' modelled times
         self.live = LiveStorages()
         self.seq: int | None = None
         self.high = 0
@@ -659,8 +694,11 @@ class BackwardTransients(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        if self.seq is None:
+        if self.seq is None or getattr(func, "namespace", "") == "prim":
             return out
+        if self.cost is not None:
+            self.trace.backward_s[self.seq] = self.trace.backward_s.get(self.seq, 0.0) + \
+                self.cost(func, args, kwargs, out)
         ins = {storage_key(t) for t in collect_tensors(list(args) + list(kwargs.values()), [])
                if t.layout == torch.strided}
         for t in collect_tensors(out if isinstance(out, (list, tuple)) else [out], []):
@@ -678,7 +716,7 @@ class BackwardTransients(TorchDispatchMode):
 
 
 def time_backward(loss: torch.Tensor, trace: StepTrace, sync=None,
-                  clock: GpuClock | None = None) -> None:
+                  clock: GpuClock | None = None, cost=None) -> None:
     """Backward time of every autograd node, by its sequence number (pre- and post-hooks); with a
     ``clock``, on the GPU's timeline (resolved by ``clock.resolve``). Also the activation
     gradients alive while each node runs (GradientLedger)."""
@@ -687,7 +725,7 @@ def time_backward(loss: torch.Tensor, trace: StepTrace, sync=None,
     handles = []
     starts: dict[int, float] = {}
     ledger = GradientLedger(trace)
-    transients = BackwardTransients(trace)
+    transients = BackwardTransients(trace, cost)
     while stack:
         node = stack.pop()
         if node is None or node in seen:
@@ -697,6 +735,9 @@ def time_backward(loss: torch.Tensor, trace: StepTrace, sync=None,
 
         def pre(grad_outputs, seq=seq):
             transients.began(seq)
+            if cost is not None:
+                trace.backward_s.setdefault(seq, 0.0)
+                return
             if clock is not None:
                 starts[seq] = clock.mark()
                 return
@@ -707,6 +748,8 @@ def time_backward(loss: torch.Tensor, trace: StepTrace, sync=None,
         def post(grad_inputs, grad_outputs, seq=seq, node=node):
             transients.ended(seq)
             ledger.ran(node, seq, grad_inputs, grad_outputs)
+            if cost is not None:
+                return
             if clock is not None:
                 if seq in starts:
                     clock.spans.append((starts[seq], clock.mark(), None, seq))

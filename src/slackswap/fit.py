@@ -1,0 +1,135 @@
+"""Will it fit, and how fast: the whole memory answer for a graph on a device.
+
+``fit(graph, hw)`` takes what plain training holds besides activations from the graph
+(``graph.extra["model_state"]``: parameters, their gradients, the optimizer's state, written by
+``profile``), leaves the rest of ``hw.memory_bytes`` to activations, and plans for it: the
+keep-all peak, the smallest budget any plan reaches, and the best plan for the memory left with
+its predicted step against the ideal one. Every figure is the step model's prediction for
+``hw`` (formulations/step-model.md); a fake profile's op times are the cost model's
+(formulations/cost-model.md).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from .check.simulate import simulate
+from .core.budget import keep_all_peak
+from .core.errors import InfeasibleBudget
+from .core.graph import ActivationGraph
+from .core.hardware import Hardware
+from .core.plan import Plan
+from .solve import graph_hardware, smallest_budget, solve
+
+GIB = 2**30
+
+
+@dataclass(frozen=True)
+class FitReport:
+    """What ``fit`` found. Bytes are device bytes; ``plan`` is None where nothing fits."""
+
+    graph_name: str
+    hardware: str
+    memory_bytes: int
+    model_state: dict[str, Any]
+    # memory_bytes less the model state held beside the activations
+    activation_memory_bytes: int
+    keep_all_peak_bytes: int
+    smallest_budget_bytes: int
+    smallest_proven: bool
+    ideal_step_s: float
+    plan: Plan | None = field(repr=False)
+    step_s: float | None
+    retention: float | None  # ideal step / planned step
+    verdict: str
+    gradients_made: bool = False  # parameter gradients counted in backward, not beside
+
+    @property
+    def fits(self) -> bool:
+        return self.plan is not None
+
+    def rows(self) -> list[tuple[str, str]]:
+        state = self.model_state
+        rows = [("device", f"{self.hardware}, {self.memory_bytes / GIB:.2f} GiB")]
+        if state:
+            grads = f"{state['gradient_bytes'] / GIB:.2f} GiB" + (
+                " (made in backward: counted with the activations)" if self.gradients_made else "")
+            rows += [("parameters", f"{state['parameter_bytes'] / GIB:.2f} GiB"),
+                     ("gradients", grads),
+                     (f"optimizer state ({state['optimizer']})",
+                      f"{state['optimizer_state_bytes'] / GIB:.2f} GiB")]
+        rows += [("memory left for activations", f"{self.activation_memory_bytes / GIB:.2f} GiB"),
+                 ("activations, keep-all peak", f"{self.keep_all_peak_bytes / GIB:.2f} GiB"),
+                 ("smallest budget any plan reaches",
+                  f"{self.smallest_budget_bytes / GIB:.2f} GiB"
+                  + ("" if self.smallest_proven else " (found, not proven)")),
+                 ("ideal step (nothing moved)", f"{1e3 * self.ideal_step_s:.1f} ms")]
+        if self.plan is not None:
+            counts = ", ".join(f"{self.plan.count(d)} {d}" for d in ("keep", "swap", "recompute"))
+            rows += [("plan", f"{self.plan.info.solver}, {self.plan.info.status}: {counts}"),
+                     ("predicted step", f"{1e3 * self.step_s:.1f} ms, "
+                                        f"{100 * self.retention:.2f}% of ideal")]
+        rows.append(("verdict", self.verdict))
+        return rows
+
+    def table(self) -> str:
+        width = max(len(k) for k, _ in self.rows())
+        return "\n".join(f"{k.ljust(width)}  {v}" for k, v in self.rows())
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"graph": self.graph_name, "hardware": self.hardware,
+                "memory_bytes": self.memory_bytes, "model_state": self.model_state,
+                "activation_memory_bytes": self.activation_memory_bytes,
+                "keep_all_peak_bytes": self.keep_all_peak_bytes,
+                "smallest_budget_bytes": self.smallest_budget_bytes,
+                "smallest_proven": self.smallest_proven, "ideal_step_s": self.ideal_step_s,
+                "step_s": self.step_s, "retention": self.retention, "fits": self.fits,
+                "verdict": self.verdict}
+
+
+def fit(graph: ActivationGraph, hardware: Hardware | str | None = None, *,
+        memory_bytes: int | None = None, solver: str = "cpsat", **options: Any) -> FitReport:
+    """Plan ``graph`` for the device memory ``hw`` has (``memory_bytes`` overrides it), less the
+    model state the graph records. ``solver`` and ``options`` go to :func:`slackswap.solve`."""
+    if not isinstance(graph, ActivationGraph):
+        raise TypeError(f"fit: graph must be an ActivationGraph, got {type(graph).__name__}")
+    hw, _ = graph_hardware(graph, hardware)
+    memory = hw.memory_bytes if memory_bytes is None else memory_bytes
+    if isinstance(memory, bool) or not isinstance(memory, int) or memory <= 0:
+        raise ValueError(f"fit: hardware {hw.name!r} has no memory_bytes; pass memory_bytes=...")
+    state = dict(graph.extra.get("model_state") or {})
+    if state and not isinstance(state.get("total_bytes"), int):
+        raise ValueError("fit: graph.extra['model_state'] has no integer total_bytes")
+    # gradients made in the step (zero_grad() sets them to None) are in the graph's backward
+    # workspaces already (profile(gradients="made")); held ones are there for the whole step
+    made = graph.extra.get("parameter_gradients") == "made"
+    outside = int(state.get("total_bytes", 0)) - (int(state.get("gradient_bytes", 0)) if made else 0)
+    left = memory - outside
+    keep_all = keep_all_peak(graph, hw)
+    smallest = smallest_budget(graph, hw)
+    ideal = graph.ideal_step_time_s
+    plan = None
+    step = retention = None
+    if left <= 0:
+        verdict = (f"does not fit: the model state alone needs {outside / GIB:.2f} "
+                   f"GiB of {memory / GIB:.2f} GiB")
+    elif left < smallest.budget_bytes:
+        verdict = (f"does not fit: the smallest plan needs {smallest.budget_bytes / GIB:.2f} GiB "
+                   f"for activations, {left / GIB:.2f} GiB are left")
+    else:
+        try:
+            plan = solve(graph, int(left), hw, solver=solver, **options)
+        except InfeasibleBudget as exc:  # a proven smallest budget above what bisection found
+            verdict = f"does not fit: {exc}"
+        else:
+            sim = simulate(graph, plan, hw)
+            step, retention = sim.step_time_s, sim.retention
+            verdict = ("fits as it is: every activation kept" if keep_all <= left else
+                       f"fits with the plan: {100 * retention:.2f}% of ideal throughput")
+    return FitReport(graph_name=graph.name, hardware=hw.name, memory_bytes=int(memory),
+                     model_state=state, activation_memory_bytes=int(left),
+                     keep_all_peak_bytes=int(keep_all),
+                     smallest_budget_bytes=int(smallest.budget_bytes),
+                     smallest_proven=bool(smallest.proven), ideal_step_s=float(ideal), plan=plan,
+                     step_s=step, retention=retention, verdict=verdict, gradients_made=made)

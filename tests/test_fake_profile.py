@@ -1,0 +1,246 @@
+"""profile(fake=True): the real step's structure without its memory; the cost model; fit()."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+from helpers import CAP
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+import slackswap as ss  # noqa: E402
+from slackswap.runtime.costmodel import LAUNCH_S, CostModel  # noqa: E402
+from slackswap.runtime.profiler import ProfileError  # noqa: E402
+
+HW = "a100-80gb-pcie4"
+
+
+def _hf(family: str, dropout: bool):
+    """Small configs of the three families, dropout on or off (every probability of the config)."""
+    p = 0.1 if dropout else 0.0
+    if family == "gpt2":
+        config = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=2, n_positions=64,
+                                         vocab_size=500, resid_pdrop=p, embd_pdrop=p, attn_pdrop=p,
+                                         bos_token_id=0, eos_token_id=0)
+        model = transformers.GPT2LMHeadModel(config)
+    elif family == "bert":
+        config = transformers.BertConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=2,
+                                         intermediate_size=256, vocab_size=500,
+                                         max_position_embeddings=64, hidden_dropout_prob=p,
+                                         attention_probs_dropout_prob=p)
+        model = transformers.BertForMaskedLM(config)
+    else:
+        config = transformers.LlamaConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=2,
+                                          num_key_value_heads=1, intermediate_size=172,
+                                          vocab_size=500, max_position_embeddings=64,
+                                          attention_dropout=p)
+        model = transformers.LlamaForCausalLM(config)
+    torch.manual_seed(0)
+    ids = torch.randint(0, 500, (2, 64))
+    return model.train(), {"input_ids": ids}, (lambda o: o.logits.float().logsumexp(-1).mean())
+
+
+def _without_times(graph: ss.ActivationGraph) -> dict:
+    d = graph.to_dict()
+    for op in d["ops"]:
+        op.pop("forward_s")
+        op.pop("backward_s")
+    return {"ops": d["ops"], "tensors": d["tensors"]}
+
+
+@pytest.mark.parametrize("dropout", [True, False])
+@pytest.mark.parametrize("family", ["gpt2", "bert", "llama"])
+def test_a_fake_profile_is_the_real_step_without_its_times(family, dropout):
+    model, inputs, loss_fn = _hf(family, dropout)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    fake = ss.profile(model, inputs, loss_fn, fake=True, hardware=HW)
+    real = ss.profile(model, inputs, loss_fn, warmup=0, repeat=1)
+    assert fake.structure_digest == real.structure_digest
+    assert _without_times(fake) == _without_times(real)
+    assert fake.digest != real.digest  # the times are the cost model's, not the clock's
+    assert any(op.extra.get("random") for op in real.ops) == dropout
+    assert fake.extra["fake"] is True and fake.extra["times"]["hardware"] == HW
+    assert all(op.forward_s > 0 for op in fake.ops if op.extra["aten"].startswith("aten.mm"))
+    # the user's model comes out as it went in: its own parameters, unchanged, no gradients
+    for name, p in model.named_parameters():
+        assert type(p) is torch.nn.Parameter and torch.equal(p.detach(), before[name]), name
+        assert p.grad is None, name
+
+
+def test_a_meta_model_profiles_and_stays_on_meta():
+    config = transformers.LlamaConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=2,
+                                      num_key_value_heads=1, intermediate_size=172,
+                                      vocab_size=500, max_position_embeddings=64)
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(config).train()
+    ids = torch.zeros((2, 64), dtype=torch.long)
+    g = ss.profile(model, {"input_ids": ids, "labels": ids}, lambda o: o.loss, fake=True,
+                   hardware=HW)
+    real_model = transformers.LlamaForCausalLM(config).train()
+    real = ss.profile(real_model, {"input_ids": ids, "labels": ids}, lambda o: o.loss,
+                      warmup=0, repeat=1)
+    assert g.structure_digest == real.structure_digest
+    assert all(p.is_meta for p in model.parameters())
+    state = g.extra["model_state"]
+    params = sum(p.numel() * 4 for p in real_model.parameters())  # float32, tied weights once
+    assert state["parameter_bytes"] == state["gradient_bytes"] == params
+    assert state["optimizer_state_bytes"] == 2 * params  # AdamW: two fp32 moments per element
+
+
+def test_fake_needs_hardware_and_a_known_optimizer():
+    model, inputs, loss_fn = _hf("gpt2", False)
+    with pytest.raises(ProfileError, match="hardware"):
+        ss.profile(model, inputs, loss_fn, fake=True)
+    with pytest.raises(ProfileError, match="optimizer"):
+        ss.profile(model, inputs, loss_fn, fake=True, hardware=HW, optimizer="lion")
+
+
+@pytest.mark.slow
+def test_a_fake_profile_allocates_no_tensor_memory():
+    """A Llama whose real step would save several GiB (8 layers of width 1024 at 4 x 2048 tokens,
+    float32: 7.4 GiB of saved tensors), built on meta and profiled fake, in a fresh process: its
+    peak resident memory grows by less than 300 MB."""
+    script = textwrap.dedent("""
+        import json, resource, sys, torch, transformers
+        import slackswap as ss
+        config = transformers.LlamaConfig(num_hidden_layers=8, hidden_size=1024,
+            num_attention_heads=8, intermediate_size=2816, vocab_size=32000,
+            max_position_embeddings=2048)
+        with torch.device("meta"):
+            model = transformers.LlamaForCausalLM(config).train()
+        ids = torch.zeros((4, 2048), dtype=torch.long)
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        g = ss.profile(model, {"input_ids": ids, "labels": ids}, lambda o: o.loss, fake=True,
+                       hardware="a100-80gb-pcie4")
+        after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        saved = int(g.tensor_bytes[g.saved].sum())
+        print(json.dumps({"grown": (after - before) * 1024, "saved": saved}))
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         check=True, timeout=CAP)
+    figures = json.loads(out.stdout.strip().splitlines()[-1])
+    assert figures["saved"] > 6 * 2**30
+    assert figures["grown"] < 300 * 2**20, figures
+
+
+# ---------------------------------------------------------------- the cost model
+
+# round figures: 100 TFLOP/s at GEMM efficiency 0.5, 1 TB/s at memory efficiency 0.5
+ROUND = ss.Hardware(name="round", d2h_bytes_per_s=1e10, h2d_bytes_per_s=1e10, latency_s=0.0,
+                    duplex=True, peak_flops=1e14, hbm_bytes_per_s=1e12, gemm_efficiency=0.5,
+                    attention_efficiency=0.25, memory_efficiency=0.5)
+
+
+def _fake(*shape):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    mode = FakeTensorMode()
+    with mode:
+        return torch.empty(*shape)
+
+
+def test_a_matmul_costs_2mnk_over_the_gemm_rate():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    model = CostModel(ROUND, launch_s=0.0)
+    with FakeTensorMode():
+        a, b = torch.empty(1024, 2048), torch.empty(2048, 512)
+        out = torch.mm(a, b)
+    cost = model.cost(torch.ops.aten.mm.default, (a, b), {}, out)
+    # 2 * 1024 * 512 * 2048 = 2.147e9 FLOPs at 1e14 * 0.5 = 5e13 FLOP/s: 42.9 us; its bytes,
+    # (1024*2048 + 2048*512 + 1024*512) * 4 = 14.7 MB at 5e11 B/s, 29.4 us: compute-bound
+    assert cost.flops == 2 * 1024 * 512 * 2048
+    assert cost.bytes == (1024 * 2048 + 2048 * 512 + 1024 * 512) * 4
+    assert cost.time_s == pytest.approx(2 * 1024 * 512 * 2048 / 5e13)
+    assert cost.kind == "gemm"
+
+
+def test_an_elementwise_op_costs_its_bytes_over_the_bandwidth_plus_a_launch():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    model = CostModel(ROUND, launch_s=4e-6)
+    with FakeTensorMode():
+        x = torch.empty(1 << 20)
+        y = torch.relu(x)
+    cost = model.cost(torch.ops.aten.relu.default, (x,), {}, y)
+    # reads 4 MiB, writes 4 MiB: 8,388,608 bytes at 5e11 B/s = 16.8 us, plus the 4 us launch
+    assert cost.flops == 0 and cost.kind == "memory"
+    assert cost.time_s == pytest.approx(8 * 2**20 / 5e11 + 4e-6)
+    # views move nothing and launch nothing
+    assert model.cost(torch.ops.aten.view.default, (x, [1024, 1024]), {}, x.view(1024, 1024)).time_s == 0
+
+
+def test_a_fake_profile_of_a_matmul_chain_is_timed_by_hand():
+    """Linear(256, 512) then Linear(512, 128), no bias, on 64 rows: forward mm times 2*64*512*256
+    and 2*64*128*512 FLOPs over 5e13, each plus the launch (both compute-bound here)."""
+    model = torch.nn.Sequential(torch.nn.Linear(256, 512, bias=False),
+                                torch.nn.Linear(512, 128, bias=False))
+    x = torch.randn(64, 256)
+    g = ss.profile(model, x, lambda out: out.sum(), fake=True, hardware=ROUND)
+    mms = [op for op in g.ops if op.extra["aten"] == "aten.mm.default"]
+    assert len(mms) == 2
+    for op, (m, n, k) in zip(mms, [(64, 512, 256), (64, 128, 512)]):
+        flops_s = 2 * m * n * k / 5e13
+        bytes_s = (m * k + k * n + m * n) * 4 / 5e11
+        assert op.forward_s == pytest.approx(max(flops_s, bytes_s) + LAUNCH_S)
+    # backward of each: two matmuls of the same FLOPs (grad input, grad weight; the first
+    # layer's input needs none) and what moves beside them
+    assert mms[1].backward_s >= 2 * 2 * 64 * 128 * 512 / 5e13
+
+
+# ---------------------------------------------------------------- fit
+
+def test_fit_leaves_the_model_state_aside_and_plans_the_rest():
+    model, inputs, loss_fn = _hf("gpt2", True)
+    g = ss.profile(model, inputs, loss_fn, fake=True, hardware=HW, optimizer="adamw",
+                   gradients="held")
+    state = g.extra["model_state"]
+    keep_all = ss.keep_all_peak(g, HW)
+    smallest = ss.smallest_budget(g, HW).budget_bytes
+    assert smallest < keep_all
+    roomy = ss.fit(g, HW, memory_bytes=state["total_bytes"] + keep_all)
+    assert roomy.activation_memory_bytes == keep_all  # held gradients sit beside activations
+    assert roomy.fits and roomy.plan.count("keep") == len(g.saved) and roomy.retention == 1.0
+    middle = state["total_bytes"] + (keep_all + smallest) // 2
+    tight = ss.fit(g, HW, memory_bytes=middle, time_limit_s=CAP, work_s=5)
+    assert tight.fits and tight.plan.budget_bytes == (keep_all + smallest) // 2
+    assert ss.validate(g, tight.plan).ok and 0 < tight.retention <= 1
+    short = ss.fit(g, HW, memory_bytes=state["total_bytes"] + smallest - 1)
+    assert not short.fits and "does not fit" in short.verdict
+    assert "memory left for activations" in tight.table()
+
+
+def test_fit_counts_gradients_made_in_backward_once():
+    model, inputs, loss_fn = _hf("llama", False)
+    made = ss.profile(model, inputs, loss_fn, fake=True, hardware=HW, gradients="made")
+    state = made.extra["model_state"]
+    report = ss.fit(made, HW, memory_bytes=10**9)
+    # parameters and optimizer state beside; the gradients are in the backward workspaces
+    assert report.activation_memory_bytes == 10**9 - state["parameter_bytes"] - \
+        state["optimizer_state_bytes"]
+
+
+def test_the_command_line_fits_a_config(tmp_path, capsys):
+    from slackswap.cli import main
+
+    graph, plan = tmp_path / "g.json", tmp_path / "p.json"
+    config = json.dumps({"n_layer": 2, "n_embd": 64, "n_head": 2, "n_positions": 128,
+                         "vocab_size": 1000})
+    rc = main(["fit", "gpt2", "--hf-config", config, "--seq", "128", "--batch", "2",
+               "--hardware", HW, "--memory", "1GB", "--time-limit", "20", "--out", str(graph),
+               "--plan", str(plan)])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "memory left for activations" in out and "fits" in out
+    g = ss.load_graph(str(graph))
+    assert g.extra["fake"] is True
+    assert ss.validate(g, ss.load_plan(str(plan), graph=g)).ok
+    assert main(["fit", "gpt2", "--hf-config", '{"n_layers": 2}', "--seq", "16"]) == 2
+    assert "has no field 'n_layers'" in capsys.readouterr().err
+    assert main(["fit", "gpt2", "--seq", "4096"]) == 2  # GPT-2 has 1024 positions
+    assert "longer than the config's 1024 positions" in capsys.readouterr().err
