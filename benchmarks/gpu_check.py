@@ -214,6 +214,38 @@ def baselines(model, inputs, loss_fn, cpu: bool, compile_row: bool) -> dict:
     return plain, steps
 
 
+def cost_preset(dev: Device) -> str:
+    """The hardware preset whose figures the cost model uses on this device."""
+    if not dev.cuda:
+        return "cpu"
+    here = torch.cuda.get_device_name(dev.device).lower()
+    for token, preset in (("h200", "h200-sxm-pcie5"), ("h100", "h100-sxm-pcie5"),
+                          ("a100", "a100-80gb-pcie4")):
+        if token in here:
+            return preset
+    return "a100-80gb-pcie4"
+
+
+def fake_against_measured(model, inputs, loss_fn, graph, dev: Device) -> dict:
+    """A fake profile of the same model and inputs (profile(fake=True), the cost model for the
+    device's preset) against the measured profile: same structure, and the op times' ratios
+    (fake / measured) over the forward, the backward and the matrix products alone."""
+    import statistics
+
+    preset = cost_preset(dev)
+    fake = ss.profile(model, inputs, loss_fn, fake=True, hardware=preset, device=dev.device)
+    out = {"preset": preset, "same_structure": fake.structure_digest == graph.structure_digest,
+           "forward_ratio": sum(o.forward_s for o in fake.ops) / max(1e-12, sum(o.forward_s for o in graph.ops)),
+           "backward_ratio": sum(o.backward_s for o in fake.ops) / max(1e-12, sum(o.backward_s for o in graph.ops))}
+    if out["same_structure"]:
+        mm = [f.forward_s / m.forward_s for f, m in zip(fake.ops, graph.ops)
+              if m.forward_s > 0 and f.extra["aten"].split(".")[1] in ("mm", "addmm", "bmm")]
+        if mm:
+            out["matmul_ratio_median"] = statistics.median(mm)
+            out["matmul_ops"] = len(mm)
+    return out
+
+
 def check_model(name, model, inputs, loss_fn, dev: Device, hw, args, summary, save) -> None:
     entry: dict = {"model": name, "rows": []}
     summary["models"].append(entry)
@@ -221,6 +253,12 @@ def check_model(name, model, inputs, loss_fn, dev: Device, hw, args, summary, sa
     graph = ss.profile(model, inputs, loss_fn, warmup=1, repeat=2, name=name)
     entry["profile_s"] = time.perf_counter() - started
     entry["graph"] = graph.summary()
+    try:
+        entry["fake_vs_measured"] = fake_against_measured(model, inputs, loss_fn, graph, dev)
+    except Exception as exc:  # the row reports, the check goes on
+        entry["fake_vs_measured"] = {"error": f"{type(exc).__name__}: {exc}"}
+    print(name, "fake profile against the measured one:", json.dumps(entry["fake_vs_measured"]),
+          flush=True)
     params = sum(p.numel() * p.element_size() for p in model.parameters())
     entry["param_bytes"] = params
     plain, others = baselines(model, inputs, loss_fn, not dev.cuda, dev.cuda and not args.no_compile)
@@ -382,6 +420,16 @@ def report(summary: dict) -> int:
                         ["variant", "budget GiB", "step ms", "x plain", "activation peak GiB",
                          "simulated step ms", "simulated peak GiB", "gradients bit-identical"],
                         rows))
+        fake = entry.get("fake_vs_measured") or {}
+        if "error" in fake:
+            body.append(f"Fake profile: {fake['error'][:120]}")
+        elif fake:
+            body.append(
+                f"Fake profile ({fake['preset']} cost model) against the measured one: same "
+                f"structure {fake['same_structure']}; forward {fake['forward_ratio']:.2f}x, "
+                f"backward {fake['backward_ratio']:.2f}x the measured times"
+                + (f"; matrix products {fake['matmul_ratio_median']:.2f}x (median of "
+                   f"{fake['matmul_ops']})" if "matmul_ratio_median" in fake else "") + ".")
     link = summary.get("link", {})
     body.append(f"Link: {link.get('name')}, {link.get('d2h_GBps', 0):.1f} / "
                 f"{link.get('h2d_GBps', 0):.1f} GB/s, {link.get('latency_us', 0):.1f} us per "

@@ -58,18 +58,36 @@ def _without_times(graph: ss.ActivationGraph) -> dict:
 def test_a_fake_profile_is_the_real_step_without_its_times(family, dropout):
     model, inputs, loss_fn = _hf(family, dropout)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    fake = ss.profile(model, inputs, loss_fn, fake=True, hardware=HW)
+    # faked for the CPU: its step as the CPU runs it (attention's kernel choice included)
+    fake = ss.profile(model, inputs, loss_fn, fake=True, hardware="cpu")
     real = ss.profile(model, inputs, loss_fn, warmup=0, repeat=1)
     assert fake.structure_digest == real.structure_digest
     assert _without_times(fake) == _without_times(real)
     assert fake.digest != real.digest  # the times are the cost model's, not the clock's
     assert any(op.extra.get("random") for op in real.ops) == dropout
-    assert fake.extra["fake"] is True and fake.extra["times"]["hardware"] == HW
+    assert fake.extra["fake"] is True and fake.extra["times"]["hardware"] == "cpu"
     assert all(op.forward_s > 0 for op in fake.ops if op.extra["aten"].startswith("aten.mm"))
     # the user's model comes out as it went in: its own parameters, unchanged, no gradients
     for name, p in model.named_parameters():
         assert type(p) is torch.nn.Parameter and torch.equal(p.detach(), before[name]), name
         assert p.grad is None, name
+
+
+def test_faked_for_a_gpu_attention_is_the_fused_kernel_even_with_dropout():
+    """BERT with attention dropout 0.1: the CPU's SDPA falls back to the unfused math (scores and
+    probabilities of 2 x 2 heads x 64 x 64 saved per layer); a GPU's flash kernel takes dropout
+    and saves its output and a log-sum-exp row. Faked for the A100, no saved tensor is s x s."""
+    model, inputs, loss_fn = _hf("bert", True)
+    cpu = ss.profile(model, inputs, loss_fn, fake=True, hardware="cpu")
+    gpu = ss.profile(model, inputs, loss_fn, fake=True, hardware=HW)
+
+    def square(g):
+        return [t.name for t in g.tensors if t.saved_for and t.extra["shape"] == [2, 2, 64, 64]]
+
+    assert square(cpu) and not square(gpu)
+    assert gpu.extra["attention"] == "fused"
+    assert any("flash_attention" in op.extra["aten"] for op in gpu.ops)
+    assert int(gpu.tensor_bytes[gpu.saved].sum()) < int(cpu.tensor_bytes[cpu.saved].sum())
 
 
 def test_a_meta_model_profiles_and_stays_on_meta():
@@ -80,7 +98,7 @@ def test_a_meta_model_profiles_and_stays_on_meta():
         model = transformers.LlamaForCausalLM(config).train()
     ids = torch.zeros((2, 64), dtype=torch.long)
     g = ss.profile(model, {"input_ids": ids, "labels": ids}, lambda o: o.loss, fake=True,
-                   hardware=HW)
+                   hardware="cpu")
     real_model = transformers.LlamaForCausalLM(config).train()
     real = ss.profile(real_model, {"input_ids": ids, "labels": ids}, lambda o: o.loss,
                       warmup=0, repeat=1)

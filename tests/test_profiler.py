@@ -395,6 +395,9 @@ def test_the_device_check_runs_on_its_cpu_fallback(tmp_path):
         variants = {r["variant"] for r in entry["rows"] if "variant" in r}
         assert variants == {"per-block checkpointing", "selective checkpointing (save matmuls)",
                             "save_on_cpu"}
+        fake = entry["fake_vs_measured"]
+        assert fake["same_structure"] and fake["preset"] == "cpu", fake
+        assert fake["forward_ratio"] > 0 and fake["backward_ratio"] > 0
 
 
 def _sized(name):

@@ -74,3 +74,31 @@ def fake_device(model: torch.nn.Module, inputs, device) -> torch.device:
         return torch.device(device)
     here = next((p.device for p in model.parameters()), torch.device("cpu"))
     return torch.device("cpu") if here.type == "meta" else here
+
+
+@contextlib.contextmanager
+def fused_attention():
+    """``scaled_dot_product_attention`` as a GPU runs it in training: one fused flash kernel,
+    dropout included, saving its output and a log-sum-exp row (no s x s tensor). The CPU's own
+    choice falls back to the unfused math (s x s scores and probabilities saved) when dropout is
+    on, which a GPU step never does; faked for a GPU, the step takes the fused kernel (its CPU
+    variant, whose saved tensors and FLOPs are the GPU kernel's). A call the fused kernel does
+    not take (grouped-query heads left to the kernel) runs as it would."""
+    import torch.nn.functional as F
+
+    original = F.scaled_dot_product_attention
+
+    def fused(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+              enable_gqa=False):
+        if query.dim() != 4 or key.shape[-3] != query.shape[-3]:
+            return original(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p,
+                            is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
+        out, _ = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)
+        return out
+
+    F.scaled_dot_product_attention = fused
+    try:
+        yield
+    finally:
+        F.scaled_dot_product_attention = original

@@ -9,6 +9,7 @@ each aten op, backward times around each autograd node; medians over ``repeat`` 
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import math
 import statistics
@@ -462,7 +463,7 @@ def _profile_fake(model, inputs, loss_fn, device, name, group_by_module, gradien
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from .costmodel import CostModel
-    from .fake import fake_device, fake_inputs, fake_model
+    from .fake import fake_device, fake_inputs, fake_model, fused_attention
 
     hw = hardware(hw)
     if hasattr(model, "_orig_mod") and type(model).__name__ == "OptimizedModule":
@@ -471,7 +472,10 @@ def _profile_fake(model, inputs, loss_fn, device, name, group_by_module, gradien
     cost = CostModel(hw)
     # real tensors the model holds outside its parameters and buffers (constants) enter as fakes
     mode = FakeTensorMode(allow_non_fake_inputs=True)
-    with fake_model(model, mode, dev), torch.random.fork_rng(devices=[]):
+    # faked for a GPU, attention runs as the GPU's fused kernel; for the CPU, as the CPU runs it
+    fused = not hw.host_is_device
+    with fake_model(model, mode, dev), torch.random.fork_rng(devices=[]), \
+            (fused_attention() if fused else contextlib.nullcontext()):
         args = fake_inputs(inputs, mode, dev)
         untouched = Untouched()
         try:
@@ -483,6 +487,7 @@ def _profile_fake(model, inputs, loss_fn, device, name, group_by_module, gradien
                               {"source": "slackswap.profile", "fake": True, "device": str(dev),
                                "torch": torch.__version__, "repeat": 1,
                                "hardware": hw.to_dict(), "times": cost.describe(),
+                               "attention": "fused" if fused else "as the device runs it",
                                "parameters": model_parameters(model),
                                "inputs": input_shapes(inputs)})
     graph = with_parameter_gradients(graph, gradients)
