@@ -9,7 +9,7 @@ $(PY):
 
 $(STAMP): $(PY) pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[torch,hf,dev]'
+	$(PY) -m pip install -q -e '.[torch,hf,trainers,dev]'
 	touch $(STAMP)
 
 demo: $(STAMP)

@@ -12,7 +12,7 @@ ROOT = Path(slackswap.__file__).parent
 
 # lower layers never import higher ones; runtime sits beside the chain, on core and the checker
 LAYER = {"core": 0, "check": 1, "planners": 2, "solve": 3, "fit": 3, "workloads": 3, "cnn": 3, "plot": 3,
-         "cli": 4, "demo": 4, "distributed": 4, "loop": 4, "refine": 4, "refinements": 4}
+         "cli": 4, "demo": 4, "distributed": 4, "hf": 4, "lightning": 4, "loop": 4, "refine": 4, "refinements": 4}
 APPLICATION = 4  # the command line and the demo may drive the runtime (profile, apply)
 RUNTIME = "runtime"
 # the checker's whole world: data types and what a budget means, no model, no planner

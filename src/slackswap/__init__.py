@@ -54,7 +54,15 @@ _LAZY = {
 }
 
 
+# integrations, imported when first named: ss.hf (the Hugging Face Trainer), ss.lightning
+_SUBMODULES = {"hf": "transformers", "lightning": "lightning"}
+
+
 def __getattr__(name: str):
+    if name in _SUBMODULES:
+        import importlib
+
+        return importlib.import_module(f"slackswap.{name}")
     if name in _LAZY:
         import importlib
 

@@ -134,8 +134,12 @@ class PlannedLoop:
     refine_solver: str | None = "cpsat"
     refine_time_limit_s: float = 30.0
     max_plans: int = 8
+    # how a step calls the model and makes its output (None: the model on the inputs); the
+    # profile runs it so that a trainer's own loss computation is the one planned
+    forward: Callable | None = None
     switches: list[Switch] = field(default_factory=list)
     last_stats: Any = None
+    last_plan: Plan | None = None
     steps: int = 0
     _buckets: OrderedDict = field(default_factory=OrderedDict)
     _refinements: Refinements | None = None
@@ -161,6 +165,19 @@ class PlannedLoop:
         """One training step on ``inputs`` (a tensor, a tuple of positional arguments or a dict
         of keyword arguments): forward, ``loss_fn``, backward, under the plan of the inputs'
         bucket. Returns the loss."""
+        return self.around(inputs, lambda: self._forward_backward(inputs))
+
+    def _forward_backward(self, inputs):
+        loss = self.loss_fn(self._call(inputs))
+        loss.backward()
+        return loss
+
+    def around(self, inputs, body: Callable[[], Any]):
+        """Run ``body()`` (one training step on ``inputs``, forward through backward, as a
+        trainer runs it) under the plan of the inputs' bucket; returns what it returns. The
+        bucket is profiled with ``loss_fn`` on the model's output, which must make the loss the
+        way ``body`` does (the same ops). A body whose forward is not the plan's is undone (RNG
+        and buffers) and run again under a new profile, as ``step`` does."""
         shapes = _shapes(inputs)
         if not shapes:
             raise ValueError("planned: step() needs the inputs as a tensor, tuple or dict of "
@@ -169,10 +186,10 @@ class PlannedLoop:
         self._adopt_refinements()
         self.steps += 1
         if key in self._plain:
-            return self._run_plain(inputs)
+            return body()
         bucket = self._boundary(key, shapes, inputs)
-        loss = self._run_planned(bucket, inputs)
-        if loss is not None:
+        done, loss = self._run_planned(bucket, body)
+        if done:
             bucket.steps += 1
             return loss
         # the step's traced ops did not match the plan: undone, profiled again at these inputs
@@ -186,23 +203,24 @@ class PlannedLoop:
                 "the same shapes (a route that depends on the data, such as a mixture of "
                 "experts' top-k choice): slackswap cannot plan it, and its steps run without a "
                 "plan from now on", RuntimeWarning, stacklevel=2)
-            return self._run_plain(inputs)
+            return body()
         bucket = self._new_bucket(key, shapes, inputs)
-        loss = self._run_planned(bucket, inputs)
-        if loss is None:  # it changed between two runs on the same inputs
+        done, loss = self._run_planned(bucket, body)
+        if not done:  # it changed between two runs on the same inputs
             self._mismatches[key] = 2
             self._plain.add(key)
             self._drop(key)
             warnings.warn(f"planned: the traced step of bucket {key[0]} is not the same twice "
                           "on the same inputs: its steps run without a plan",
                           RuntimeWarning, stacklevel=2)
-            return self._run_plain(inputs)
+            return body()
         bucket.steps += 1
         return loss
 
-    def _run_planned(self, bucket: _Bucket, inputs):
-        """The step under the bucket's plan; None (with the RNG and the model's buffers put
-        back, nothing run backward) when its forward is not the plan's."""
+    def _run_planned(self, bucket: _Bucket, body: Callable[[], Any]) -> tuple[bool, Any]:
+        """(True, what ``body`` returned) run under the bucket's plan; (False, None), with the
+        RNG and the model's buffers put back and nothing run backward, when its forward is not
+        the plan's."""
         import torch
 
         from .runtime.executor import apply
@@ -212,12 +230,13 @@ class PlannedLoop:
         buffers = [(b, b.detach().clone()) for b in self.model.buffers()]
         with apply(bucket.plan, self.model, graph=bucket.graph, smaller_inputs=True) as run:
             try:
-                loss = self.loss_fn(self._call(inputs))
+                loss = body()
             except PlanError as exc:
+                if run.stats.backward_started:
+                    raise  # not the forward's: the plan itself failed, never retried silently
                 mismatch = exc
             else:
                 mismatch = None
-                loss.backward()
         if mismatch is not None:
             log.info("planned: step %d does not match its bucket's plan (%s); profiling again",
                      self.steps, mismatch)
@@ -227,14 +246,10 @@ class PlannedLoop:
             with torch.no_grad():
                 for b, value in buffers:
                     b.copy_(value)
-            return None
+            return False, None
         self.last_stats = run.stats
-        return loss
-
-    def _run_plain(self, inputs):
-        loss = self.loss_fn(self._call(inputs))
-        loss.backward()
-        return loss
+        self.last_plan = bucket.plan
+        return True, loss
 
     def _call(self, inputs):
         import torch
@@ -262,7 +277,8 @@ class PlannedLoop:
         try:
             with paused, _same_rng():
                 graph = profile(self.model, inputs, self.loss_fn, warmup=1, repeat=1,
-                                name=f"{type(self.model).__name__}-bucket{len(self._buckets)}")
+                                name=f"{type(self.model).__name__}-bucket{len(self._buckets)}",
+                                forward=self.forward)
         except ProfileError as exc:
             if exc.user_error is not None:  # the user's own exception, as a plain step raises it
                 raise exc.user_error.with_traceback(exc.user_error.__traceback__) from None

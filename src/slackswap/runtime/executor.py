@@ -57,6 +57,9 @@ class RunStats:
     # first step of a context and on any step whose inputs change shape; the others run as
     # plain training (peak_activation_bytes is the traced steps')
     untraced_steps: int = 0
+    # a backward has been called in the context (a step that failed after it cannot be run
+    # again as if nothing happened: gradients may have been accumulated)
+    backward_started: bool = False
 
 
 @dataclass
@@ -457,6 +460,10 @@ class Run:
         if node is not step.node:
             step.node = node
             step.lingering.clear()
+            if node is not None:
+                # what this node read last goes when it is done, not at the next node that
+                # reads a planned tensor (nodes between would hold it past its position)
+                node.register_hook(_ReleaseAfter(step))
             if self._positions is not None and node is not None:
                 op = step.seq_to_op.get(node._sequence_nr())
                 if op is not None:
@@ -628,6 +635,19 @@ class Run:
                 if cuda_state is not None:
                     torch.cuda.set_rng_state(cuda_state, self.device)
         return [out] if isinstance(out, torch.Tensor) else collect_tensors(out, [])
+
+
+class _ReleaseAfter:
+    """A backward node's post-hook: the storages its unpacks released (``lingering``, kept for
+    a rebuild within the node) are let go once it has run."""
+
+    def __init__(self, step: _Step):
+        self.step = weakref.ref(step)
+
+    def __call__(self, grad_inputs, grad_outputs) -> None:
+        step = self.step()
+        if step is not None:
+            step.lingering.clear()
 
 
 class _RecordingTracer(Tracer):

@@ -66,7 +66,7 @@ def _to(inputs, device):
 
 
 def run_traced_step(model, inputs, loss_fn, sync=None, keep_calls=False,
-                    untouched: Untouched | None = None, cost=None):
+                    untouched: Untouched | None = None, cost=None, forward=None):
     """One forward + backward under the tracer; returns the StepTrace. ``untouched``: what the
     step writes that plain training owns (gradients of every leaf backward reaches, state the
     forward writes) is recorded there first, to be put back (Untouched.restore). ``cost``: a
@@ -106,7 +106,7 @@ def run_traced_step(model, inputs, loss_fn, sync=None, keep_calls=False,
     try:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), tracer:
             try:
-                out = _call(model, inputs)
+                out = (forward or _call)(model, inputs)
             except ProfileError:
                 raise
             except Exception as exc:
@@ -325,7 +325,8 @@ def group_by_module(graph: ActivationGraph) -> ActivationGraph:
 def profile(model, inputs, loss_fn: Callable, device=None, warmup: int = 1, repeat: int = 3,
             name: str | None = None, group_by_module: bool = False,
             calibrate: bool = True, gradients: str = "held", *, fake: bool = False,
-            hardware: Hardware | str | None = None, optimizer: str = "adamw") -> ActivationGraph:
+            hardware: Hardware | str | None = None, optimizer: str = "adamw",
+            forward: Callable | None = None) -> ActivationGraph:
     """Profile ``warmup + repeat`` training steps of ``model`` and return its activation graph.
 
     inputs: a tensor, a tuple (positional arguments) or a dict (keyword arguments).
@@ -356,6 +357,9 @@ def profile(model, inputs, loss_fn: Callable, device=None, warmup: int = 1, repe
 
     optimizer: whose state ``graph.extra["model_state"]`` counts beside the parameters and
     their gradients (OPTIMIZER_STATE_BYTES), for :func:`slackswap.fit`.
+
+    forward: ``forward(model, inputs)`` in place of calling the model on the inputs (a trainer's
+    own loss computation, which calls the model inside it); ``loss_fn`` gets what it returns.
     """
     import torch
 
@@ -369,7 +373,7 @@ def profile(model, inputs, loss_fn: Callable, device=None, warmup: int = 1, repe
             raise ProfileError("profile(fake=True) needs hardware=...: a fake step runs no kernel, "
                                "its op times come from the cost model for that device")
         return _profile_fake(model, inputs, loss_fn, device, name, group_by_module, gradients,
-                             hardware, optimizer)
+                             hardware, optimizer, forward)
 
     if not isinstance(model, torch.nn.Module):
         raise ProfileError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -394,11 +398,12 @@ def profile(model, inputs, loss_fn: Callable, device=None, warmup: int = 1, repe
     plain = None
     try:
         for step in range(warmup + repeat):
-            trace = run_traced_step(model, inputs, loss_fn, sync=sync, untouched=untouched)
+            trace = run_traced_step(model, inputs, loss_fn, sync=sync, untouched=untouched,
+                                    forward=forward)
             if step >= warmup:
                 traces.append(trace)
         if calibrate:
-            plain = plain_phase_times(model, inputs, loss_fn, sync, repeat)
+            plain = plain_phase_times(model, inputs, loss_fn, sync, repeat, forward)
     finally:
         untouched.restore()
     # the device and link the graph was profiled on (measured on CUDA): solve() plans for it
@@ -457,7 +462,7 @@ def _with_model_state(graph: ActivationGraph, model, optimizer: str) -> Activati
 
 
 def _profile_fake(model, inputs, loss_fn, device, name, group_by_module, gradients,
-                  hw, optimizer) -> ActivationGraph:
+                  hw, optimizer, forward=None) -> ActivationGraph:
     """One step under FakeTensorMode, timed by the cost model (runtime/fake.py)."""
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -480,7 +485,8 @@ def _profile_fake(model, inputs, loss_fn, device, name, group_by_module, gradien
         untouched = Untouched()
         try:
             with mode:
-                trace = run_traced_step(model, args, loss_fn, untouched=untouched, cost=cost)
+                trace = run_traced_step(model, args, loss_fn, untouched=untouched, cost=cost,
+                                        forward=forward)
         finally:
             untouched.restore()
     graph = graph_from_traces([trace], name or type(model).__name__,
@@ -513,7 +519,8 @@ def with_parameter_gradients(graph: ActivationGraph, gradients: str) -> Activati
     return replace(graph, ops=tuple(ops), extra={**graph.extra, "parameter_gradients": gradients})
 
 
-def plain_phase_times(model, inputs, loss_fn, sync, repeat: int) -> tuple[float, float]:
+def plain_phase_times(model, inputs, loss_fn, sync, repeat: int,
+                      call=None) -> tuple[float, float]:
     """The medians of ``repeat`` plain steps' forward (loss included) and backward times, as
     training runs them: no tracer, no hooks. The gradients they add and the state they write are
     put back by the caller (Untouched), as the traced steps' are."""
@@ -524,7 +531,7 @@ def plain_phase_times(model, inputs, loss_fn, sync, repeat: int) -> tuple[float,
         if sync is not None:
             sync()
         start = time.perf_counter()
-        loss = loss_fn(_call(model, inputs))
+        loss = loss_fn((call or _call)(model, inputs))
         if sync is not None:
             sync()
         middle = time.perf_counter()

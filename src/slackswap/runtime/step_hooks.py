@@ -99,11 +99,13 @@ class EndForwardOnBackward:
         def traced_backward(*args, **kwargs):
             if not run._paths.stack:
                 run._end_forward()
+                run.stats.backward_started = True
             return backward(*args, **kwargs)
 
         def traced_grad(*args, **kwargs):
             if not run._paths.stack:
                 run._end_forward()
+                run.stats.backward_started = True
             return grad(*args, **kwargs)
 
         self.saved = (backward, grad)
