@@ -145,6 +145,7 @@ class PlannedLoop:
     _refinements: Refinements | None = None
     _mismatches: dict = field(default_factory=dict)
     _plain: set = field(default_factory=set)
+    _open: Any = None  # the apply context ``forward_step`` left open for the backward
 
     def __enter__(self) -> PlannedLoop:
         if self.refine_solver is not None:
@@ -156,6 +157,7 @@ class PlannedLoop:
 
     def close(self) -> None:
         """Cancel every refinement (running or queued): nothing outlives the loop."""
+        self.end_step()
         if self._refinements is not None:
             self._refinements.close()
             self._refinements = None
@@ -216,6 +218,78 @@ class PlannedLoop:
             return body()
         bucket.steps += 1
         return loss
+
+    def forward_step(self, inputs, forward: Callable[[], Any]):
+        """For trainers that run the backward themselves (Lightning): run ``forward()`` (the
+        step's forward and loss, as the trainer computes them) under the plan of the inputs'
+        bucket, and leave the plan's context open for the backward; ``end_step()`` closes it
+        once the backward has run. A forward that is not the plan's is undone and run again
+        under a new profile, as ``step`` does (it has run no backward)."""
+        self.end_step()
+        shapes = _shapes(inputs)
+        if not shapes:
+            raise ValueError("planned: the step's inputs hold no tensor (their shapes choose the "
+                             "plan)")
+        key = (bucket_of(shapes), _arguments(inputs), step_signature(self.model))
+        self._adopt_refinements()
+        self.steps += 1
+        if key in self._plain:
+            return forward()
+        bucket = self._boundary(key, shapes, inputs)
+        for attempt in range(2):
+            done, out = self._open_planned(bucket, forward)
+            if done:
+                bucket.steps += 1
+                return out
+            self._mismatches[key] = self._mismatches.get(key, 0) + 1
+            self._drop(key)
+            if attempt == 0 and self._mismatches[key] < 2:
+                bucket = self._new_bucket(key, shapes, inputs)
+                continue
+            break
+        self._plain.add(key)
+        self.switches.append(Switch(self.steps - 1, key[0], "plain", None))
+        warnings.warn(f"planned: the traced step of bucket {key[0]} differs from batch to batch "
+                      "at the same shapes: slackswap cannot plan it, and its steps run without a "
+                      "plan from now on", RuntimeWarning, stacklevel=2)
+        return forward()
+
+    def end_step(self) -> None:
+        """Close the context ``forward_step`` left open (after the step's backward)."""
+        run, self._open = self._open, None
+        if run is not None:
+            run.__exit__(None, None, None)
+            self.last_stats = run.stats
+
+    def _open_planned(self, bucket: _Bucket, forward: Callable[[], Any]) -> tuple[bool, Any]:
+        import torch
+
+        from .runtime.executor import apply
+
+        rng = torch.get_rng_state()
+        cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+        buffers = [(b, b.detach().clone()) for b in self.model.buffers()]
+        run = apply(bucket.plan, self.model, graph=bucket.graph, smaller_inputs=True)
+        run.__enter__()
+        try:
+            out = forward()
+        except PlanError as exc:
+            run.__exit__(type(exc), exc, None)
+            log.info("planned: step %d does not match its bucket's plan (%s); profiling again",
+                     self.steps, exc)
+            torch.set_rng_state(rng)
+            if cuda_rng is not None:
+                torch.cuda.set_rng_state_all(cuda_rng)
+            with torch.no_grad():
+                for b, value in buffers:
+                    b.copy_(value)
+            return False, None
+        except BaseException as exc:
+            run.__exit__(type(exc), exc, None)
+            raise
+        self._open = run
+        self.last_plan = bucket.plan
+        return True, out
 
     def _run_planned(self, bucket: _Bucket, body: Callable[[], Any]) -> tuple[bool, Any]:
         """(True, what ``body`` returned) run under the bucket's plan; (False, None), with the

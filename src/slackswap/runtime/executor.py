@@ -180,13 +180,21 @@ class Run:
         self._positions = PlanPositions.of(plan, graph) if graph is not None and moves else None
         # recipes (and RNG states) are kept only when something will be rebuilt
         self.needs_recipes = any(d == "recompute" for d in plan.decisions.values())
-        # with the graph, only the ops a rebuild reruns (the closures of the recomputed tensors,
-        # their in-place writers included) keep recipes: the other ops are named, not recorded
+        # with the graph, only the ops a rebuild may rerun keep recipes (the closures of the
+        # recomputed tensors, their in-place writers included, and of the saved tensors those
+        # read, which a rebuild runs again once released): the other ops are named, not recorded
         self.recipe_ops: frozenset[int] | None = None
         if graph is not None and self.needs_recipes:
-            self.recipe_ops = frozenset(
-                q for name, d in plan.decisions.items() if d == "recompute"
-                for q in graph.rerun_ops[graph.tensor_index[name]])
+            ops: set[int] = set()
+            stack = [graph.tensor_index[n] for n, d in plan.decisions.items() if d == "recompute"]
+            seen: set[int] = set()
+            while stack:
+                t = stack.pop()
+                if t not in seen:
+                    seen.add(t)
+                    ops.update(graph.rerun_ops[t])
+                    stack.extend(graph.rerun_frontier[t])
+            self.recipe_ops = frozenset(ops)
         self._issue_at, self._need_at = self._prefetch_schedule(plan, graph)
         self._check_device()
         if graph is not None:

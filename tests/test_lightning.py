@@ -1,0 +1,94 @@
+"""ss.lightning.SlackSwapCallback: a Lightning fit with gradient accumulation ends with the
+weights of the same fit without it; every batch ran under a plan within its budget."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+pl = pytest.importorskip("lightning.pytorch")
+
+import slackswap as ss  # noqa: E402
+
+
+class LanguageModel(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+            n_layer=2, n_embd=128, n_head=2, n_positions=128, vocab_size=1000, bos_token_id=0,
+            eos_token_id=0))  # dropout 0.1 throughout
+
+    def training_step(self, batch, batch_idx):
+        return self.model(input_ids=batch, labels=batch).loss
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val_loss", self.model(input_ids=batch, labels=batch).loss)
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+
+def _data(n: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    # two lengths: two buckets
+    batches = [torch.randint(1, 1000, (4, 64 if i % 3 else 128), generator=g) for i in range(n)]
+    return torch.utils.data.DataLoader(batches, batch_size=None)
+
+
+def _fit(callbacks):
+    module = LanguageModel()
+    trainer = pl.Trainer(max_steps=8, accumulate_grad_batches=2, accelerator="cpu", devices=1,
+                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, val_check_interval=4,
+                         limit_val_batches=2, callbacks=callbacks)
+    pl.seed_everything(0, verbose=False)
+    trainer.fit(module, train_dataloaders=_data(16, 1), val_dataloaders=_data(2, 2))
+    return module
+
+
+@pytest.mark.slow
+def test_a_planned_fit_ends_with_the_weights_of_a_plain_one():
+    plain = _fit([])
+    callback = ss.lightning.SlackSwapCallback(budget=0.5, refine_solver=None)
+    peaks = []
+    end_step = None
+
+
+    def record():  # the executor's tracked peak of each planned batch, against its budget
+        end_step()
+        loop = callback.loop
+        if loop.last_stats is not None and loop.last_plan is not None:
+            peaks.append((loop.last_stats.peak_activation_bytes, loop.last_plan.budget_bytes))
+
+    original_start = callback.on_fit_start
+
+    def on_fit_start(trainer, pl_module):
+        nonlocal end_step
+        original_start(trainer, pl_module)
+        end_step = callback.loop.end_step
+        callback.loop.end_step = record
+
+    callback.on_fit_start = on_fit_start
+    planned = _fit([callback])
+    assert callback.planned_batches == 16  # 8 optimizer steps x 2 accumulated batches
+    for (name, a), b in zip(plain.named_parameters(), planned.parameters()):
+        assert torch.equal(a, b), name  # bit-identical, dropout on, the same seed
+    assert len(callback.loop._buckets) == 2
+    assert type(planned).training_step is LanguageModel.training_step  # given back
+    assert "training_step" not in vars(planned)
+    assert peaks and all(peak <= budget for peak, budget in peaks), peaks
+
+
+def test_manual_optimization_is_refused():
+    class Manual(LanguageModel):
+        def __init__(self):
+            super().__init__()
+            self.automatic_optimization = False
+
+    trainer = pl.Trainer(max_steps=1, accelerator="cpu", logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False,
+                         callbacks=[ss.lightning.SlackSwapCallback(budget=0.5, refine_solver=None)])
+    with pytest.raises(ValueError, match="manual optimization"):
+        trainer.fit(Manual(), train_dataloaders=_data(2, 1))
