@@ -165,3 +165,58 @@ def test_plans_for_one_graph_share_one_host_pool():
         totals.append(run.stats.host_pool_bytes)
     assert totals[0] == sum(sizes[n] for n in first.tensors("swap"))
     assert totals[1:] == [union] * 4
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_later_steps_of_a_plan_that_rebuilds_nothing_are_skimmed_on_the_same_schedule(name):
+    """Keep and swap only: the first step of a context is traced and checked; the next ones
+    (same input shapes) count positions and name saved tensors by the first's order of saves,
+    and still act at the plan's positions with the plain step's gradients."""
+    model, inputs, loss_fn, graph = setup(name)
+    plan = random_plan(graph, ["swap", "keep"] * len(graph.saved))
+    assert plan.count("swap") > 0 and plan.count("recompute") == 0
+    torch.manual_seed(5)
+    model.zero_grad(set_to_none=True)
+    loss_fn(call(model, inputs)).backward()
+    reference = [None if p.grad is None else p.grad.clone() for p in model.parameters()]
+    dead = dead_positions(graph)
+    with ss.apply(plan, model, graph=graph) as run:
+        for step in range(3):
+            torch.manual_seed(5)
+            model.zero_grad(set_to_none=True)
+            loss_fn(call(model, inputs)).backward()
+            for a, p in zip(reference, model.parameters()):
+                assert (a is None and p.grad is None) or torch.equal(a, p.grad), step
+            logged, planned = run.log.schedule, plan.schedule
+            assert_same_positions(dict(logged.d2h_free), dict(planned.d2h_free), dead)
+            assert_same_positions(dict(logged.h2d_issue), dict(planned.h2d_issue), dead)
+    assert run.stats.skimmed_steps == 2
+    model.zero_grad(set_to_none=True)
+
+
+def test_a_skimmed_step_that_leaves_the_checked_one_is_refused_by_name():
+    """A forward that depends on its data (here: one more op on odd calls) cannot be named by
+    the checked step's order of saves: refused, never run on wrong names."""
+    class Branchy(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(64, 64), torch.nn.Linear(64, 64)
+            self.calls = 0
+
+        def forward(self, x):
+            self.calls += 1
+            h = torch.tanh(self.a(x))
+            if self.calls % 2 == 0:
+                h = h * 2
+            return torch.sigmoid(self.b(h))
+
+    model, x = Branchy(), torch.randn(32, 64)
+    graph = ss.profile(model, x, lambda y: y.sum(), warmup=0, repeat=1, calibrate=False)
+    model.calls = 0  # the next call is odd, as the profiled one was
+    plan = ss.complete(ss.Plan(graph.name, graph.digest, 10**12,
+                               {graph.tensors[t].name: "swap" for t in graph.saved}), graph,
+                       "cpu-emulated-link")
+    with ss.apply(plan, model, graph=graph):
+        model(x).sum().backward()  # call 1 (odd, as profiled): traced, checked
+        with pytest.raises(ss.PlanError, match="depends on its data"):
+            model(x).sum().backward()

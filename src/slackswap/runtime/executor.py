@@ -57,6 +57,9 @@ class RunStats:
     # first step of a context and on any step whose inputs change shape; the others run as
     # plain training (peak_activation_bytes is the traced steps')
     untraced_steps: int = 0
+    # steps of a plan that rebuilds nothing run with positions counted and saved tensors named
+    # by the checked step's order of saves, without per-op naming (_SkimTracer)
+    skimmed_steps: int = 0
     # a backward has been called in the context (a step that failed after it cannot be run
     # again as if nothing happened: gradients may have been accumulated)
     backward_started: bool = False
@@ -110,6 +113,9 @@ class _Step:
     seq_to_op: dict[int, int] = field(default_factory=dict)
     pending_hooks: list = field(default_factory=list)
     issue_cursor: int = 0  # the prefetch positions (PlanPositions.issue_order) handled
+    skim: bool = False  # counted, not named (_SkimTracer)
+    pack_index: int = 0  # saves so far in a skimmed step
+    pack_log: list | None = None  # (position, name) of each save, in a checked step
     log: RunLog = field(default_factory=RunLog)
 
 
@@ -219,6 +225,11 @@ class Run:
         # nothing to move: once a step is checked, steps of the same input shapes run untraced
         self._moves_nothing = all(d == "keep" for d in plan.decisions.values())
         self._signature: tuple | None = None
+        # a plan that rebuilds nothing needs no recipe and no name from the tracer once a step
+        # of these input shapes is checked: its later steps count positions alone and name each
+        # saved tensor by its place in the checked step's order of saves (_SkimTracer)
+        self._can_skim = graph is not None and not self.needs_recipes and not self._moves_nothing
+        self._pack_order: list[tuple[int, str | None]] | None = None
 
     @staticmethod
     def _prefetch_schedule(plan: Plan, graph: ActivationGraph | None):
@@ -351,14 +362,21 @@ class Run:
             self.stats.host_pool_bytes = self.pool.nbytes
 
     # ------------------------------------------------------------ forward tracing
-    def _begin_forward(self) -> None:
+    def _begin_forward(self, skim: bool = False) -> None:
         self._end_forward()
         if self._step is not None:
             self._last_log = self._step.log
         self._paths.reset(self._paths.stack[-1] if self._paths.stack else "model")
         step = _Step(tracer=None, paths=self._paths)
         self._step = step
-        step.tracer = _RecordingTracer(self, step, self._paths)
+        if skim:
+            step.skim = True
+            step.tracer = _SkimTracer(self, step, self._paths)
+            self.stats.skimmed_steps += 1
+        else:
+            if self._can_skim:
+                step.pack_log = []
+            step.tracer = _RecordingTracer(self, step, self._paths)
         step.tracer.__enter__()
         step.active = True
 
@@ -382,6 +400,8 @@ class Run:
                 # a forward that raised proves nothing about the plan: the user's error stands
                 step.checked = True
                 self._check_plan(step)
+            if step.pack_log is not None and step.finished and self._checked:
+                self._pack_order = step.pack_log  # the order of saves later steps are named by
 
     def _check_plan(self, step: _Step) -> None:
         if not self._checked and step.seen:
@@ -397,7 +417,12 @@ class Run:
         step = self._step
         if step is None or step.tracer is None:
             return t
-        name = step.tracer.tensor_name(t)
+        if step.skim:
+            name = self._skimmed_name(step)
+        else:
+            name = step.tracer.tensor_name(t)
+            if step.pack_log is not None:
+                step.pack_log.append((step.position, name))
         if name is None:
             return t
         decision = self.plan.decisions.get(name)
@@ -431,6 +456,21 @@ class Run:
         else:
             handle.ref = weakref.ref(t)
         return handle
+
+    def _skimmed_name(self, step: _Step) -> str | None:
+        """The name of the k-th tensor saved in a skimmed step: the k-th of the checked step,
+        saved at the same op (an op sequence that left the checked one is refused by name)."""
+        k = step.pack_index
+        step.pack_index = k + 1
+        order = self._pack_order
+        if k >= len(order) or order[k][0] != step.position:
+            raise PlanError(
+                f"apply: save {k} of this step comes at op {step.position}, where the checked "
+                f"step of the same input shapes saved "
+                + (f"at op {order[k][0]}" if k < len(order) else "no more tensors")
+                + ": the model's forward depends on its data; run it under ss.planned (which "
+                "profiles such steps again) or without a plan")
+        return order[k][1]
 
     def _check_tensor(self, name: str, t: torch.Tensor) -> None:
         """The tensor the model saves is the one the plan was made for: same dtype and bytes
@@ -656,6 +696,44 @@ class _ReleaseAfter:
         step = self.step()
         if step is not None:
             step.lingering.clear()
+
+
+class _SkimTracer(Tracer):
+    """A plan that rebuilds nothing, on a step of checked input shapes: the executor acts at
+    the plan's positions, which it counts op by op, and nothing else per op (no names, no
+    recipes, no storage tracking); saved tensors are named in _pack by the order of saves."""
+
+    def __init__(self, run: Run, step: _Step, paths: ModulePaths):
+        super().__init__(run.model, paths)
+        self.run = run
+        self.step = step
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if torch._C._current_autograd_node() is not None:
+            return func(*args, **kwargs)
+        skipped, out = self.wrapper_work(func, args, kwargs)
+        if skipped:
+            return out
+        step = self.step
+        op = step.next_op
+        step.next_op = op + 1
+        step.position = op
+        positions = self.run._positions
+        if step.release_heap:
+            self.run._release_due(step, op - 1)
+        if step.pending_hooks:
+            self.run._hook_nodes(step)
+        if step.issue_cursor < len(positions.issue_order) and \
+                positions.issue_order[step.issue_cursor] <= op:
+            self.run._issue_due(step, op)
+        step.seq_to_op.setdefault(torch._C._autograd._get_sequence_nr() - 1, op)
+        out = func(*args, **kwargs)
+        if op in positions.hooked_ops:
+            tensors = [out] if isinstance(out, torch.Tensor) else collect_tensors(
+                out if isinstance(out, (list, tuple)) else [], [])
+            step.pending_hooks.append((op, [weakref.ref(t) for t in tensors]))
+        return out
 
 
 class _RecordingTracer(Tracer):

@@ -41,16 +41,21 @@ class ForwardHook:
         def pre(module, args, kwargs):
             run = self.run
             run.stats.steps += 1
-            if run._moves_nothing:
+            if run._moves_nothing or run._can_skim:
                 signature = input_signature(args, kwargs)
                 if run._checked and signature == run._signature:
-                    run._end_forward()
-                    if run._step is not None:
-                        run._last_log = run._step.log
-                    run._step = None  # no tracer, no recorded tensors: plain training
-                    run.stats.untraced_steps += 1
-                    return
+                    if run._moves_nothing:
+                        run._end_forward()
+                        if run._step is not None:
+                            run._last_log = run._step.log
+                        run._step = None  # no tracer, no recorded tensors: plain training
+                        run.stats.untraced_steps += 1
+                        return
+                    if run._pack_order is not None:
+                        run._begin_forward(skim=True)
+                        return
                 run._signature = signature
+                run._pack_order = None  # new shapes: traced and checked again
             run._begin_forward()
 
         def post(module, args, output):
