@@ -604,7 +604,7 @@ class Run:
             start, waited = time.perf_counter(), self.stats.wait_s
             self._rebuild_depth += 1
             try:
-                storage = self._rerun_for(step, name, {})
+                storage = self._rerun_for(step, name, self._rebuild_scope(name))
             finally:
                 self._rebuild_depth -= 1
             if self._rebuild_depth == 0:
@@ -612,6 +612,22 @@ class Run:
             self.stats.recomputed_bytes += storage.nbytes()
         step.device_copy[name] = storage
         return storage
+
+    def _rebuild_scope(self, name: str) -> _Transients:
+        """The unsaved tensors one rebuild makes, each let go after its last reader among the
+        rebuild's ops (as the step model frees a rerun's transients), not at the rebuild's end:
+        a chain of k elementwise ops would otherwise hold k intermediates at once."""
+        scope = _Transients()
+        graph = self.graph
+        if graph is not None and name in graph.tensor_index:
+            reads = scope.reads
+            saved = graph.is_saved
+            for q in graph.rerun_ops[graph.tensor_index[name]]:
+                for t in graph.op_inputs[q]:
+                    if not saved[t]:
+                        n = graph.tensors[t].name
+                        reads[n] = reads.get(n, 0) + 1
+        return scope
 
     def _first_use(self, step: _Step, name: str) -> None:
         """A prefetched tensor is read: compute waits for its copy here, and only here."""
@@ -682,7 +698,38 @@ class Run:
                 torch.set_rng_state(saved_state)
                 if cuda_state is not None:
                     torch.cuda.set_rng_state(cuda_state, self.device)
+        reads = getattr(transients, "reads", None)
+        if reads:
+            for ref_name in _ref_names((rec.args, rec.kwargs), set()):
+                left = reads.get(ref_name)
+                if left is not None and ref_name not in fresh:
+                    reads[ref_name] = left - 1
+                    if left <= 1:
+                        transients.pop(ref_name, None)  # its last reader in this rebuild ran
         return [out] if isinstance(out, torch.Tensor) else collect_tensors(out, [])
+
+
+class _Transients(dict):
+    """The storages of the unsaved tensors a rebuild has made, by name, and how many reads of
+    each the rebuild's ops still have to make (``reads``; empty without the graph: kept to the
+    rebuild's end)."""
+
+    def __init__(self):
+        super().__init__()
+        self.reads: dict[str, int] = {}
+
+
+def _ref_names(obj, out: set) -> set:
+    """The names of the graph tensors (Ref) in a recipe's arguments, each once."""
+    if isinstance(obj, Ref):
+        out.add(obj.name)
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            _ref_names(v, out)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            _ref_names(v, out)
+    return out
 
 
 class _ReleaseAfter:
