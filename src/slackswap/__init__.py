@@ -62,7 +62,11 @@ def __getattr__(name: str):
     if name in _SUBMODULES:
         import importlib
 
-        return importlib.import_module(f"slackswap.{name}")
+        try:
+            return importlib.import_module(f"slackswap.{name}")
+        except ModuleNotFoundError as exc:
+            raise ImportError(f"slackswap.{name} needs {exc.name!r}, which is not installed: "
+                              "pip install 'slackswap[trainers]'") from exc
     if name in _LAZY:
         import importlib
 
