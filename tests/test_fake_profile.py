@@ -53,6 +53,7 @@ def _without_times(graph: ss.ActivationGraph) -> dict:
     return {"ops": d["ops"], "tensors": d["tensors"]}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dropout", [True, False])
 @pytest.mark.parametrize("family", ["gpt2", "bert", "llama"])
 def test_a_fake_profile_is_the_real_step_without_its_times(family, dropout):
@@ -73,6 +74,7 @@ def test_a_fake_profile_is_the_real_step_without_its_times(family, dropout):
         assert p.grad is None, name
 
 
+@pytest.mark.slow
 def test_faked_for_a_gpu_attention_is_the_fused_kernel_even_with_dropout():
     """BERT with attention dropout 0.1: the CPU's SDPA falls back to the unfused math (scores and
     probabilities of 2 x 2 heads x 64 x 64 saved per layer); a GPU's flash kernel takes dropout
@@ -90,6 +92,7 @@ def test_faked_for_a_gpu_attention_is_the_fused_kernel_even_with_dropout():
     assert int(gpu.tensor_bytes[gpu.saved].sum()) < int(cpu.tensor_bytes[cpu.saved].sum())
 
 
+@pytest.mark.slow
 def test_a_meta_model_profiles_and_stays_on_meta():
     config = transformers.LlamaConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=2,
                                       num_key_value_heads=1, intermediate_size=172,
@@ -213,6 +216,7 @@ def test_a_fake_profile_of_a_matmul_chain_is_timed_by_hand():
 
 # ---------------------------------------------------------------- fit
 
+@pytest.mark.slow
 def test_fit_leaves_the_model_state_aside_and_plans_the_rest():
     model, inputs, loss_fn = _hf("gpt2", True)
     g = ss.profile(model, inputs, loss_fn, fake=True, hardware=HW, optimizer="adamw",
@@ -233,6 +237,7 @@ def test_fit_leaves_the_model_state_aside_and_plans_the_rest():
     assert "memory left for activations" in tight.table()
 
 
+@pytest.mark.slow
 def test_fit_counts_gradients_made_in_backward_once():
     model, inputs, loss_fn = _hf("llama", False)
     made = ss.profile(model, inputs, loss_fn, fake=True, hardware=HW, gradients="made")
@@ -243,6 +248,7 @@ def test_fit_counts_gradients_made_in_backward_once():
         state["optimizer_state_bytes"]
 
 
+@pytest.mark.slow
 def test_the_command_line_fits_a_config(tmp_path, capsys):
     from slackswap.cli import main
 

@@ -1,33 +1,48 @@
 """ss.lightning.SlackSwapCallback: a Lightning fit with gradient accumulation ends with the
-weights of the same fit without it; every batch ran under a plan within its budget."""
+weights of the same fit without it; every batch ran under a plan within its budget. Lightning is
+imported by the tests alone (its import costs seconds; the fast lane leaves it out)."""
 
 from __future__ import annotations
+
+import functools
 
 import pytest
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
-pl = pytest.importorskip("lightning.pytorch")
 
 import slackswap as ss  # noqa: E402
 
+pytestmark = pytest.mark.slow
 
-class LanguageModel(pl.LightningModule):
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
-            n_layer=2, n_embd=128, n_head=2, n_positions=128, vocab_size=1000, bos_token_id=0,
-            eos_token_id=0))  # dropout 0.1 throughout
 
-    def training_step(self, batch, batch_idx):
-        return self.model(input_ids=batch, labels=batch).loss
+@functools.cache
+def _lightning():
+    return pytest.importorskip("lightning.pytorch")
 
-    def validation_step(self, batch, batch_idx):
-        self.log("val_loss", self.model(input_ids=batch, labels=batch).loss)
 
-    def configure_optimizers(self):
-        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+@functools.cache
+def _language_model():
+    pl = _lightning()
+
+    class LanguageModel(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+                n_layer=2, n_embd=128, n_head=2, n_positions=128, vocab_size=1000,
+                bos_token_id=0, eos_token_id=0))  # dropout 0.1 throughout
+
+        def training_step(self, batch, batch_idx):
+            return self.model(input_ids=batch, labels=batch).loss
+
+        def validation_step(self, batch, batch_idx):
+            self.log("val_loss", self.model(input_ids=batch, labels=batch).loss)
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+    return LanguageModel
 
 
 def _data(n: int, seed: int):
@@ -38,7 +53,8 @@ def _data(n: int, seed: int):
 
 
 def _fit(callbacks):
-    module = LanguageModel()
+    pl = _lightning()
+    module = _language_model()()
     trainer = pl.Trainer(max_steps=8, accumulate_grad_batches=2, accelerator="cpu", devices=1,
                          logger=False, enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False, val_check_interval=4,
@@ -48,7 +64,6 @@ def _fit(callbacks):
     return module
 
 
-@pytest.mark.slow
 def test_a_planned_fit_ends_with_the_weights_of_a_plain_one():
     plain = _fit([])
     callback = ss.lightning.SlackSwapCallback(budget=0.5, refine_solver=None)
@@ -76,13 +91,15 @@ def test_a_planned_fit_ends_with_the_weights_of_a_plain_one():
     for (name, a), b in zip(plain.named_parameters(), planned.parameters()):
         assert torch.equal(a, b), name  # bit-identical, dropout on, the same seed
     assert len(callback.loop._buckets) == 2
-    assert type(planned).training_step is LanguageModel.training_step  # given back
+    assert type(planned).training_step is _language_model().training_step  # given back
     assert "training_step" not in vars(planned)
     assert peaks and all(peak <= budget for peak, budget in peaks), peaks
 
 
 def test_manual_optimization_is_refused():
-    class Manual(LanguageModel):
+    pl = _lightning()
+
+    class Manual(_language_model()):
         def __init__(self):
             super().__init__()
             self.automatic_optimization = False

@@ -167,6 +167,7 @@ def test_plans_for_one_graph_share_one_host_pool():
     assert totals[1:] == [union] * 4
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", MODELS)
 def test_later_steps_of_a_plan_that_rebuilds_nothing_are_skimmed_on_the_same_schedule(name):
     """Keep and swap only: the first step of a context is traced and checked; the next ones
