@@ -180,6 +180,30 @@ class PlannedLoop:
         bucket is profiled with ``loss_fn`` on the model's output, which must make the loss the
         way ``body`` does (the same ops). A body whose forward is not the plan's is undone (RNG
         and buffers) and run again under a new profile, as ``step`` does."""
+        return self._under_plan(inputs, lambda bucket: self._run_planned(bucket, body), body)
+
+    def forward_step(self, inputs, forward: Callable[[], Any]):
+        """For trainers that run the backward themselves (Lightning): run ``forward()`` (the
+        step's forward and loss, as the trainer computes them) under the plan of the inputs'
+        bucket, and leave the plan's context open for the backward; ``end_step()`` closes it
+        once the backward has run. A forward that is not the plan's is undone and run again
+        under a new profile, as ``step`` does (it has run no backward)."""
+        self.end_step()
+        return self._under_plan(inputs, lambda bucket: self._open_planned(bucket, forward),
+                                forward)
+
+    def end_step(self) -> None:
+        """Close the context ``forward_step`` left open (after the step's backward)."""
+        run, self._open = self._open, None
+        if run is not None:
+            run.__exit__(None, None, None)
+            self.last_stats = run.stats
+
+    def _under_plan(self, inputs, attempt: Callable[[_Bucket], tuple[bool, Any]],
+                    plain: Callable[[], Any]):
+        """The step under its bucket's plan (``attempt``); a step whose traced ops do not match
+        the plan is undone and profiled again at these inputs, and a bucket whose steps differ
+        again runs ``plain`` from then on, said once in a warning."""
         shapes = _shapes(inputs)
         if not shapes:
             raise ValueError("planned: step() needs the inputs as a tensor, tuple or dict of "
@@ -188,13 +212,12 @@ class PlannedLoop:
         self._adopt_refinements()
         self.steps += 1
         if key in self._plain:
-            return body()
+            return plain()
         bucket = self._boundary(key, shapes, inputs)
-        done, loss = self._run_planned(bucket, body)
+        done, out = attempt(bucket)
         if done:
             bucket.steps += 1
-            return loss
-        # the step's traced ops did not match the plan: undone, profiled again at these inputs
+            return out
         self._mismatches[key] = self._mismatches.get(key, 0) + 1
         self._drop(key)
         if self._mismatches[key] >= 2:
@@ -204,85 +227,54 @@ class PlannedLoop:
                 f"planned: the traced step of bucket {key[0]} differs from batch to batch at "
                 "the same shapes (a route that depends on the data, such as a mixture of "
                 "experts' top-k choice): slackswap cannot plan it, and its steps run without a "
-                "plan from now on", RuntimeWarning, stacklevel=2)
-            return body()
+                "plan from now on", RuntimeWarning, stacklevel=3)
+            return plain()
         bucket = self._new_bucket(key, shapes, inputs)
-        done, loss = self._run_planned(bucket, body)
+        done, out = attempt(bucket)
         if not done:  # it changed between two runs on the same inputs
             self._mismatches[key] = 2
             self._plain.add(key)
             self._drop(key)
             warnings.warn(f"planned: the traced step of bucket {key[0]} is not the same twice "
                           "on the same inputs: its steps run without a plan",
-                          RuntimeWarning, stacklevel=2)
-            return body()
+                          RuntimeWarning, stacklevel=3)
+            return plain()
         bucket.steps += 1
-        return loss
+        return out
 
-    def forward_step(self, inputs, forward: Callable[[], Any]):
-        """For trainers that run the backward themselves (Lightning): run ``forward()`` (the
-        step's forward and loss, as the trainer computes them) under the plan of the inputs'
-        bucket, and leave the plan's context open for the backward; ``end_step()`` closes it
-        once the backward has run. A forward that is not the plan's is undone and run again
-        under a new profile, as ``step`` does (it has run no backward)."""
-        self.end_step()
-        shapes = _shapes(inputs)
-        if not shapes:
-            raise ValueError("planned: the step's inputs hold no tensor (their shapes choose the "
-                             "plan)")
-        key = (bucket_of(shapes), _arguments(inputs), step_signature(self.model))
-        self._adopt_refinements()
-        self.steps += 1
-        if key in self._plain:
-            return forward()
-        bucket = self._boundary(key, shapes, inputs)
-        for attempt in range(2):
-            done, out = self._open_planned(bucket, forward)
-            if done:
-                bucket.steps += 1
-                return out
-            self._mismatches[key] = self._mismatches.get(key, 0) + 1
-            self._drop(key)
-            if attempt == 0 and self._mismatches[key] < 2:
-                bucket = self._new_bucket(key, shapes, inputs)
-                continue
-            break
-        self._plain.add(key)
-        self.switches.append(Switch(self.steps - 1, key[0], "plain", None))
-        warnings.warn(f"planned: the traced step of bucket {key[0]} differs from batch to batch "
-                      "at the same shapes: slackswap cannot plan it, and its steps run without a "
-                      "plan from now on", RuntimeWarning, stacklevel=2)
-        return forward()
-
-    def end_step(self) -> None:
-        """Close the context ``forward_step`` left open (after the step's backward)."""
-        run, self._open = self._open, None
-        if run is not None:
-            run.__exit__(None, None, None)
-            self.last_stats = run.stats
-
-    def _open_planned(self, bucket: _Bucket, forward: Callable[[], Any]) -> tuple[bool, Any]:
+    def _snapshot(self):
+        """What a step that turns out not to be its plan's has changed and must put back: the
+        RNG streams and the model's buffers."""
         import torch
 
+        return (torch.get_rng_state(),
+                torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+                [(b, b.detach().clone()) for b in self.model.buffers()])
+
+    def _undo(self, snapshot, mismatch: Exception) -> None:
+        import torch
+
+        log.info("planned: step %d does not match its bucket's plan (%s); profiling again",
+                 self.steps, mismatch)
+        rng, cuda_rng, buffers = snapshot
+        torch.set_rng_state(rng)
+        if cuda_rng is not None:
+            torch.cuda.set_rng_state_all(cuda_rng)
+        with torch.no_grad():
+            for b, value in buffers:
+                b.copy_(value)
+
+    def _open_planned(self, bucket: _Bucket, forward: Callable[[], Any]) -> tuple[bool, Any]:
         from .runtime.executor import apply
 
-        rng = torch.get_rng_state()
-        cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
-        buffers = [(b, b.detach().clone()) for b in self.model.buffers()]
+        snapshot = self._snapshot()
         run = apply(bucket.plan, self.model, graph=bucket.graph, smaller_inputs=True)
         run.__enter__()
         try:
             out = forward()
         except PlanError as exc:
             run.__exit__(type(exc), exc, None)
-            log.info("planned: step %d does not match its bucket's plan (%s); profiling again",
-                     self.steps, exc)
-            torch.set_rng_state(rng)
-            if cuda_rng is not None:
-                torch.cuda.set_rng_state_all(cuda_rng)
-            with torch.no_grad():
-                for b, value in buffers:
-                    b.copy_(value)
+            self._undo(snapshot, exc)
             return False, None
         except BaseException as exc:
             run.__exit__(type(exc), exc, None)
@@ -295,13 +287,9 @@ class PlannedLoop:
         """(True, what ``body`` returned) run under the bucket's plan; (False, None), with the
         RNG and the model's buffers put back and nothing run backward, when its forward is not
         the plan's."""
-        import torch
-
         from .runtime.executor import apply
 
-        rng = torch.get_rng_state()
-        cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
-        buffers = [(b, b.detach().clone()) for b in self.model.buffers()]
+        snapshot = self._snapshot()
         with apply(bucket.plan, self.model, graph=bucket.graph, smaller_inputs=True) as run:
             try:
                 loss = body()
@@ -312,14 +300,7 @@ class PlannedLoop:
             else:
                 mismatch = None
         if mismatch is not None:
-            log.info("planned: step %d does not match its bucket's plan (%s); profiling again",
-                     self.steps, mismatch)
-            torch.set_rng_state(rng)
-            if cuda_rng is not None:
-                torch.cuda.set_rng_state_all(cuda_rng)
-            with torch.no_grad():
-                for b, value in buffers:
-                    b.copy_(value)
+            self._undo(snapshot, mismatch)
             return False, None
         self.last_stats = run.stats
         self.last_plan = bucket.plan

@@ -278,6 +278,25 @@ class Run:
                 self.lanes.release(step.host[name][2])
                 step.log.add("release", name, after)
 
+    def _next_position(self, step: _Step) -> int:
+        """A forward op is about to run: the step moves to its position and does what the plan
+        does before it (releases after the previous one, hooks on the nodes made so far,
+        prefetches issued within the forward); returns the position."""
+        op = step.next_op
+        step.next_op = op + 1
+        step.position = op
+        positions = self._positions
+        if positions is not None:
+            if step.release_heap:
+                self._release_due(step, op - 1)
+            if step.pending_hooks:
+                self._hook_nodes(step)
+            if step.issue_cursor < len(positions.issue_order) and \
+                    positions.issue_order[step.issue_cursor] <= op:
+                self._issue_due(step, op)
+            step.seq_to_op.setdefault(torch._C._autograd._get_sequence_nr() - 1, op)
+        return op
+
     def _hook_nodes(self, step: _Step) -> None:
         """The backward nodes of the ops whose positions have events: a pre-hook there moves
         the step to that position (the node exists once the op's autograd wrapper returns)."""
@@ -763,18 +782,8 @@ class _SkimTracer(Tracer):
         if skipped:
             return out
         step = self.step
-        op = step.next_op
-        step.next_op = op + 1
-        step.position = op
+        op = self.run._next_position(step)
         positions = self.run._positions
-        if step.release_heap:
-            self.run._release_due(step, op - 1)
-        if step.pending_hooks:
-            self.run._hook_nodes(step)
-        if step.issue_cursor < len(positions.issue_order) and \
-                positions.issue_order[step.issue_cursor] <= op:
-            self.run._issue_due(step, op)
-        step.seq_to_op.setdefault(torch._C._autograd._get_sequence_nr() - 1, op)
         out = func(*args, **kwargs)
         if op in positions.hooked_ops:
             tensors = [out] if isinstance(out, torch.Tensor) else collect_tensors(
@@ -803,19 +812,8 @@ class _RecordingTracer(Tracer):
         if skipped:
             return out
         step = self.step
-        op = step.next_op  # this op's position (the profiler's op index)
-        step.next_op = op + 1
-        step.position = op
+        op = self.run._next_position(step)  # this op's position (the profiler's op index)
         positions = self.run._positions
-        if positions is not None:
-            if step.release_heap:
-                self.run._release_due(step, op - 1)
-            if step.pending_hooks:
-                self.run._hook_nodes(step)
-            if step.issue_cursor < len(positions.issue_order) and \
-                    positions.issue_order[step.issue_cursor] <= op:
-                self.run._issue_due(step, op)  # a prefetch the plan issues within the forward
-            step.seq_to_op.setdefault(torch._C._autograd._get_sequence_nr() - 1, op)
         aten, _, random, inplace = op_info(func)
         inplace = inplace or "out" in kwargs
         in_tensors, in_keys = self.input_keys(args, kwargs)
