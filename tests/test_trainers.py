@@ -54,11 +54,12 @@ def _model(family: str):
 
 
 def _trainer(family: str, tmp_path, **overrides):
-    args = transformers.TrainingArguments(
+    settings = dict(
         output_dir=str(tmp_path), per_device_train_batch_size=4, per_device_eval_batch_size=4,
         gradient_accumulation_steps=2, max_steps=20, eval_strategy="steps", eval_steps=5,
         logging_steps=5, save_strategy="no", report_to=[], use_cpu=True, seed=0,
-        dataloader_num_workers=0, learning_rate=1e-3, **overrides)
+        dataloader_num_workers=0, learning_rate=1e-3)
+    args = transformers.TrainingArguments(**{**settings, **overrides})
     return transformers.Trainer(model=_model(family), args=args, train_dataset=Tokens(96, 1),
                                 eval_dataset=Tokens(8, 2), data_collator=collate)
 
@@ -125,3 +126,21 @@ def test_remove_gives_the_trainer_its_own_step_back(tmp_path):
     assert trainer.training_step == own
     with pytest.raises(TypeError, match="Trainer"):
         ss.hf.plan_trainer(object(), budget=0.5)
+
+
+@pytest.mark.slow
+def test_bf16_autocast_steps_end_with_the_weights_of_a_plain_trainer(tmp_path):
+    """bf16=True (autocast on the CPU through accelerate): the buckets are profiled under the
+    Trainer's own autocast, and 4 planned steps end bit-identical to 4 plain ones."""
+    def run(planned: bool):
+        trainer = _trainer("gpt2", tmp_path / str(planned), bf16=True, max_steps=4)
+        handle = ss.hf.plan_trainer(trainer, budget=0.5, refine_solver=None) if planned else None
+        trainer.train()
+        if handle is not None:
+            handle.remove()
+            assert handle.planned_steps == 8
+        return trainer.model
+
+    plain, planned = run(False), run(True)
+    for (name, a), b in zip(plain.named_parameters(), planned.parameters()):
+        assert torch.equal(a, b), name
