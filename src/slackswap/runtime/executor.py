@@ -764,21 +764,30 @@ class _ReleaseAfter:
             step.lingering.clear()
 
 
-class _SkimTracer(Tracer):
-    """A plan that rebuilds nothing, on a step of checked input shapes: the executor acts at
-    the plan's positions, which it counts op by op, and nothing else per op (no names, no
-    recipes, no storage tracking); saved tensors are named in _pack by the order of saves."""
+class _StepTracer(Tracer):
+    """What both of the executor's tracers do: hold the run and its step, and let through
+    untouched the ops that are not the forward's (backward ops, a sharding wrapper's own)."""
 
     def __init__(self, run: Run, step: _Step, paths: ModulePaths):
         super().__init__(run.model, paths)
         self.run = run
         self.step = step
 
+    def passed_through(self, func, args, kwargs) -> tuple[bool, Any]:
+        """(True, its result) for an op run here untraced; (False, None) for a forward op."""
+        if torch._C._current_autograd_node() is not None:
+            return True, func(*args, **kwargs)
+        return self.wrapper_work(func, args, kwargs)
+
+
+class _SkimTracer(_StepTracer):
+    """A plan that rebuilds nothing, on a step of checked input shapes: the executor acts at
+    the plan's positions, which it counts op by op, and nothing else per op (no names, no
+    recipes, no storage tracking); saved tensors are named in _pack by the order of saves."""
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if torch._C._current_autograd_node() is not None:
-            return func(*args, **kwargs)
-        skipped, out = self.wrapper_work(func, args, kwargs)
+        skipped, out = self.passed_through(func, args, kwargs)
         if skipped:
             return out
         step = self.step
@@ -792,23 +801,19 @@ class _SkimTracer(Tracer):
         return out
 
 
-class _RecordingTracer(Tracer):
+class _RecordingTracer(_StepTracer):
     """The profiler's tracer, also tracking device storages and, when the plan recomputes
     anything, keeping for every op a recipe to run it again."""
 
     def __init__(self, run: Run, step: _Step, paths: ModulePaths):
-        super().__init__(run.model, paths)
-        self.run = run
-        self.step = step
+        super().__init__(run, step, paths)
         self.recipes = run.needs_recipes
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         # the profiler's naming (name_outputs) without its timing and records: this runs on
         # every forward op of every step
         kwargs = kwargs or {}
-        if torch._C._current_autograd_node() is not None:
-            return func(*args, **kwargs)
-        skipped, out = self.wrapper_work(func, args, kwargs)
+        skipped, out = self.passed_through(func, args, kwargs)
         if skipped:
             return out
         step = self.step
