@@ -449,3 +449,64 @@ def test_the_keep_all_peak_counts_the_gradients_the_step_makes(name):
     assert g.ops[0].backward_workspace_bytes >= made > held.ops[0].backward_workspace_bytes
     assert peak >= without
     assert peak == pytest.approx(meter.peak_bytes, rel=0.03), (peak, meter.peak_bytes)
+
+
+def test_a_tied_weights_gradient_waits_for_its_other_reader_and_is_counted_there():
+    """An embedding shared with the LM head (GPT-2's tied weights): the head's backward makes
+    the weight's gradient first, 4000 x 64 x 4 = 1,024,000 bytes, and autograd holds it in the
+    weight's AccumulateGrad buffer until the embedding's backward has made the other part. With
+    gradients held (accumulated in place) that buffer is memory beside ``.grad`` through the
+    whole backward: every op's backward from the head to the embedding counts it
+    (``param_grad_waiting_bytes``), and the simulated memory while the first layer's backward
+    runs is what the heap holds there. Made in the step, the buffer becomes ``.grad``, which
+    "made" counts already: not counted twice."""
+    from torch import nn
+
+    from slackswap.runtime.meter import _heap_in_use
+
+    torch.manual_seed(0)
+
+    class Tied(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(4000, 64)
+            self.l1, self.l2 = nn.Linear(64, 64), nn.Linear(64, 64)
+
+        def forward(self, ids):
+            h = torch.relu(self.l2(torch.relu(self.l1(self.emb(ids)))))
+            return nn.functional.linear(h, self.emb.weight)
+
+    model, ids = Tied(), torch.randint(0, 4000, (2, 8))
+
+    def loss_fn(out):
+        return out.logsumexp(-1).mean()
+
+    held = ss.profile(model, ids, loss_fn, warmup=0, repeat=1, gradients="held")
+    made = ss.profile(model, ids, loss_fn, warmup=0, repeat=1, gradients="made")
+    grad = 4000 * 64 * 4
+    head = held.op_index["model/t#2"]  # the head's transpose of the weight: made there
+    waiting = [int(o.extra.get("param_grad_waiting_bytes", 0)) for o in held.ops]
+    assert waiting[:head] == [grad] * head and not any(waiting[head:])
+    for h, m in zip(held.ops, made.ops):
+        # "made" holds the gradients made so far; the waiting one is among them, once
+        assert m.backward_workspace_bytes >= h.backward_workspace_bytes - \
+            int(h.extra.get("param_grad_waiting_bytes", 0))
+    l1 = held.op_index["l1/addmm#2"]
+    sim = ss.simulate(held, ss.solve(held, 1.0, "cpu", solver="keep-all"), "cpu")
+    q = 2 * held.n_ops - 1 - l1
+    simulated = int(sim.memory_bytes[sim.expansion.slot_first_point[q]])
+    loss_fn(model(ids)).backward()  # gradients held before the measured steps
+    seen = []
+    hook = model.l1.register_full_backward_pre_hook(
+        lambda module, grad_out: seen.append(_heap_in_use()))
+    try:
+        for _ in range(2):  # the first step also pays the heap's first-use buffers
+            model.zero_grad(set_to_none=False)
+            seen.clear()
+            with ss.StepMeter(sample="ops") as meter:
+                loss_fn(model(ids)).backward()
+    finally:
+        hook.remove()
+    measured = seen[0] - meter._base
+    assert measured == pytest.approx(simulated, rel=0.1), (measured, simulated)
+    assert simulated - grad < 0.5 * measured  # without the waiting gradient: half of it

@@ -169,13 +169,18 @@ def test_plans_for_one_graph_share_one_host_pool():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", MODELS)
-def test_later_steps_of_a_plan_that_rebuilds_nothing_are_skimmed_on_the_same_schedule(name):
-    """Keep and swap only: the first step of a context is traced and checked; the next ones
-    (same input shapes) count positions and name saved tensors by the first's order of saves,
-    and still act at the plan's positions with the plain step's gradients."""
+@pytest.mark.parametrize("mix", [("swap", "keep"), ("recompute", "keep", "swap")])
+def test_later_steps_of_a_context_are_skimmed_on_the_same_schedule(name, mix):
+    """The first step of a context is traced and checked; the next ones (same input shapes)
+    count positions, name saved tensors by the first's order of saves and, where the plan
+    rebuilds, record each recipe op's arguments by the first's names for them; they still act
+    at the plan's positions, rebuild with the same RNG draws and give the plain step's
+    gradients."""
     model, inputs, loss_fn, graph = setup(name)
-    plan = random_plan(graph, ["swap", "keep"] * len(graph.saved))
-    assert plan.count("swap") > 0 and plan.count("recompute") == 0
+    plan = random_plan(graph, list(mix) * len(graph.saved))
+    assert plan.count("swap") > 0
+    assert (plan.count("recompute") > 0) == ("recompute" in mix)
+    skipped = unread(graph, plan, "recompute")
     torch.manual_seed(5)
     model.zero_grad(set_to_none=True)
     loss_fn(call(model, inputs)).backward()
@@ -191,6 +196,8 @@ def test_later_steps_of_a_plan_that_rebuilds_nothing_are_skimmed_on_the_same_sch
             logged, planned = run.log.schedule, plan.schedule
             assert_same_positions(dict(logged.d2h_free), dict(planned.d2h_free), dead)
             assert_same_positions(dict(logged.h2d_issue), dict(planned.h2d_issue), dead)
+            assert_same_positions(dict(logged.recompute_at), {
+                k: v for k, v in planned.recompute_at.items() if k not in skipped}, dead)
     assert run.stats.skimmed_steps == 2
     model.zero_grad(set_to_none=True)
 

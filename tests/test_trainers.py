@@ -103,10 +103,11 @@ def test_a_planned_trainer_ends_with_the_weights_of_a_plain_one(family, tmp_path
     assert logged and all("slackswap_budget_mib" in h and "slackswap_peak_mib" in h for h in logged)
     assert len(planned.loop._buckets) >= 2  # variable lengths: more than one bucket
     assert peaks, "no step ran under a plan it did not profile"
-    # measured with the heap, each step is within 6% of its plan's budget (not yet within it:
-    # README, "Known limits"; tracked tensors are within it, run.stats)
+    # measured with the heap, each step is within 1% of its plan's budget (measured: GPT-2 at
+    # most 1.004, Llama 0.998; what is above is autograd's own graph, which the CPU heap holds
+    # beside the tensors: docs/results.md, "Known limits")
     for peak, budget in peaks:
-        assert peak <= 1.06 * budget, (peak, budget)
+        assert peak <= 1.01 * budget, (peak, budget)
 
 
 def test_gradient_checkpointing_is_refused_by_name(tmp_path):

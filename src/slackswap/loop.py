@@ -120,6 +120,17 @@ class _Bucket:
     graph: ActivationGraph
     plan: Plan
     steps: int = 0
+    # the plan's context, entered for each of its steps: after its first step of given input
+    # shapes, the later ones are skimmed (runtime/executor.py), not traced op by op
+    run: Any = None
+
+    def context(self, model):
+        """The plan's context (made again when the plan is switched)."""
+        from .runtime.executor import apply
+
+        if self.run is None or self.run.plan is not self.plan:
+            self.run = apply(self.plan, model, graph=self.graph, smaller_inputs=True)
+        return self.run
 
 
 @dataclass
@@ -197,6 +208,7 @@ class PlannedLoop:
         run, self._open = self._open, None
         if run is not None:
             run.__exit__(None, None, None)
+            run._drop_step()
             self.last_stats = run.stats
 
     def _under_plan(self, inputs, attempt: Callable[[_Bucket], tuple[bool, Any]],
@@ -265,10 +277,9 @@ class PlannedLoop:
                 b.copy_(value)
 
     def _open_planned(self, bucket: _Bucket, forward: Callable[[], Any]) -> tuple[bool, Any]:
-        from .runtime.executor import apply
 
         snapshot = self._snapshot()
-        run = apply(bucket.plan, self.model, graph=bucket.graph, smaller_inputs=True)
+        run = bucket.context(self.model)
         run.__enter__()
         try:
             out = forward()
@@ -287,10 +298,9 @@ class PlannedLoop:
         """(True, what ``body`` returned) run under the bucket's plan; (False, None), with the
         RNG and the model's buffers put back and nothing run backward, when its forward is not
         the plan's."""
-        from .runtime.executor import apply
 
         snapshot = self._snapshot()
-        with apply(bucket.plan, self.model, graph=bucket.graph, smaller_inputs=True) as run:
+        with bucket.context(self.model) as run:
             try:
                 loss = body()
             except PlanError as exc:
@@ -299,6 +309,7 @@ class PlannedLoop:
                 mismatch = exc
             else:
                 mismatch = None
+        run._drop_step()
         if mismatch is not None:
             self._undo(snapshot, mismatch)
             return False, None

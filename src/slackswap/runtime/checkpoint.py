@@ -290,9 +290,11 @@ def checkpoint_graph(graph: ActivationGraph, regions: list[str] | None = None,
         held = 0  # parameter gradients made by the backward so far (it runs the ops in reverse)
         for i in range(len(ops) - 1, -1, -1):
             held += int(ops[i].extra.get("param_grad_bytes", 0))
-            if held:
+            # those waiting for a parameter's other readers are in the workspace already
+            more = held - int(ops[i].extra.get("param_grad_waiting_bytes", 0))
+            if more > 0:
                 ops[i] = replace(ops[i], backward_workspace_bytes=ops[i].backward_workspace_bytes
-                                 + held)
+                                 + more)
     marked = replace(graph, ops=tuple(ops),
                      extra={**graph.extra, "checkpoint_graph": {
                          "regions": list(regions) if regions is not None else "per block",

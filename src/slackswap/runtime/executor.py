@@ -36,7 +36,7 @@ from ..core.plan import Plan
 from .lanes import lanes_for
 from .pool import host_pool
 from .positions import PlanPositions, RunLog
-from .rebuild import Recipe, Ref, View, fill, template
+from .rebuild import External, Recipe, Ref, View, fill, template
 from .step_hooks import AtPosition, EndForwardOnBackward, ForwardHook
 from .trace import LiveStorages, ModulePaths, Tracer, collect_tensors, op_info, storage_key
 
@@ -115,7 +115,8 @@ class _Step:
     issue_cursor: int = 0  # the prefetch positions (PlanPositions.issue_order) handled
     skim: bool = False  # counted, not named (_SkimTracer)
     pack_index: int = 0  # saves so far in a skimmed step
-    pack_log: list | None = None  # (position, name) of each save, in a checked step
+    pack_log: list | None = None  # (position, name, module) of each save, in a checked step
+    skeletons: dict | None = None  # op -> _Skeleton of its recipes, in a checked step
     log: RunLog = field(default_factory=RunLog)
 
 
@@ -225,11 +226,14 @@ class Run:
         # nothing to move: once a step is checked, steps of the same input shapes run untraced
         self._moves_nothing = all(d == "keep" for d in plan.decisions.values())
         self._signature: tuple | None = None
-        # a plan that rebuilds nothing needs no recipe and no name from the tracer once a step
-        # of these input shapes is checked: its later steps count positions alone and name each
-        # saved tensor by its place in the checked step's order of saves (_SkimTracer)
-        self._can_skim = graph is not None and not self.needs_recipes and not self._moves_nothing
-        self._pack_order: list[tuple[int, str | None]] | None = None
+        # once a step of these input shapes is checked, later steps need no name from the
+        # tracer: they count positions, name each saved tensor by its place in the checked
+        # step's order of saves, and a plan that rebuilds records its recipes from the checked
+        # step's (the names of each recipe op's tensors by their place in its arguments:
+        # _SkimTracer)
+        self._can_skim = graph is not None and not self._moves_nothing
+        self._pack_order: list[tuple[int, str | None, str]] | None = None
+        self._skeletons: dict[int, _Skeleton] | None = None
 
     @staticmethod
     def _prefetch_schedule(plan: Plan, graph: ActivationGraph | None):
@@ -266,6 +270,13 @@ class Run:
         """What the last step did, by position (runtime/positions.py): ``log.schedule`` is where
         it released, prefetched and rebuilt each tensor."""
         return self._step.log if self._step is not None else self._last_log
+
+    def _drop_step(self) -> None:
+        """Let go of the last step once its backward has run (its log is kept): a context
+        held across steps (the loop's, one per plan) holds nothing of the step before."""
+        if self._step is not None and not self._step.active:
+            self._last_log = self._step.log
+            self._step = None
 
     # ------------------------------------------------------------ positions
     def _release_due(self, step: _Step, after: int) -> None:
@@ -354,6 +365,7 @@ class Run:
     # ------------------------------------------------------------ context
     def __enter__(self) -> Run:
         self._stack = contextlib.ExitStack()
+        self.stats = RunStats()  # what the steps of this entry do (a context may be re-entered)
         # module paths first, so the model's own pre-hook has pushed its name when a step begins
         self._paths = ModulePaths(self.model)
         self._stack.callback(self._paths.remove)
@@ -395,6 +407,7 @@ class Run:
         else:
             if self._can_skim:
                 step.pack_log = []
+                step.skeletons = {} if self.needs_recipes else None
             step.tracer = _RecordingTracer(self, step, self._paths)
         step.tracer.__enter__()
         step.active = True
@@ -421,6 +434,7 @@ class Run:
                 self._check_plan(step)
             if step.pack_log is not None and step.finished and self._checked:
                 self._pack_order = step.pack_log  # the order of saves later steps are named by
+                self._skeletons = step.skeletons
 
     def _check_plan(self, step: _Step) -> None:
         if not self._checked and step.seen:
@@ -441,7 +455,7 @@ class Run:
         else:
             name = step.tracer.tensor_name(t)
             if step.pack_log is not None:
-                step.pack_log.append((step.position, name))
+                step.pack_log.append((step.position, name, self._paths.current))
         if name is None:
             return t
         decision = self.plan.decisions.get(name)
@@ -482,11 +496,13 @@ class Run:
         k = step.pack_index
         step.pack_index = k + 1
         order = self._pack_order
-        if k >= len(order) or order[k][0] != step.position:
+        if k >= len(order) or order[k][0] != step.position or order[k][2] != self._paths.current:
+            where = f"op {step.position} of module {self._paths.current!r}"
             raise PlanError(
-                f"apply: save {k} of this step comes at op {step.position}, where the checked "
-                f"step of the same input shapes saved "
-                + (f"at op {order[k][0]}" if k < len(order) else "no more tensors")
+                f"apply: save {k} of this step comes at {where}, where the checked step of the "
+                f"same input shapes saved "
+                + (f"at op {order[k][0]} of module {order[k][2]!r}" if k < len(order)
+                   else "no more tensors")
                 + ": the model's forward depends on its data; run it under ss.planned (which "
                 "profiles such steps again) or without a plan")
         return order[k][1]
@@ -791,14 +807,99 @@ class _SkimTracer(_StepTracer):
         if skipped:
             return out
         step = self.step
-        op = self.run._next_position(step)
-        positions = self.run._positions
-        out = func(*args, **kwargs)
+        run = self.run
+        op = run._next_position(step)
+        positions = run._positions
+        skeleton = run._skeletons.get(op) if run._skeletons is not None else None
+        if skeleton is None:
+            out = func(*args, **kwargs)
+        else:
+            if skeleton.func is not func:
+                raise PlanError(
+                    f"apply: op {op} of this step is {func}, where the checked step of the same "
+                    f"input shapes ran {skeleton.func}: the model's forward depends on its data; "
+                    "run it under ss.planned (which profiles such steps again) or without a plan")
+            rng = None
+            if skeleton.random:
+                rng = (torch.get_rng_state(),
+                       torch.cuda.get_rng_state(run.device) if run.cuda else None)
+            out = func(*args, **kwargs)
+            skeleton.again(args, kwargs, rng, op).file(step)
         if op in positions.hooked_ops:
             tensors = [out] if isinstance(out, torch.Tensor) else collect_tensors(
                 out if isinstance(out, (list, tuple)) else [], [])
             step.pending_hooks.append((op, [weakref.ref(t) for t in tensors]))
         return out
+
+
+@dataclass
+class _Skeleton:
+    """An op of a checked step that keeps a recipe or writes in place: its function, its
+    recipe (``made``: the tensors it makes) and its in-place rewrite (``writes``: the tensors it
+    writes), whose tensor arguments name by their place the tensors a skimmed step's same op
+    reads."""
+
+    func: Any
+    recipe: Recipe | None
+    made: tuple[str, ...]
+    rewrite: Recipe | None
+    writes: tuple[str, ...]
+
+    @property
+    def random(self) -> bool:
+        rec = self.recipe or self.rewrite
+        return rec is not None and rec.rng is not None
+
+    def file(self, step: _Step) -> None:
+        """Enter the op's recipes and in-place writes into the step."""
+        for n in self.made:
+            step.recipes[n] = self.recipe
+        if self.rewrite is not None:
+            for w in self.writes:
+                if w in step.recipes:
+                    step.rewrites.setdefault(w, []).append(self.rewrite)
+        for w in self.writes:
+            if w in step.packed:
+                step.dirty.add(w)
+            step.written[w] = step.written.get(w, 0) + 1
+
+    def again(self, args, kwargs, rng, op: int) -> _Skeleton:
+        """The same op in a skimmed step: its recipes on this step's tensors."""
+        def redo(rec: Recipe | None) -> Recipe | None:
+            if rec is None:
+                return None
+            return Recipe(rec.op, rec.func, _retemplate(rec.args, args, op),
+                          {k: _retemplate(v, kwargs.get(k), op) for k, v in rec.kwargs.items()},
+                          rec.out_names, rng if rec.rng is not None else None)
+
+        return _Skeleton(self.func, redo(self.recipe), self.made, redo(self.rewrite), self.writes)
+
+
+def _retemplate(checked, now, op: int):
+    """``now``'s arguments templated as the checked step's ``checked`` were: a Ref's name (and
+    the writes it had seen) from the checked step, its view from this step's tensor."""
+    if isinstance(checked, Ref):
+        if not isinstance(now, torch.Tensor):
+            raise _left_checked_step(op)
+        return Ref(checked.name, View.of(now), checked.writes)
+    if isinstance(checked, External):
+        if not isinstance(now, torch.Tensor):
+            raise _left_checked_step(op)
+        return External(now, now._version)
+    if isinstance(checked, (list, tuple)):
+        if not isinstance(now, (list, tuple)) or len(now) != len(checked):
+            raise _left_checked_step(op)
+        return type(checked)(_retemplate(c, n, op) for c, n in zip(checked, now))
+    if isinstance(now, torch.Tensor):
+        raise _left_checked_step(op)
+    return now
+
+
+def _left_checked_step(op: int) -> PlanError:
+    return PlanError(f"apply: the arguments of op {op} of this step differ from those of the "
+                     "checked step of the same input shapes: the model's forward depends on its "
+                     "data; run it under ss.planned (which profiles such steps again) or "
+                     "without a plan")
 
 
 class _RecordingTracer(_StepTracer):
@@ -834,36 +935,31 @@ class _RecordingTracer(_StepTracer):
         if positions is not None and op in positions.hooked_ops:
             # (requires_grad and grad_fn are set by autograd after this op returns)
             step.pending_hooks.append((op, [weakref.ref(t) for t in out_tensors]))
-        for w in writes:
-            if w in step.packed:
-                step.dirty.add(w)
         live = self.run._live
         track = self.run._track
         for t, (key, storage) in zip(out_tensors, stored):
             if key in live or self.by_storage.get(key) in made:
                 track(t, key, storage.nbytes())
-        if not recorded:
-            for w in writes:
-                step.written[w] = step.written.get(w, 0) + 1
+        if not recorded and not writes:
             return out
-        if made and not inplace:
+        made_recipe = rewrite = None
+        if recorded and made and not inplace:
             out_names = []
             for key, _ in stored:
                 name = self.by_storage.get(key)
                 out_names.append(name if name in made else None)
-            recipe = Recipe(f"{module}/{aten}", func, template(args, self, step.written),
-                             {k: template(v, self, step.written) for k, v in kwargs.items()}, out_names, rng)
-            for n in made:
-                step.recipes[n] = recipe
-        if writes:
+            made_recipe = Recipe(f"{module}/{aten}", func, template(args, self, step.written),
+                                 {k: template(v, self, step.written) for k, v in kwargs.items()},
+                                 out_names, rng)
+        if recorded and writes:
             # written in place: rebuilt by its producer, then by this op again (in order)
-            recipe = Recipe(f"{module}/{aten}", func, template(args, self, step.written),
+            rewrite = Recipe(f"{module}/{aten}", func, template(args, self, step.written),
                              {k: template(v, self, step.written) for k, v in kwargs.items()}, [], rng)
-            for w in writes:
-                if w in step.recipes:
-                    step.rewrites.setdefault(w, []).append(recipe)
-        for w in writes:
-            step.written[w] = step.written.get(w, 0) + 1
+        skeleton = _Skeleton(func, made_recipe, tuple(made) if made_recipe else (), rewrite,
+                             tuple(writes))
+        skeleton.file(step)
+        if step.skeletons is not None:
+            step.skeletons[op] = skeleton
         return out
 
 

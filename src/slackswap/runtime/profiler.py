@@ -172,6 +172,7 @@ def graph_from_traces(traces, graph_name: str, extra: dict[str, Any] | None = No
         seq_maps.append(mapping)
     grad_bytes = backward_gradient_bytes(traces, seq_maps, len(first.ops))
     param_grads = parameter_gradient_bytes(traces, seq_maps, len(first.ops))
+    param_waiting = waiting_parameter_gradient_bytes(traces, seq_maps, len(first.ops))
     # an op that reads a tensor written in place after it would, run again, read the later
     # version: it may not run again (a writer reading what it writes is replayed in order)
     written_at: dict[str, list[int]] = {}
@@ -201,7 +202,9 @@ def graph_from_traces(traces, graph_name: str, extra: dict[str, Any] | None = No
             extra={"aten": rec.aten, "module": rec.module,
                    **({"random": True} if rec.random else {}),
                    **({} if ran else {"backward_ran": False}),
-                   **({"param_grad_bytes": param_grads[i]} if param_grads[i] else {})}))
+                   **({"param_grad_bytes": param_grads[i]} if param_grads[i] else {}),
+                   **({"param_grad_waiting_bytes": param_waiting[i]} if param_waiting[i]
+                      else {})}))
     random_saved: dict[int, list[str]] = {}
     for name, rec in first.tensors.items():
         if first.ops[rec.producer].random and saved_for[name]:
@@ -247,6 +250,21 @@ def backward_gradient_bytes(traces, seq_maps, n_ops: int) -> list[int]:
             if current is not None:
                 out[current] = max(out[current], int(trace.backward_grad_bytes.get(seq, 0))
                                    + int(trace.backward_transient_bytes.get(seq, 0)))
+    return out
+
+
+def waiting_parameter_gradient_bytes(traces, seq_maps, n_ops: int) -> list[int]:
+    """Per op, the parameter gradients made earlier in the backward that wait in their
+    AccumulateGrad's buffer while its backward runs (trace.GradientLedger: a parameter with
+    readers whose backward has not run yet, as a tied embedding's LM head), the largest over the
+    traces, attributed as ``backward_gradient_bytes`` does."""
+    out = [0] * n_ops
+    for trace, mapping in zip(traces, seq_maps):
+        current = None
+        for seq in trace.backward_order:
+            current = mapping.get(seq, current)
+            if current is not None:
+                out[current] = max(out[current], int(trace.param_grad_waiting_bytes.get(seq, 0)))
     return out
 
 
@@ -309,7 +327,10 @@ def group_by_module(graph: ActivationGraph) -> ActivationGraph:
             extra={"module": module, "aten_ops": len(members),
                    **({"random": True} if any(graph.ops[i].extra.get("random") for i in members) else {}),
                    **({"param_grad_bytes": param_grads} if (param_grads := sum(
-                       int(graph.ops[i].extra.get("param_grad_bytes", 0)) for i in members)) else {})}))
+                       int(graph.ops[i].extra.get("param_grad_bytes", 0)) for i in members)) else {}),
+                   **({"param_grad_waiting_bytes": waiting} if (waiting := max(
+                       int(graph.ops[i].extra.get("param_grad_waiting_bytes", 0))
+                       for i in members)) else {})}))
     tensors = []
     for t in graph.tensors:
         saved = []
@@ -505,7 +526,9 @@ def with_parameter_gradients(graph: ActivationGraph, gradients: str) -> Activati
     """``graph`` with the parameter gradients a step makes counted where plain training holds
     them (formulations/step-model.md, "Parameter gradients"): made in the step, each op's
     backward also holds those made by the backward ops before it (eager autograd stores each in
-    ``.grad`` at once); held before the step, none (accumulated in place)."""
+    ``.grad`` at once); held before the step, those that wait in their AccumulateGrad's buffer
+    for the parameter's other readers (a tied embedding's: ``param_grad_waiting_bytes``) and
+    are added in place when the last has run."""
     from dataclasses import replace
 
     ops = list(graph.ops)
@@ -516,6 +539,11 @@ def with_parameter_gradients(graph: ActivationGraph, gradients: str) -> Activati
             if held:
                 ops[i] = replace(ops[i], backward_workspace_bytes=ops[i].backward_workspace_bytes
                                  + held)
+    else:
+        for i, op in enumerate(ops):
+            waiting = int(op.extra.get("param_grad_waiting_bytes", 0))
+            if waiting:
+                ops[i] = replace(op, backward_workspace_bytes=op.backward_workspace_bytes + waiting)
     return replace(graph, ops=tuple(ops), extra={**graph.extra, "parameter_gradients": gradients})
 
 

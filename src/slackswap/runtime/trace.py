@@ -231,6 +231,10 @@ class StepTrace:
     backward_transient_bytes: dict[int, int] = field(default_factory=dict)
     # parameter gradients each autograd node sends to AccumulateGrad (bytes, by sequence nr)
     param_grad_bytes: dict[int, int] = field(default_factory=dict)
+    # parameter gradients that earlier nodes made and that wait in their AccumulateGrad's buffer
+    # while each node runs (a parameter read by several ops, as tied embeddings are: its
+    # gradient is added to ``.grad`` only once every reader's backward has run), by sequence nr
+    param_grad_waiting_bytes: dict[int, int] = field(default_factory=dict)
     # index of the last op run while the model still held each storage (released in forward)
     released_after: dict[str, int] = field(default_factory=dict)
 
@@ -624,12 +628,18 @@ class GradientLedger:
     holds them until then, as the buffers do, so no storage address is reused while it counts
     it); a node's incoming gradients replace what waited for it. Gradients sent to parameters
     (AccumulateGrad) are left out: parameter gradients are not activation memory. Storages are
-    counted once (a node that passes its incoming gradient on, as an add does, holds one)."""
+    counted once (a node that passes its incoming gradient on, as an add does, holds one).
+    A parameter gradient that waits for its AccumulateGrad (the parameter has readers whose
+    backward has not run yet) is counted apart, ``param_grad_waiting_bytes``: it is memory
+    beside ``.grad`` where gradients are held, and ``.grad`` itself where they are made."""
 
     def __init__(self, trace: StepTrace):
         self.trace = trace
         self.alive: dict[tuple[int, int], list] = {}  # storage -> [tensor, nodes it waits for]
         self.waiting: dict[int, list[tuple[int, int]]] = {}  # node id -> storages sent to it
+        # parameter gradients in AccumulateGrad buffers: storage -> (bytes, AccumulateGrad id);
+        # no reference held (one would stop AccumulateGrad from taking the tensor as ``.grad``)
+        self.param_waiting: dict[tuple[int, int], tuple[int, int]] = {}
 
     @staticmethod
     def _storages(grads) -> dict[tuple[int, int], int]:
@@ -645,6 +655,16 @@ class GradientLedger:
         self.trace.backward_grad_bytes[seq] = max(self.trace.backward_grad_bytes.get(seq, 0),
                                                   int(sum(now.values())))
         self.trace.backward_order.append(seq)
+        if type(node).__name__ == "AccumulateGrad":
+            # (one of the parameter gradients the node before made, counted there)
+            for key in [k for k, (_, target) in self.param_waiting.items() if target == id(node)]:
+                del self.param_waiting[key]
+            waiting = 0
+        else:
+            waiting = sum(nbytes for k, (nbytes, _) in self.param_waiting.items() if k not in now)
+        if waiting:
+            self.trace.param_grad_waiting_bytes[seq] = max(
+                self.trace.param_grad_waiting_bytes.get(seq, 0), waiting)
         for key in mine:
             entry = self.alive.get(key)
             if entry is not None:
@@ -655,8 +675,9 @@ class GradientLedger:
             if target is None or not isinstance(g, torch.Tensor) or not g.numel():
                 continue  # dropped
             if type(target).__name__ == "AccumulateGrad":  # a parameter's gradient
-                self.trace.param_grad_bytes[seq] = self.trace.param_grad_bytes.get(seq, 0) + \
-                    int(g.untyped_storage().nbytes())
+                nbytes = int(g.untyped_storage().nbytes())
+                self.trace.param_grad_bytes[seq] = self.trace.param_grad_bytes.get(seq, 0) + nbytes
+                self.param_waiting[storage_key(g)] = (nbytes, id(target))
                 continue
             key = storage_key(g)
             self.alive.setdefault(key, [g, 0])[1] += 1
@@ -715,6 +736,9 @@ class BackwardTransients(TorchDispatchMode):
         return out
 
 
+_NO_SEQUENCE_NR = 2**64 - 1  # an autograd node without a sequence number (AccumulateGrad)
+
+
 def time_backward(loss: torch.Tensor, trace: StepTrace, sync=None,
                   clock: GpuClock | None = None, cost=None) -> None:
     """Backward time of every autograd node, by its sequence number (pre- and post-hooks); with a
@@ -732,6 +756,10 @@ def time_backward(loss: torch.Tensor, trace: StepTrace, sync=None,
             continue
         seen.add(node)
         seq = node._sequence_nr()
+        if seq == _NO_SEQUENCE_NR:
+            # every AccumulateGrad has this one: keyed apart (negative, no op's), so one
+            # parameter's figures are not charged before every other's
+            seq = -len(seen)
 
         def pre(grad_outputs, seq=seq):
             transients.began(seq)
