@@ -144,8 +144,10 @@ def measure(name, model, inputs, loss_fn, blocks, hw, rounds: int) -> dict:
             row["plan_error"] = str(exc)
             return row
 
+    run = ss.apply(plan, model, graph=graph)  # one context, entered per step (as ss.planned)
+
     def planned():
-        with ss.apply(plan, model, graph=graph):
+        with run:
             plain()
 
     row.update(plan_budget=plan.budget_bytes, plan_recomputes=plan.count("recompute"),
