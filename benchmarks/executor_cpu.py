@@ -8,7 +8,7 @@ A GPT-style model (4 blocks, width 256, sequence 128, batch 8, dropout 0.1) on C
   median ratio of back-to-back rounds (one context around a few steps, and one per step);
 - with a recompute plan (the planner's, at 50% of the keep-all peak, offloading disabled by a
   slow-link preset) against torch.utils.checkpoint with the same recompute decisions
-  (plan.as_checkpoint_policy);
+  (ss.checkpoint_policy);
 - the executor's tracked peak activation bytes against the budget.
 """
 
@@ -123,7 +123,7 @@ def main() -> int:
     plain, keep_s = plain_block / args.block, keep_block / args.block
     rec_s = timed(under(plan), args.steps)
     run = under(plan)()
-    policy = plan.as_checkpoint_policy(graph)
+    policy = ss.checkpoint_policy(plan, graph)
     from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
     def ckpt_step():

@@ -11,7 +11,8 @@ plan, the share of copy time that overlaps kernels. One JSON summary, written af
 
     bash benchmarks/gpu_check.sh                 # on a GPU
     python benchmarks/gpu_check.py --cpu --out /tmp/gpu_check_cpu.json   # the CPU fallback:
-        # the same rows on tiny configs and the cpu-emulated-link preset (no compile row)
+        # the same rows on tiny configs and the cpu-emulated-link preset (no torch.compile
+        # activation-budget row; the compiled-swaps row with the aot_eager backend)
     python benchmarks/gpu_check.py --report benchmarks/results/gpu_check.json  # RESULTS.md
 """
 
@@ -214,6 +215,56 @@ def baselines(model, inputs, loss_fn, cpu: bool, compile_row: bool) -> dict:
     return plain, steps
 
 
+def compiled_swaps(model, inputs, loss_fn, graph, dev: Device, hw, plain_s: float, reference,
+                   grads: int, rounds: int) -> dict:
+    """A plan for the compiled checkpoint graph at 50% (swaps and recomputes), run compiled
+    inside ``ss.checkpointed``: swaps through torch's activation-offloading pass. The step is the
+    median of ``rounds`` steps with the context open (re-entering it would recompile). HF models
+    are called with ``use_cache=False`` (as HF's own checkpointing does: a step that makes a cache
+    writes state torch's checkpoint would replay), profiled so."""
+    if isinstance(inputs, dict):
+        inputs = {**inputs, "use_cache": False}
+        graph = ss.profile(model, inputs, loss_fn, warmup=1, repeat=2, name=graph.name)
+    compiled_graph = ss.checkpoint_graph(graph, compiled=True)
+    pins = ss.boundary_pins(compiled_graph)
+    budget = max(int(0.5 * ss.keep_all_peak(compiled_graph, hw)),
+                 ss.min_budget(compiled_graph, hw, pins=pins))
+    plan = ss.solve(compiled_graph, budget, hw, solver="heuristic", pins=pins)
+    sim = ss.simulate(compiled_graph, plan)
+    row = {"budget_bytes": plan.budget_bytes, "simulated_step_s": sim.step_time_s,
+           "simulated_peak_bytes": sim.peak_bytes,
+           "counts": {d: plan.count(d) for d in ("keep", "swap", "recompute")}}
+    with ss.checkpointed(model, plan, compiled_graph) as ctx:
+        torch._dynamo.reset()
+        compiled = torch.compile(model, backend="inductor" if dev.cuda else "aot_eager")
+
+        def step():
+            model.zero_grad(set_to_none=True)
+            loss_fn(compiled(**inputs)).backward()
+
+        torch.manual_seed(0)
+        step()
+        row.update(compare(reference, model))
+        times = []
+        for _ in range(rounds):
+            dev.sync()
+            start = time.perf_counter()
+            step()
+            dev.sync()
+            times.append(time.perf_counter() - start)
+        row["step_s"] = statistics.median(times)
+        row["x_plain"] = row["step_s"] / plain_s
+        peak, counters = dev.peak(step)
+        row.update(activation_peak_bytes=peak - grads, counters=counters,
+                   within_budget=peak - grads <= plan.budget_bytes)
+        info = ctx.info
+        row["swaps_ran"] = {kind: sum(v == kind for v in info["swaps"].values())
+                            for kind in ("offloaded", "saved", "recomputed", "not compiled")}
+        row["compiled_graphs"] = info.get("compiled_graphs", [])
+    torch._dynamo.reset()
+    return row
+
+
 def cost_preset(dev: Device) -> str:
     """The hardware preset whose figures the cost model uses on this device."""
     if not dev.cuda:
@@ -324,6 +375,16 @@ def check_model(name, model, inputs, loss_fn, dev: Device, hw, args, summary, sa
             row["step_s"], row["x_plain"] = paired(dev, plain, fn, args.rounds)
             peak, counters = dev.peak(fn)
             row.update(activation_peak_bytes=peak - grads, counters=counters)
+        except Exception as exc:
+            row["error"] = f"{type(exc).__name__}: {exc}"
+        print(name, json.dumps(row, default=str), flush=True)
+        save()
+    if not args.no_compile:
+        row = {"variant": "torch.compile + ss.checkpointed at 50% (swaps by torch's pass)"}
+        entry["rows"].append(row)
+        try:
+            row.update(compiled_swaps(model, inputs, loss_fn, graph, dev, hw, plain_s, reference,
+                                      grads, args.rounds))
         except Exception as exc:
             row["error"] = f"{type(exc).__name__}: {exc}"
         print(name, json.dumps(row, default=str), flush=True)

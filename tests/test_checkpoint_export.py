@@ -81,7 +81,7 @@ def test_the_exported_policy_delivers_the_plans_peak_with_exact_gradients(setup)
     assert at_backward < 0.6 * plain_peak
     # the policy around the whole model call rebuilds the whole forward at once in backward:
     # the step peaks where plain training does (why the export uses regions)
-    policy = plan.as_checkpoint_policy(graph)
+    policy = ss.checkpoint_policy(plan, graph)
     whole, whole_peak, _ = step(model, lambda v: checkpoint(
         model, v, use_reentrant=False,
         context_fn=partial(create_selective_checkpoint_contexts, policy)), x)
@@ -114,14 +114,6 @@ def test_a_compiled_model_runs_the_exported_policy_with_exact_gradients(setup):
     # random ops saved under compile: the dropout masks are not redrawn, gradients are exact
     assert all(torch.equal(a, b) for a, b in zip(plain, grads))
     assert peak <= 1.1 * simulated and peak < 0.75 * compiled_peak
-
-
-def test_a_plan_with_swaps_is_refused_by_the_export(setup):
-    model, x, graph, _ = setup
-    swapping = ss.solve(graph, 0.5, "cpu-emulated-link", solver="heuristic")
-    assert swapping.count("swap")
-    with pytest.raises(ValueError, match="swapped tensor.*allowed=\\('keep', 'recompute'\\)"):
-        checkpointed(model, swapping, graph)
 
 
 def test_a_compiled_module_is_profiled_eagerly_and_refused_by_the_executor(setup):
@@ -432,3 +424,18 @@ def test_checkpointed_refuses_a_plan_for_another_model_or_a_longer_input(setup):
             loss_fn(model(longer)).backward()
     with checkpointed(model, plan, graph):  # a shorter one holds no more than planned
         loss_fn(model(x[:, :64])).backward()
+
+
+def test_the_plans_own_policy_method_is_a_deprecated_alias(setup):
+    _, _, graph, plan = setup
+    with pytest.warns(DeprecationWarning, match="ss.checkpoint_policy|slackswap.checkpoint_policy"):
+        policy = plan.as_checkpoint_policy(graph)
+    assert callable(policy)
+
+
+def test_a_whole_model_policy_refuses_swaps_by_name(setup):
+    model, x, graph, _ = setup
+    swapping = ss.solve(graph, 0.5, "cpu-emulated-link", solver="heuristic")
+    assert swapping.count("swap")
+    with pytest.raises(ss.PlanError, match="swapped tensor.*checkpointed under torch.compile"):
+        ss.checkpoint_policy(swapping, graph)

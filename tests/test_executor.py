@@ -232,7 +232,7 @@ def test_checkpoint_policy_export():
 
     model, inputs, loss_fn, graph = setup("mlp")
     plan = plan_from(graph, ["recompute", "keep"] * len(graph.saved))
-    policy = plan.as_checkpoint_policy(graph)
+    policy = ss.checkpoint_policy(plan, graph)
     reference, _ = grads(model, inputs, loss_fn)
     torch.manual_seed(7)
     model.zero_grad(set_to_none=True)
@@ -254,7 +254,7 @@ def test_checkpoint_policy_over_several_steps_with_the_loss_outside():
     plan = ss.solve(graph, 0.5, ss.hardware("cpu-emulated-link").with_link(
         name="no-offload", d2h_bytes_per_s=1e3, h2d_bytes_per_s=1e3), solver="heuristic")
     assert plan.count("recompute") > 0
-    policy = plan.as_checkpoint_policy(graph)
+    policy = ss.checkpoint_policy(plan, graph)
     calls = []
 
     def counting(ctx, func, *args, **kwargs):

@@ -392,9 +392,16 @@ def test_the_device_check_runs_on_its_cpu_fallback(tmp_path):
                 continue
             assert r["checker_ok"] and r["gradients_bit_identical"] and r["log_matches_plan"]
         assert plans[0]["counts"]["swap"] == plans[0]["counts"]["recompute"] == 0
-        variants = {r["variant"] for r in entry["rows"] if "variant" in r}
-        assert variants == {"per-block checkpointing", "selective checkpointing (save matmuls)",
-                            "save_on_cpu"}
+        variants = {r["variant"]: r for r in entry["rows"] if "variant" in r}
+        compiled = variants.pop("torch.compile + ss.checkpointed at 50% (swaps by torch's pass)")
+        assert set(variants) == {"per-block checkpointing",
+                                 "selective checkpointing (save matmuls)", "save_on_cpu"}
+        # swaps run by torch's offloading pass, each said as offloaded, saved or recomputed
+        assert "error" not in compiled, compiled
+        assert sum(compiled["swaps_ran"].values()) == compiled["counts"]["swap"] > 0
+        assert compiled["swaps_ran"]["not compiled"] == 0
+        assert sum(g["offloads"] for g in compiled["compiled_graphs"]) == \
+            compiled["swaps_ran"]["offloaded"]
         fake = entry["fake_vs_measured"]
         assert fake["same_structure"] and fake["preset"] == "cpu", fake
         assert fake["forward_ratio"] > 0 and fake["backward_ratio"] > 0

@@ -250,10 +250,16 @@ class Plan:
         """A torch selective-checkpoint policy with this plan's recomputes: see
         :func:`slackswap.runtime.checkpoint.checkpoint_policy` (imported lazily: torch stays out
         of the core). For the plan's peak, run the model inside ``slackswap.checkpointed(model,
-        plan, graph)`` instead (one checkpointed region per block)."""
-        from ..runtime.checkpoint import checkpoint_policy
+        plan, graph)`` instead (one checkpointed region per block).
 
-        return checkpoint_policy(self, graph)
+        Deprecated: use ``slackswap.checkpoint_policy(plan, graph)`` (the plan is data; its torch
+        policy is the runtime's). This alias goes in the next release."""
+        import importlib
+        import warnings
+
+        warnings.warn("Plan.as_checkpoint_policy is deprecated: use "
+                      "slackswap.checkpoint_policy(plan, graph)", DeprecationWarning, stacklevel=2)
+        return importlib.import_module("slackswap.runtime.checkpoint").checkpoint_policy(self, graph)
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = dict(self.extra)

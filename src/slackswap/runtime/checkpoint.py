@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 from ..core.errors import PlanError
 from ..core.graph import ActivationGraph
 from ..core.plan import Plan
@@ -26,6 +28,12 @@ def checkpoint_policy(plan: Plan, graph: ActivationGraph):
     from torch.utils.checkpoint import CheckpointPolicy
 
     plan.check_graph(graph)
+    if plan.count("swap"):
+        raise PlanError(
+            f"checkpoint_policy: plan has {plan.count('swap')} swapped tensor(s), which a policy "
+            "of its own cannot run (eager checkpointing has no offload; torch.compile's pass "
+            "needs its nodes marked): run the plan with slackswap.checkpointed under "
+            "torch.compile, or with slackswap.apply")
     steps = []
     for i, op in enumerate(graph.ops):
         keeps = [graph.tensors[t].name for t in graph.op_outputs[i] if graph.is_saved[t]]
@@ -97,19 +105,15 @@ def _module_of(op) -> str:
     return str(op.extra.get("module", op.name.split("/")[0] if "/" in op.name else ""))
 
 
-def checkpoint_regions(plan: Plan, graph: ActivationGraph,
-                       regions: list[str] | None = None) -> dict[str, list[tuple[str, bool]]]:
-    """Per region (module path) that the plan recomputes something in: its ops in order, as
-    (aten name, recompute?). ``regions``: the module paths to use instead of ``region_of``'s."""
+def checkpoint_regions(plan: Plan, graph: ActivationGraph, regions: list[str] | None = None
+                       ) -> dict[str, list[tuple[str, bool, tuple[str, ...]]]]:
+    """Per region (module path) that the plan recomputes or swaps something in: its ops in
+    order, as (aten name, recompute?, the saved outputs the plan swaps: offloaded by torch's
+    pass under torch.compile). ``regions``: the module paths to use instead of
+    ``region_of``'s."""
     plan.check_graph(graph)
-    if plan.count("swap"):
-        raise ValueError(
-            f"plan has {plan.count('swap')} swapped tensor(s): a checkpoint policy can only keep or "
-            "recompute; plan with allowed=('keep', 'recompute') to export it, or run it with "
-            "slackswap.apply")
-
     of_op = _op_regions(graph, regions)  # a region around another runs unwrapped
-    out: dict[str, list[tuple[str, bool]]] = {}
+    out: dict[str, list[tuple[str, bool, tuple[str, ...]]]] = {}
     wanted: set[str] = set()
     for i, op in enumerate(graph.ops):
         name = of_op[i]
@@ -122,7 +126,8 @@ def checkpoint_regions(plan: Plan, graph: ActivationGraph,
         # in-place op, the RNG state restored) are rerun; the rest as the plan says
         written = any(graph.writers[t] for t in graph.op_outputs[i])
         recompute = not op.recomputable or written or not keeps or rebuilt
-        if not recompute:
+        swaps = tuple(k for k in keeps if plan.decisions.get(k) == "swap")
+        if not recompute and not swaps:
             # torch caches every output of a saved op: one whose outputs backward does not read
             # outweigh the ones it keeps (batch norm's output beside its saved statistics) is
             # cheaper to rerun from its inputs than to hold twice
@@ -130,9 +135,9 @@ def checkpoint_regions(plan: Plan, graph: ActivationGraph,
             kept = sum(int(graph.tensor_bytes[t]) for t in outs if graph.is_saved[t])
             unread = sum(int(graph.tensor_bytes[t]) for t in outs if not graph.is_saved[t])
             recompute = unread > kept
-        if rebuilt:
+        if rebuilt or swaps:
             wanted.add(name)
-        out.setdefault(name, []).append((str(op.extra.get("aten", "")), recompute))
+        out.setdefault(name, []).append((str(op.extra.get("aten", "")), recompute, swaps))
     return {name: ops for name, ops in out.items() if name in wanted}
 
 
@@ -326,17 +331,19 @@ def _drawn(graph: ActivationGraph) -> set[int]:
     return random | {int(graph.producer[t]) for t in filled if graph.producer[t] >= 0}
 
 
-def _region_policy(steps: list[tuple[str, bool]]):
+def _region_policy(steps: list[tuple[str, bool, tuple[str, ...]]], offloads=None):
     """A selective-checkpoint policy for one region: the k-th call of an aten op gets the
     decision of the k-th op of that name in the region's profile (modulo their count: a compiler
     tracing the region again starts over); forward and recompute count separately. An op the
     profile did not see is saved. Under torch.compile random ops are always saved: the compiled
-    recompute would draw them again (torch restores the RNG state for eager recomputes only)."""
+    recompute would draw them again (torch restores the RNG state for eager recomputes only).
+    An op whose saved output the plan swaps gets MUST_CPU_OFFLOAD, and its traced node carries
+    the tensors' names (``offloads``, compile/offload.py: what torch's pass makes of them)."""
     from torch.utils.checkpoint import CheckpointPolicy
 
-    by_name: dict[str, list[bool]] = {}
-    for name, recompute in steps:
-        by_name.setdefault(op_kind(name), []).append(recompute)
+    by_name: dict[str, list[tuple[bool, tuple[str, ...]]]] = {}
+    for name, recompute, swaps in steps:
+        by_name.setdefault(op_kind(name), []).append((recompute, swaps))
     seen: dict[tuple[bool, str], int] = {}
 
     def policy(ctx, func, *args, **kwargs):
@@ -349,10 +356,19 @@ def _region_policy(steps: list[tuple[str, bool]]):
         key = (bool(getattr(ctx, "is_recompute", False)), name)
         k = seen.get(key, 0)
         seen[key] = k + 1
-        if torch.compiler.is_compiling() and _is_random(name):
+        compiling = torch.compiler.is_compiling()
+        if compiling and _is_random(name):
             return CheckpointPolicy.MUST_SAVE
-        recompute = decisions[k % len(decisions)]
-        return CheckpointPolicy.PREFER_RECOMPUTE if recompute else CheckpointPolicy.MUST_SAVE
+        recompute, swaps = decisions[k % len(decisions)]
+        if recompute:
+            return CheckpointPolicy.PREFER_RECOMPUTE
+        if swaps and not key[0] and offloads is not None:
+            if not compiling:  # eager checkpointing has no offload: saved, and said
+                offloads.ran_eagerly(swaps)
+                return CheckpointPolicy.MUST_SAVE
+            offloads.tag(func, swaps)
+            return CheckpointPolicy.MUST_CPU_OFFLOAD
+        return CheckpointPolicy.MUST_SAVE
 
     return policy
 
@@ -373,7 +389,9 @@ class checkpointed:  # noqa: N801 - a context manager used like a function
     recomputes. Backward then rebuilds one region at a time, so the
     step's peak follows the plan's instead of rebuilding the whole forward at once. Works on a
     ``torch.compile``d model whose modules are these (compile the model inside the context, or
-    wrap before compiling). Plans with swaps are refused (a policy can only keep or recompute).
+    wrap before compiling). Swaps run under torch.compile through torch's activation-offloading
+    pass (compiled_offload.py; ``info`` says what ran of each); a region that runs eagerly saves
+    its swaps, with a warning.
     torch's checkpoint holds each region's inputs and reruns a region at once, at its first
     backward op: plan for ``checkpoint_graph(graph)`` with ``pins=boundary_pins(graph)``, so that
     the plan keeps the inputs, rebuilds where the policy does, and simulates what the policy
@@ -399,6 +417,39 @@ class checkpointed:  # noqa: N801 - a context manager used like a function
                              "this model (profile the model you run)")
         self.modules = {r: modules[r] for r in self.steps}
         self._saved: dict[str, object] = {}
+        # swaps run through torch's offloading pass under torch.compile (compiled_offload.py)
+        self.offloads = None
+        if plan.count("swap"):
+            from .compiled_offload import CompiledOffloads
+
+            device = next((p.device for p in model.parameters()), None)
+            self.offloads = CompiledOffloads(cuda=device is not None and device.type == "cuda")
+            # swaps torch's checkpoint cannot offload: in an op it reruns (written in place
+            # later, or one that may not run again), or in no region (the model's own ops)
+            offered = {n for ops in self.steps.values() for _, rerun, swaps in ops if not rerun
+                       for n in swaps}
+            rerun = {n for ops in self.steps.values() for _, r, swaps in ops if r for n in swaps}
+            self.offloads.recomputed_instead = rerun
+            self.offloads.saved_instead = set(plan.tensors("swap")) - offered - rerun
+            self.offloads._outside = set(self.offloads.saved_instead)
+            self.offloads.requested = set(plan.tensors("swap"))
+            if rerun or self.offloads.saved_instead:
+                warnings.warn(
+                    f"checkpointed: of the plan's {plan.count('swap')} swaps, {len(rerun)} are "
+                    f"in ops torch's checkpoint reruns (recomputed instead) and "
+                    f"{len(self.offloads.saved_instead)} in ops outside every region (saved "
+                    "instead): checkpointed.info['swaps'] names them", RuntimeWarning,
+                    stacklevel=2)
+
+    @property
+    def info(self) -> dict:
+        """What ran of the plan's swaps: per tensor "offloaded" by torch's pass, "saved" (the
+        pass would not offload it) or "not compiled"; the schedule is torch's."""
+        if self.offloads is None:
+            return {"swaps": {}}
+        return {"swaps": self.offloads.report(), "compiled_graphs": list(self.offloads.graphs),
+                "schedule": "torch's activation-offloading pass (offload after the producer, "
+                            "reload before the first use), not the plan's"}
 
     def __enter__(self):
 
@@ -406,6 +457,8 @@ class checkpointed:  # noqa: N801 - a context manager used like a function
 
         buffers = list(self.model.buffers())
         state = {t.untyped_storage().data_ptr() for t in buffers}
+        if self.offloads is not None:
+            self.offloads.__enter__()
         self._hook = self.model.register_forward_pre_hook(self._check_inputs, with_kwargs=True) \
             if self.inputs is not None else None
         for name, module in self.modules.items():
@@ -420,11 +473,11 @@ class checkpointed:  # noqa: N801 - a context manager used like a function
             # replays no mutation and takes torch's own contexts. Made here, outside any traced
             # frame: torch.compile accepts a plain function as context_fn, not a closure it
             # traced being made.
-            def context(_steps=steps):
+            def context(_steps=steps, _offloads=self.offloads):
                 import torch
 
                 forward_ctx, recompute_ctx = create_selective_checkpoint_contexts(
-                    _region_policy(_steps))
+                    _region_policy(_steps, _offloads))
                 if torch.compiler.is_compiling():
                     return forward_ctx, recompute_ctx
                 return forward_ctx, _shielded_recompute(recompute_ctx, state, buffers)
@@ -452,6 +505,8 @@ class checkpointed:  # noqa: N801 - a context manager used like a function
                             "the step it was made for; profile and plan this shape")
 
     def __exit__(self, *exc) -> None:
+        if self.offloads is not None:
+            self.offloads.__exit__(*exc)
         if getattr(self, "_hook", None) is not None:
             self._hook.remove()
             self._hook = None

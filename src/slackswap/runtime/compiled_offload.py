@@ -1,0 +1,160 @@
+"""A plan's swaps under torch.compile, through torch's own activation-offloading pass.
+
+torch 2.13's partitioner can offload saved activations (``torch._functorch.config.
+enable_activation_offloading``: ``_activation_offloading/activation_offloading.py``), but it acts
+only on forward nodes marked ``should_offload``, which nothing sets: a selective-checkpoint
+policy's ``CheckpointPolicy.MUST_CPU_OFFLOAD`` reaches the joint graph as the node's
+``recompute`` tag and the partitioner treats it as neither save nor recompute. ``CompiledOffloads``
+closes that gap while a ``checkpointed`` context is open:
+
+- the region policy tags the node of each op whose saved output the plan swaps with the
+  tensors' names (``tag``);
+- a joint-graph pass (``torch._functorch.config.joint_custom_pass``) turns MUST_CPU_OFFLOAD into
+  MUST_SAVE plus ``should_offload``, so the partitioner saves the tensor and torch's pass
+  offloads it after the forward and reloads it for the backward;
+- a wrapper around the pass reads what it did: the tagged nodes it offloaded and those it would
+  not (a view, a getitem of a multi-output op, a non-contiguous tensor, a tensor not saved):
+  ``report`` says which swaps ran as offloads and which were saved instead, and a
+  RuntimeWarning names the latter when the graph is compiled.
+
+The schedule is torch's, not the plan's: on CUDA the offload is issued on a transfer stream
+after the producer and its wait sunk, the reload prefetched before the first use
+(``activation_offload_separate_stream``, ``_sink_wait``, ``activation_reload_prefetch``); on
+the CPU a synchronous ``device_put``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import warnings
+from typing import Any
+
+OFFLOAD_PREFIX = "cpu_offload_"  # torch's names for the nodes its pass adds
+RELOAD_PREFIX = "gpu_reload_"
+
+
+class CompiledOffloads:
+    """The swaps of one ``checkpointed`` context, as torch's offloading pass runs them."""
+
+    def __init__(self, cuda: bool):
+        self.cuda = cuda
+        self.requested: set[str] = set()
+        self.offloaded: set[str] = set()
+        self.saved_instead: set[str] = set()
+        self.recomputed_instead: set[str] = set()
+        self._outside: set[str] = set()  # swaps in no region (saved from the start)
+        self.graphs: list[dict[str, int]] = []  # per compiled graph: offload and reload nodes
+        self._stack: contextlib.ExitStack | None = None
+
+    # ------------------------------------------------------------ tracing (the region policy)
+    def tag(self, func, swaps: tuple[str, ...]) -> None:
+        """Name the swapped tensors on the node the op ``func`` just added to the traced graph."""
+        from torch.fx.experimental.proxy_tensor import get_proxy_mode
+
+        mode = get_proxy_mode()
+        if mode is None:
+            return
+        for node in itertools.islice(reversed(mode.tracer.graph.nodes), 16):  # the newest
+            if node.target is func:
+                node.meta["slackswap_swaps"] = tuple(swaps)
+                return
+
+    def ran_eagerly(self, swaps: tuple[str, ...]) -> None:
+        """The region ran eagerly (no torch.compile, or a graph break in it): eager
+        checkpointing has no offload, so these are saved; said once per context."""
+        fresh = set(swaps) - self.saved_instead - self.offloaded
+        if not fresh:
+            return
+        first = not (self.saved_instead - self.recomputed_instead - self._outside)
+        self.saved_instead |= fresh
+        if first:
+            warnings.warn(
+                f"checkpointed: a region with the plan's swaps ({sorted(fresh)[0]!r}, ...) ran "
+                "eagerly (the model is not compiled, or torch.compile broke the graph inside the "
+                "region): eager checkpointing cannot offload, so its swaps are saved on the "
+                "device and the step holds more than the plan says; run the plan with "
+                "slackswap.apply, or compile without graph breaks (checkpointed.info['swaps'])",
+                RuntimeWarning, stacklevel=2)
+
+    # ------------------------------------------------------------ the partitioner's passes
+    def joint_pass(self, previous):
+        def mark(gm, inputs):
+            from torch.utils.checkpoint import CheckpointPolicy
+
+            offload = (CheckpointPolicy.MUST_CPU_OFFLOAD, CheckpointPolicy.PREFER_CPU_OFFLOAD)
+            for node in gm.graph.nodes:
+                if node.meta.get("recompute") in offload:
+                    node.meta["recompute"] = CheckpointPolicy.MUST_SAVE
+                    node.meta["should_offload"] = True
+            return previous(gm, inputs) if callable(previous) else gm
+
+        return mark
+
+    def wrap(self, original):
+        def enable_activation_offloading(fwd_module, bwd_module, *args, **kwargs):
+            original(fwd_module, bwd_module, *args, **kwargs)
+            self._read(fwd_module, bwd_module)
+
+        return enable_activation_offloading
+
+    def _read(self, fwd_module, bwd_module) -> None:
+        offloaded: set[str] = set()
+        tagged: set[str] = set()
+        for node in fwd_module.graph.nodes:
+            names = node.meta.get("slackswap_swaps")
+            if names:
+                tagged.update(names)
+                if node.meta.get("saved_for_offloading"):
+                    offloaded.update(names)
+        self.offloaded |= offloaded
+        refused = tagged - offloaded - self.offloaded
+        self.saved_instead |= refused
+        self.graphs.append({
+            "offloads": sum(n.name.startswith(OFFLOAD_PREFIX) for n in fwd_module.graph.nodes),
+            "reloads": sum(n.name.startswith(RELOAD_PREFIX) for n in bwd_module.graph.nodes)})
+        if refused:
+            shown = ", ".join(sorted(refused)[:4]) + (f" and {len(refused) - 4} more"
+                                                      if len(refused) > 4 else "")
+            warnings.warn(
+                f"checkpointed: torch's offloading pass would not offload {len(refused)} of the "
+                f"plan's swaps ({shown}: a view, a getitem of a multi-output op or a "
+                "non-contiguous tensor); they are saved on the device instead, so the step holds "
+                "more than the plan says (checkpointed.info['swaps'])", RuntimeWarning,
+                stacklevel=2)
+
+    # ------------------------------------------------------------ the context
+    def __enter__(self) -> CompiledOffloads:
+        import torch._functorch._activation_offloading.activation_offloading as pass_module
+        import torch._functorch.config as functorch_config
+
+        stack = contextlib.ExitStack()
+        stack.enter_context(functorch_config.patch(
+            enable_activation_offloading=True,
+            joint_custom_pass=self.joint_pass(functorch_config.joint_custom_pass),
+            activation_offload_separate_stream=self.cuda,
+            activation_offload_sink_wait=self.cuda,
+            activation_reload_prefetch=self.cuda))
+        original = pass_module.enable_activation_offloading
+        pass_module.enable_activation_offloading = self.wrap(original)
+        stack.callback(setattr, pass_module, "enable_activation_offloading", original)
+        self._stack = stack
+        return self
+
+    def __exit__(self, *exc) -> None:
+        stack, self._stack = self._stack, None
+        if stack is not None:
+            stack.close()
+
+    def report(self) -> dict[str, Any]:
+        """Per swapped tensor of the plan, what ran: "offloaded" by torch's pass, "saved" (the
+        pass would not offload it, or its op runs outside every checkpointed region),
+        "recomputed" (torch's checkpoint reruns its op), or "not compiled" (no compiled graph
+        took it up: a model compiled before the context, or a graph from a cache). A region
+        that ran eagerly saved its swaps ("saved")."""
+        out = {}
+        for name in sorted(self.requested):
+            out[name] = ("offloaded" if name in self.offloaded else
+                         "recomputed" if name in self.recomputed_instead else
+                         "saved" if name in self.saved_instead else "not compiled")
+        return out
