@@ -310,7 +310,7 @@ def test_backward_inside_forward_keeps_tracing_and_wrappers_are_restored():
 
 
 @pytest.mark.parametrize("solver", ["keep-all", "heuristic", "cpsat"] + [
-    pytest.param(s, marks=pytest.mark.slow) for s in ("recompute-all", "swap-all", "cbc", "highs")])
+    pytest.param(s, marks=pytest.mark.slow) for s in ("recompute-all", "swap-all", "cbc", "highs", "scip")])
 def test_every_planners_plan_reloaded_executes_on_its_own_schedule(solver, tmp_path):
     """Saved and reloaded, a plan runs with its own schedule and hardware: exact gradients, and
     the tracked peak is the one simulated on that schedule."""

@@ -38,7 +38,7 @@ def retention(g, p):
 def test_backends_agree_and_plans_check_out(case):
     g, budget = case
     objectives = {}
-    for solver in ("cpsat", "cbc", "highs"):
+    for solver in ("cpsat", "cbc", "highs", "scip"):
         p = ss.solve(g, budget, LINK, solver=solver, work_s=20, time_limit_s=CAP, gap=0.0)
         assert ss.validate(g, p, LINK).ok
         sim = ss.simulate(g, p, LINK)
@@ -58,7 +58,7 @@ def test_backends_agree_and_plans_check_out(case):
             sim.step_time_s, rel=0.01, abs=1e-7 * span * (2 * g.n_ops + 2 * len(g.saved)) + 1e-15)
         objectives[solver] = p.info.objective
     # their optima agree to the rounding: CP-SAT's time unit is 10x finer (span / 1e8, exact
-    # integers) than CBC's and HiGHS's (span / 1e7), so each objective is within the coarser
+    # integers) than CBC's, HiGHS's and SCIP's (span / 1e7), so each objective is within the coarser
     # model's rounding of the one optimum
     values = list(objectives.values())
     rounding = 1e-7 * span * (2 * g.n_ops + 2 * len(g.saved))
@@ -222,10 +222,10 @@ def test_infeasible_budget_names_the_minimum():
 def test_compare_rows():
     g = graph([op("A", 1, 1, ["x"], ["a"]), op("B", 3, 3, ["x"], ["b"]), op("C", 1, 1, ["x"], ["c"])],
               [tensor("a", 100, ["A"]), tensor("b", 10, ["B"]), tensor("c", 100, ["C"])])
-    rows = ss.compare(g, 110, LINK, solvers=("heuristic", "cpsat", "cbc", "highs", "keep-all"))
+    rows = ss.compare(g, 110, LINK, solvers=("heuristic", "cpsat", "cbc", "highs", "scip", "keep-all"))
     by = {r["solver"]: r for r in rows}
-    assert set(by) == {"heuristic", "cpsat", "cbc", "highs", "keep-all"}
-    for name in ("cpsat", "cbc", "highs"):
+    assert set(by) == {"heuristic", "cpsat", "cbc", "highs", "scip", "keep-all"}
+    for name in ("cpsat", "cbc", "highs", "scip"):
         assert by[name]["status"] == "optimal" and by[name]["retention"] == pytest.approx(1.0)
         assert by[name]["peak_bytes"] <= 110
     assert by["keep-all"]["fits"] is False

@@ -33,7 +33,7 @@ def test_presets_name_their_source():
     assert ss.Hardware.from_dict(SMALL_LINK.to_dict()) == SMALL_LINK
 
 
-@pytest.mark.parametrize("solver", ["heuristic", "cpsat", "cbc", "highs"])
+@pytest.mark.parametrize("solver", ["heuristic", "cpsat", "cbc", "highs", "scip"])
 def test_no_planner_swaps_under_the_minimum(solver):
     g = two_sizes()
     assert ss.keep_all_peak(g, SMALL_LINK) == 760

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 import slackswap as ss
 
-SOLVERS = ("heuristic", "cpsat", "cbc", "highs")
+SOLVERS = ("heuristic", "cpsat", "cbc", "highs", "scip")
 
 
 def turned_back(g, p, names):

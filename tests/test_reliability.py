@@ -16,7 +16,7 @@ import slackswap as ss
 from slackswap.core.graph import MAX_TOTAL_BYTES
 from slackswap.core.plan import STATUSES
 
-EXACT = [s for s in ("cpsat", "cbc", "highs") if ss.is_available(s)]
+EXACT = [s for s in ("cpsat", "cbc", "highs", "scip") if ss.is_available(s)]
 
 
 def chain(nbytes, fwd=1.0, bwd=2.0, ws=0):

@@ -28,7 +28,13 @@ from .core.hardware import Hardware
 from .core.hardware import hardware as get_hardware
 from .core.plan import KEEP, Plan, overhead_gap
 from .core.restrict import decision_mask, first_forbidden, parse_allowed, restricted
-from .planners.base import Problem, get_planner, register_solver, solver_names
+from .planners.base import (
+    Problem,
+    get_planner,
+    honouring_restrictions,
+    register_solver,
+    solver_names,
+)
 from .planners.interrupts import interruptible
 from .planners.minimal import keep_what_fits
 from .planners.minpeak import MinPeak, min_peak
@@ -112,7 +118,7 @@ def solve(graph: ActivationGraph, budget: float | int | str, hardware: Hardware 
     if restricted(mask, graph) and asked \
             and not getattr(planner, "honours_restrictions", False):
         raise PlanError(f"solve: solver {solver!r} cannot honour allowed="
-                        f"{parse_allowed(allowed)} and pins; use heuristic, cpsat, cbc or highs")
+                        f"{parse_allowed(allowed)} and pins; use {_one_of(honouring_restrictions())}")
     accepted = getattr(planner, "options", None)
     if accepted is not None:
         unknown = sorted(set(options) - set(accepted))
@@ -138,7 +144,7 @@ def solve(graph: ActivationGraph, budget: float | int | str, hardware: Hardware 
                             f"{hw.name!r} has no host to swap to (its device memory is host "
                             "memory); use a solver that keeps or recomputes")
         raise PlanError(f"solve: solver {solver!r} does not honour allowed={parse_allowed(allowed)} "
-                        f"and pins ({forbidden}); use heuristic, cpsat, cbc or highs")
+                        f"and pins ({forbidden}); use {_one_of(honouring_restrictions())}")
     simulated = solution.simulation
     if solution.schedule is None and simulated is not None \
             and simulated.budget_bytes == budget_bytes and simulated.hardware == hw \
@@ -380,6 +386,10 @@ def result_row(graph: ActivationGraph, plan: Plan, sim: SimResult | None = None,
                objective=plan.info.objective, bound=plan.info.bound, gap=plan.info.gap,
                overhead_gap=plan.info.overhead_gap, budget_bytes=plan.budget_bytes)
     return row
+
+
+def _one_of(names: list[str]) -> str:
+    return ", ".join(names[:-1]) + f" or {names[-1]}" if len(names) > 1 else "".join(names)
 
 
 def infeasible_row(solver: str, exc: InfeasibleBudget, **context: Any) -> dict[str, Any]:

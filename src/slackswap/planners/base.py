@@ -73,12 +73,27 @@ _REGISTRY: dict[str, str] = {
     "cpsat": "slackswap.planners.exact.cpsat:CpSatBackend",
     "cbc": "slackswap.planners.exact.pulp_backend:CbcBackend",
     "highs": "slackswap.planners.exact.pulp_backend:HighsBackend",
+    "scip": "slackswap.planners.exact.scip_backend:ScipBackend",
 }
 
 
 def solver_names() -> list[str]:
     """Every registered planner's name (available or not)."""
     return list(_REGISTRY)
+
+
+def honouring_restrictions() -> list[str]:
+    """The available planners that honour ``allowed=`` and pins (``honours_restrictions``),
+    for messages that name them."""
+    out = []
+    for name in _REGISTRY:
+        try:
+            planner = get_planner(name)
+        except (ImportError, ValueError, AttributeError):
+            continue
+        if getattr(planner, "honours_restrictions", False):
+            out.append(name)
+    return out
 
 
 def register_solver(name: str, target: str) -> None:

@@ -14,6 +14,14 @@ class Var:
     lb: int
     ub: int
 
+    @property
+    def lp_integral(self) -> bool:
+        """Integer for an LP-based solver (CBC, HiGHS, SCIP): the decisions' binaries. Times,
+        lanes and memory sums are continuous there, and so are the rerun-transient indicators
+        (``transient[...]``: each is bounded below by the binaries it follows, and the budget
+        rows press it down to them)."""
+        return self.lb == 0 and self.ub == 1 and not self.name.startswith("transient")
+
 
 @dataclass
 class Constraint:

@@ -25,9 +25,7 @@ def _pulp_problem(f: Formulation, fixed: dict[int, int] | None = None):
     fixed = fixed or {}
     for v in m.vars:
         lb, ub = (fixed[v.index], fixed[v.index]) if v.index in fixed else (v.lb, v.ub)
-        # binaries stay integer; times, lanes and memory sums are continuous for an LP-based solver
-        cat = pulp.LpInteger if (v.lb == 0 and v.ub == 1 and not v.name.startswith("transient")) \
-            else pulp.LpContinuous
+        cat = pulp.LpInteger if v.lp_integral else pulp.LpContinuous
         x.append(pulp.LpVariable(f"v{v.index}", lowBound=lb, upBound=ub, cat=cat))
     for i, c in enumerate(m.constraints):
         expr = pulp.lpSum(coef * x[v] for v, coef in c.terms)
