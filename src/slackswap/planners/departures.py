@@ -162,7 +162,7 @@ def departure_bound(graph: ActivationGraph, budget, hw: Hardware | str, *,
                           note=f"{rounds - 1} rounds, work spent", **sizes)
         build_began = time.perf_counter()
         model = _Model(data, sorted(positions))
-        model.cp.Add(model.overhead <= cap)
+        model.cp.add(model.overhead <= cap)
         if hint is not None:
             model.add_hint(hint)
         build_s_per_binary = (time.perf_counter() - build_began) / max(1, model.binaries)
@@ -195,7 +195,7 @@ def departure_bound(graph: ActivationGraph, budget, hw: Hardware | str, *,
         clocked = status not in (cp_model.OPTIMAL, cp_model.INFEASIBLE) and \
             time.perf_counter() - solve_began >= 0.95 * solver.parameters.max_time_in_seconds
         if status == cp_model.MODEL_INVALID:
-            raise RuntimeError(f"departure bound: CP-SAT rejected the model: {model.cp.Validate()}")
+            raise RuntimeError(f"departure bound: CP-SAT rejected the model: {model.cp.validate()}")
         sizes = {"positions": len(positions), "binaries": model.binaries, "work": spent,
                  "clock_stopped": clocked}
         if status == cp_model.INFEASIBLE:
@@ -207,7 +207,7 @@ def departure_bound(graph: ActivationGraph, budget, hw: Hardware | str, *,
             return result("infeasible", note="no plan fits the budget at some position", **sizes)
         # the integer optimum is at most ceil(true overhead / unit): one unit below its bound is
         # below every plan's overhead (and fewer positions only relax: each round's is a bound)
-        best_bound = max(best_bound, ideal + max(0.0, (solver.BestObjectiveBound() - 1) * data.tu))
+        best_bound = max(best_bound, ideal + max(0.0, (solver.best_objective_bound - 1) * data.tu))
         if status in (cp_model.OPTIMAL, cp_model.FEASIBLE):
             codes = model.decisions(solver)
         broken = model.broken_positions(solver) if status == cp_model.OPTIMAL else None
@@ -311,37 +311,37 @@ class _Model:
         g, n = d.graph, d.graph.n_ops
         m = self.cp = cp_model.CpModel()
         saved, mask = d.saved, d.mask
-        swap = self.swap = {t: m.NewBoolVar(f"swap[{t}]") for t in saved}
-        recompute = self.recompute = {t: m.NewBoolVar(f"recompute[{t}]") for t in saved}
+        swap = self.swap = {t: m.new_bool_var(f"swap[{t}]") for t in saved}
+        recompute = self.recompute = {t: m.new_bool_var(f"recompute[{t}]") for t in saved}
         for t in saved:
-            m.Add(swap[t] + recompute[t] <= 1)  # one_decision[x] (keep: neither)
+            m.add(swap[t] + recompute[t] <= 1)  # one_decision[x] (keep: neither)
             if not g.can_recompute[t]:
-                m.Add(recompute[t] == 0)
+                m.add(recompute[t] == 0)
             if mask is not None:  # allowed_decision[x, c]
                 if not mask[t, KEEP]:
-                    m.Add(swap[t] + recompute[t] == 1)
+                    m.add(swap[t] + recompute[t] == 1)
                 if not mask[t, SWAP]:
-                    m.Add(swap[t] == 0)
+                    m.add(swap[t] == 0)
                 if not mask[t, RECOMPUTE]:
-                    m.Add(recompute[t] == 0)
+                    m.add(recompute[t] == 0)
         for group in g.rng_groups.values():  # random_group[g]
             for a, b in zip(group, group[1:]):
-                m.Add(recompute[int(a)] == recompute[int(b)])
+                m.add(recompute[int(a)] == recompute[int(b)])
         rerun_ops = sorted({int(q) for t in saved for q in g.rerun_ops[t]})
-        rerun = self.rerun = {q: m.NewBoolVar(f"rerun[{q}]") for q in rerun_ops}
+        rerun = self.rerun = {q: m.new_bool_var(f"rerun[{q}]") for q in rerun_ops}
         self.rerun_of: dict[int, list[int]] = {q: [] for q in rerun_ops}
         for t in saved:
             for q in g.rerun_ops[t]:
-                m.AddImplication(recompute[t], rerun[int(q)])  # rerun_cover[x, q]
+                m.add_implication(recompute[t], rerun[int(q)])  # rerun_cover[x, q]
                 self.rerun_of[int(q)].append(t)
         self.rerun_units = {q: d.down(float(g.forward_s[q])) for q in rerun_ops}
         horizon = 2**40
-        overhead = self.overhead = m.NewIntVar(0, horizon, "overhead")
-        stall = self.stall = [m.NewIntVar(0, horizon, f"stall_before[{k}]") for k in range(n)]
+        overhead = self.overhead = m.new_int_var(0, horizon, "overhead")
+        stall = self.stall = [m.new_int_var(0, horizon, f"stall_before[{k}]") for k in range(n)]
         for k in range(n - 1):
-            m.Add(stall[k] <= stall[k + 1])  # stall_monotone[k]
+            m.add(stall[k] <= stall[k + 1])  # stall_monotone[k]
         # overhead_split: forward stalls and reruns (backward only) take disjoint time
-        m.Add(stall[n - 1] + sum(self.rerun_units[q] * rerun[q] for q in rerun_ops) <= overhead)
+        m.add(stall[n - 1] + sum(self.rerun_units[q] * rerun[q] for q in rerun_ops) <= overhead)
         self.copy_units = {t: d.down(d.hw.d2h_time(int(d.nbytes[t]))) for t in saved}
         self.departed, self.ahead, self.busy = {}, {}, {}
         self.binaries = 0
@@ -355,8 +355,8 @@ class _Model:
         for pairs in modelled.values():
             pairs.sort(key=lambda pair: pair[0])
             for (_, earlier), (_, later) in zip(pairs, pairs[1:]):
-                m.AddImplication(earlier, later)
-        m.Minimize(overhead)
+                m.add_implication(earlier, later)
+        m.minimize(overhead)
 
     def _position(self, k: int) -> None:
         d, m, n = self.data, self.cp, self.data.graph.n_ops
@@ -365,22 +365,22 @@ class _Model:
         slack = self.stall[k] if k < n else self.overhead
         departed = {}
         for t in before:
-            departed[t] = self.departed[t, k] = m.NewBoolVar(f"departed_by[{t},{k}]")
-            m.AddImplication(departed[t], swap[t])  # departed_swapped[x, k]
+            departed[t] = self.departed[t, k] = m.new_bool_var(f"departed_by[{t},{k}]")
+            m.add_implication(departed[t], swap[t])  # departed_swapped[x, k]
         self.binaries += len(departed)
         groups = sorted({int(prod[t]) for t in before})
         members = {p: [t for t in before if prod[t] == p] for p in groups}
         previous = None
         for p_prev, p in zip(groups, groups[1:]):
             # departure_prefix[p, k]: the lane is first in first out in production order
-            ahead = m.NewBoolVar(f"all_before_departed[{p},{k}]")
+            ahead = m.new_bool_var(f"all_before_departed[{p},{k}]")
             self.ahead[p, k] = (ahead, [t for q in groups if q < p for t in members[q]])
             if previous is not None:
-                m.AddImplication(ahead, previous)
+                m.add_implication(ahead, previous)
             for y in members[p_prev]:
-                m.AddBoolOr([ahead.Not(), swap[y].Not(), departed[y]])
+                m.add_bool_or([~ahead, ~swap[y], departed[y]])
             for x in members[p]:
-                m.AddImplication(departed[x], ahead)
+                m.add_implication(departed[x], ahead)
             previous = ahead
         # lane_busy[p, k]: copies released at or after op p's end (its compute end P[p + 1]
         # plus the stall before it) and done by k's start fit between the two; suffix sums keep
@@ -388,15 +388,15 @@ class _Model:
         later = None
         for p in reversed(groups):
             work = sum(self.copy_units[t] * departed[t] for t in members[p])
-            busy = m.NewIntVar(0, sum(self.copy_units[t] for t in before), f"lane_busy[{p},{k}]")
+            busy = m.new_int_var(0, sum(self.copy_units[t] for t in before), f"lane_busy[{p},{k}]")
             self.busy[p, k] = (busy, [t for q in groups if q >= p for t in members[q]])
-            m.Add(busy == work + (later if later is not None else 0))
-            m.Add(busy <= d.up(P[k] - P[p + 1]) + 1 + slack - self.stall[p])
+            m.add(busy == work + (later if later is not None else 0))
+            m.add(busy <= d.up(P[k] - P[p + 1]) + 1 + slack - self.stall[p])
             later = busy
         # memory_at[k]: resident saved bytes within the room; a tensor is away between its
         # last forward use and first backward use when recomputed, or swapped and departed
         held, away = self._held_away(k)
-        m.Add(held - sum(b * self.recompute[t] for b, t in away)
+        m.add(held - sum(b * self.recompute[t] for b, t in away)
               - sum(b * departed[t] for b, t in away if t in departed) <= -(-d.room[k] // d.bu))
 
     def _held_away(self, k: int) -> tuple[int, list[tuple[int, int]]]:
@@ -410,8 +410,8 @@ class _Model:
     def decisions(self, solver) -> np.ndarray:
         codes = keep_all_codes(self.data.graph).copy()
         for t in self.swap:
-            codes[t] = SWAP if solver.Value(self.swap[t]) else \
-                RECOMPUTE if solver.Value(self.recompute[t]) else KEEP
+            codes[t] = SWAP if solver.value(self.swap[t]) else \
+                RECOMPUTE if solver.value(self.recompute[t]) else KEEP
         return codes
 
     def add_hint(self, codes: np.ndarray) -> None:
@@ -422,8 +422,8 @@ class _Model:
         d, m = self.data, self.cp
         g, tu = d.graph, d.tu
         for t in self.swap:
-            m.AddHint(self.swap[t], int(codes[t] == SWAP))
-            m.AddHint(self.recompute[t], int(codes[t] == RECOMPUTE))
+            m.add_hint(self.swap[t], int(codes[t] == SWAP))
+            m.add_hint(self.recompute[t], int(codes[t] == RECOMPUTE))
         sim = simulate_decisions(g, np.asarray(codes), d.hw, d.budget_bytes)
         if not sim.fits:
             return
@@ -438,19 +438,19 @@ class _Model:
         gone = {(t, k): int(codes[t] == SWAP and done.get(t, np.inf) <= begins.get(k, -np.inf))
                 for t, k in self.departed}
         for key, var in self.departed.items():
-            m.AddHint(var, gone[key])
+            m.add_hint(var, gone[key])
         for (_, k), (var, tensors) in self.ahead.items():
-            m.AddHint(var, int(all(gone[t, k] or codes[t] != SWAP for t in tensors)))
+            m.add_hint(var, int(all(gone[t, k] or codes[t] != SWAP for t in tensors)))
         for (_, k), (var, tensors) in self.busy.items():
-            m.AddHint(var, sum(self.copy_units[t] * gone[t, k] for t in tensors))
+            m.add_hint(var, sum(self.copy_units[t] * gone[t, k] for t in tensors))
         stalls = [max(0, math.ceil((begins.get(k, 0.0) - d.compute_before[k]) / tu) + 1)
                   for k in range(n)]
         for k in range(n):
             stalls[k] = max(stalls[k], stalls[k - 1] if k else 0)
-            m.AddHint(self.stall[k], stalls[k])
+            m.add_hint(self.stall[k], stalls[k])
         reruns = sum(units for q, units in self.rerun_units.items()
                      if any(codes[t] == RECOMPUTE for t in self.rerun_of[q]))
-        m.AddHint(self.overhead, max(math.ceil((sim.step_time_s - g.ideal_step_time_s) / tu) + 2,
+        m.add_hint(self.overhead, max(math.ceil((sim.step_time_s - g.ideal_step_time_s) / tu) + 2,
                                      stalls[-1] + reruns))
 
     def broken_positions(self, solver) -> dict[int, int]:
@@ -463,12 +463,12 @@ class _Model:
         position broken the solution is a point of the model over every position, so the
         round's optimum is the whole model's."""
         d = self.data
-        swapped = [t for t in d.order if solver.Value(self.swap[t])]
-        recomputed = {t for t in d.saved if solver.Value(self.recompute[t])}
-        overhead = solver.Value(self.overhead)
-        stalls = [solver.Value(v) for v in self.stall]
+        swapped = [t for t in d.order if solver.value(self.swap[t])]
+        recomputed = {t for t in d.saved if solver.value(self.recompute[t])}
+        overhead = solver.value(self.overhead)
+        stalls = [solver.value(v) for v in self.stall]
         done_at = {k: {t for t in swapped if (t, k) in self.departed
-                       and solver.Value(self.departed[t, k])} for k in self.positions}
+                       and solver.value(self.departed[t, k])} for k in self.positions}
         modelled = sorted(self.positions)
         broken: dict[int, int] = {}
         previous: set[int] = set()

@@ -54,7 +54,7 @@ def stop_everything() -> None:
         solvers, groups = list(_solvers), list(_groups)
     for solver in solvers:
         with contextlib.suppress(Exception):
-            solver.StopSearch()
+            solver.stop_search()
     for pid in groups:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(pid, signal.SIGKILL)
@@ -106,8 +106,8 @@ def interruptible():
 
 
 def solve_cpsat(solver, model):
-    """``solver.Solve(model)``, stopped by Ctrl-C like the rest (CP-SAT would otherwise catch
+    """``solver.solve(model)``, stopped by Ctrl-C like the rest (CP-SAT would otherwise catch
     SIGINT itself and return as if its limit had come: the interrupt lost)."""
     solver.parameters.catch_sigint_signal = False
     with running_solver(solver):
-        return solver.Solve(model)
+        return solver.solve(model)

@@ -178,8 +178,8 @@ def _exact(graph: ActivationGraph, hw: Hardware, mask, floor: int, start: MinPea
     model, x = _build(f)
     if hint:
         for v, val in hint.items():
-            model.AddHint(x[v], val)
-        model.AddHint(x[b], budget_u)
+            model.add_hint(x[v], val)
+        model.add_hint(x[b], budget_u)
     solver = cp_model.CpSolver()
     solver.parameters.num_workers = 1
     solver.parameters.random_seed = 0
@@ -191,8 +191,8 @@ def _exact(graph: ActivationGraph, hw: Hardware, mask, floor: int, start: MinPea
     # the model's sizes are exact multiples of its byte unit or rounded down (a relaxation):
     # its bound in units, times the unit, is no more than any plan's peak; its plan's own peak
     # is what the step model says
-    lower = max(floor, int(np.ceil(solver.BestObjectiveBound() - 1e-9)) * sc.byte_unit)
-    codes, schedule = decode(f, lambda v: solver.Value(x[v]))
+    lower = max(floor, int(np.ceil(solver.best_objective_bound - 1e-9)) * sc.byte_unit)
+    codes, schedule = decode(f, lambda v: solver.value(x[v]))
     peak = plan_peak(graph, hw, codes, schedule)
     # proven only where the peak meets the bound exactly: with sizes rounded to a coarse unit
     # (1e12-byte tensors) a unit's difference is no proof

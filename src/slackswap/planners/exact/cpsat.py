@@ -23,23 +23,23 @@ def _build(f: Formulation, fixed: dict[int, int] | None = None):
     x = []
     for v in m.vars:
         if fixed is not None and v.index in fixed:
-            x.append(model.NewConstant(fixed[v.index]))
+            x.append(model.new_constant(fixed[v.index]))
         else:
-            x.append(model.NewIntVar(v.lb, v.ub, v.name))
+            x.append(model.new_int_var(v.lb, v.ub, v.name))
     for c in m.constraints:
         expr = sum(coef * x[v] for v, coef in c.terms)
         lits = [x[v] for v in c.enforce]
         if c.lo is not None and c.hi is not None and c.lo == c.hi:
-            ct = model.Add(expr == c.lo)
+            ct = model.add(expr == c.lo)
         elif c.lo is not None and c.hi is not None:
-            ct = model.AddLinearConstraint(expr, c.lo, c.hi)
+            ct = model.add_linear_constraint(expr, c.lo, c.hi)
         elif c.lo is not None:
-            ct = model.Add(expr >= c.lo)
+            ct = model.add(expr >= c.lo)
         else:
-            ct = model.Add(expr <= c.hi)
+            ct = model.add(expr <= c.hi)
         if lits:
-            ct.OnlyEnforceIf(lits)
-    model.Minimize(sum(coef * x[v] for v, coef in m.objective) + m.objective_offset)
+            ct.only_enforce_if(lits)
+    model.minimize(sum(coef * x[v] for v, coef in m.objective) + m.objective_offset)
     return model, x
 
 
@@ -101,7 +101,7 @@ class CpSatBackend(ExactBackend):
                 hint = {}  # an infeasible complete hint aborts the interleaved search
         for v, val in hint.items():
             if not (fixed and v in fixed):
-                model.AddHint(x[v], val)
+                model.add_hint(x[v], val)
         solver = cp_model.CpSolver()
         # work, not the clock, ends the search (deterministic time); the clock is the hard cap
         solver.parameters.max_time_in_seconds = max(
@@ -128,7 +128,7 @@ class CpSatBackend(ExactBackend):
             return "infeasible", None, None, None
         if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
             return "timeout", None, None, None
-        obj, bound = solver.ObjectiveValue(), solver.BestObjectiveBound()
+        obj, bound = solver.objective_value, solver.best_objective_bound
         gap = abs(obj - bound) / max(1.0, abs(obj))
         name = "optimal" if status == cp_model.OPTIMAL or gap <= gap_limit else "timeout"
-        return name, (lambda v: int(fixed[v]) if fixed and v in fixed else solver.Value(x[v])), obj, bound
+        return name, (lambda v: int(fixed[v]) if fixed and v in fixed else solver.value(x[v])), obj, bound

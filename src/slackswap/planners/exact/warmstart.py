@@ -273,7 +273,7 @@ class _Background:
         with self._lock:
             self._stopped = True
             if self.solver is not None:
-                self.solver.StopSearch()
+                self.solver.stop_search()
         if self._thread is not None:
             self._thread.join()
 
