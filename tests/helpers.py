@@ -63,6 +63,10 @@ def random_graphs(draw, max_ops: int = 7, max_saved: int | None = None):
             kw["forward_workspace_bytes"] = draw(st.integers(0, 300))
         if draw(st.integers(0, 4)) == 0:
             kw["backward_workspace_bytes"] = draw(st.integers(0, 300))
+        if draw(st.integers(0, 4)) == 0:  # gradients waiting when its backward begins
+            kw["rerun_workspace_bytes"] = draw(st.integers(0, 300))
+        if ops and draw(st.integers(0, 5)) == 0:  # an op that reruns with it (a checkpoint's)
+            kw["rerun_with"] = [draw(st.sampled_from([o["name"] for o in ops]))]
         ops.append(op(name, fwd, bwd, inputs, outs, **kw))
         for o in outs:
             tensors.append(tensor(o, draw(st.integers(0, 500))))

@@ -140,3 +140,56 @@ def test_schedule_errors_are_named():
     with pytest.raises(ss.PlanError, match=r"h2d_issue\['a'\].*after its first use"):
         ss.simulate(g, late)
     assert "after its first use" in ss.validate(g, late).report()
+
+
+def test_a_rebuild_holds_the_gradients_waiting_for_its_position():
+    """Op C's backward begins with 40 bytes of gradients waiting (rerun_workspace_bytes): a
+    rebuild at its position runs while they are alive, so each rerun point counts them; the
+    backward op's own point counts its backward workspace instead. The recompute chain above,
+    with C's rerun workspace 40: rerun A 110 + 40 = 150, rerun B 160 + 40 = 200; the checker
+    finds the same peak, and at a budget of 199 the plan is over it at rerun B."""
+    g = graph(
+        [op("A", 1.0, 1.0, ["batch"], ["a"]), op("B", 2.0, 1.0, ["a"], ["b"]),
+         op("C", 1.0, 1.0, ["b"], ["c"], rerun_workspace_bytes=40)],
+        [tensor("a", 100, ["B"]), tensor("b", 50, ["C"]), tensor("c", 10, ["C"])],
+    )
+    p = plan(g, {"a": "recompute", "b": "recompute", "c": "keep"}, 1000)
+    sim = ss.simulate(g, p, LINK)
+    assert list(sim.memory_bytes) == [100, 150, 60, 150, 200, 160, 100, 0]
+    report = ss.validate(g, p, LINK)
+    assert report.ok and report.peak_bytes == 200
+    tight = plan(g, {"a": "recompute", "b": "recompute", "c": "keep"}, 199)
+    assert not ss.validate(g, tight, LINK).ok and not ss.simulate(g, tight, LINK).fits
+    # the exact planner sees it too: at 199 it keeps what the rebuild would need
+    solved = ss.solve(g, 199, LINK, solver="cpsat", gap=0.0)
+    assert ss.simulate(g, solved, LINK).peak_bytes <= 199
+    assert ss.load_graph(g.to_json()).digest == g.digest != graph(
+        [op("A", 1.0, 1.0, ["batch"], ["a"]), op("B", 2.0, 1.0, ["a"], ["b"]),
+         op("C", 1.0, 1.0, ["b"], ["c"])],
+        [tensor("a", 100, ["B"]), tensor("b", 50, ["C"]), tensor("c", 10, ["C"])]).digest
+
+
+def test_an_op_that_reruns_with_another_brings_it_into_every_rebuild():
+    """torch's checkpoint reruns a region's ops it does not cache whatever is rebuilt: B reruns
+    with D (rerun_with), so rebuilding b reruns B and D, whose output d (30 B) is alive at
+    D's rerun point. Forward (a kept, b's first life to D, its last reader): A 100, B a + b
+    150, C + c 160, D + d 190. Backward D: a + c 110; C: rerun B a + c + b 160, rerun D + d
+    190 (d read by nothing: gone after), C itself 160; B: a 100; A: 0. Without D in the
+    rebuild, C's position would peak at 160."""
+    g = graph(
+        [op("A", 1.0, 1.0, ["batch"], ["a"]), op("B", 2.0, 1.0, ["a"], ["b"], rerun_with=["D"]),
+         op("C", 1.0, 1.0, ["b"], ["c"]), op("D", 0.5, 0.5, ["b"], ["d"])],
+        [tensor("a", 100, ["B"]), tensor("b", 50, ["C"]), tensor("c", 10, ["C"]),
+         tensor("d", 30)],
+    )
+    b = g.tensor_index["b"]
+    assert [g.ops[q].name for q in g.rerun_ops[b]] == ["B", "D"]
+    p = plan(g, {"a": "keep", "b": "recompute", "c": "keep"}, 1000)
+    sim = ss.simulate(g, p, LINK)
+    assert list(sim.memory_bytes) == [100, 150, 160, 190, 110, 160, 190, 160, 100, 0]
+    assert sim.recompute_s == pytest.approx(2.5)  # B and D again
+    report = ss.validate(g, p, LINK)
+    assert report.ok and report.peak_bytes == sim.peak_bytes == int(sim.memory_bytes.max())
+    assert ss.load_graph(g.to_json()).digest == g.digest
+    with pytest.raises(ss.GraphError, match="rerun_with 'E' is no op"):
+        graph([op("A", 1.0, 1.0, ["batch"], ["a"], rerun_with=["E"])], [tensor("a", 1, ["A"])])

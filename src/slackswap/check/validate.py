@@ -223,6 +223,8 @@ class _Step:
             for x in op.writes:
                 if x in self.tensor_of:
                     self.written_by[self.tensor_of[x]].append(i)
+        # ops that run again with an op that runs again (torch's checkpoint reruns its region)
+        self.also = [[self.op_of[x] for x in op.rerun_with] for op in ops]
         self.saved = [bool(t.saved_for) for t in graph.tensors]
         self.readers_bwd = [[self.op_of[o] for o in t.saved_for] for t in graph.tensors]
         self.bwd_reads: list[list[int]] = [[] for _ in ops]
@@ -270,6 +272,13 @@ class _Step:
             more_ops, more = self.closure(q)
             ops |= more_ops
             frontier |= more
+        # every op in it brings the ops it reruns with, each with its own closure (once over
+        # the set: what those bring is not expanded again)
+        for q in list(ops):
+            for r in self.also[q]:
+                more_ops, more = self.closure(r)
+                ops |= more_ops
+                frontier |= more
         frontier.discard(t)
         return frozenset(ops), frozenset(frontier)
 
@@ -520,12 +529,20 @@ class _Step:
             goes[b] += nbytes[t]
         fwd_ws = [int(op.forward_workspace_bytes) for op in g.ops]
         bwd_ws = [int(op.backward_workspace_bytes) for op in g.ops]
+        # a rerun also holds the gradients waiting for the backward op of its position
+        rerun_ws = [int(op.rerun_workspace_bytes) for op in g.ops]
+        back_op = [self.n * 2 - 1 - k for k in range(2 * self.n)]
         live = 0
         peak = 0
         over: list[tuple[int, int]] = []  # (point, bytes) where the budget is topped
         for p, (_, op, kind) in enumerate(walk.points):
             live += comes[p]
-            now = live + (bwd_ws[op] if kind == "backward" else fwd_ws[op])
+            if kind == "backward":
+                now = live + bwd_ws[op]
+            elif kind == "rerun":
+                now = live + fwd_ws[op] + rerun_ws[back_op[walk.points[p][0]]]
+            else:
+                now = live + fwd_ws[op]
             if now > peak:
                 peak = now
             if limit is not None and now > limit and len(over) < _MAX_MEMORY_VIOLATIONS:

@@ -29,7 +29,7 @@ MAX_TOTAL_SECONDS = 1e12
 _OP_FIELDS = {
     "name", "forward_s", "backward_s", "inputs", "outputs",
     "forward_workspace_bytes", "backward_workspace_bytes", "recomputable", "unit", "param_unit",
-    "writes",
+    "writes", "rerun_with", "rerun_workspace_bytes",
 }
 _TENSOR_FIELDS = {"name", "bytes", "saved_for", "group", "alive_until", "rebuilt_before"}
 _GRAPH_FIELDS = {"format", "name", "ops", "tensors", "optimizer_s", "collectives"}
@@ -49,6 +49,11 @@ class Op:
     forward_workspace_bytes: int = 0
     backward_workspace_bytes: int = 0
     recomputable: bool = True
+    # memory a rebuild at this op's backward position holds beside the rerun ops' own: the
+    # activation gradients already waiting when the op's backward begins (its incoming ones
+    # among them), which its backward workspace counts only while the op itself runs
+    # (formulations/step-model.md, "Memory")
+    rerun_workspace_bytes: int = 0
     # the sharding unit (an FSDP2 ``fully_shard`` module) the op runs in, and the one whose
     # parameters it reads: those are gathered only around their unit's forward and backward, so
     # a rerun of the op may only run in that unit's backward (formulations/step-model.md,
@@ -59,6 +64,11 @@ class Op:
     # an in-place ReLU's output. Rebuilding such a tensor reruns its producer and then its
     # writers, in forward order (formulations/step-model.md, "Decisions")
     writes: tuple[str, ...] = ()
+    # ops that run again whenever this op runs again, with their own rebuild closures: torch's
+    # checkpoint reruns a region's forward from its start to its last save, every op it does not
+    # cache, whatever the plan rebuilds (ss.checkpoint_graph; formulations/step-model.md,
+    # "Decisions")
+    rerun_with: tuple[str, ...] = ()
     extra: Mapping[str, Any] = field(default_factory=dict, compare=False)
 
 
@@ -186,6 +196,7 @@ class ActivationGraph:
             _check_time(op.backward_s, where, "backward_s")
             _check_bytes(op.forward_workspace_bytes, where, "forward_workspace_bytes")
             _check_bytes(op.backward_workspace_bytes, where, "backward_workspace_bytes")
+            _check_bytes(op.rerun_workspace_bytes, where, "rerun_workspace_bytes")
             _check_bool(op.recomputable, where, "recomputable")
             _check_unit(op.unit, where)
             _check_unit(op.param_unit, where)
@@ -197,6 +208,13 @@ class ActivationGraph:
                 if name not in op.inputs:
                     raise GraphError(f"{where}: writes {name!r} in place but does not read it "
                                      "(an op writes in place what it reads: list it in inputs)")
+            if not isinstance(op.rerun_with, tuple):
+                raise GraphError(f"{where}: rerun_with must be a tuple of op names")
+        for op in self.ops:
+            for name in op.rerun_with:
+                if name not in op_index or name == op.name:
+                    raise GraphError(f"{_where('op', op.name)}: rerun_with {name!r} is "
+                                     + ("the op itself" if name == op.name else "no op of the graph"))
         tensor_index: dict[str, int] = {}
         for j, t in enumerate(self.tensors):
             where = _where("tensor", t.name)
@@ -325,9 +343,12 @@ class ActivationGraph:
                 backward_workspace_bytes=_check_bytes(
                     raw.get("backward_workspace_bytes", 0), where, "backward_workspace_bytes"),
                 recomputable=_check_bool(raw.get("recomputable", True), where, "recomputable"),
+                rerun_workspace_bytes=_check_bytes(
+                    raw.get("rerun_workspace_bytes", 0), where, "rerun_workspace_bytes"),
                 unit=_check_unit(raw.get("unit", ""), where),
                 param_unit=_check_unit(raw.get("param_unit", ""), where),
                 writes=_names(raw.get("writes", []), where, "writes"),
+                rerun_with=_names(raw.get("rerun_with", []), where, "rerun_with"),
                 extra={k: v for k, v in raw.items() if k not in _OP_FIELDS},
             ))
         tensors = []
@@ -402,6 +423,10 @@ class ActivationGraph:
                 d["param_unit"] = op.param_unit
             if op.writes:
                 d["writes"] = list(op.writes)
+            if op.rerun_with:
+                d["rerun_with"] = list(op.rerun_with)
+            if op.rerun_workspace_bytes:
+                d["rerun_workspace_bytes"] = op.rerun_workspace_bytes
             ops.append(d)
         tensors = []
         for t in self.tensors:
@@ -447,6 +472,9 @@ class ActivationGraph:
                      o.forward_workspace_bytes, o.backward_workspace_bytes, o.recomputable]
                     + ([o.unit, o.param_unit] if o.unit or o.param_unit else [])
                     + ([{"writes": list(o.writes)}] if o.writes else [])
+                    + ([{"rerun_with": list(o.rerun_with)}] if o.rerun_with else [])
+                    + ([{"rerun_workspace_bytes": o.rerun_workspace_bytes}]
+                       if o.rerun_workspace_bytes else [])
                     for o in self.ops],
             # alive_until only where set, so graphs without it keep their digests
             "tensors": [[t.name, t.bytes, list(t.saved_for), t.group]
@@ -501,6 +529,12 @@ class ActivationGraph:
     @cached_property
     def backward_ws(self) -> np.ndarray:
         return np.array([op.backward_workspace_bytes for op in self.ops], dtype=np.int64)
+
+    @cached_property
+    def rerun_ws(self) -> np.ndarray:
+        """Per op, what a rebuild at its backward position holds beside the rerun op's own
+        workspace (Op.rerun_workspace_bytes)."""
+        return np.array([op.rerun_workspace_bytes for op in self.ops], dtype=np.int64)
 
     @cached_property
     def producer(self) -> np.ndarray:
@@ -739,6 +773,22 @@ class ActivationGraph:
             if written[i]:
                 write_closure[i] = (frozenset(own), frozenset(own_frontier))
         # sorted once per op: an op's outputs share its closure, unless written in place
+        rerun_with = self.op_rerun_with
+        if any(rerun_with):
+            # an op that runs again brings the ops it reruns with (Op.rerun_with), each with its
+            # own closure: once over the whole set, so a rebuild runs each op once
+            base = dict(op_closure)
+            for i, (ops, frontier) in base.items():
+                more = [base[r] for q in ops for r in rerun_with[q]]
+                if more:
+                    op_closure[i] = (ops.union(*(m[0] for m in more)),
+                                     frontier.union(*(m[1] for m in more)))
+            for i in list(write_closure):
+                ops, frontier = write_closure[i]
+                more = [base[r] for q in ops for r in rerun_with[q]]
+                if more:
+                    write_closure[i] = (ops.union(*(m[0] for m in more)),
+                                        frontier.union(*(m[1] for m in more)))
         sorted_closure = {i: (tuple(sorted(ops)), tuple(sorted(fr)))
                           for i, (ops, fr) in op_closure.items()}
         per_tensor = []
@@ -748,9 +798,19 @@ class ActivationGraph:
                 ops, frontier = tensor_closure(t, end)
                 frontier.discard(t)
                 per_tensor.append((tuple(sorted(ops)), tuple(sorted(frontier))))
+            elif any(rerun_with) and t in op_closure[p][1]:
+                # an op it reruns with reads it: the rerun makes it first
+                ops, frontier = sorted_closure[p]
+                per_tensor.append((ops, tuple(f for f in frontier if f != t)))
             else:
                 per_tensor.append(sorted_closure[p])
         return tuple(c[0] for c in per_tensor), tuple(c[1] for c in per_tensor)
+
+    @cached_property
+    def op_rerun_with(self) -> tuple[tuple[int, ...], ...]:
+        """Per op, the ops that run again with it (Op.rerun_with), as indices."""
+        index = self.op_index
+        return tuple(tuple(index[n] for n in op.rerun_with) for op in self.ops)
 
     def summary(self) -> str:
         return (f"{self.name}: {self.n_ops} ops, {len(self.tensors)} tensors, "

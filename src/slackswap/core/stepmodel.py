@@ -412,6 +412,7 @@ def _intervals(graph, codes, reruns, needs_at, first_need, d2h, h2d, materialize
     op_inputs = graph.op_inputs
     outputs = graph.op_outputs
     fwd_ws = graph.forward_ws
+    rerun_ws = graph.rerun_ws
     for k in np.flatnonzero(n_reruns) + n:
         k = int(k)
         transient_start: dict[int, int] = {}
@@ -421,7 +422,8 @@ def _intervals(graph, codes, reruns, needs_at, first_need, d2h, h2d, materialize
             point_slot[p] = k
             point_op[p] = q
             point_kind[p] = 1
-            point_ws[p] = fwd_ws[q]
+            # the rerun op's workspace, and the gradients waiting for the backward op here
+            point_ws[p] = fwd_ws[q] + rerun_ws[S - 1 - k]
             for t in op_inputs[q]:
                 if saved[t]:
                     if p > last_use[t]:

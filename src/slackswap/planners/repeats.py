@@ -113,7 +113,10 @@ def find_repeats(graph: ActivationGraph, min_blocks: int = MIN_BLOCKS) -> Repeat
     artifact: blocks of two ops of one shape, one reading a shared tensor and one the op
     before, repeat with period 1 in shape, 2 in references). Times are not compared: a
     profile's repeated layers differ by its noise, and the coarse graph keeps its own blocks'
-    times."""
+    times. A graph whose ops rerun with others (Op.rerun_with: a checkpoint graph) is not
+    coarsened: those references cross the blocks."""
+    if any(op.rerun_with for op in graph.ops):
+        return None
     shapes = op_signatures(graph)
     n = shapes.size
     runs = []  # (ops covered, -period, start) of each period's longest shape run

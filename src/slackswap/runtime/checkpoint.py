@@ -121,24 +121,51 @@ def checkpoint_regions(plan: Plan, graph: ActivationGraph, regions: list[str] | 
             continue
         keeps = [graph.tensors[t].name for t in graph.op_outputs[i] if graph.is_saved[t]]
         rebuilt = any(plan.decisions.get(k) == "recompute" for k in keeps)
-        # as checkpoint_policy: views and intermediates backward never reads, and ops whose
-        # outputs are written in place later (a dropout mask drawn in place: rerun with the
-        # in-place op, the RNG state restored) are rerun; the rest as the plan says
-        written = any(graph.writers[t] for t in graph.op_outputs[i])
-        recompute = not op.recomputable or written or not keeps or rebuilt
         swaps = tuple(k for k in keeps if plan.decisions.get(k) == "swap")
-        if not recompute and not swaps:
-            # torch caches every output of a saved op: one whose outputs backward does not read
-            # outweigh the ones it keeps (batch norm's output beside its saved statistics) is
-            # cheaper to rerun from its inputs than to hold twice
-            outs = graph.op_outputs[i]
-            kept = sum(int(graph.tensor_bytes[t]) for t in outs if graph.is_saved[t])
-            unread = sum(int(graph.tensor_bytes[t]) for t in outs if not graph.is_saved[t])
-            recompute = unread > kept
+        recompute = rebuilt or _rerun_regardless(graph, i, weigh_unread=not swaps)
         if rebuilt or swaps:
             wanted.add(name)
         out.setdefault(name, []).append((str(op.extra.get("aten", "")), recompute, swaps))
     return {name: ops for name, ops in out.items() if name in wanted}
+
+
+def _rerun_regardless(graph: ActivationGraph, i: int, weigh_unread: bool = True) -> bool:
+    """Whether the region policy reruns op ``i`` whatever the plan says (PREFER_RECOMPUTE), as
+    checkpoint_policy: views and intermediates backward never reads, ops that may not run again
+    and ops whose outputs are written in place later (a dropout mask drawn in place: rerun with
+    the in-place op, the RNG state restored); and (``weigh_unread``) an op whose outputs backward
+    does not read outweigh the ones it keeps (batch norm's output beside its saved statistics):
+    torch caches every output of a saved op, so it is cheaper to rerun it from its inputs than
+    to hold it twice."""
+    op = graph.ops[i]
+    outs = graph.op_outputs[i]
+    if not op.recomputable or op.extra.get("rerun_by_checkpoint") or \
+            any(graph.writers[t] for t in outs) or not any(graph.is_saved[t] for t in outs):
+        return True
+    if not weigh_unread:
+        return False
+    kept = sum(int(graph.tensor_bytes[t]) for t in outs if graph.is_saved[t])
+    unread = sum(int(graph.tensor_bytes[t]) for t in outs if not graph.is_saved[t])
+    return unread > kept
+
+
+def _region_reruns(graph: ActivationGraph, of_op: list[str]) -> dict[str, list[int]]:
+    """Per region, the ops torch's (eager) checkpoint reruns whenever it reruns the region,
+    whatever the plan rebuilds: it runs the region's forward again from its start until the
+    region's last op that saves a tensor has saved it (early stop), computing every op its
+    policy does not cache (``_rerun_regardless``)."""
+    last_save: dict[str, int] = {}
+    for i, region in enumerate(of_op):
+        if region and len(graph.saved_by_op[i]):
+            last_save[region] = i
+    out: dict[str, list[int]] = {}
+    for i, region in enumerate(of_op):
+        # (an op with no output of the graph, a buffer's in-place update, runs shielded and
+        # holds nothing)
+        if region in last_save and i <= last_save[region] and len(graph.op_outputs[i]) and \
+                _rerun_regardless(graph, i):
+            out.setdefault(region, []).append(i)
+    return out
 
 
 def _same_model(model, graph: ActivationGraph) -> None:
@@ -262,6 +289,10 @@ def checkpoint_graph(graph: ActivationGraph, regions: list[str] | None = None,
       outputs. Under torch.compile (``compiled=True``) the recompute is functional (batch norm
       reruns without touching its statistics) and rerun the same way, but random draws and the
       masks they fill are saved instead (``_region_policy``): those stay as profiled.
+    - in eager mode the checkpoint reruns a region's forward from its start to its last save,
+      every op its policy does not cache, whatever the plan rebuilds there: each op of the
+      region reruns with those (``Op.rerun_with``), so their outputs count while the region is
+      rebuilt. A compiled backward recomputes only what its graph reads.
     - under torch.compile (``compiled=True``) the compiled backward returns every parameter
       gradient at its end, where eager autograd adds each into ``.grad`` at once: each op's
       backward also holds the parameter gradients made so far (the profile's
@@ -290,6 +321,15 @@ def checkpoint_graph(graph: ActivationGraph, regions: list[str] | None = None,
                              extra={**op.extra, "rerun_by_checkpoint": True})
         elif i in saved_under_compile and written:
             ops[i] = replace(op, recomputable=False)  # saved by the compiled policy
+    if not compiled:
+        # a rebuild in a region reruns with it what the checkpoint reruns there anyway: their
+        # outputs are alive during the rerun (the residual add after a block's last batch norm)
+        marked_rerun = replace(graph, ops=tuple(ops))
+        for region, members in _region_reruns(marked_rerun, of_op).items():
+            for i, name in enumerate(of_op):
+                if name == region:
+                    ops[i] = replace(ops[i], rerun_with=tuple(
+                        ops[q].name for q in members if q != i))
     if compiled and graph.extra.get("parameter_gradients") != "made":
         # (a profile with gradients made in the step counts them already)
         held = 0  # parameter gradients made by the backward so far (it runs the ops in reverse)
@@ -299,7 +339,7 @@ def checkpoint_graph(graph: ActivationGraph, regions: list[str] | None = None,
             more = held - int(ops[i].extra.get("param_grad_waiting_bytes", 0))
             if more > 0:
                 ops[i] = replace(ops[i], backward_workspace_bytes=ops[i].backward_workspace_bytes
-                                 + more)
+                                 + more, rerun_workspace_bytes=ops[i].rerun_workspace_bytes + more)
     marked = replace(graph, ops=tuple(ops),
                      extra={**graph.extra, "checkpoint_graph": {
                          "regions": list(regions) if regions is not None else "per block",

@@ -173,6 +173,7 @@ def graph_from_traces(traces, graph_name: str, extra: dict[str, Any] | None = No
     grad_bytes = backward_gradient_bytes(traces, seq_maps, len(first.ops))
     param_grads = parameter_gradient_bytes(traces, seq_maps, len(first.ops))
     param_waiting = waiting_parameter_gradient_bytes(traces, seq_maps, len(first.ops))
+    entry_grads = _per_op_max(traces, seq_maps, len(first.ops), "backward_entry_grad_bytes")
     # an op that reads a tensor written in place after it would, run again, read the later
     # version: it may not run again (a writer reading what it writes is replayed in order)
     written_at: dict[str, list[int]] = {}
@@ -193,7 +194,7 @@ def graph_from_traces(traces, graph_name: str, extra: dict[str, Any] | None = No
         ops.append(Op(
             name=rec.name, forward_s=float(fwd), backward_s=float(statistics.median(bwd_samples)),
             inputs=tuple(rec.inputs), outputs=tuple(rec.outputs),
-            backward_workspace_bytes=grad_bytes[i],
+            backward_workspace_bytes=grad_bytes[i], rerun_workspace_bytes=entry_grads[i],
             # a tensor written in place after it was made is rebuilt by its producer, then its
             # writers (Op.writes); an op that writes anything else may not run again
             recomputable=not rec.mutates and i not in stale, unit=rec.unit,
@@ -253,19 +254,26 @@ def backward_gradient_bytes(traces, seq_maps, n_ops: int) -> list[int]:
     return out
 
 
+def _per_op_max(traces, seq_maps, n_ops: int, field: str) -> list[int]:
+    """Per op, the largest of a per-node figure of the traces (``field`` of StepTrace, by
+    sequence nr), attributed as ``backward_gradient_bytes`` does."""
+    out = [0] * n_ops
+    for trace, mapping in zip(traces, seq_maps):
+        figures = getattr(trace, field)
+        current = None
+        for seq in trace.backward_order:
+            current = mapping.get(seq, current)
+            if current is not None:
+                out[current] = max(out[current], int(figures.get(seq, 0)))
+    return out
+
+
 def waiting_parameter_gradient_bytes(traces, seq_maps, n_ops: int) -> list[int]:
     """Per op, the parameter gradients made earlier in the backward that wait in their
     AccumulateGrad's buffer while its backward runs (trace.GradientLedger: a parameter with
     readers whose backward has not run yet, as a tied embedding's LM head), the largest over the
     traces, attributed as ``backward_gradient_bytes`` does."""
-    out = [0] * n_ops
-    for trace, mapping in zip(traces, seq_maps):
-        current = None
-        for seq in trace.backward_order:
-            current = mapping.get(seq, current)
-            if current is not None:
-                out[current] = max(out[current], int(trace.param_grad_waiting_bytes.get(seq, 0)))
-    return out
+    return _per_op_max(traces, seq_maps, n_ops, "param_grad_waiting_bytes")
 
 
 def parameter_gradient_bytes(traces, seq_maps, n_ops: int) -> list[int]:
@@ -319,6 +327,7 @@ def group_by_module(graph: ActivationGraph) -> ActivationGraph:
             inputs=tuple(inputs), outputs=tuple(outputs),
             forward_workspace_bytes=max(graph.ops[i].forward_workspace_bytes for i in members),
             backward_workspace_bytes=max(graph.ops[i].backward_workspace_bytes for i in members),
+            rerun_workspace_bytes=max(graph.ops[i].rerun_workspace_bytes for i in members),
             recomputable=all(graph.ops[i].recomputable for i in members),
             writes=tuple(dict.fromkeys(x for i in members for x in graph.ops[i].writes
                                        if x not in made)),
@@ -535,15 +544,18 @@ def with_parameter_gradients(graph: ActivationGraph, gradients: str) -> Activati
     if gradients == "made":
         held = 0  # made by the backward so far (it runs the ops in reverse)
         for i in range(len(ops) - 1, -1, -1):
+            before = held  # made before this op's backward: alive for a rebuild there too
             held += int(ops[i].extra.get("param_grad_bytes", 0))
             if held:
                 ops[i] = replace(ops[i], backward_workspace_bytes=ops[i].backward_workspace_bytes
-                                 + held)
+                                 + held, rerun_workspace_bytes=ops[i].rerun_workspace_bytes
+                                 + before)
     else:
         for i, op in enumerate(ops):
             waiting = int(op.extra.get("param_grad_waiting_bytes", 0))
             if waiting:
-                ops[i] = replace(op, backward_workspace_bytes=op.backward_workspace_bytes + waiting)
+                ops[i] = replace(op, backward_workspace_bytes=op.backward_workspace_bytes + waiting,
+                                 rerun_workspace_bytes=op.rerun_workspace_bytes + waiting)
     return replace(graph, ops=tuple(ops), extra={**graph.extra, "parameter_gradients": gradients})
 
 

@@ -235,6 +235,9 @@ class StepTrace:
     # while each node runs (a parameter read by several ops, as tied embeddings are: its
     # gradient is added to ``.grad`` only once every reader's backward has run), by sequence nr
     param_grad_waiting_bytes: dict[int, int] = field(default_factory=dict)
+    # activation gradients alive when each node's backward begins (waiting for it and for later
+    # nodes): what a rebuild triggered there holds beside its own tensors, by sequence nr
+    backward_entry_grad_bytes: dict[int, int] = field(default_factory=dict)
     # index of the last op run while the model still held each storage (released in forward)
     released_after: dict[str, int] = field(default_factory=dict)
 
@@ -646,6 +649,14 @@ class GradientLedger:
         return {storage_key(g): int(g.untyped_storage().nbytes()) for g in grads
                 if isinstance(g, torch.Tensor) and g.numel()}
 
+    def began(self, seq: int) -> None:
+        """A node's backward is about to run: the gradients waiting now (its own incoming ones
+        among them) are what a rebuild it triggers holds beside its tensors."""
+        alive = sum(int(entry[0].untyped_storage().nbytes()) for entry in self.alive.values())
+        if alive:
+            self.trace.backward_entry_grad_bytes[seq] = max(
+                self.trace.backward_entry_grad_bytes.get(seq, 0), alive)
+
     def ran(self, node, seq: int, grad_inputs, grad_outputs) -> None:
         mine = self.waiting.pop(id(node), [])
         now = {key: entry[0].untyped_storage().nbytes() for key, entry in self.alive.items()
@@ -763,6 +774,7 @@ def time_backward(loss: torch.Tensor, trace: StepTrace, sync=None,
 
         def pre(grad_outputs, seq=seq):
             transients.began(seq)
+            ledger.began(seq)
             if cost is not None:
                 trace.backward_s.setdefault(seq, 0.0)
                 return

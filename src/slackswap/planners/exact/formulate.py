@@ -232,7 +232,8 @@ def formulate(graph: ActivationGraph, hw: Hardware, budget_bytes: int, *, full: 
     span = graph.ideal_step_time_s + copies
     # the largest unit that divides every size exactly: memory sums are then exact, and only the
     # budget is rounded (down)
-    sizes = np.concatenate([graph.tensor_bytes, graph.forward_ws, graph.backward_ws])
+    sizes = np.concatenate([graph.tensor_bytes, graph.forward_ws, graph.backward_ws,
+                            graph.rerun_ws])
     unit = max(1, int(np.gcd.reduce(sizes[sizes > 0])) if (sizes > 0).any() else 1)
     # at most BYTE_RANGE units for the largest of the budget and the sizes, so that every
     # backend sees coefficients of like magnitude. Sizes are then rounded: over windows up (the
@@ -378,6 +379,7 @@ def formulate(graph: ActivationGraph, hw: Hardware, budget_bytes: int, *, full: 
     out_bytes = [int(nbytes[list(outs)].sum()) if outs else 0 for outs in graph.op_outputs]
     fwd_ws = sc.bytes_of(graph.forward_ws)
     bwd_ws = sc.bytes_of(graph.backward_ws)
+    rerun_ws = graph.rerun_ws
     rebuilt_here: dict[int, list[tuple[tuple[int, int], int]]] = {}
     for t in saved:
         for k, w in f.rebuild_at[t].items():
@@ -417,7 +419,8 @@ def formulate(graph: ActivationGraph, hw: Hardware, budget_bytes: int, *, full: 
                         m.ge(f"transient_alive[{graph.tensors[o].name},{graph.ops[q].name},{k}]",
                              [(y, 1), (f.rerun[(q2, k)], -1)], 0)
                     terms.append((y, int(nbytes[o])))
-            terms.append((z, int(fwd_ws[q])))
+            # the rerun op's workspace and the gradients waiting for the backward op at k
+            terms.append((z, int(sc.bytes_of(int(graph.forward_ws[q]) + int(rerun_ws[j])))))
             m.le(f"memory_budget_rerun[{graph.ops[q].name},{k}]", terms, cap)
 
     # --- time: compute stream (compute_order), lanes (d2h_lane, h2d_lane), waits
