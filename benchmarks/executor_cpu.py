@@ -56,7 +56,11 @@ def paired_overhead(plain, other, rounds: int) -> tuple[float, float, float]:
         ratios.append(b / a)
         plain_times.append(a)
         other_times.append(b)
-    return statistics.median(ratios) - 1.0, statistics.median(plain_times), statistics.median(other_times)
+    return (
+        statistics.median(ratios) - 1.0,
+        statistics.median(plain_times),
+        statistics.median(other_times),
+    )
 
 
 def main() -> int:
@@ -86,11 +90,13 @@ def main() -> int:
     slow = ss.hardware("cpu")
     keep = ss.solve(graph, 1.0, slow, solver="keep-all")
     plan = ss.solve(graph, 0.5, slow, solver="heuristic")
+
     def under(p):
         def run():
             with ss.apply(p, model, graph=graph) as r:
                 step()
             return r
+
         return run
 
     def block_plain():
@@ -108,9 +114,19 @@ def main() -> int:
 
     # a plan that swaps (on the emulated link; nothing rebuilt): its later steps are skimmed
     emulated = ss.hardware("cpu-emulated-link")
-    swaps = ss.complete(ss.Plan(graph.name, graph.digest, 10**12, {
-        graph.tensors[t].name: ("swap" if i % 2 else "keep") for i, t in enumerate(graph.saved)}),
-        graph, emulated)
+    swaps = ss.complete(
+        ss.Plan(
+            graph.name,
+            graph.digest,
+            10**12,
+            {
+                graph.tensors[t].name: ("swap" if i % 2 else "keep")
+                for i, t in enumerate(graph.saved)
+            },
+        ),
+        graph,
+        emulated,
+    )
 
     def block_swapping():
         with ss.apply(swaps, model, graph=graph):
@@ -128,8 +144,12 @@ def main() -> int:
 
     def ckpt_step():
         model.zero_grad(set_to_none=True)
-        out = checkpoint(model, idx, use_reentrant=False,
-                         context_fn=partial(create_selective_checkpoint_contexts, policy))
+        out = checkpoint(
+            model,
+            idx,
+            use_reentrant=False,
+            context_fn=partial(create_selective_checkpoint_contexts, policy),
+        )
         loss_fn(out).backward()
 
     try:
@@ -142,48 +162,80 @@ def main() -> int:
         "model": {"width": args.width, "layers": args.layers, "seq": args.seq, "batch": args.batch},
         "forward_ops": int(graph.n_ops),
         "overhead_us_per_op": overhead * plain / graph.n_ops * 1e6,
-        "saved_tensors": int(len(graph.saved)), "recomputed": plan.count("recompute"),
-        "plain_step_s": plain, "keep_all_step_s": keep_s,
-        "hook_overhead": overhead, "hook_overhead_context_per_step": overhead_per_step,
-        "recompute_plan_step_s": rec_s, "torch_checkpoint_same_tensors_step_s": ckpt_s,
-        "swap_plan_step_s": swap_block / args.block, "swap_plan_overhead": swap_overhead,
+        "saved_tensors": int(len(graph.saved)),
+        "recomputed": plan.count("recompute"),
+        "plain_step_s": plain,
+        "keep_all_step_s": keep_s,
+        "hook_overhead": overhead,
+        "hook_overhead_context_per_step": overhead_per_step,
+        "recompute_plan_step_s": rec_s,
+        "torch_checkpoint_same_tensors_step_s": ckpt_s,
+        "swap_plan_step_s": swap_block / args.block,
+        "swap_plan_overhead": swap_overhead,
         "swap_plan_us_per_op": swap_overhead * plain / graph.n_ops * 1e6,
         "swapped": swaps.count("swap"),
-        "budget_bytes": plan.budget_bytes, "tracked_peak_bytes": run.stats.peak_activation_bytes,
-        "simulated_peak_bytes": sim.peak_bytes, "keep_all_peak_bytes": ss.keep_all_peak(graph, slow),
+        "budget_bytes": plan.budget_bytes,
+        "tracked_peak_bytes": run.stats.peak_activation_bytes,
+        "simulated_peak_bytes": sim.peak_bytes,
+        "keep_all_peak_bytes": ss.keep_all_peak(graph, slow),
     }
     print(f"plain step                 {1e3 * plain:8.2f} ms")
-    print(f"apply(), keep-all          {1e3 * keep_s:8.2f} ms  (overhead {100 * overhead:+.1f}%, "
-          f"{100 * overhead_per_step:+.1f}% with a context per step; median of {args.rounds} "
-          f"paired rounds of {args.block} steps)")
+    print(
+        f"apply(), keep-all          {1e3 * keep_s:8.2f} ms  (overhead {100 * overhead:+.1f}%, "
+        f"{100 * overhead_per_step:+.1f}% with a context per step; median of {args.rounds} "
+        f"paired rounds of {args.block} steps)"
+    )
     print(f"  = {row['overhead_us_per_op']:.0f} us per forward op ({graph.n_ops} ops)")
-    print(f"apply(), swap plan         {1e3 * row['swap_plan_step_s']:8.2f} ms  ({row['swapped']} "
-          f"swapped on the emulated link: {row['swap_plan_us_per_op']:.0f} us per forward op, "
-          "copies included)")
-    print(f"apply(), recompute plan    {1e3 * rec_s:8.2f} ms  ({row['recomputed']} of {row['saved_tensors']} tensors recomputed)")
+    print(
+        f"apply(), swap plan         {1e3 * row['swap_plan_step_s']:8.2f} ms  ({row['swapped']} "
+        f"swapped on the emulated link: {row['swap_plan_us_per_op']:.0f} us per forward op, "
+        "copies included)"
+    )
+    print(
+        f"apply(), recompute plan    {1e3 * rec_s:8.2f} ms  ({row['recomputed']} of {row['saved_tensors']} tensors recomputed)"
+    )
     print(f"torch checkpoint, same ops {1e3 * ckpt_s:8.2f} ms")
-    print(f"tracked activation peak    {run.stats.peak_activation_bytes / 2**20:8.2f} MiB of budget "
-          f"{plan.budget_bytes / 2**20:.2f} MiB (simulated {sim.peak_bytes / 2**20:.2f} MiB, keep-all "
-          f"{row['keep_all_peak_bytes'] / 2**20:.2f} MiB)")
+    print(
+        f"tracked activation peak    {run.stats.peak_activation_bytes / 2**20:8.2f} MiB of budget "
+        f"{plan.budget_bytes / 2**20:.2f} MiB (simulated {sim.peak_bytes / 2**20:.2f} MiB, keep-all "
+        f"{row['keep_all_peak_bytes'] / 2**20:.2f} MiB)"
+    )
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(row, indent=1))
     from results_md import command_line, markdown_table, write_section
 
-    write_section(f"executor_cpu_w{args.width}", f"Executor on CPU (width {args.width}, seq "
-                  f"{args.seq})", command_line(), markdown_table(
-                      ["what", "figure"],
-                      [["plain step", f"{1e3 * plain:.2f} ms"],
-                       ["apply(), keep-all", f"{1e3 * keep_s:.2f} ms ({100 * overhead:+.1f}%, "
-                        f"median of {args.rounds} paired rounds)"],
-                       ["overhead per forward op", f"{row['overhead_us_per_op']:.0f} us ({graph.n_ops} ops)"],
-                       ["apply(), swap plan (half the saved tensors, emulated link)",
-                        f"{1e3 * row['swap_plan_step_s']:.2f} ms ({row['swap_plan_us_per_op']:.0f} us "
-                        "per forward op over plain, copies included)"],
-                       ["apply(), recompute plan", f"{1e3 * rec_s:.2f} ms"],
-                       ["torch selective checkpointing, same decisions", f"{1e3 * ckpt_s:.2f} ms"],
-                       ["tracked / simulated activation peak",
-                        f"{run.stats.peak_activation_bytes / 2**20:.2f} / {sim.tensor_peak_bytes / 2**20:.2f} MiB "
-                        f"(budget {plan.budget_bytes / 2**20:.2f} MiB)"]]))
+    write_section(
+        f"executor_cpu_w{args.width}",
+        f"Executor on CPU (width {args.width}, seq {args.seq})",
+        command_line(),
+        markdown_table(
+            ["what", "figure"],
+            [
+                ["plain step", f"{1e3 * plain:.2f} ms"],
+                [
+                    "apply(), keep-all",
+                    f"{1e3 * keep_s:.2f} ms ({100 * overhead:+.1f}%, "
+                    f"median of {args.rounds} paired rounds)",
+                ],
+                [
+                    "overhead per forward op",
+                    f"{row['overhead_us_per_op']:.0f} us ({graph.n_ops} ops)",
+                ],
+                [
+                    "apply(), swap plan (half the saved tensors, emulated link)",
+                    f"{1e3 * row['swap_plan_step_s']:.2f} ms ({row['swap_plan_us_per_op']:.0f} us "
+                    "per forward op over plain, copies included)",
+                ],
+                ["apply(), recompute plan", f"{1e3 * rec_s:.2f} ms"],
+                ["torch selective checkpointing, same decisions", f"{1e3 * ckpt_s:.2f} ms"],
+                [
+                    "tracked / simulated activation peak",
+                    f"{run.stats.peak_activation_bytes / 2**20:.2f} / {sim.tensor_peak_bytes / 2**20:.2f} MiB "
+                    f"(budget {plan.budget_bytes / 2**20:.2f} MiB)",
+                ],
+            ],
+        ),
+    )
     return 0
 
 

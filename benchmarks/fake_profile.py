@@ -37,12 +37,24 @@ def rss_gib() -> float:
 
 def llama2(size: str) -> dict:
     if size == "7b":
-        return {"num_hidden_layers": 32, "hidden_size": 4096, "num_attention_heads": 32,
-                "num_key_value_heads": 32, "intermediate_size": 11008, "vocab_size": 32000,
-                "max_position_embeddings": 4096}
-    return {"num_hidden_layers": 80, "hidden_size": 8192, "num_attention_heads": 64,
-            "num_key_value_heads": 8, "intermediate_size": 28672, "vocab_size": 32000,
-            "max_position_embeddings": 4096}
+        return {
+            "num_hidden_layers": 32,
+            "hidden_size": 4096,
+            "num_attention_heads": 32,
+            "num_key_value_heads": 32,
+            "intermediate_size": 11008,
+            "vocab_size": 32000,
+            "max_position_embeddings": 4096,
+        }
+    return {
+        "num_hidden_layers": 80,
+        "hidden_size": 8192,
+        "num_attention_heads": 64,
+        "num_key_value_heads": 8,
+        "intermediate_size": 28672,
+        "vocab_size": 32000,
+        "max_position_embeddings": 4096,
+    }
 
 
 def full_scale(time_limit: float) -> list[dict]:
@@ -54,25 +66,41 @@ def full_scale(time_limit: float) -> list[dict]:
         built = time.perf_counter() - start
         start = time.perf_counter()
         g = ss.profile(model, inputs, loss_fn, fake=True, hardware=HW, name=f"llama-2-{size}")
-        row = {"model": f"llama-2-{size}", "seq": 4096, "batch": 1, "build_s": built,
-               "profile_s": time.perf_counter() - start, "peak_rss_gib": rss_gib(),
-               "ops": g.n_ops, "saved": len(g.saved),
-               "saved_bytes": int(g.tensor_bytes[g.saved].sum()),
-               "keep_all_bytes": ss.keep_all_peak(g, HW), "ideal_step_s": g.ideal_step_time_s,
-               "model_state": g.extra["model_state"]}
-        print(f"{row['model']}: built {built:.1f} s, profiled fake in {row['profile_s']:.1f} s, "
-              f"peak RSS {row['peak_rss_gib']:.2f} GiB; {g.summary()}; ideal step "
-              f"{1e3 * g.ideal_step_time_s:.0f} ms")
+        row = {
+            "model": f"llama-2-{size}",
+            "seq": 4096,
+            "batch": 1,
+            "build_s": built,
+            "profile_s": time.perf_counter() - start,
+            "peak_rss_gib": rss_gib(),
+            "ops": g.n_ops,
+            "saved": len(g.saved),
+            "saved_bytes": int(g.tensor_bytes[g.saved].sum()),
+            "keep_all_bytes": ss.keep_all_peak(g, HW),
+            "ideal_step_s": g.ideal_step_time_s,
+            "model_state": g.extra["model_state"],
+        }
+        print(
+            f"{row['model']}: built {built:.1f} s, profiled fake in {row['profile_s']:.1f} s, "
+            f"peak RSS {row['peak_rss_gib']:.2f} GiB; {g.summary()}; ideal step "
+            f"{1e3 * g.ideal_step_time_s:.0f} ms"
+        )
         if size == "7b":
             for solver in ("heuristic", "cpsat"):
                 start = time.perf_counter()
                 plan = ss.solve(g, 0.5, HW, solver=solver, time_limit_s=time_limit)
                 sim = ss.simulate(g, plan)
-                row[solver] = {"solve_s": time.perf_counter() - start, "status": plan.info.status,
-                               "retention": sim.retention, "checker_ok": ss.validate(g, plan).ok,
-                               "counts": {d: plan.count(d) for d in ("keep", "swap", "recompute")}}
-                print(f"  50% with {solver}: {plan.info.status}, {100 * sim.retention:.2f}% of "
-                      f"ideal, {row[solver]['solve_s']:.1f} s")
+                row[solver] = {
+                    "solve_s": time.perf_counter() - start,
+                    "status": plan.info.status,
+                    "retention": sim.retention,
+                    "checker_ok": ss.validate(g, plan).ok,
+                    "counts": {d: plan.count(d) for d in ("keep", "swap", "recompute")},
+                }
+                print(
+                    f"  50% with {solver}: {plan.info.status}, {100 * sim.retention:.2f}% of "
+                    f"ideal, {row[solver]['solve_s']:.1f} s"
+                )
         rows.append(row)
     return rows
 
@@ -80,15 +108,27 @@ def full_scale(time_limit: float) -> list[dict]:
 def seed_models():
     """(workload name, model on meta, inputs, loss_fn) at the seed's shapes, bf16."""
     with torch.device("meta"):
-        bert = transformers.BertModel(transformers.BertConfig(
-            num_hidden_layers=24, hidden_size=1024, num_attention_heads=16,
-            intermediate_size=4096, max_position_embeddings=512), add_pooling_layer=False)
+        bert = transformers.BertModel(
+            transformers.BertConfig(
+                num_hidden_layers=24,
+                hidden_size=1024,
+                num_attention_heads=16,
+                intermediate_size=4096,
+                max_position_embeddings=512,
+            ),
+            add_pooling_layer=False,
+        )
     bert.config._attn_implementation = "sdpa"
     ids = torch.zeros((32, 512), dtype=torch.long)
-    yield ("bert-large", bert.to(torch.bfloat16).train(), {"input_ids": ids},
-           lambda o: o.last_hidden_state.float().pow(2).mean())  # no head, as the seed
-    gpt2, config = meta_model("gpt2", {"n_layer": 48, "n_embd": 1600, "n_head": 25,
-                                       "n_positions": 1024})
+    yield (
+        "bert-large",
+        bert.to(torch.bfloat16).train(),
+        {"input_ids": ids},
+        lambda o: o.last_hidden_state.float().pow(2).mean(),
+    )  # no head, as the seed
+    gpt2, config = meta_model(
+        "gpt2", {"n_layer": 48, "n_embd": 1600, "n_head": 25, "n_positions": 1024}
+    )
     yield ("gpt2-xl", gpt2, *training_batch(config, 1024, 8))
     llama, config = meta_model("llama", {"max_position_embeddings": 2048})
     yield ("llama-7b", llama, *training_batch(config, 2048, 4))
@@ -103,17 +143,24 @@ def seed_rows(time_limit: float) -> list[dict]:
         row = {"model": name, "profile_s": took}
         for kind, g in (("analytic", ss.workload(name, HW)), ("fake", fake)):
             plan = ss.solve(g, 0.5, HW, time_limit_s=time_limit)
-            row[kind] = {"ops": g.n_ops, "saved": len(g.saved),
-                         "saved_bytes": int(g.tensor_bytes[g.saved].sum()),
-                         "keep_all_bytes": ss.keep_all_peak(g, HW),
-                         "ideal_step_s": g.ideal_step_time_s,
-                         "retention_50": ss.simulate(g, plan).retention,
-                         "status": plan.info.status}
-        print(f"{name}: profiled fake in {took:.1f} s; " + "; ".join(
-            f"{k}: {row[k]['ops']} ops, saved {row[k]['saved_bytes'] / GIB:.2f} GiB, keep-all "
-            f"{row[k]['keep_all_bytes'] / GIB:.2f} GiB, ideal {1e3 * row[k]['ideal_step_s']:.0f} ms, "
-            f"50%: {100 * row[k]['retention_50']:.2f}% ({row[k]['status']})"
-            for k in ("analytic", "fake")))
+            row[kind] = {
+                "ops": g.n_ops,
+                "saved": len(g.saved),
+                "saved_bytes": int(g.tensor_bytes[g.saved].sum()),
+                "keep_all_bytes": ss.keep_all_peak(g, HW),
+                "ideal_step_s": g.ideal_step_time_s,
+                "retention_50": ss.simulate(g, plan).retention,
+                "status": plan.info.status,
+            }
+        print(
+            f"{name}: profiled fake in {took:.1f} s; "
+            + "; ".join(
+                f"{k}: {row[k]['ops']} ops, saved {row[k]['saved_bytes'] / GIB:.2f} GiB, keep-all "
+                f"{row[k]['keep_all_bytes'] / GIB:.2f} GiB, ideal {1e3 * row[k]['ideal_step_s']:.0f} ms, "
+                f"50%: {100 * row[k]['retention_50']:.2f}% ({row[k]['status']})"
+                for k in ("analytic", "fake")
+            )
+        )
         rows.append(row)
     return rows
 
@@ -122,8 +169,11 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--time-limit", type=float, default=60.0)
     parser.add_argument("--json", type=Path, default=Path("benchmarks/results/fake_profile.json"))
-    parser.add_argument("--report", action="store_true",
-                        help="write the RESULTS.md section from --json, run nothing")
+    parser.add_argument(
+        "--report",
+        action="store_true",
+        help="write the RESULTS.md section from --json, run nothing",
+    )
     args = parser.parse_args()
     if args.report:
         figures = json.loads(args.json.read_text())
@@ -162,29 +212,74 @@ def report(scale: list[dict], seeds: list[dict], command: str) -> int:
     from results_md import markdown_table, write_section
 
     body = markdown_table(
-        ["model (bf16, seq 4096, batch 1)", "fake profile s", "peak RSS GiB", "ops", "saved GiB",
-         "keep-all GiB", "ideal step ms", "50%: heuristic", "50%: cpsat (default)"],
-        [[r["model"], f"{r['profile_s']:.1f}", f"{r['peak_rss_gib']:.2f}", r["ops"],
-          f"{r['saved_bytes'] / GIB:.2f}", f"{r['keep_all_bytes'] / GIB:.2f}",
-          f"{1e3 * r['ideal_step_s']:.0f}"]
-         + [f"{100 * r[s]['retention']:.2f}% ({r[s]['status']}, {r[s]['solve_s']:.1f} s)"
-            if s in r else "-" for s in ("heuristic", "cpsat")] for r in scale])
-    body += ("\n\nBuilt on the meta device from the Llama-2 configs, profiled for "
-             f"`{HW}` (`profile(fake=True)`: no weights, no activation memory); peak RSS is the "
-             "whole process's, 70B after 7B.\n\n")
+        [
+            "model (bf16, seq 4096, batch 1)",
+            "fake profile s",
+            "peak RSS GiB",
+            "ops",
+            "saved GiB",
+            "keep-all GiB",
+            "ideal step ms",
+            "50%: heuristic",
+            "50%: cpsat (default)",
+        ],
+        [
+            [
+                r["model"],
+                f"{r['profile_s']:.1f}",
+                f"{r['peak_rss_gib']:.2f}",
+                r["ops"],
+                f"{r['saved_bytes'] / GIB:.2f}",
+                f"{r['keep_all_bytes'] / GIB:.2f}",
+                f"{1e3 * r['ideal_step_s']:.0f}",
+            ]
+            + [
+                f"{100 * r[s]['retention']:.2f}% ({r[s]['status']}, {r[s]['solve_s']:.1f} s)"
+                if s in r
+                else "-"
+                for s in ("heuristic", "cpsat")
+            ]
+            for r in scale
+        ],
+    )
+    body += (
+        "\n\nBuilt on the meta device from the Llama-2 configs, profiled for "
+        f"`{HW}` (`profile(fake=True)`: no weights, no activation memory); peak RSS is the "
+        "whole process's, 70B after 7B.\n\n"
+    )
     body += markdown_table(
-        ["seed workload", "graph", "ops", "saved GiB", "keep-all GiB", "ideal step ms",
-         "retention at 50% (cpsat)"],
-        [[r["model"], kind, r[kind]["ops"], f"{r[kind]['saved_bytes'] / GIB:.2f}",
-          f"{r[kind]['keep_all_bytes'] / GIB:.2f}", f"{1e3 * r[kind]['ideal_step_s']:.0f}",
-          f"{100 * r[kind]['retention_50']:.2f}% ({r[kind]['status']})"]
-         for r in seeds for kind in ("analytic", "fake")])
-    body += ("\n\n`analytic`: `slackswap.workload` (shared/reference.md's per-block inventory); "
-             "`fake`: the HF model's own aten ops at the same shapes (BERT-Large without a head, "
-             "GPT-2 XL and Llama with their LM heads and the model's own loss), times from the "
-             "cost model (formulations/cost-model.md).\n" + WHY)
-    write_section("fake_profile", "Fake profiles: full-scale models and the seed workloads",
-                  command, body)
+        [
+            "seed workload",
+            "graph",
+            "ops",
+            "saved GiB",
+            "keep-all GiB",
+            "ideal step ms",
+            "retention at 50% (cpsat)",
+        ],
+        [
+            [
+                r["model"],
+                kind,
+                r[kind]["ops"],
+                f"{r[kind]['saved_bytes'] / GIB:.2f}",
+                f"{r[kind]['keep_all_bytes'] / GIB:.2f}",
+                f"{1e3 * r[kind]['ideal_step_s']:.0f}",
+                f"{100 * r[kind]['retention_50']:.2f}% ({r[kind]['status']})",
+            ]
+            for r in seeds
+            for kind in ("analytic", "fake")
+        ],
+    )
+    body += (
+        "\n\n`analytic`: `slackswap.workload` (shared/reference.md's per-block inventory); "
+        "`fake`: the HF model's own aten ops at the same shapes (BERT-Large without a head, "
+        "GPT-2 XL and Llama with their LM heads and the model's own loss), times from the "
+        "cost model (formulations/cost-model.md).\n" + WHY
+    )
+    write_section(
+        "fake_profile", "Fake profiles: full-scale models and the seed workloads", command, body
+    )
     return 0
 
 

@@ -71,8 +71,9 @@ def random_graph(seed: int) -> tuple[ss.ActivationGraph, ss.Hardware, dict]:
         if shape == "chain" or not produced:
             inputs = produced[-1:] or ["batch"]
         elif shape == "skips":
-            inputs = produced[-1:] + ([produced[int(rng.integers(0, len(produced)))]]
-                                      if rng.random() < 0.4 else [])
+            inputs = produced[-1:] + (
+                [produced[int(rng.integers(0, len(produced)))]] if rng.random() < 0.4 else []
+            )
         elif shape == "branches":
             inputs = [produced[int(rng.integers(max(0, len(produced) - 4), len(produced)))]]
         else:
@@ -80,8 +81,13 @@ def random_graph(seed: int) -> tuple[ss.ActivationGraph, ss.Hardware, dict]:
             inputs = list(rng.choice(produced, size=k, replace=False))
         inputs = list(dict.fromkeys(inputs))
         outs = [f"t{i}_{j}" for j in range(1 if rng.random() < 0.8 else 2)]
-        op = {"name": f"op{i}", "forward_s": _seconds(rng, time_style),
-              "backward_s": _seconds(rng, time_style), "inputs": inputs, "outputs": outs}
+        op = {
+            "name": f"op{i}",
+            "forward_s": _seconds(rng, time_style),
+            "backward_s": _seconds(rng, time_style),
+            "inputs": inputs,
+            "outputs": outs,
+        }
         if rng.random() < 0.15:
             op["forward_workspace_bytes"] = _bytes(rng, byte_style)
         if rng.random() < 0.15:
@@ -101,12 +107,15 @@ def random_graph(seed: int) -> tuple[ss.ActivationGraph, ss.Hardware, dict]:
     if len(saved) >= 2 and rng.random() < 0.3:
         for t in rng.choice(saved, size=min(3, len(saved)), replace=False):
             t["group"] = "rng0"
-    g = ss.load_graph({"format": "slackswap.graph/1", "name": f"fuzz-{seed}", "ops": ops,
-                       "tensors": tensors})
+    g = ss.load_graph(
+        {"format": "slackswap.graph/1", "name": f"fuzz-{seed}", "ops": ops, "tensors": tensors}
+    )
     base = ss.hardware("a100-80gb-pcie4")
-    hw = base.with_link(name=f"fuzz-link-{seed}",
-                        duplex=bool(rng.random() < 0.7),
-                        latency_s=float(rng.choice([0.0, 1e-5, 1e-3])))
+    hw = base.with_link(
+        name=f"fuzz-link-{seed}",
+        duplex=bool(rng.random() < 0.7),
+        latency_s=float(rng.choice([0.0, 1e-5, 1e-3])),
+    )
     return g, hw, {"shape": shape, "bytes": byte_style, "times": time_style, "ops": n}
 
 
@@ -119,8 +128,15 @@ def run_graph(task) -> list[dict]:
         floor = ss.min_budget(g, hw)
         peak = ss.keep_all_peak(g, hw)
     except Exception as exc:  # noqa: BLE001 - counted, not hidden
-        return [{"seed": seed, "kind": kind, "solver": "-", "error": type(exc).__name__,
-                 "message": str(exc)[:200]}]
+        return [
+            {
+                "seed": seed,
+                "kind": kind,
+                "solver": "-",
+                "error": type(exc).__name__,
+                "message": str(exc)[:200],
+            }
+        ]
     from fuzz_classes import claims_checked, restricted_minimum
 
     out.extend(restricted_minimum(g, hw, seed, kind))
@@ -131,12 +147,27 @@ def run_graph(task) -> list[dict]:
             lp = ss.lp_bound(g, budget, hw)
             bound = lp.step_time_s if lp.status == "optimal" else None
             if lp.status == "infeasible":
-                out.append({"seed": seed, "kind": kind, "solver": "lp_bound", "budget": budget,
-                            "bound_violation": True, "message": "LP bound infeasible at a "
-                            "feasible budget"})
+                out.append(
+                    {
+                        "seed": seed,
+                        "kind": kind,
+                        "solver": "lp_bound",
+                        "budget": budget,
+                        "bound_violation": True,
+                        "message": "LP bound infeasible at a feasible budget",
+                    }
+                )
         except Exception as exc:  # noqa: BLE001
-            out.append({"seed": seed, "kind": kind, "solver": "lp_bound", "budget": budget,
-                        "error": type(exc).__name__, "message": str(exc)[:200]})
+            out.append(
+                {
+                    "seed": seed,
+                    "kind": kind,
+                    "solver": "lp_bound",
+                    "budget": budget,
+                    "error": type(exc).__name__,
+                    "message": str(exc)[:200],
+                }
+            )
         for solver in solvers:
             if solver in EXACT and g.n_ops > SMALL_OPS:
                 continue
@@ -145,22 +176,31 @@ def run_graph(task) -> list[dict]:
             try:
                 plan = ss.solve(g, budget, hw, solver=solver, time_limit_s=time_limit)
             except Exception as exc:  # noqa: BLE001
-                rec.update(error=type(exc).__name__, message=str(exc)[:200],
-                           wall_s=time.perf_counter() - start)
+                rec.update(
+                    error=type(exc).__name__,
+                    message=str(exc)[:200],
+                    wall_s=time.perf_counter() - start,
+                )
                 out.append(rec)
                 continue
             wall = time.perf_counter() - start
             check = ss.validate(g, plan)
             step = check.step_time_s
             own_bound = plan.info.bound
-            beaten = (bound is not None and step is not None and step < bound * (1 - 1e-7) - 1e-15) \
-                or (own_bound is not None and step is not None
-                    and step < own_bound * (1 - 1e-7) - 1e-15)
+            beaten = (
+                bound is not None and step is not None and step < bound * (1 - 1e-7) - 1e-15
+            ) or (
+                own_bound is not None and step is not None and step < own_bound * (1 - 1e-7) - 1e-15
+            )
             limit = time_limit if solver in EXACT else None
-            rec.update(status=plan.info.status, valid=check.ok, wall_s=wall,
-                       bound_violation=bool(beaten),
-                       overrun=bool(limit is not None and wall > limit + max(0.5, 0.1 * limit)),
-                       message="" if check.ok else check.report()[:200])
+            rec.update(
+                status=plan.info.status,
+                valid=check.ok,
+                wall_s=wall,
+                bound_violation=bool(beaten),
+                overrun=bool(limit is not None and wall > limit + max(0.5, 0.1 * limit)),
+                message="" if check.ok else check.report()[:200],
+            )
             if check.ok:
                 rec["false_claims_accepted"] = claims_checked(g, plan)
             out.append(rec)
@@ -168,8 +208,9 @@ def run_graph(task) -> list[dict]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--graphs", type=int, default=2000)
     parser.add_argument("--solvers", default="heuristic,cpsat,cbc,highs")
     parser.add_argument("--time-limit", type=float, default=2.0)
@@ -177,10 +218,18 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path, default=Path("benchmarks/results/fuzz.json"))
     parser.add_argument("--results", action="store_true", help="write benchmarks/RESULTS.md")
-    parser.add_argument("--kills", type=int, default=0,
-                        help="also kill or interrupt this many native solves at random moments")
-    parser.add_argument("--state-models", type=int, default=0,
-                        help="also train this many random state-writing torch models")
+    parser.add_argument(
+        "--kills",
+        type=int,
+        default=0,
+        help="also kill or interrupt this many native solves at random moments",
+    )
+    parser.add_argument(
+        "--state-models",
+        type=int,
+        default=0,
+        help="also train this many random state-writing torch models",
+    )
     args = parser.parse_args()
     from tqdm import tqdm
 
@@ -225,23 +274,58 @@ def main() -> int:
     summary["counts"].update(extra)
     print(json.dumps(summary, indent=1))
     args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps({"summary": summary, "failures": [
-        r for r in records if r.get("error") or r.get("valid") is False or r.get("bound_violation")
-        or r.get("overrun") or r.get("minimum_violation") or r.get("false_claims_accepted")
-        or r.get("status") not in STATUSES | {None}]}, indent=1))
+    args.json.write_text(
+        json.dumps(
+            {
+                "summary": summary,
+                "failures": [
+                    r
+                    for r in records
+                    if r.get("error")
+                    or r.get("valid") is False
+                    or r.get("bound_violation")
+                    or r.get("overrun")
+                    or r.get("minimum_violation")
+                    or r.get("false_claims_accepted")
+                    or r.get("status") not in STATUSES | {None}
+                ],
+            },
+            indent=1,
+        )
+    )
     if args.results:
         from results_md import command_line, markdown_table, write_section
 
         body = markdown_table(["what", "count"], [[k, v] for k, v in summary["counts"].items()])
-        body += "\n\n" + markdown_table(["solver", "plans", "statuses"], [
-            [s, v["plans"], ", ".join(f"{k} {n}" for k, n in sorted(v["statuses"].items()))]
-            for s, v in summary["by_solver"].items()])
+        body += "\n\n" + markdown_table(
+            ["solver", "plans", "statuses"],
+            [
+                [s, v["plans"], ", ".join(f"{k} {n}" for k, n in sorted(v["statuses"].items()))]
+                for s, v in summary["by_solver"].items()
+            ],
+        )
         write_section("fuzz", "Fuzzing every planner", command_line(), body)
     bad = summary["counts"]
-    return 1 if any(bad.get(k) for k in (
-        "invalid plans", "native crashes", "bound violations", "undocumented statuses",
-        "time overruns", "minimum violations", "false claims accepted", "orphaned children",
-        "files left", "interrupts lost", "state differs")) else 0
+    return (
+        1
+        if any(
+            bad.get(k)
+            for k in (
+                "invalid plans",
+                "native crashes",
+                "bound violations",
+                "undocumented statuses",
+                "time overruns",
+                "minimum violations",
+                "false claims accepted",
+                "orphaned children",
+                "files left",
+                "interrupts lost",
+                "state differs",
+            )
+        )
+        else 0
+    )
 
 
 def summarise(records, crashes, wall, args) -> dict:
@@ -256,7 +340,9 @@ def summarise(records, crashes, wall, args) -> dict:
         s["statuses"] = dict(s["statuses"])
     walls = [r["wall_s"] for r in plans if r["solver"] in EXACT]
     return {
-        "graphs": args.graphs, "solvers": args.solvers, "time_limit_s": args.time_limit,
+        "graphs": args.graphs,
+        "solvers": args.solvers,
+        "time_limit_s": args.time_limit,
         "wall_s": round(wall, 1),
         "counts": {
             "plans": len(plans),

@@ -26,14 +26,19 @@ def restricted_minimum(g, hw, seed: int, kind: dict) -> list[dict]:
     rec = {"seed": seed, "kind": kind, "solver": "min_budget"}
     try:
         smallest = ss.smallest_budget(g, hw, allowed=RECOMPUTE_ONLY)
-        plan = ss.solve(g, smallest.budget_bytes, hw, allowed=RECOMPUTE_ONLY,
-                        solver="heuristic")
+        plan = ss.solve(g, smallest.budget_bytes, hw, allowed=RECOMPUTE_ONLY, solver="heuristic")
         ok = ss.validate(g, plan).ok
         below = None
         if smallest.proven and smallest.budget_bytes > 0:
             try:
-                ss.solve(g, smallest.budget_bytes - 1, hw, allowed=RECOMPUTE_ONLY,
-                         time_limit_s=60, work_s=2)
+                ss.solve(
+                    g,
+                    smallest.budget_bytes - 1,
+                    hw,
+                    allowed=RECOMPUTE_ONLY,
+                    time_limit_s=60,
+                    work_s=2,
+                )
                 below = "a plan below the proven minimum"
             except ss.InfeasibleBudget as exc:
                 if exc.min_budget_bytes != smallest.budget_bytes:
@@ -41,8 +46,14 @@ def restricted_minimum(g, hw, seed: int, kind: dict) -> list[dict]:
     except Exception as exc:  # noqa: BLE001 - counted, not hidden
         return [{**rec, "error": type(exc).__name__, "message": str(exc)[:200]}]
     violation = not ok or below is not None
-    return [{**rec, "proven": smallest.proven, "minimum_violation": violation,
-             "message": below or ("" if ok else "the plan at the minimum is refused")}]
+    return [
+        {
+            **rec,
+            "proven": smallest.proven,
+            "minimum_violation": violation,
+            "message": below or ("" if ok else "the plan at the minimum is refused"),
+        }
+    ]
 
 
 def claims_checked(g, plan) -> int:
@@ -50,10 +61,12 @@ def claims_checked(g, plan) -> int:
     step = plan.info.predicted_step_time_s
     if step is None or step <= 0:
         return 0
-    lies = [plan.with_info(bound=step * 1.5 + 1e-9, gap=None, overhead_gap=None),
-            plan.with_info(status="optimal", bound=step * 0.5, gap=0.5, overhead_gap=None),
-            plan.with_info(bound=step * 0.9, gap=0.5, overhead_gap=None),
-            plan.with_info(bound=None, gap=0.1, overhead_gap=None)]
+    lies = [
+        plan.with_info(bound=step * 1.5 + 1e-9, gap=None, overhead_gap=None),
+        plan.with_info(status="optimal", bound=step * 0.5, gap=0.5, overhead_gap=None),
+        plan.with_info(bound=step * 0.9, gap=0.5, overhead_gap=None),
+        plan.with_info(bound=None, gap=0.1, overhead_gap=None),
+    ]
     accepted = sum(1 for lie in lies if ss.validate(g, lie).ok)
     if plan.decisions:
         name = next(iter(plan.decisions))
@@ -109,9 +122,13 @@ def kill_rounds(count: int, seed: int) -> dict:
         how = [signal.SIGKILL, signal.SIGTERM, signal.SIGINT][int(rng.integers(0, 3))]
         with tempfile.TemporaryDirectory(prefix="fuzz-kill-") as tmp:
             env = {**os.environ, "TMPDIR": tmp}
-            proc = subprocess.Popen([sys.executable, "-c", KILLED, solver, workload,
-                                     str(rng.choice([0.3, 0.5]))], env=env,
-                                    stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+            proc = subprocess.Popen(
+                [sys.executable, "-c", KILLED, solver, workload, str(rng.choice([0.3, 0.5]))],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.DEVNULL,
+                text=True,
+            )
             proc.stdout.readline()
             time.sleep(float(rng.uniform(0.2, 6.0)))
             proc.send_signal(how)
@@ -156,8 +173,9 @@ def _state_model(rng):
 
     def stateful(c):
         pick = int(rng.integers(0, 4))
-        return [nn.BatchNorm2d(c), nn.BatchNorm2d(c, momentum=None), FunctionalBN(c),
-                Counter(c)][pick]
+        return [nn.BatchNorm2d(c), nn.BatchNorm2d(c, momentum=None), FunctionalBN(c), Counter(c)][
+            pick
+        ]
 
     class Listed(nn.Module):  # blocks in a ModuleList, called in a loop
         def __init__(self, blocks):
@@ -179,8 +197,10 @@ def _state_model(rng):
                 x = self.blocks[name](x)
             return x
 
-    blocks = [nn.Sequential(nn.Conv2d(3 if i == 0 else 8, 8, 3, padding=1), stateful(8), nn.ReLU())
-              for i in range(int(rng.integers(2, 5)))]
+    blocks = [
+        nn.Sequential(nn.Conv2d(3 if i == 0 else 8, 8, 3, padding=1), stateful(8), nn.ReLU())
+        for i in range(int(rng.integers(2, 5)))
+    ]
     layout = int(rng.integers(0, 3))
     body = [nn.Sequential(*blocks), Listed(blocks), Named(blocks)][layout]
     return nn.Sequential(body, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 4))
@@ -202,20 +222,27 @@ def state_rounds(count: int, seed: int) -> dict:
         loss_fn = lambda out: out.square().mean()  # noqa: E731
         graph = ss.profile(model, x, loss_fn, warmup=0, repeat=1)
         plain = copy.deepcopy(model)
-        decisions = {graph.tensors[int(t)].name: "recompute" if graph.can_recompute[t]
-                     else "keep" for t in graph.saved}
-        plan = ss.complete(ss.Plan(graph.name, graph.digest, 10**12, decisions), graph,
-                           "cpu-emulated-link")
+        decisions = {
+            graph.tensors[int(t)].name: "recompute" if graph.can_recompute[t] else "keep"
+            for t in graph.saved
+        }
+        plan = ss.complete(
+            ss.Plan(graph.name, graph.digest, 10**12, decisions), graph, "cpu-emulated-link"
+        )
         plan = replace(plan, budget_bytes=10**12)
         for _ in range(2):
             loss_fn(plain(x)).backward()
             with ss.apply(plan, model, graph=graph):
                 loss_fn(model(x)).backward()
-        same = all(torch.equal(a, b) for a, b in zip(plain.state_dict().values(),
-                                                     model.state_dict().values()))
-        same = same and all((p.grad is None and q.grad is None) or (
-            p.grad is not None and q.grad is not None and torch.equal(p.grad, q.grad))
-            for p, q in zip(plain.parameters(), model.parameters()))
+        same = all(
+            torch.equal(a, b)
+            for a, b in zip(plain.state_dict().values(), model.state_dict().values())
+        )
+        same = same and all(
+            (p.grad is None and q.grad is None)
+            or (p.grad is not None and q.grad is not None and torch.equal(p.grad, q.grad))
+            for p, q in zip(plain.parameters(), model.parameters())
+        )
         counts["state models"] += 1
         counts["state differs"] += not same
     return counts

@@ -39,27 +39,53 @@ def models(cpu: bool, device, dtype):
 
     torch.manual_seed(0)
     if cpu:
-        shapes = [("gpt2-tiny", dict(n_layer=2, n_embd=128, n_head=4), 64, 2),
-                  ("llama-tiny", dict(num_hidden_layers=2, hidden_size=128, num_attention_heads=4,
-                                      num_key_value_heads=2, intermediate_size=344), 64, 2)]
+        shapes = [
+            ("gpt2-tiny", dict(n_layer=2, n_embd=128, n_head=4), 64, 2),
+            (
+                "llama-tiny",
+                dict(
+                    num_hidden_layers=2,
+                    hidden_size=128,
+                    num_attention_heads=4,
+                    num_key_value_heads=2,
+                    intermediate_size=344,
+                ),
+                64,
+                2,
+            ),
+        ]
     else:
-        shapes = [("gpt2-medium", dict(n_layer=24, n_embd=1024, n_head=16), 1024, 4),
-                  ("llama-1b", dict(num_hidden_layers=22, hidden_size=2048, num_attention_heads=32,
-                                    num_key_value_heads=4, intermediate_size=5632), 2048, 2)]
+        shapes = [
+            ("gpt2-medium", dict(n_layer=24, n_embd=1024, n_head=16), 1024, 4),
+            (
+                "llama-1b",
+                dict(
+                    num_hidden_layers=22,
+                    hidden_size=2048,
+                    num_attention_heads=32,
+                    num_key_value_heads=4,
+                    intermediate_size=5632,
+                ),
+                2048,
+                2,
+            ),
+        ]
     out = []
     for name, shape, seq, batch in shapes:
         vocab = 1000 if cpu else 32000
         if name.startswith("gpt2"):
-            cfg = transformers.GPT2Config(n_positions=seq, vocab_size=vocab, bos_token_id=0,
-                                          eos_token_id=0, **shape)
+            cfg = transformers.GPT2Config(
+                n_positions=seq, vocab_size=vocab, bos_token_id=0, eos_token_id=0, **shape
+            )
             model = transformers.GPT2LMHeadModel(cfg)
         else:
             cfg = transformers.LlamaConfig(max_position_embeddings=seq, vocab_size=vocab, **shape)
             model = transformers.LlamaForCausalLM(cfg)
         model = model.to(device=device, dtype=dtype).train()
         ids = torch.randint(0, vocab, (batch, seq), device=device)
-        out.append((name, model, {"input_ids": ids},
-                    lambda o: o.logits.float().logsumexp(-1).mean()))
+        out.append(
+            (name, model, {"input_ids": ids}, lambda o: o.logits.float().logsumexp(-1).mean())
+        )
     return out
 
 
@@ -78,8 +104,10 @@ class Device:
         if not self.cuda:
             return {}
         s = torch.cuda.memory_stats(self.device)
-        return {"num_device_alloc": s.get("num_device_alloc", 0),
-                "num_alloc_retries": s.get("num_alloc_retries", 0)}
+        return {
+            "num_device_alloc": s.get("num_device_alloc", 0),
+            "num_alloc_retries": s.get("num_alloc_retries", 0),
+        }
 
     def peak(self, step) -> tuple[int, dict]:
         """The step's peak bytes above what was allocated before it, and its counters. On CUDA
@@ -126,11 +154,17 @@ def gradients(model) -> list:
 
 
 def compare(reference, model) -> dict:
-    pairs = [(a, b) for a, b in zip(reference, (p.grad for p in model.parameters()))
-             if a is not None and b is not None]
-    return {"gradients_bit_identical": all(torch.equal(a, b) for a, b in pairs),
-            "gradients_max_abs_diff": max((float((a.float() - b.float()).abs().max())
-                                           for a, b in pairs), default=0.0)}
+    pairs = [
+        (a, b)
+        for a, b in zip(reference, (p.grad for p in model.parameters()))
+        if a is not None and b is not None
+    ]
+    return {
+        "gradients_bit_identical": all(torch.equal(a, b) for a, b in pairs),
+        "gradients_max_abs_diff": max(
+            (float((a.float() - b.float()).abs().max()) for a, b in pairs), default=0.0
+        ),
+    }
 
 
 def overlap_share(step) -> float | None:
@@ -146,8 +180,9 @@ def overlap_share(step) -> float | None:
         if e.device_type != torch.autograd.DeviceType.CUDA:
             continue
         span = (e.time_range.start, e.time_range.end)
-        (copies if "Memcpy" in e.name and ("DtoH" in e.name or "HtoD" in e.name)
-         else kernels).append(span)
+        (
+            copies if "Memcpy" in e.name and ("DtoH" in e.name or "HtoD" in e.name) else kernels
+        ).append(span)
     if not copies:
         return None
     kernels.sort()
@@ -178,16 +213,17 @@ def baselines(model, inputs, loss_fn, cpu: bool, compile_row: bool) -> dict:
 
     def with_checkpointing(**kwargs):
         def step():
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={
-                "use_reentrant": False, **kwargs})
+            model.gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs={"use_reentrant": False, **kwargs}
+            )
             try:
                 plain()
             finally:
                 model.gradient_checkpointing_disable()
+
         return step
 
-    matmuls = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default,
-               torch.ops.aten.bmm.default}
+    matmuls = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default}
 
     def save_matmuls(ctx, op, *args, **kwargs):
         return CheckpointPolicy.MUST_SAVE if op in matmuls else CheckpointPolicy.PREFER_RECOMPUTE
@@ -197,10 +233,13 @@ def baselines(model, inputs, loss_fn, cpu: bool, compile_row: bool) -> dict:
         with torch.autograd.graph.save_on_cpu(pin_memory=not cpu):
             loss_fn(model(**inputs)).backward()
 
-    steps = {"per-block checkpointing": with_checkpointing(),
-             "selective checkpointing (save matmuls)": with_checkpointing(
-                 context_fn=partial(create_selective_checkpoint_contexts, save_matmuls)),
-             "save_on_cpu": save_on_cpu}
+    steps = {
+        "per-block checkpointing": with_checkpointing(),
+        "selective checkpointing (save matmuls)": with_checkpointing(
+            context_fn=partial(create_selective_checkpoint_contexts, save_matmuls)
+        ),
+        "save_on_cpu": save_on_cpu,
+    }
     if compile_row:
         import torch._functorch.config as functorch_config
 
@@ -215,8 +254,18 @@ def baselines(model, inputs, loss_fn, cpu: bool, compile_row: bool) -> dict:
     return plain, steps
 
 
-def compiled_swaps(model, inputs, loss_fn, graph, dev: Device, hw, plain_s: float, reference,
-                   grads: int, rounds: int) -> dict:
+def compiled_swaps(
+    model,
+    inputs,
+    loss_fn,
+    graph,
+    dev: Device,
+    hw,
+    plain_s: float,
+    reference,
+    grads: int,
+    rounds: int,
+) -> dict:
     """A plan for the compiled checkpoint graph at 50% (swaps and recomputes), run compiled
     inside ``ss.checkpointed``: swaps through torch's activation-offloading pass. The step is the
     median of ``rounds`` steps with the context open (re-entering it would recompile). HF models
@@ -227,13 +276,18 @@ def compiled_swaps(model, inputs, loss_fn, graph, dev: Device, hw, plain_s: floa
         graph = ss.profile(model, inputs, loss_fn, warmup=1, repeat=2, name=graph.name)
     compiled_graph = ss.checkpoint_graph(graph, compiled=True)
     pins = ss.boundary_pins(compiled_graph)
-    budget = max(int(0.5 * ss.keep_all_peak(compiled_graph, hw)),
-                 ss.min_budget(compiled_graph, hw, pins=pins))
+    budget = max(
+        int(0.5 * ss.keep_all_peak(compiled_graph, hw)),
+        ss.min_budget(compiled_graph, hw, pins=pins),
+    )
     plan = ss.solve(compiled_graph, budget, hw, solver="heuristic", pins=pins)
     sim = ss.simulate(compiled_graph, plan)
-    row = {"budget_bytes": plan.budget_bytes, "simulated_step_s": sim.step_time_s,
-           "simulated_peak_bytes": sim.peak_bytes,
-           "counts": {d: plan.count(d) for d in ("keep", "swap", "recompute")}}
+    row = {
+        "budget_bytes": plan.budget_bytes,
+        "simulated_step_s": sim.step_time_s,
+        "simulated_peak_bytes": sim.peak_bytes,
+        "counts": {d: plan.count(d) for d in ("keep", "swap", "recompute")},
+    }
     with ss.checkpointed(model, plan, compiled_graph) as ctx:
         torch._dynamo.reset()
         compiled = torch.compile(model, backend="inductor" if dev.cuda else "aot_eager")
@@ -255,11 +309,16 @@ def compiled_swaps(model, inputs, loss_fn, graph, dev: Device, hw, plain_s: floa
         row["step_s"] = statistics.median(times)
         row["x_plain"] = row["step_s"] / plain_s
         peak, counters = dev.peak(step)
-        row.update(activation_peak_bytes=peak - grads, counters=counters,
-                   within_budget=peak - grads <= plan.budget_bytes)
+        row.update(
+            activation_peak_bytes=peak - grads,
+            counters=counters,
+            within_budget=peak - grads <= plan.budget_bytes,
+        )
         info = ctx.info
-        row["swaps_ran"] = {kind: sum(v == kind for v in info["swaps"].values())
-                            for kind in ("offloaded", "saved", "recomputed", "not compiled")}
+        row["swaps_ran"] = {
+            kind: sum(v == kind for v in info["swaps"].values())
+            for kind in ("offloaded", "saved", "recomputed", "not compiled")
+        }
         row["compiled_graphs"] = info.get("compiled_graphs", [])
     torch._dynamo.reset()
     return row
@@ -270,8 +329,11 @@ def cost_preset(dev: Device) -> str:
     if not dev.cuda:
         return "cpu"
     here = torch.cuda.get_device_name(dev.device).lower()
-    for token, preset in (("h200", "h200-sxm-pcie5"), ("h100", "h100-sxm-pcie5"),
-                          ("a100", "a100-80gb-pcie4")):
+    for token, preset in (
+        ("h200", "h200-sxm-pcie5"),
+        ("h100", "h100-sxm-pcie5"),
+        ("a100", "a100-80gb-pcie4"),
+    ):
         if token in here:
             return preset
     return "a100-80gb-pcie4"
@@ -285,12 +347,20 @@ def fake_against_measured(model, inputs, loss_fn, graph, dev: Device) -> dict:
 
     preset = cost_preset(dev)
     fake = ss.profile(model, inputs, loss_fn, fake=True, hardware=preset, device=dev.device)
-    out = {"preset": preset, "same_structure": fake.structure_digest == graph.structure_digest,
-           "forward_ratio": sum(o.forward_s for o in fake.ops) / max(1e-12, sum(o.forward_s for o in graph.ops)),
-           "backward_ratio": sum(o.backward_s for o in fake.ops) / max(1e-12, sum(o.backward_s for o in graph.ops))}
+    out = {
+        "preset": preset,
+        "same_structure": fake.structure_digest == graph.structure_digest,
+        "forward_ratio": sum(o.forward_s for o in fake.ops)
+        / max(1e-12, sum(o.forward_s for o in graph.ops)),
+        "backward_ratio": sum(o.backward_s for o in fake.ops)
+        / max(1e-12, sum(o.backward_s for o in graph.ops)),
+    }
     if out["same_structure"]:
-        mm = [f.forward_s / m.forward_s for f, m in zip(fake.ops, graph.ops)
-              if m.forward_s > 0 and f.extra["aten"].split(".")[1] in ("mm", "addmm", "bmm")]
+        mm = [
+            f.forward_s / m.forward_s
+            for f, m in zip(fake.ops, graph.ops)
+            if m.forward_s > 0 and f.extra["aten"].split(".")[1] in ("mm", "addmm", "bmm")
+        ]
         if mm:
             out["matmul_ratio_median"] = statistics.median(mm)
             out["matmul_ops"] = len(mm)
@@ -308,11 +378,17 @@ def check_model(name, model, inputs, loss_fn, dev: Device, hw, args, summary, sa
         entry["fake_vs_measured"] = fake_against_measured(model, inputs, loss_fn, graph, dev)
     except Exception as exc:  # the row reports, the check goes on
         entry["fake_vs_measured"] = {"error": f"{type(exc).__name__}: {exc}"}
-    print(name, "fake profile against the measured one:", json.dumps(entry["fake_vs_measured"]),
-          flush=True)
+    print(
+        name,
+        "fake profile against the measured one:",
+        json.dumps(entry["fake_vs_measured"]),
+        flush=True,
+    )
     params = sum(p.numel() * p.element_size() for p in model.parameters())
     entry["param_bytes"] = params
-    plain, others = baselines(model, inputs, loss_fn, not dev.cuda, dev.cuda and not args.no_compile)
+    plain, others = baselines(
+        model, inputs, loss_fn, not dev.cuda, dev.cuda and not args.no_compile
+    )
     torch.manual_seed(0)
     plain()
     reference = gradients(model)
@@ -321,9 +397,13 @@ def check_model(name, model, inputs, loss_fn, dev: Device, hw, args, summary, sa
     # gradients it makes (zeroed to None first): activations and workspaces alone
     grads = params if dev.cuda else 0
     plain_peak, plain_counters = dev.peak(plain)
-    entry["plain"] = {"step_s": plain_s, "activation_peak_bytes": plain_peak - grads,
-                      "counters": plain_counters, "ideal_step_s": graph.ideal_step_time_s,
-                      "keep_all_peak_simulated": ss.keep_all_peak(graph, hw)}
+    entry["plain"] = {
+        "step_s": plain_s,
+        "activation_peak_bytes": plain_peak - grads,
+        "counters": plain_counters,
+        "ideal_step_s": graph.ideal_step_time_s,
+        "keep_all_peak_simulated": ss.keep_all_peak(graph, hw),
+    }
     save()
     swapping = None
     for fraction in BUDGETS:
@@ -337,10 +417,14 @@ def check_model(name, model, inputs, loss_fn, dev: Device, hw, args, summary, sa
                 save()
                 continue
             sim = ss.simulate(graph, plan)
-            row.update(status=plan.info.status, checker_ok=ss.validate(graph, plan).ok,
-                       counts={d: plan.count(d) for d in ("keep", "swap", "recompute")},
-                       budget_bytes=plan.budget_bytes, simulated_step_s=sim.step_time_s,
-                       simulated_peak_bytes=sim.peak_bytes)
+            row.update(
+                status=plan.info.status,
+                checker_ok=ss.validate(graph, plan).ok,
+                counts={d: plan.count(d) for d in ("keep", "swap", "recompute")},
+                budget_bytes=plan.budget_bytes,
+                simulated_step_s=sim.step_time_s,
+                simulated_peak_bytes=sim.peak_bytes,
+            )
 
             def step(plan=plan):
                 model.zero_grad(set_to_none=True)
@@ -356,8 +440,11 @@ def check_model(name, model, inputs, loss_fn, dev: Device, hw, args, summary, sa
                 pool_before = run.stats.host_pool_bytes
                 row["step_s"], row["x_plain"] = paired(dev, plain, step, args.rounds)
                 peak, counters = dev.peak(step)
-                row.update(activation_peak_bytes=peak - grads, counters=counters,
-                           host_pool_growth_bytes=step().stats.host_pool_bytes - pool_before)
+                row.update(
+                    activation_peak_bytes=peak - grads,
+                    counters=counters,
+                    host_pool_growth_bytes=step().stats.host_pool_bytes - pool_before,
+                )
                 row["within_budget"] = row["activation_peak_bytes"] <= plan.budget_bytes
                 if swapping is None and plan.count("swap"):
                     swapping = step
@@ -383,8 +470,11 @@ def check_model(name, model, inputs, loss_fn, dev: Device, hw, args, summary, sa
         row = {"variant": "torch.compile + ss.checkpointed at 50% (swaps by torch's pass)"}
         entry["rows"].append(row)
         try:
-            row.update(compiled_swaps(model, inputs, loss_fn, graph, dev, hw, plain_s, reference,
-                                      grads, args.rounds))
+            row.update(
+                compiled_swaps(
+                    model, inputs, loss_fn, graph, dev, hw, plain_s, reference, grads, args.rounds
+                )
+            )
         except Exception as exc:
             row["error"] = f"{type(exc).__name__}: {exc}"
         print(name, json.dumps(row, default=str), flush=True)
@@ -400,14 +490,18 @@ def check_model(name, model, inputs, loss_fn, dev: Device, hw, args, summary, sa
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/gpu_check.json"))
-    parser.add_argument("--cpu", action="store_true",
-                        help="the CPU fallback: tiny configs on the cpu-emulated-link preset")
+    parser.add_argument(
+        "--cpu",
+        action="store_true",
+        help="the CPU fallback: tiny configs on the cpu-emulated-link preset",
+    )
     parser.add_argument("--time-limit", type=float, default=10.0)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--solvers", nargs="+", default=["heuristic", "cpsat"])
     parser.add_argument("--no-compile", action="store_true", help="leave out the compile row")
-    parser.add_argument("--report", type=Path,
-                        help="write the RESULTS.md section from this summary, run nothing")
+    parser.add_argument(
+        "--report", type=Path, help="write the RESULTS.md section from this summary, run nothing"
+    )
     args = parser.parse_args()
     if args.report:
         return report(json.loads(args.report.read_text()))
@@ -432,9 +526,13 @@ def main() -> int:
     else:
         summary["device"] = "cpu (fallback)"
         hw = ss.hardware("cpu-emulated-link")
-    summary["link"] = {"name": hw.name, "d2h_GBps": hw.d2h_bytes_per_s / 1e9,
-                       "h2d_GBps": hw.h2d_bytes_per_s / 1e9, "latency_us": hw.latency_s * 1e6,
-                       "duplex": hw.duplex}
+    summary["link"] = {
+        "name": hw.name,
+        "d2h_GBps": hw.d2h_bytes_per_s / 1e9,
+        "h2d_GBps": hw.h2d_bytes_per_s / 1e9,
+        "latency_us": hw.latency_s * 1e6,
+        "duplex": hw.duplex,
+    }
     dtype = torch.float32 if args.cpu else torch.bfloat16
     for name, model, inputs, loss_fn in models(args.cpu, device, dtype):
         check_model(name, model, inputs, loss_fn, dev, hw, args, summary, save)
@@ -453,34 +551,76 @@ def report(summary: dict) -> int:
     body = []
     for entry in summary.get("models", []):
         plain = entry["plain"]
-        rows = [["plain training", "-", f"{1e3 * plain['step_s']:.1f}", "1.00",
-                 f"{plain['activation_peak_bytes'] / 2**30:.2f}", "-", "-", "-"]]
+        rows = [
+            [
+                "plain training",
+                "-",
+                f"{1e3 * plain['step_s']:.1f}",
+                "1.00",
+                f"{plain['activation_peak_bytes'] / 2**30:.2f}",
+                "-",
+                "-",
+                "-",
+            ]
+        ]
         for r in entry["rows"]:
             label = r.get("variant") or f"{r['solver']} at {100 * r['budget']:.0f}%"
             if "error" in r:
                 rows.append([label, r["error"][:60], "", "", "", "", "", ""])
                 continue
             if "infeasible" in r:
-                rows.append([label, f"below the smallest budget "
-                             f"({r['smallest_budget_bytes'] / 2**30:.2f} GiB)", "", "", "", "", "",
-                             ""])
+                rows.append(
+                    [
+                        label,
+                        f"below the smallest budget ({r['smallest_budget_bytes'] / 2**30:.2f} GiB)",
+                        "",
+                        "",
+                        "",
+                        "",
+                        "",
+                        "",
+                    ]
+                )
                 continue
             sim = r.get("simulated_step_s")
-            rows.append([
-                label + (f" ({r['counts']['swap']} swap, {r['counts']['recompute']} recompute)"
-                         if "counts" in r else ""),
-                f"{r['budget_bytes'] / 2**30:.2f}" if "budget_bytes" in r else "-",
-                f"{1e3 * r['step_s']:.1f}", f"{r['x_plain']:.2f}",
-                f"{r['activation_peak_bytes'] / 2**30:.2f}",
-                f"{1e3 * sim:.1f}" if sim else "-",
-                f"{r['simulated_peak_bytes'] / 2**30:.2f}" if "simulated_peak_bytes" in r else "-",
-                "yes" if r.get("gradients_bit_identical") else
-                f"no ({r.get('gradients_max_abs_diff', float('nan')):.2g})"])
-        body.append(f"**{entry['model']}** ({entry['graph']}; ideal step "
-                    f"{1e3 * plain['ideal_step_s']:.1f} ms)\n\n" + markdown_table(
-                        ["variant", "budget GiB", "step ms", "x plain", "activation peak GiB",
-                         "simulated step ms", "simulated peak GiB", "gradients bit-identical"],
-                        rows))
+            rows.append(
+                [
+                    label
+                    + (
+                        f" ({r['counts']['swap']} swap, {r['counts']['recompute']} recompute)"
+                        if "counts" in r
+                        else ""
+                    ),
+                    f"{r['budget_bytes'] / 2**30:.2f}" if "budget_bytes" in r else "-",
+                    f"{1e3 * r['step_s']:.1f}",
+                    f"{r['x_plain']:.2f}",
+                    f"{r['activation_peak_bytes'] / 2**30:.2f}",
+                    f"{1e3 * sim:.1f}" if sim else "-",
+                    f"{r['simulated_peak_bytes'] / 2**30:.2f}"
+                    if "simulated_peak_bytes" in r
+                    else "-",
+                    "yes"
+                    if r.get("gradients_bit_identical")
+                    else f"no ({r.get('gradients_max_abs_diff', float('nan')):.2g})",
+                ]
+            )
+        body.append(
+            f"**{entry['model']}** ({entry['graph']}; ideal step "
+            f"{1e3 * plain['ideal_step_s']:.1f} ms)\n\n"
+            + markdown_table(
+                [
+                    "variant",
+                    "budget GiB",
+                    "step ms",
+                    "x plain",
+                    "activation peak GiB",
+                    "simulated step ms",
+                    "simulated peak GiB",
+                    "gradients bit-identical",
+                ],
+                rows,
+            )
+        )
         fake = entry.get("fake_vs_measured") or {}
         if "error" in fake:
             body.append(f"Fake profile: {fake['error'][:120]}")
@@ -489,16 +629,28 @@ def report(summary: dict) -> int:
                 f"Fake profile ({fake['preset']} cost model) against the measured one: same "
                 f"structure {fake['same_structure']}; forward {fake['forward_ratio']:.2f}x, "
                 f"backward {fake['backward_ratio']:.2f}x the measured times"
-                + (f"; matrix products {fake['matmul_ratio_median']:.2f}x (median of "
-                   f"{fake['matmul_ops']})" if "matmul_ratio_median" in fake else "") + ".")
+                + (
+                    f"; matrix products {fake['matmul_ratio_median']:.2f}x (median of "
+                    f"{fake['matmul_ops']})"
+                    if "matmul_ratio_median" in fake
+                    else ""
+                )
+                + "."
+            )
     link = summary.get("link", {})
-    body.append(f"Link: {link.get('name')}, {link.get('d2h_GBps', 0):.1f} / "
-                f"{link.get('h2d_GBps', 0):.1f} GB/s, {link.get('latency_us', 0):.1f} us per "
-                f"copy, duplex {link.get('duplex')}.")
-    write_section("gpu_check", "Device check (plans as they run)",
-                  "bash benchmarks/gpu_check.sh, then python benchmarks/gpu_check.py --report "
-                  "benchmarks/results/gpu_check.json", "\n\n".join(body),
-                  where=f"{summary.get('device')}, torch {summary.get('torch')}")
+    body.append(
+        f"Link: {link.get('name')}, {link.get('d2h_GBps', 0):.1f} / "
+        f"{link.get('h2d_GBps', 0):.1f} GB/s, {link.get('latency_us', 0):.1f} us per "
+        f"copy, duplex {link.get('duplex')}."
+    )
+    write_section(
+        "gpu_check",
+        "Device check (plans as they run)",
+        "bash benchmarks/gpu_check.sh, then python benchmarks/gpu_check.py --report "
+        "benchmarks/results/gpu_check.json",
+        "\n\n".join(body),
+        where=f"{summary.get('device')}, torch {summary.get('torch')}",
+    )
     return 0
 
 

@@ -45,7 +45,9 @@ def main() -> int:
     parser.add_argument("--graphs", type=int, default=300)
     parser.add_argument("--time-limit", type=float, default=5.0)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--json", type=Path, default=Path("benchmarks/results/heuristic_quality.json"))
+    parser.add_argument(
+        "--json", type=Path, default=Path("benchmarks/results/heuristic_quality.json")
+    )
     parser.add_argument("--results", action="store_true", help="write the table to RESULTS.md")
     args = parser.parse_args()
     lines: list[str] = []
@@ -55,47 +57,75 @@ def main() -> int:
     try:
         from tqdm import tqdm
     except ImportError:  # pragma: no cover
+
         def tqdm(x, **_):
             return x
+
     rows = []
-    for s, g, hw, budget, allowed, kind in tqdm(cases(args.graphs, args.seed),
-                                                 total=2 * args.graphs, desc="cases"):
+    for s, g, hw, budget, allowed, kind in tqdm(
+        cases(args.graphs, args.seed), total=2 * args.graphs, desc="cases"
+    ):
         try:
             h = ss.solve(g, budget, hw, solver="heuristic", allowed=allowed)
-            e = ss.solve(g, budget, hw, solver="cpsat", allowed=allowed,
-                         time_limit_s=args.time_limit)
+            e = ss.solve(
+                g, budget, hw, solver="cpsat", allowed=allowed, time_limit_s=args.time_limit
+            )
         except (ss.InfeasibleBudget, ss.PlanError):
             continue  # recompute-only cannot fit this budget
         ideal = g.ideal_step_time_s
         hs, es = h.info.predicted_step_time_s, e.info.predicted_step_time_s
-        rows.append({"seed": s, "kind": kind, "allowed": "all" if allowed is None else "recompute",
-                     "budget": budget, "heuristic_s": hs, "exact_s": es, "ideal_s": ideal,
-                     "exact_status": e.info.status,
-                     "ok": bool(hs - ideal <= 3 * (es - ideal) + 1e-3 * es + 1e-15)})
+        rows.append(
+            {
+                "seed": s,
+                "kind": kind,
+                "allowed": "all" if allowed is None else "recompute",
+                "budget": budget,
+                "heuristic_s": hs,
+                "exact_s": es,
+                "ideal_s": ideal,
+                "exact_status": e.info.status,
+                "ok": bool(hs - ideal <= 3 * (es - ideal) + 1e-3 * es + 1e-15),
+            }
+        )
     ok = [r["ok"] for r in rows]
     # heuristic overhead over the goal's allowance (3 x exact overhead + 0.1% of the step):
     # at most 1 meets the goal
-    ratio = np.array([(r["heuristic_s"] - r["ideal_s"])
-                      / max(3 * (r["exact_s"] - r["ideal_s"]) + 1e-3 * r["exact_s"], 1e-300)
-                      for r in rows])
+    ratio = np.array(
+        [
+            (r["heuristic_s"] - r["ideal_s"])
+            / max(3 * (r["exact_s"] - r["ideal_s"]) + 1e-3 * r["exact_s"], 1e-300)
+            for r in rows
+        ]
+    )
     print(f"{len(rows)} cases ({sum(r['allowed'] == 'recompute' for r in rows)} recompute-only)")
-    print(f"heuristic overhead <= 3 x exact + 0.1% of step: {100 * np.mean(ok):.1f}% of cases "
-          "(goal: 95%)")
+    print(
+        f"heuristic overhead <= 3 x exact + 0.1% of step: {100 * np.mean(ok):.1f}% of cases "
+        "(goal: 95%)"
+    )
     for q in (50, 90, 95, 99, 100):
         print(f"  p{q:<3} heuristic overhead / allowance: {np.percentile(ratio, q):.3g}")
     for label in ("all", "recompute"):
         sub = [r["ok"] for r in rows if r["allowed"] == label]
         print(f"  {label:<9}: {100 * np.mean(sub):.1f}% of {len(sub)}")
-    worst = sorted(rows, key=lambda r: -(r["heuristic_s"] - r["exact_s"])
-                   / max(r["exact_s"], 1e-300))[:5]
+    worst = sorted(
+        rows, key=lambda r: -(r["heuristic_s"] - r["exact_s"]) / max(r["exact_s"], 1e-300)
+    )[:5]
     for r in worst:
-        print(f"  worst: seed {r['seed']} {r['allowed']} {r['kind']}: heuristic "
-              f"{r['heuristic_s']:.3e} s, exact {r['exact_s']:.3e} s ({r['exact_status']}), "
-              f"ideal {r['ideal_s']:.3e} s")
+        print(
+            f"  worst: seed {r['seed']} {r['allowed']} {r['kind']}: heuristic "
+            f"{r['heuristic_s']:.3e} s, exact {r['exact_s']:.3e} s ({r['exact_status']}), "
+            f"ideal {r['ideal_s']:.3e} s"
+        )
     from results_md import save_outputs
 
-    save_outputs(args.json, {"share_ok": float(np.mean(ok)), "rows": rows}, args.results,
-                 "heuristic_quality", "Heuristic against the exact planner on random graphs", lines)
+    save_outputs(
+        args.json,
+        {"share_ok": float(np.mean(ok)), "rows": rows},
+        args.results,
+        "heuristic_quality",
+        "Heuristic against the exact planner on random graphs",
+        lines,
+    )
     return 0
 
 

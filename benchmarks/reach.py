@@ -42,8 +42,9 @@ class Block(nn.Module):
 class ResNet(nn.Module):
     def __init__(self, c: int = 32, blocks: int = 4, checkpointed: bool = False):
         super().__init__()
-        self.stem = nn.Sequential(nn.Conv2d(3, c, 3, padding=1, bias=False), nn.BatchNorm2d(c),
-                                  nn.ReLU(inplace=True))
+        self.stem = nn.Sequential(
+            nn.Conv2d(3, c, 3, padding=1, bias=False), nn.BatchNorm2d(c), nn.ReLU(inplace=True)
+        )
         self.blocks = nn.ModuleList(Block(c) for _ in range(blocks))
         self.head = nn.Linear(c, 10)
         self.checkpointed = checkpointed
@@ -57,9 +58,17 @@ class ResNet(nn.Module):
 
 def cases():
     torch.manual_seed(0)
-    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(
-        n_layer=4, n_embd=256, n_head=4, n_positions=128, vocab_size=1000, bos_token_id=0,
-        eos_token_id=0)).train()
+    gpt2 = transformers.GPT2LMHeadModel(
+        transformers.GPT2Config(
+            n_layer=4,
+            n_embd=256,
+            n_head=4,
+            n_positions=128,
+            vocab_size=1000,
+            bos_token_id=0,
+            eos_token_id=0,
+        )
+    ).train()
     ids = {"input_ids": torch.randint(0, 1000, (4, 128))}
 
     def gpt2_loss(o):
@@ -67,7 +76,9 @@ def cases():
 
     def gpt2_blocks(on: bool):
         if on:
-            gpt2.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            gpt2.gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs={"use_reentrant": False}
+            )
         else:
             gpt2.gradient_checkpointing_disable()
 
@@ -80,8 +91,10 @@ def cases():
     def resnet_blocks(on: bool):
         resnet.checkpointed = on
 
-    return [("hf-gpt2", gpt2, ids, gpt2_loss, gpt2_blocks),
-            ("bn-resnet", resnet, x, resnet_loss, resnet_blocks)]
+    return [
+        ("hf-gpt2", gpt2, ids, gpt2_loss, gpt2_blocks),
+        ("bn-resnet", resnet, x, resnet_loss, resnet_blocks),
+    ]
 
 
 def call(model, inputs):
@@ -128,9 +141,14 @@ def measure(name, model, inputs, loss_fn, blocks, hw, rounds: int) -> dict:
     plain()  # gradients exist before the measured steps: accumulated in place
     plain_peak, block_peak = measured_peak(plain), measured_peak(per_block)
     smallest = ss.smallest_budget(graph, hw)
-    row = {"model": name, "keep_all_simulated": keep_all, "plain_measured": plain_peak,
-           "per_block_measured": block_peak, "smallest_budget": smallest.budget_bytes,
-           "smallest_proven": smallest.proven}
+    row = {
+        "model": name,
+        "keep_all_simulated": keep_all,
+        "plain_measured": plain_peak,
+        "per_block_measured": block_peak,
+        "smallest_budget": smallest.budget_bytes,
+        "smallest_proven": smallest.proven,
+    }
     # at per-block checkpointing's measured peak with the default solver first (the smallest
     # budget above is the heuristic's bisection where not proven: the exact planner may go lower)
     try:
@@ -150,10 +168,13 @@ def measure(name, model, inputs, loss_fn, blocks, hw, rounds: int) -> dict:
         with run:
             plain()
 
-    row.update(plan_budget=plan.budget_bytes, plan_recomputes=plan.count("recompute"),
-               plan_measured=measured_peak(planned),
-               plan_simulated=ss.simulate(graph, plan).tensor_peak_bytes,
-               plan_step_vs_per_block=paired(per_block, planned, rounds))
+    row.update(
+        plan_budget=plan.budget_bytes,
+        plan_recomputes=plan.count("recompute"),
+        plan_measured=measured_peak(planned),
+        plan_simulated=ss.simulate(graph, plan).tensor_peak_bytes,
+        plan_step_vs_per_block=paired(per_block, planned, rounds),
+    )
     return row
 
 
@@ -175,23 +196,43 @@ def main() -> int:
         return f"{r[key] / r['keep_all_simulated']:.2f}" if key in r else "-"
 
     write_section(
-        "reach", "Reach: recompute-only plans against per-block checkpointing (CPU)",
-        command_line(), markdown_table(
-            ["model", "keep-all simulated MiB", "plain measured", "per-block checkpointing",
-             "smallest slackswap budget found", "slackswap plan: budget", "measured",
-             "its step / per-block's"],
-            [[r["model"], f"{r['keep_all_simulated'] / 2**20:.1f}", share(r, "plain_measured"),
-              share(r, "per_block_measured"), share(r, "smallest_budget"),
-              share(r, "plan_budget") + (" (per-block's peak)" if r.get("reached_per_block")
-                                         else ""),
-              share(r, "plan_measured"),
-              f"{r['plan_step_vs_per_block']:.2f}" if "plan_step_vs_per_block" in r else
-              r.get("plan_error", "-")[:60]] for r in rows])
+        "reach",
+        "Reach: recompute-only plans against per-block checkpointing (CPU)",
+        command_line(),
+        markdown_table(
+            [
+                "model",
+                "keep-all simulated MiB",
+                "plain measured",
+                "per-block checkpointing",
+                "smallest slackswap budget found",
+                "slackswap plan: budget",
+                "measured",
+                "its step / per-block's",
+            ],
+            [
+                [
+                    r["model"],
+                    f"{r['keep_all_simulated'] / 2**20:.1f}",
+                    share(r, "plain_measured"),
+                    share(r, "per_block_measured"),
+                    share(r, "smallest_budget"),
+                    share(r, "plan_budget")
+                    + (" (per-block's peak)" if r.get("reached_per_block") else ""),
+                    share(r, "plan_measured"),
+                    f"{r['plan_step_vs_per_block']:.2f}"
+                    if "plan_step_vs_per_block" in r
+                    else r.get("plan_error", "-")[:60],
+                ]
+                for r in rows
+            ],
+        )
         + "\n\nPeaks as shares of the simulated keep-all peak; measured with StepMeter "
-          "(gradients allocated before the step). The smallest budget is the exact planner's "
-          "where proven, else the heuristic's bisection; the plan is the default solver's at "
-          "per-block checkpointing's measured peak where it finds one, else at that smallest "
-          "budget.")
+        "(gradients allocated before the step). The smallest budget is the exact planner's "
+        "where proven, else the heuristic's bisection; the plan is the default solver's at "
+        "per-block checkpointing's measured peak where it finds one, else at that smallest "
+        "budget.",
+    )
     return 0
 
 

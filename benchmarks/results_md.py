@@ -10,8 +10,10 @@ from datetime import date
 from pathlib import Path
 
 RESULTS = Path(__file__).with_name("RESULTS.md")
-HEADER = ("# Results\n\nEvery table below is written by the benchmark named in its section, with "
-          "the command that produced it. Re-run the command to refresh it.\n")
+HEADER = (
+    "# Results\n\nEvery table below is written by the benchmark named in its section, with "
+    "the command that produced it. Re-run the command to refresh it.\n"
+)
 
 
 def machine() -> str:
@@ -23,10 +25,13 @@ def machine() -> str:
 def write_section(name: str, title: str, command: str, body: str, where: str | None = None) -> Path:
     """Replace (or append) section ``name`` of RESULTS.md (``where``: the machine, if not this)."""
     text = RESULTS.read_text() if RESULTS.exists() else HEADER
-    block = (f"<!-- BEGIN {name} -->\n## {title}\n\n`{command}`\n\n_{date.today().isoformat()}, "
-             f"{where or machine()}_\n\n{body.rstrip()}\n<!-- END {name} -->")
-    pattern = re.compile(rf"<!-- BEGIN {re.escape(name)} -->.*?<!-- END {re.escape(name)} -->",
-                         re.S)
+    block = (
+        f"<!-- BEGIN {name} -->\n## {title}\n\n`{command}`\n\n_{date.today().isoformat()}, "
+        f"{where or machine()}_\n\n{body.rstrip()}\n<!-- END {name} -->"
+    )
+    pattern = re.compile(
+        rf"<!-- BEGIN {re.escape(name)} -->.*?<!-- END {re.escape(name)} -->", re.S
+    )
     if pattern.search(text):
         text = pattern.sub(lambda _: block, text)
     else:
@@ -53,10 +58,12 @@ def command_line() -> str:
 
 def recording_print(lines: list[str]):
     """A print() that also keeps each line, for a section of RESULTS.md written as printed."""
+
     def out(*parts, **kwargs):
         text = " ".join(str(p) for p in parts)
         lines.append(text)
         print(text, **kwargs)
+
     return out
 
 
@@ -65,9 +72,9 @@ def write_printed_section(name: str, title: str, lines: list[str]) -> Path:
     return write_section(name, title, command_line(), "```\n" + "\n".join(lines) + "\n```")
 
 
-
-def save_outputs(json_path: Path, data, results: bool, name: str, title: str,
-                 lines: list[str]) -> None:
+def save_outputs(
+    json_path: Path, data, results: bool, name: str, title: str, lines: list[str]
+) -> None:
     """A benchmark's outputs: its rows as JSON, and with ``--results`` its printed lines as
     section ``name`` of RESULTS.md."""
     import json

@@ -23,21 +23,35 @@ from slackswap.cli import main as cli
 
 def scaling_graph(name: str, hw):
     layers = int(name.split("L")[-1])
-    cfg = ss.TransformerConfig(layers=layers, hidden=1024, heads=16, ffn=4096, seq_len=1024,
-                               micro_batch=4, vocab=0, dropout=0.0, causal=True)
+    cfg = ss.TransformerConfig(
+        layers=layers,
+        hidden=1024,
+        heads=16,
+        ffn=4096,
+        seq_len=1024,
+        micro_batch=4,
+        vocab=0,
+        dropout=0.0,
+        causal=True,
+    )
     return ss.transformer_graph(cfg, hw, name=name)
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--workloads", default="bert-large,gpt2-xl,llama-7b")
     p.add_argument("--budgets", default="0.2,0.3,0.4,0.5,0.6,0.7,0.8,0.9,1.0")
     p.add_argument("--solvers", default="heuristic,cpsat,cbc,highs")
     p.add_argument("--time-limit", type=float, default=30.0)
     p.add_argument("--out", type=Path, default=Path("benchmarks/results/solver_sweep.jsonl"))
     p.add_argument("--workers", type=int, default=1)
-    p.add_argument("--report-only", action="store_true",
-                   help="write the table and plot from the rows already in --out, run nothing")
+    p.add_argument(
+        "--report-only",
+        action="store_true",
+        help="write the table and plot from the rows already in --out, run nothing",
+    )
     args = p.parse_args()
     hw = ss.hardware("a100-80gb-pcie4")
     graphs = []
@@ -50,9 +64,23 @@ def main() -> int:
         else:
             graphs.append(w)
     if not args.report_only:
-        cli(["sweep", "--workloads", ",".join(graphs), "--budgets", args.budgets, "--solvers",
-             args.solvers, "--out", str(args.out), "--time-limit", str(args.time_limit),
-             "--workers", str(args.workers)])
+        cli(
+            [
+                "sweep",
+                "--workloads",
+                ",".join(graphs),
+                "--budgets",
+                args.budgets,
+                "--solvers",
+                args.solvers,
+                "--out",
+                str(args.out),
+                "--time-limit",
+                str(args.time_limit),
+                "--workers",
+                str(args.workers),
+            ]
+        )
     rows = [json.loads(line) for line in args.out.read_text().splitlines() if line.strip()]
     rows = [r for r in rows if r["workload"] in graphs]
     bounds = {}
@@ -67,8 +95,10 @@ def main() -> int:
     solvers = args.solvers.split(",")
     for r in rows:
         table[(r["workload"], r["budget_fraction"])][r["solver"]] = r
-    lines = ["| workload | budget | " + " | ".join(solvers) + " | LP bound |",
-             "|---|---|" + "---|" * (len(solvers) + 1)]
+    lines = [
+        "| workload | budget | " + " | ".join(solvers) + " | LP bound |",
+        "|---|---|" + "---|" * (len(solvers) + 1),
+    ]
     for (w, b), by in sorted(table.items()):
         cells = []
         for s in solvers:
@@ -79,16 +109,23 @@ def main() -> int:
                 gap = "" if r.get("gap") is None else f" (gap {100 * r['gap']:.2f}%)"
                 cells.append(f"{100 * r['retention']:.2f}{gap}")
         lb = bounds.get((w, b))
-        lines.append(f"| {Path(w).stem} | {100 * b:.0f}% | " + " | ".join(cells)
-                     + f" | {'-' if lb is None else f'{100 * lb:.2f}'} |")
+        lines.append(
+            f"| {Path(w).stem} | {100 * b:.0f}% | "
+            + " | ".join(cells)
+            + f" | {'-' if lb is None else f'{100 * lb:.2f}'} |"
+        )
     md = args.out.with_suffix(".md")
     md.write_text("\n".join(lines) + "\n")
     from results_md import command_line, write_section
 
-    write_section("solver_sweep", "Every solver across budgets", command_line(),
-                  "\n".join(lines) + "\n\nRetention (%) simulated on each plan's own schedule, with "
-                  "each exact solver's proven gap (step time); '-' or a status: no plan fits.\n\n"
-                  "![retention against budget](results/solver_sweep.png)")
+    write_section(
+        "solver_sweep",
+        "Every solver across budgets",
+        command_line(),
+        "\n".join(lines) + "\n\nRetention (%) simulated on each plan's own schedule, with "
+        "each exact solver's proven gap (step time); '-' or a status: no plan fits.\n\n"
+        "![retention against budget](results/solver_sweep.png)",
+    )
     print("\n".join(lines))
     import matplotlib
 
@@ -98,8 +135,11 @@ def main() -> int:
     fig, axes = plt.subplots(1, len(graphs), figsize=(5 * len(graphs), 3.6), squeeze=False)
     for ax, w in zip(axes[0], graphs):
         for s in solvers:
-            pts = sorted((r["budget_fraction"], r["retention"]) for r in rows
-                         if r["workload"] == w and r["solver"] == s and r["retention"] is not None)
+            pts = sorted(
+                (r["budget_fraction"], r["retention"])
+                for r in rows
+                if r["workload"] == w and r["solver"] == s and r["retention"] is not None
+            )
             if pts:
                 ax.plot([100 * x for x, _ in pts], [100 * y for _, y in pts], marker="o", label=s)
         pts = sorted((b, v) for (ww, b), v in bounds.items() if ww == w and v is not None)

@@ -50,8 +50,11 @@ class BasicBlock(nn.Module):
         self.bn1 = nn.BatchNorm2d(c_out)
         self.conv2 = nn.Conv2d(c_out, c_out, 3, 1, 1, bias=False)
         self.bn2 = nn.BatchNorm2d(c_out)
-        self.down = None if stride == 1 and c_in == c_out else nn.Sequential(
-            nn.Conv2d(c_in, c_out, 1, stride, bias=False), nn.BatchNorm2d(c_out))
+        self.down = (
+            None
+            if stride == 1 and c_in == c_out
+            else nn.Sequential(nn.Conv2d(c_in, c_out, 1, stride, bias=False), nn.BatchNorm2d(c_out))
+        )
 
     def forward(self, x):
         y = torch.relu(self.bn1(self.conv1(x)))
@@ -62,10 +65,19 @@ class BasicBlock(nn.Module):
 class ResNet(nn.Module):
     def __init__(self, classes: int = 100):
         super().__init__()
-        self.stem = nn.Sequential(nn.Conv2d(3, 32, 3, 1, 1, bias=False), nn.BatchNorm2d(32),
-                                  nn.ReLU())
-        widths = [(32, 32, 1), (32, 32, 1), (32, 64, 2), (64, 64, 1), (64, 128, 2),
-                  (128, 128, 1), (128, 256, 2), (256, 256, 1)]
+        self.stem = nn.Sequential(
+            nn.Conv2d(3, 32, 3, 1, 1, bias=False), nn.BatchNorm2d(32), nn.ReLU()
+        )
+        widths = [
+            (32, 32, 1),
+            (32, 32, 1),
+            (32, 64, 2),
+            (64, 64, 1),
+            (64, 128, 2),
+            (128, 128, 1),
+            (128, 256, 2),
+            (256, 256, 1),
+        ]
         self.blocks = nn.ModuleList(BasicBlock(*w) for w in widths)
         self.fc = nn.Linear(256, classes)
 
@@ -82,15 +94,26 @@ def build(name: str):
     if name == "gpt2":
         from transformers import GPT2Config, GPT2LMHeadModel
 
-        config = GPT2Config(n_layer=4, n_embd=256, n_head=4, n_positions=256, vocab_size=2000,
-                            resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.1)
+        config = GPT2Config(
+            n_layer=4,
+            n_embd=256,
+            n_head=4,
+            n_positions=256,
+            vocab_size=2000,
+            resid_pdrop=0.1,
+            embd_pdrop=0.1,
+            attn_pdrop=0.1,
+        )
         model = GPT2LMHeadModel(config).train()
         ids = torch.randint(0, 2000, (8, 256))
         # no KV cache: its update in forward is state a checkpoint recompute would see changed
         # (HF turns it off for its own gradient checkpointing)
-        return model, {"input_ids": ids, "labels": ids, "use_cache": False}, \
-            (lambda out: out.loss), \
-            list(model.transformer.h)
+        return (
+            model,
+            {"input_ids": ids, "labels": ids, "use_cache": False},
+            (lambda out: out.loss),
+            list(model.transformer.h),
+        )
     if name == "resnet":
         model = ResNet().train()
         x = torch.randn(8, 3, 64, 64)
@@ -127,8 +150,13 @@ class Wrapped:
 
 def save_matmuls(ctx, func, *args, **kwargs):
     """torch's selective-checkpointing example policy: keep matmul outputs, recompute the rest."""
-    keep = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
-            torch.ops.aten.convolution.default, torch.ops.aten.baddbmm.default}
+    keep = {
+        torch.ops.aten.mm.default,
+        torch.ops.aten.addmm.default,
+        torch.ops.aten.bmm.default,
+        torch.ops.aten.convolution.default,
+        torch.ops.aten.baddbmm.default,
+    }
     return CheckpointPolicy.MUST_SAVE if func in keep else CheckpointPolicy.PREFER_RECOMPUTE
 
 
@@ -148,8 +176,12 @@ def measured_step(model, runner, inputs, loss_fn, sample: str):
         meter.mark("backward")
         loss.backward()
     wall = time.perf_counter() - start
-    return [p.grad.clone() for p in model.parameters()], meter.peak_bytes, \
-        meter.marks["backward"], wall
+    return (
+        [p.grad.clone() for p in model.parameters()],
+        meter.peak_bytes,
+        meter.marks["backward"],
+        wall,
+    )
 
 
 def timed_step(model, runner, inputs, loss_fn) -> float:
@@ -173,9 +205,16 @@ def compare(model, inputs, loss_fn, variant, plain_grads, plain_peak, plain_held
             plain_s = timed_step(model, model, inputs, loss_fn)
             ratios.append(timed_step(model, runner, inputs, loss_fn) / plain_s)
     diff = max(float((a - b).abs().max()) for a, b in zip(plain_grads, grads))
-    return {"variant": name, "held_at_backward": held / plain_held, "step_peak": peak / plain_peak,
-            "peak_mib": peak / 2**20, "time_vs_plain": statistics.median(ratios),
-            "setup_s": setup_s, "bitwise": diff == 0.0, "max_grad_diff": diff}
+    return {
+        "variant": name,
+        "held_at_backward": held / plain_held,
+        "step_peak": peak / plain_peak,
+        "peak_mib": peak / 2**20,
+        "time_vs_plain": statistics.median(ratios),
+        "setup_s": setup_s,
+        "bitwise": diff == 0.0,
+        "max_grad_diff": diff,
+    }
 
 
 def compare_or_error(model, inputs, loss_fn, variant, *reference) -> dict:
@@ -192,21 +231,43 @@ def run_model(name: str, budgets, rounds: int) -> list[dict]:
     for _ in range(2):
         measured_step(model, model, inputs, loss_fn, "ops")
     plain_grads, plain_peak, plain_held, _ = measured_step(model, model, inputs, loss_fn, "ops")
-    rows = [{"model": name, "budget": None, "variant": "plain", "held_at_backward": 1.0,
-             "step_peak": 1.0, "peak_mib": plain_peak / 2**20, "time_vs_plain": 1.0,
-             "setup_s": 0.0, "bitwise": True, "max_grad_diff": 0.0}]
+    rows = [
+        {
+            "model": name,
+            "budget": None,
+            "variant": "plain",
+            "held_at_backward": 1.0,
+            "step_peak": 1.0,
+            "peak_mib": plain_peak / 2**20,
+            "time_vs_plain": 1.0,
+            "setup_s": 0.0,
+            "bitwise": True,
+            "max_grad_diff": 0.0,
+        }
+    ]
     fixed = [
         ("per-block checkpoint", lambda: Wrapped(blocks), model, 0.0, "ops"),
-        ("torch selective checkpoint (save matmuls)",
-         lambda: Wrapped(blocks, functools.partial(create_selective_checkpoint_contexts,
-                                                   save_matmuls)), model, 0.0, "ops"),
-        ("offload everything (save_on_cpu)",
-         lambda: torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available()),
-         model, 0.0, "ops"),
+        (
+            "torch selective checkpoint (save matmuls)",
+            lambda: Wrapped(
+                blocks, functools.partial(create_selective_checkpoint_contexts, save_matmuls)
+            ),
+            model,
+            0.0,
+            "ops",
+        ),
+        (
+            "offload everything (save_on_cpu)",
+            lambda: torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available()),
+            model,
+            0.0,
+            "ops",
+        ),
     ]
     for variant in fixed:
-        row = compare_or_error(model, inputs, loss_fn, variant, plain_grads, plain_peak,
-                               plain_held, rounds)
+        row = compare_or_error(
+            model, inputs, loss_fn, variant, plain_grads, plain_peak, plain_held, rounds
+        )
         rows.append({"model": name, "budget": None, **row})
         print(_line(rows[-1]), flush=True)
     began = time.perf_counter()
@@ -222,55 +283,96 @@ def run_model(name: str, budgets, rounds: int) -> list[dict]:
         functorch_config.activation_memory_budget = budget
         torch._dynamo.reset()
         compiled = torch.compile(model, backend="aot_eager_decomp_partition")
-        variants = [(f"torch.compile activation_memory_budget={budget}", nullcontext, compiled,
-                     0.0, "thread")]
+        variants = [
+            (
+                f"torch.compile activation_memory_budget={budget}",
+                nullcontext,
+                compiled,
+                0.0,
+                "thread",
+            )
+        ]
         functorch_config.activation_memory_budget = 1.0
         try:
             began = time.perf_counter()
             plan = ss.solve(graph, budget, time_limit_s=10)  # the default solver (CP-SAT)
             plan_s = profile_s + time.perf_counter() - began
         except ss.InfeasibleBudget as exc:
-            rows.append({"model": name, "budget": budget, "variant": "slackswap",
-                         "error": str(exc)[:200]})
+            rows.append(
+                {"model": name, "budget": budget, "variant": "slackswap", "error": str(exc)[:200]}
+            )
             print(f"{name} {budget}: slackswap: infeasible ({str(exc)[:120]})", flush=True)
             plan = None
         pinned = None
         if plan is not None:
             # the exported policy runs a plan that keeps what torch's checkpoint holds anyway
-            pinned, pinned_s = policy_plan(policy_graph, budget, name,
-                                           "slackswap exported policy (checkpointed)", rows)
+            pinned, pinned_s = policy_plan(
+                policy_graph, budget, name, "slackswap exported policy (checkpointed)", rows
+            )
             pinned_s += profile_s
-            variants.append(("slackswap executor (apply)",
-                             lambda p=plan: ss.apply(p, model, graph=graph), model, plan_s, "ops"))
+            variants.append(
+                (
+                    "slackswap executor (apply)",
+                    lambda p=plan: ss.apply(p, model, graph=graph),
+                    model,
+                    plan_s,
+                    "ops",
+                )
+            )
             if pinned is not None:
-                variants.append(("slackswap exported policy (checkpointed)",
-                                 lambda p=pinned: ss.checkpointed(model, p, policy_graph), model,
-                                 pinned_s, "ops"))
+                variants.append(
+                    (
+                        "slackswap exported policy (checkpointed)",
+                        lambda p=pinned: ss.checkpointed(model, p, policy_graph),
+                        model,
+                        pinned_s,
+                        "ops",
+                    )
+                )
         for variant in variants:
-            row = compare_or_error(model, inputs, loss_fn, variant, plain_grads, plain_peak,
-                                   plain_held, rounds)
+            row = compare_or_error(
+                model, inputs, loss_fn, variant, plain_grads, plain_peak, plain_held, rounds
+            )
             if plan is not None and variant[0].startswith("slackswap"):
-                used, for_graph = (plan, graph) if "executor" in variant[0] else \
-                    (pinned, policy_graph)
+                used, for_graph = (
+                    (plan, graph) if "executor" in variant[0] else (pinned, policy_graph)
+                )
                 row["simulated_peak_mib"] = ss.simulate(for_graph, used).peak_bytes / 2**20
             rows.append({"model": name, "budget": budget, **row})
             print(_line(rows[-1]), flush=True)
         compiled_plan = None
         if pinned is not None:
             compiled_plan, compiled_s = policy_plan(
-                compiled_graph, budget, name, "slackswap exported policy, compiled (aot_eager)",
-                rows)
+                compiled_graph,
+                budget,
+                name,
+                "slackswap exported policy, compiled (aot_eager)",
+                rows,
+            )
             compiled_s += profile_s
         if compiled_plan is not None:
             with ss.checkpointed(model, compiled_plan, compiled_graph):
                 torch._dynamo.reset()
                 compiled = torch.compile(model, backend="aot_eager")
-                variant = ("slackswap exported policy, compiled (aot_eager)", nullcontext,
-                           compiled, compiled_s, "thread")
-                row = compare(model, inputs, loss_fn, variant, plain_grads, plain_peak,
-                              plain_held, rounds)
-            rows.append({"model": name, "budget": budget, **row, "simulated_peak_mib":
-                         ss.simulate(compiled_graph, compiled_plan).peak_bytes / 2**20})
+                variant = (
+                    "slackswap exported policy, compiled (aot_eager)",
+                    nullcontext,
+                    compiled,
+                    compiled_s,
+                    "thread",
+                )
+                row = compare(
+                    model, inputs, loss_fn, variant, plain_grads, plain_peak, plain_held, rounds
+                )
+            rows.append(
+                {
+                    "model": name,
+                    "budget": budget,
+                    **row,
+                    "simulated_peak_mib": ss.simulate(compiled_graph, compiled_plan).peak_bytes
+                    / 2**20,
+                }
+            )
             print(_line(rows[-1]), flush=True)
         torch._dynamo.reset()
     return rows
@@ -283,8 +385,14 @@ def policy_plan(graph, budget: float, model: str, variant: str, rows: list):
     try:
         plan = ss.solve(graph, budget, time_limit_s=10, pins=ss.boundary_pins(graph))
     except ss.InfeasibleBudget as exc:
-        rows.append({"model": model, "budget": budget, "variant": variant,
-                     "error": f"no plan keeps the regions' inputs: {str(exc)[:120]}"})
+        rows.append(
+            {
+                "model": model,
+                "budget": budget,
+                "variant": variant,
+                "error": f"no plan keeps the regions' inputs: {str(exc)[:120]}",
+            }
+        )
         print(_line(rows[-1]), flush=True)
         plan = None
     return plan, time.perf_counter() - began
@@ -296,9 +404,11 @@ def _line(r: dict) -> str:
         return head + f" error: {r['error']}"
     grads = "bitwise" if r["bitwise"] else f"max diff {r['max_grad_diff']:.2e}"
     simulated = f" (simulated {r['simulated_peak_mib']:.0f})" if "simulated_peak_mib" in r else ""
-    return (head + f" held {r['held_at_backward']:.2f}  peak {r['step_peak']:.2f} "
-            f"({r['peak_mib']:.0f} MiB{simulated})  time {r['time_vs_plain']:.2f}x  setup "
-            f"{r['setup_s']:.1f} s  {grads}")
+    return (
+        head + f" held {r['held_at_backward']:.2f}  peak {r['step_peak']:.2f} "
+        f"({r['peak_mib']:.0f} MiB{simulated})  time {r['time_vs_plain']:.2f}x  setup "
+        f"{r['setup_s']:.1f} s  {grads}"
+    )
 
 
 def main() -> int:
@@ -315,9 +425,14 @@ def main() -> int:
         rows += run_model(name, [float(b) for b in args.budgets.split(",")], args.rounds)
     from results_md import save_outputs
 
-    save_outputs(args.json, rows, args.results, "vs_torch",
-                 "slackswap beside torch's checkpointing, torch.compile and offloading (CPU)",
-                 [_line(r) if "variant" in r else str(r) for r in rows])
+    save_outputs(
+        args.json,
+        rows,
+        args.results,
+        "vs_torch",
+        "slackswap beside torch's checkpointing, torch.compile and offloading (CPU)",
+        [_line(r) if "variant" in r else str(r) for r in rows],
+    )
     return 0
 
 

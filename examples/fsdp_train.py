@@ -25,10 +25,17 @@ def build(layers: int, device: torch.device):
     import transformers
 
     torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(num_hidden_layers=layers, hidden_size=128,
-                                   num_attention_heads=4, num_key_value_heads=2,
-                                   intermediate_size=344, vocab_size=1000,
-                                   max_position_embeddings=256, bos_token_id=0, eos_token_id=0)
+    cfg = transformers.LlamaConfig(
+        num_hidden_layers=layers,
+        hidden_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=344,
+        vocab_size=1000,
+        max_position_embeddings=256,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
     model = transformers.LlamaForCausalLM(cfg).to(device)
     model.train()
     return model
@@ -68,19 +75,23 @@ def main() -> int:
 
     hw = ss.calibrate_link() if cuda else "cpu"
     began = time.perf_counter()
-    graph, plan = ss.plan_for_ranks(model, batch(0), loss_fn, args.budget, hw,
-                                    solver=args.solver, time_limit_s=20)
+    graph, plan = ss.plan_for_ranks(
+        model, batch(0), loss_fn, args.budget, hw, solver=args.solver, time_limit_s=20
+    )
     planning_s = time.perf_counter() - began
     if rank == 0:
-        kinds = {k: sum(d == k for d in plan.decisions.values()) for k in ("keep", "swap",
-                                                                             "recompute")}
+        kinds = {
+            k: sum(d == k for d in plan.decisions.values()) for k in ("keep", "swap", "recompute")
+        }
         sim = ss.simulate(graph, plan, plan.hardware)
-        print(f"plan for {world} ranks: {len(graph.ops)} ops, {len(plan.decisions)} saved "
-              f"tensors: {kinds}; budget {plan.budget_bytes / 2**20:.1f} MiB of "
-              f"{ss.keep_all_peak(graph, plan.hardware) / 2**20:.1f} MiB keep-all; simulated "
-              f"peak {sim.peak_bytes / 2**20:.1f} MiB, retention {100 * sim.retention:.1f}%; "
-              f"planned in {planning_s:.1f} s ({plan.info.solver}, {plan.info.status})",
-              flush=True)
+        print(
+            f"plan for {world} ranks: {len(graph.ops)} ops, {len(plan.decisions)} saved "
+            f"tensors: {kinds}; budget {plan.budget_bytes / 2**20:.1f} MiB of "
+            f"{ss.keep_all_peak(graph, plan.hardware) / 2**20:.1f} MiB keep-all; simulated "
+            f"peak {sim.peak_bytes / 2**20:.1f} MiB, retention {100 * sim.retention:.1f}%; "
+            f"planned in {planning_s:.1f} s ({plan.info.solver}, {plan.info.status})",
+            flush=True,
+        )
     dist.barrier()
     with ss.apply(plan, model, graph=graph) as run:
         for step in range(args.steps):
@@ -91,9 +102,12 @@ def main() -> int:
             optimizer.step()
             if cuda:
                 torch.cuda.synchronize()
-            print(f"rank {rank} step {step}: loss {loss.item():.4f}, "
-                  f"{1e3 * (time.perf_counter() - start):.0f} ms, tracked activation peak "
-                  f"{run.stats.peak_activation_bytes / 2**20:.2f} MiB", flush=True)
+            print(
+                f"rank {rank} step {step}: loss {loss.item():.4f}, "
+                f"{1e3 * (time.perf_counter() - start):.0f} ms, tracked activation peak "
+                f"{run.stats.peak_activation_bytes / 2**20:.2f} MiB",
+                flush=True,
+            )
     dist.destroy_process_group()
     return 0
 

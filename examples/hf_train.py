@@ -29,8 +29,16 @@ def main() -> int:
     parser.add_argument("--batch", type=int, default=8)
     args = parser.parse_args()
     torch.manual_seed(0)
-    config = GPT2Config(n_layer=args.layers, n_embd=256, n_head=4, n_positions=256,
-                        vocab_size=2000, resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.1)
+    config = GPT2Config(
+        n_layer=args.layers,
+        n_embd=256,
+        n_head=4,
+        n_positions=256,
+        vocab_size=2000,
+        resid_pdrop=0.1,
+        embd_pdrop=0.1,
+        attn_pdrop=0.1,
+    )
     model = GPT2LMHeadModel(config).train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4)
     lengths = torch.Generator().manual_seed(1)
@@ -50,13 +58,18 @@ def main() -> int:
             inputs = batch()
             loss = loop.step(inputs)
             optimizer.step()
-            bar.set_postfix(loss=f"{loss.item():.3f}", seq=inputs["input_ids"].shape[1],
-                            peak=f"{loop.last_stats.peak_activation_bytes / 2**20:.1f}MiB")
+            bar.set_postfix(
+                loss=f"{loss.item():.3f}",
+                seq=inputs["input_ids"].shape[1],
+                peak=f"{loop.last_stats.peak_activation_bytes / 2**20:.1f}MiB",
+            )
     print(f"{args.steps} steps in {time.perf_counter() - began:.1f} s; plans per bucket:")
     for switch in loop.switches:
         shape = switch.bucket[0][0]  # the first input's (input_ids) bucketed shape
-        print(f"  step {switch.step:>3}: bucket {shape}: {switch.source} plan, simulated step "
-              f"{1e3 * switch.predicted_step_time_s:.1f} ms")
+        print(
+            f"  step {switch.step:>3}: bucket {shape}: {switch.source} plan, simulated step "
+            f"{1e3 * switch.predicted_step_time_s:.1f} ms"
+        )
     return 0
 
 

@@ -22,7 +22,9 @@ class Block(nn.Module):
         super().__init__()
         self.norm1, self.norm2 = nn.LayerNorm(width), nn.LayerNorm(width)
         self.attn = nn.MultiheadAttention(width, heads, batch_first=True)
-        self.mlp = nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
+        self.mlp = nn.Sequential(
+            nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width)
+        )
         self.drop = nn.Dropout(0.1)
 
     def forward(self, x):
@@ -47,11 +49,15 @@ def main() -> int:
     hw = ss.calibrate_link()  # the device's link; on CPU the "cpu" preset: no host to swap to
     print(graph.summary())
     for row in ss.compare(graph, args.budget, hw, solvers=("heuristic", "cpsat"), time_limit_s=10):
-        print(f"  {row['solver']:<10} {row['status']:<9} retention {100 * row['retention']:.2f}%  "
-              f"peak {row['peak_bytes'] / 2**20:.1f} MiB of {row['budget_bytes'] / 2**20:.1f} MiB")
+        print(
+            f"  {row['solver']:<10} {row['status']:<9} retention {100 * row['retention']:.2f}%  "
+            f"peak {row['peak_bytes'] / 2**20:.1f} MiB of {row['budget_bytes'] / 2**20:.1f} MiB"
+        )
     plan = ss.solve(graph, args.budget, hw, time_limit_s=10)
-    print(f"plan: {plan.count('keep')} keep, {plan.count('swap')} swap, "
-          f"{plan.count('recompute')} recompute; checker: {ss.validate(graph, plan).report()}")
+    print(
+        f"plan: {plan.count('keep')} keep, {plan.count('swap')} swap, "
+        f"{plan.count('recompute')} recompute; checker: {ss.validate(graph, plan).report()}"
+    )
 
     def gradients(under_plan: bool):
         torch.manual_seed(1)
@@ -68,9 +74,11 @@ def main() -> int:
         plain, _ = gradients(False)
         planned, run = gradients(True)
         same = all(torch.equal(a, b) for a, b in zip(plain, planned))
-        print(f"step {step}: gradients identical: {same}; tracked activation peak "
-              f"{run.stats.peak_activation_bytes / 2**20:.1f} MiB (simulated "
-              f"{ss.simulate(graph, plan).tensor_peak_bytes / 2**20:.1f} MiB)")
+        print(
+            f"step {step}: gradients identical: {same}; tracked activation peak "
+            f"{run.stats.peak_activation_bytes / 2**20:.1f} MiB (simulated "
+            f"{ss.simulate(graph, plan).tensor_peak_bytes / 2**20:.1f} MiB)"
+        )
         if not same:
             return 1
     return 0

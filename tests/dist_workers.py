@@ -31,9 +31,17 @@ def _model(kind: str):
     else:
         import transformers
 
-        cfg = transformers.LlamaConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=4,
-                                       num_key_value_heads=2, intermediate_size=64, vocab_size=100,
-                                       max_position_embeddings=32, bos_token_id=0, eos_token_id=0)
+        cfg = transformers.LlamaConfig(
+            num_hidden_layers=2,
+            hidden_size=32,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            intermediate_size=64,
+            vocab_size=100,
+            max_position_embeddings=32,
+            bos_token_id=0,
+            eos_token_id=0,
+        )
         model = transformers.LlamaForCausalLM(cfg)
         blocks = list(model.model.layers)
         loss_fn = lambda out: out.logits.pow(2).mean()  # noqa: E731
@@ -106,25 +114,39 @@ def train(kind: str, wrapping: str, variant: str, rank: int) -> dict:
     plan = graph = None
     if variant != "plain":
         batch = _batch(kind, vocab, 0, 0)  # every rank profiles the same shapes
-        solver = {"keep-all": "keep-all", "heuristic": "heuristic", "exact": "cpsat",
-                  "random": "heuristic"}[variant]
+        solver = {
+            "keep-all": "keep-all",
+            "heuristic": "heuristic",
+            "exact": "cpsat",
+            "random": "heuristic",
+        }[variant]
         graph = ss.profile(model, batch, loss_fn, warmup=1, repeat=1)
         lo, hi = ss.min_budget(graph, HW), ss.keep_all_peak(graph, HW)
         budget = hi if variant == "keep-all" else lo + (hi - lo) // 2
-        graph, plan = ss.plan_for_ranks(model, batch, loss_fn, budget, HW, solver=solver,
-                                        time_limit_s=5, profile_options={"warmup": 1, "repeat": 1})
+        graph, plan = ss.plan_for_ranks(
+            model,
+            batch,
+            loss_fn,
+            budget,
+            HW,
+            solver=solver,
+            time_limit_s=5,
+            profile_options={"warmup": 1, "repeat": 1},
+        )
         if variant == "random":  # closed at the budget it needs, so it is a valid plan
             plan = _random_plan(graph, budget, seed=7)
             budget = ss.simulate(graph, plan, HW).peak_bytes
             plan = _random_plan(graph, budget, seed=7)
-        result.update(budget=budget, simulated_peak=ss.simulate(graph, plan, HW).tensor_peak_bytes,
-                      saved_bytes=sorted(int(graph.tensor_bytes[t]) for t in graph.saved),
-                      valid=ss.validate(graph, plan).ok, digest=plan.graph_digest,
-                      recomputed=sum(d == "recompute" for d in plan.decisions.values()),
-                      collectives=[[c.name, c.phase, c.d2h_bytes, c.h2d_bytes]
-                                   for c in graph.collectives],
-                      root_tensors=[t.name for t in graph.tensors
-                                    if t.name.split("#")[0] == "model"])
+        result.update(
+            budget=budget,
+            simulated_peak=ss.simulate(graph, plan, HW).tensor_peak_bytes,
+            saved_bytes=sorted(int(graph.tensor_bytes[t]) for t in graph.saved),
+            valid=ss.validate(graph, plan).ok,
+            digest=plan.graph_digest,
+            recomputed=sum(d == "recompute" for d in plan.decisions.values()),
+            collectives=[[c.name, c.phase, c.d2h_bytes, c.h2d_bytes] for c in graph.collectives],
+            root_tensors=[t.name for t in graph.tensors if t.name.split("#")[0] == "model"],
+        )
     peaks = []
     for step in range(STEPS):
         torch.manual_seed(1000 + step)
@@ -142,8 +164,9 @@ def train(kind: str, wrapping: str, variant: str, rank: int) -> dict:
     return result
 
 
-def run_case(rank: int, world: int, port: int, kind: str, wrapping: str, variants: list[str],
-             out_dir: str) -> None:
+def run_case(
+    rank: int, world: int, port: int, kind: str, wrapping: str, variants: list[str], out_dir: str
+) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     out: dict = {}
@@ -155,15 +178,17 @@ def run_case(rank: int, world: int, port: int, kind: str, wrapping: str, variant
             same = all(
                 (a is None and b is None) or (a is not None and b is not None and torch.equal(a, b))
                 for ref_step, got_step in zip(plain["grads"], got["grads"])
-                for a, b in zip(ref_step, got_step))
+                for a, b in zip(ref_step, got_step)
+            )
             out[variant] = {k: v for k, v in got.items() if k != "grads"}
             out[variant]["grads_equal"] = same
             out[variant]["n_grads"] = sum(g is not None for g in got["grads"][0])
         if rank == 0:
             model, _, loss_fn, vocab = _model(kind)
             unwrapped = ss.profile(model, _batch(kind, vocab, 0, 0), loss_fn, warmup=1, repeat=1)
-            out["unwrapped_saved_bytes"] = sorted(int(unwrapped.tensor_bytes[t])
-                                                  for t in unwrapped.saved)
+            out["unwrapped_saved_bytes"] = sorted(
+                int(unwrapped.tensor_bytes[t]) for t in unwrapped.saved
+            )
             out["parameter_bytes"] = sum(p.numel() * p.element_size() for p in model.parameters())
     except Exception:  # noqa: BLE001 - reported to the parent
         out["error"] = traceback.format_exc()
@@ -182,8 +207,9 @@ def mismatch_case(rank: int, world: int, port: int, fault: str, out_dir: str) ->
     import datetime
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=10))
+    dist.init_process_group(
+        "gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=10)
+    )
     out: dict = {}
     try:
         model, blocks, loss_fn, vocab = _model("gpt")
@@ -192,14 +218,22 @@ def mismatch_case(rank: int, world: int, port: int, fault: str, out_dir: str) ->
         if rank == 1 and fault == "shapes":
             batch = torch.cat([batch, batch])
         if rank == 1 and fault == "crash":
+
             def broken(module, args):
                 raise ValueError("a user's bug in forward")
+
             model.module.blocks[1].register_forward_pre_hook(broken)
         if rank == 1 and fault == "late":
             time.sleep(6)  # past rank 0's timeout_s: it gives up first
-        ss.plan_for_ranks(model, batch, loss_fn, 0.9, HW,
-                          timeout_s=3 if fault == "late" else 60,
-                          profile_options={"warmup": 0, "repeat": 1})
+        ss.plan_for_ranks(
+            model,
+            batch,
+            loss_fn,
+            0.9,
+            HW,
+            timeout_s=3 if fault == "late" else 60,
+            profile_options={"warmup": 0, "repeat": 1},
+        )
         out["error"] = None
     except Exception as exc:  # noqa: BLE001 - what every rank raised is the point
         out["error"] = f"{type(exc).__name__}: {exc}"

@@ -7,8 +7,15 @@ from hypothesis import strategies as st
 
 import slackswap as ss
 
-LINK = ss.Hardware(name="test-link", d2h_bytes_per_s=100.0, h2d_bytes_per_s=100.0, latency_s=0.0,
-                   duplex=True, peak_flops=1e12, hbm_bytes_per_s=1e12)
+LINK = ss.Hardware(
+    name="test-link",
+    d2h_bytes_per_s=100.0,
+    h2d_bytes_per_s=100.0,
+    latency_s=0.0,
+    duplex=True,
+    peak_flops=1e12,
+    hbm_bytes_per_s=1e12,
+)
 HALF_DUPLEX = LINK.with_link(name="test-half", duplex=False)
 # a clock cap far above any test's work (work_s sets the work): results do not depend on how busy
 # or slow the machine is, and no test passes or fails by the clock
@@ -16,8 +23,14 @@ CAP = 600.0
 
 
 def op(name, fwd, bwd, inputs=(), outputs=(), **kw):
-    return {"name": name, "forward_s": fwd, "backward_s": bwd, "inputs": list(inputs),
-            "outputs": list(outputs), **kw}
+    return {
+        "name": name,
+        "forward_s": fwd,
+        "backward_s": bwd,
+        "inputs": list(inputs),
+        "outputs": list(outputs),
+        **kw,
+    }
 
 
 def tensor(name, nbytes, saved_for=(), **kw):
@@ -25,14 +38,26 @@ def tensor(name, nbytes, saved_for=(), **kw):
 
 
 def graph(ops, tensors, name="g", optimizer_s=0.0):
-    return ss.load_graph({"format": "slackswap.graph/1", "name": name, "ops": ops,
-                          "tensors": tensors, "optimizer_s": optimizer_s})
+    return ss.load_graph(
+        {
+            "format": "slackswap.graph/1",
+            "name": name,
+            "ops": ops,
+            "tensors": tensors,
+            "optimizer_s": optimizer_s,
+        }
+    )
 
 
 def open_plan(g, decisions, budget, schedule=None):
     """A hand-made plan as a user writes one: decisions, maybe some positions, no hardware."""
-    return ss.Plan(graph_name=g.name, graph_digest=g.digest, budget_bytes=int(budget),
-                   decisions=decisions, schedule=None if schedule is None else ss.Schedule(**schedule))
+    return ss.Plan(
+        graph_name=g.name,
+        graph_digest=g.digest,
+        budget_bytes=int(budget),
+        decisions=decisions,
+        schedule=None if schedule is None else ss.Schedule(**schedule),
+    )
 
 
 def plan(g, decisions, budget, schedule=None, hw=None):
@@ -50,8 +75,11 @@ def random_graphs(draw, max_ops: int = 7, max_saved: int | None = None):
     saved_count = 0
     for i in range(n):
         k_in = draw(st.integers(0, min(2, len(produced))))
-        inputs = draw(st.lists(st.sampled_from(produced), min_size=k_in, max_size=k_in,
-                               unique=True)) if produced and k_in else []
+        inputs = (
+            draw(st.lists(st.sampled_from(produced), min_size=k_in, max_size=k_in, unique=True))
+            if produced and k_in
+            else []
+        )
         if draw(st.booleans()):
             inputs = inputs + ["batch"]
         outs = [f"t{i}_{j}" for j in range(draw(st.integers(1, 2)))]
@@ -118,8 +146,16 @@ def seeded_graph(seed: int, n_ops: int = 8, groups: bool = True):
             kw["backward_workspace_bytes"] = int(rng.integers(1, 300))
         if rng.random() < 0.1:
             kw["recomputable"] = False
-        ops.append(op(f"op{i}", float(rng.uniform(0.1, 2.0)), float(rng.uniform(0.1, 3.0)),
-                      inputs, outs, **kw))
+        ops.append(
+            op(
+                f"op{i}",
+                float(rng.uniform(0.1, 2.0)),
+                float(rng.uniform(0.1, 3.0)),
+                inputs,
+                outs,
+                **kw,
+            )
+        )
         for o in outs:
             tensors.append(tensor(o, int(rng.integers(1, 500))))
         for name in inputs + outs:

@@ -71,15 +71,21 @@ class SkipCNN(nn.Module):
 
 def mlp():
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 4)), \
-        torch.randn(8, 16), lambda out: out.pow(2).mean()
+    return (
+        nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 4)),
+        torch.randn(8, 16),
+        lambda out: out.pow(2).mean(),
+    )
 
 
 def encoder():
     torch.manual_seed(0)
     layer = nn.TransformerEncoderLayer(32, 4, 64, dropout=0.1, batch_first=True)
-    return nn.TransformerEncoder(layer, 2, enable_nested_tensor=False), torch.randn(2, 8, 32), \
-        lambda out: out.pow(2).mean()
+    return (
+        nn.TransformerEncoder(layer, 2, enable_nested_tensor=False),
+        torch.randn(2, 8, 32),
+        lambda out: out.pow(2).mean(),
+    )
 
 
 def gpt():
@@ -97,21 +103,49 @@ def hf(kind):
     torch.manual_seed(0)
     ids = {"input_ids": torch.randint(0, 100, (2, 8))}
     if kind == "gpt2":
-        cfg = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, n_positions=32, vocab_size=100,
-                                      bos_token_id=0, eos_token_id=0)
+        cfg = transformers.GPT2Config(
+            n_layer=2,
+            n_embd=32,
+            n_head=4,
+            n_positions=32,
+            vocab_size=100,
+            bos_token_id=0,
+            eos_token_id=0,
+        )
         return transformers.GPT2LMHeadModel(cfg), ids, lambda o: o.logits.pow(2).mean()
     if kind == "bert":
-        cfg = transformers.BertConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=4,
-                                      intermediate_size=64, vocab_size=100, max_position_embeddings=32)
+        cfg = transformers.BertConfig(
+            num_hidden_layers=2,
+            hidden_size=32,
+            num_attention_heads=4,
+            intermediate_size=64,
+            vocab_size=100,
+            max_position_embeddings=32,
+        )
         return transformers.BertModel(cfg), ids, lambda o: o.last_hidden_state.pow(2).mean()
-    cfg = transformers.LlamaConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=4,
-                                   num_key_value_heads=2, intermediate_size=64, vocab_size=100,
-                                   max_position_embeddings=32, bos_token_id=0, eos_token_id=0)
+    cfg = transformers.LlamaConfig(
+        num_hidden_layers=2,
+        hidden_size=32,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=64,
+        vocab_size=100,
+        max_position_embeddings=32,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
     return transformers.LlamaForCausalLM(cfg), ids, lambda o: o.logits.pow(2).mean()
 
 
-BUILDERS = {"mlp": mlp, "encoder": encoder, "gpt": gpt, "cnn": cnn,
-            "hf-gpt2": lambda: hf("gpt2"), "hf-bert": lambda: hf("bert"), "hf-llama": lambda: hf("llama")}
+BUILDERS = {
+    "mlp": mlp,
+    "encoder": encoder,
+    "gpt": gpt,
+    "cnn": cnn,
+    "hf-gpt2": lambda: hf("gpt2"),
+    "hf-bert": lambda: hf("bert"),
+    "hf-llama": lambda: hf("llama"),
+}
 
 
 def build(name):

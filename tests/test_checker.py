@@ -80,8 +80,9 @@ def test_checker_agrees_on_seeded_graphs_with_groups_and_pinned_ops():
         for hw in HARDWARE:
             peak = ss.keep_all_peak(g, hw)
             for fraction in (0.4, 0.7, 1.0):
-                plan = ss.complete(open_plan(g, seeded_decisions(g, seed), int(peak * fraction)),
-                                   g, hw)
+                plan = ss.complete(
+                    open_plan(g, seeded_decisions(g, seed), int(peak * fraction)), g, hw
+                )
                 if _agree(g, plan) is not None:
                     checked += 1
     assert checked == 60 * 3 * 3
@@ -119,8 +120,11 @@ def _free_one_position_early(monkeypatch):
     def bugged(graph, codes, *args):
         exp = original(graph, codes, *args)
         end = exp.iv_end.copy()
-        first_life = (~exp.iv_transient) & (codes[exp.iv_tensor] == stepmodel.SWAP) & \
-            (exp.iv_start == graph.producer[exp.iv_tensor])
+        first_life = (
+            (~exp.iv_transient)
+            & (codes[exp.iv_tensor] == stepmodel.SWAP)
+            & (exp.iv_start == graph.producer[exp.iv_tensor])
+        )
         end[first_life] = np.maximum(exp.iv_start[first_life], end[first_life] - 1)
         return dataclasses.replace(exp, iv_end=end)
 
@@ -135,7 +139,9 @@ def _drop_one_frontier_tensor(monkeypatch):
         return ops, tuple(f[1:] for f in frontier)
 
     prop = property(bugged)
-    monkeypatch.setattr(ActivationGraph, "rerun_frontier", property(lambda self: prop.fget(self)[1]))
+    monkeypatch.setattr(
+        ActivationGraph, "rerun_frontier", property(lambda self: prop.fget(self)[1])
+    )
 
 
 def _overlap_copies_on_a_lane(monkeypatch):
@@ -143,8 +149,11 @@ def _overlap_copies_on_a_lane(monkeypatch):
 
 
 def _skip_workspace(monkeypatch):
-    monkeypatch.setattr(stepmodel.Expansion, "memory",
-                        lambda self, with_workspace=True: stepmodel.interval_memory(self, False))
+    monkeypatch.setattr(
+        stepmodel.Expansion,
+        "memory",
+        lambda self, with_workspace=True: stepmodel.interval_memory(self, False),
+    )
 
 
 def _truth(g, plan):
@@ -154,8 +163,15 @@ def _truth(g, plan):
         return None
 
 
-@pytest.mark.parametrize("mutation", [_free_one_position_early, _drop_one_frontier_tensor,
-                                      _overlap_copies_on_a_lane, _skip_workspace])
+@pytest.mark.parametrize(
+    "mutation",
+    [
+        _free_one_position_early,
+        _drop_one_frontier_tensor,
+        _overlap_copies_on_a_lane,
+        _skip_workspace,
+    ],
+)
 def test_checker_catches_what_a_bugged_step_model_lets_through(mutation, monkeypatch):
     caught = 0
     for seed in range(80):
@@ -178,8 +194,13 @@ def test_checker_catches_what_a_bugged_step_model_lets_through(mutation, monkeyp
                 plan = plan.with_info(predicted_step_time_s=bugged.step_time_s)
                 check = ss.validate(g_bug, plan)
             truth = _truth(g, plan)
-            wrong = truth is None or not truth.fits or not math.isclose(
-                truth.step_time_s, bugged.step_time_s, rel_tol=1e-9, abs_tol=1e-12)
+            wrong = (
+                truth is None
+                or not truth.fits
+                or not math.isclose(
+                    truth.step_time_s, bugged.step_time_s, rel_tol=1e-9, abs_tol=1e-12
+                )
+            )
             if wrong:
                 assert not check.ok, f"seed {seed}: the checker passed a plan the bug got wrong"
                 caught += 1

@@ -34,9 +34,14 @@ class BNBlocks(torch.nn.Module):
     def __init__(self, blocks: int, momentum):
         super().__init__()
         nn = torch.nn
-        self.blocks = nn.ModuleList(nn.Sequential(
-            nn.Conv2d(3 if i == 0 else 8, 8, 3, padding=1), nn.BatchNorm2d(8, momentum=momentum),
-            nn.ReLU()) for i in range(blocks))
+        self.blocks = nn.ModuleList(
+            nn.Sequential(
+                nn.Conv2d(3 if i == 0 else 8, 8, 3, padding=1),
+                nn.BatchNorm2d(8, momentum=momentum),
+                nn.ReLU(),
+            )
+            for i in range(blocks)
+        )
 
     def forward(self, x):
         for block in self.blocks:
@@ -82,9 +87,16 @@ def test_the_exported_policy_delivers_the_plans_peak_with_exact_gradients(setup)
     # the policy around the whole model call rebuilds the whole forward at once in backward:
     # the step peaks where plain training does (why the export uses regions)
     policy = ss.checkpoint_policy(plan, graph)
-    whole, whole_peak, _ = step(model, lambda v: checkpoint(
-        model, v, use_reentrant=False,
-        context_fn=partial(create_selective_checkpoint_contexts, policy)), x)
+    whole, whole_peak, _ = step(
+        model,
+        lambda v: checkpoint(
+            model,
+            v,
+            use_reentrant=False,
+            context_fn=partial(create_selective_checkpoint_contexts, policy),
+        ),
+        x,
+    )
     assert all(torch.equal(a, b) for a, b in zip(plain, whole))
     assert whole_peak > 0.9 * plain_peak
 
@@ -249,15 +261,19 @@ def test_dropout_masks_drawn_in_place_are_rebuilt_by_the_checkpoint(setup):
     masks = [op for op in policy_graph.ops if op.extra.get("rerun_by_checkpoint")]
     assert any("empty_like" in op.extra.get("aten", "") for op in masks)
     pins = ss.boundary_pins(policy_graph)
-    mask_tensors = [policy_graph.tensors[t].name for op in masks
-                    for t in policy_graph.op_outputs[policy_graph.op_index[op.name]]
-                    if policy_graph.is_saved[t]]
+    mask_tensors = [
+        policy_graph.tensors[t].name
+        for op in masks
+        for t in policy_graph.op_outputs[policy_graph.op_index[op.name]]
+        if policy_graph.is_saved[t]
+    ]
     assert mask_tensors and all(pins[name] == "recompute" for name in mask_tensors)
     # under torch.compile the masks are saved (its recompute would draw them again): they stay
     # as profiled there, and no graph is made a checkpoint graph twice
     compiled_graph = ss.checkpoint_graph(graph, compiled=True)
-    assert not any(compiled_graph.ops[compiled_graph.op_index[op.name]].recomputable
-                   for op in masks)
+    assert not any(
+        compiled_graph.ops[compiled_graph.op_index[op.name]].recomputable for op in masks
+    )
     with pytest.raises(ValueError, match="one already"):
         ss.checkpoint_graph(policy_graph)
     plan = ss.solve(policy_graph, 0.5, solver="heuristic", pins=pins)
@@ -286,8 +302,11 @@ def test_batch_norm_has_one_name_in_the_profile_and_under_compile():
     from slackswap.runtime.checkpoint import op_kind
 
     eager = op_kind("aten.native_batch_norm.default")
-    for traced in ("aten._native_batch_norm_legit.default", "aten.cudnn_batch_norm.default",
-                   "aten._native_batch_norm_legit_functional.default"):
+    for traced in (
+        "aten._native_batch_norm_legit.default",
+        "aten.cudnn_batch_norm.default",
+        "aten._native_batch_norm_legit_functional.default",
+    ):
         assert op_kind(traced) == eager
     assert op_kind("aten.convolution.default") == "aten.convolution.default"
 
@@ -319,10 +338,11 @@ def test_compiled_the_policy_peaks_where_the_plan_for_the_compiled_graph_says():
     compiled_graph = ss.checkpoint_graph(graph, compiled=True)
     # the first op's backward runs last, holding every parameter gradient made before
     first = graph.op_index[graph.ops[0].name]
-    assert compiled_graph.ops[first].backward_workspace_bytes == \
-        graph.ops[first].backward_workspace_bytes + param_bytes
-    plan = ss.solve(compiled_graph, 0.6, solver="heuristic",
-                    pins=ss.boundary_pins(compiled_graph))
+    assert (
+        compiled_graph.ops[first].backward_workspace_bytes
+        == graph.ops[first].backward_workspace_bytes + param_bytes
+    )
+    plan = ss.solve(compiled_graph, 0.6, solver="heuristic", pins=ss.boundary_pins(compiled_graph))
     simulated = ss.simulate(compiled_graph, plan).peak_bytes
 
     def run(call):
@@ -354,12 +374,12 @@ def test_batch_norm_state_is_written_once_when_the_region_breaks_the_compiled_gr
     and running_mean was off by 0.10 after two steps before the recompute was shielded there."""
     import copy
 
-
     torch.manual_seed(0)
     model = BNBlocks(3, momentum=None)
     x = torch.randn(4, 3, 16, 16)
-    graph = ss.checkpoint_graph(ss.profile(model, x, loss_fn, warmup=0, repeat=1),
-                                compiled=compiled)
+    graph = ss.checkpoint_graph(
+        ss.profile(model, x, loss_fn, warmup=0, repeat=1), compiled=compiled
+    )
     plan = ss.solve(graph, 0.8, solver="heuristic", pins=ss.boundary_pins(graph))
     assert plan.count("recompute")
     plain, ours = copy.deepcopy(model), copy.deepcopy(model)
@@ -396,10 +416,14 @@ def test_runners_refuse_what_the_checker_refuses(setup):
     swapping = ss.solve(graph, 0.5, link, solver="heuristic")
     name = next(n for n, d in swapping.decisions.items() if d == "swap")
     free = swapping.schedule.d2h_free[name]
-    early = replace(swapping, schedule=replace(swapping.schedule, h2d_issue={
-        **swapping.schedule.h2d_issue, name: free}))
-    too_soon = replace(swapping, schedule=replace(swapping.schedule, d2h_free={
-        **swapping.schedule.d2h_free, name: 0}))
+    early = replace(
+        swapping,
+        schedule=replace(swapping.schedule, h2d_issue={**swapping.schedule.h2d_issue, name: free}),
+    )
+    too_soon = replace(
+        swapping,
+        schedule=replace(swapping.schedule, d2h_free={**swapping.schedule.d2h_free, name: 0}),
+    )
     on_cpu = replace(swapping, hardware=ss.hardware("cpu"))
     for bad in (early, too_soon, on_cpu):
         assert not ss.validate(graph, bad).ok
@@ -414,8 +438,10 @@ def test_checkpointed_refuses_a_plan_for_another_model_or_a_longer_input(setup):
     """ss.apply refused these already (tensor names and sizes on the first forward);
     checkpointed ran them, holding what the plan does not say."""
     model, x, graph, plan = setup
-    for other in (TinyGPT(vocab=300, d=128, layers=4, p=0.1),  # a block added
-                  TinyGPT(vocab=300, d=64, layers=3, p=0.1)):  # another width
+    for other in (
+        TinyGPT(vocab=300, d=128, layers=4, p=0.1),  # a block added
+        TinyGPT(vocab=300, d=64, layers=3, p=0.1),
+    ):  # another width
         with pytest.raises(ss.PlanError, match="profiled on another model"):
             checkpointed(other, plan, graph)
     longer = torch.cat([x, x], dim=1)

@@ -11,13 +11,18 @@ from slackswap.cli import main
 from slackswap.solve import RESULT_FIELDS
 
 GRAPH = {
-    "format": "slackswap.graph/1", "name": "tiny",
-    "ops": [{"name": "A", "forward_s": 0.001, "backward_s": 0.002, "inputs": ["x"], "outputs": ["a"]},
-            {"name": "B", "forward_s": 0.003, "backward_s": 0.006, "inputs": ["a"], "outputs": ["b"]},
-            {"name": "C", "forward_s": 0.001, "backward_s": 0.002, "inputs": ["b"], "outputs": ["c"]}],
-    "tensors": [{"name": "a", "bytes": 4 * 2**20, "saved_for": ["B"]},
-                {"name": "b", "bytes": 2**20, "saved_for": ["C"]},
-                {"name": "c", "bytes": 2**20, "saved_for": ["C"]}],
+    "format": "slackswap.graph/1",
+    "name": "tiny",
+    "ops": [
+        {"name": "A", "forward_s": 0.001, "backward_s": 0.002, "inputs": ["x"], "outputs": ["a"]},
+        {"name": "B", "forward_s": 0.003, "backward_s": 0.006, "inputs": ["a"], "outputs": ["b"]},
+        {"name": "C", "forward_s": 0.001, "backward_s": 0.002, "inputs": ["b"], "outputs": ["c"]},
+    ],
+    "tensors": [
+        {"name": "a", "bytes": 4 * 2**20, "saved_for": ["B"]},
+        {"name": "b", "bytes": 2**20, "saved_for": ["C"]},
+        {"name": "c", "bytes": 2**20, "saved_for": ["C"]},
+    ],
 }
 
 
@@ -31,7 +36,10 @@ def graph_file(tmp_path):
 @pytest.mark.slow  # the plots take most of its 4 s
 def test_solve_simulate_plot(graph_file, tmp_path, capsys):
     plan = tmp_path / "plan.json"
-    assert main(["solve", str(graph_file), "--budget", "0.9", "--solver", "cpsat", "--out", str(plan)]) == 0
+    assert (
+        main(["solve", str(graph_file), "--budget", "0.9", "--solver", "cpsat", "--out", str(plan)])
+        == 0
+    )
     data = json.loads(plan.read_text())
     assert data["format"] == "slackswap.plan/2" and set(data["decisions"]) == {"a", "b", "c"}
     # closed: the hardware and a position for every swap and recompute travel with the plan
@@ -49,15 +57,29 @@ def test_solve_simulate_plot(graph_file, tmp_path, capsys):
 
 @pytest.mark.slow
 def test_compare(graph_file, capsys):
-    assert main(["compare", str(graph_file), "--budget", "0.9", "--solvers", "heuristic,cpsat,keep-all"]) == 0
+    assert (
+        main(
+            ["compare", str(graph_file), "--budget", "0.9", "--solvers", "heuristic,cpsat,keep-all"]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "cpsat" in out and "heuristic" in out and "over budget" in out
 
 
 def test_sweep_schema_and_resumption(tmp_path):
     out = tmp_path / "rows.jsonl"
-    args = ["sweep", "--workloads", "bert-large", "--budgets", "0.5,0.9", "--solvers",
-            "heuristic,swap-all", "--out", str(out)]
+    args = [
+        "sweep",
+        "--workloads",
+        "bert-large",
+        "--budgets",
+        "0.5,0.9",
+        "--solvers",
+        "heuristic,swap-all",
+        "--out",
+        str(out),
+    ]
     assert main(args) == 0
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert len(rows) == 4
@@ -81,7 +103,8 @@ def test_profile_command(tmp_path, monkeypatch):
         "def build():\n"
         "    torch.manual_seed(0)\n"
         "    m = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))\n"
-        "    return m, torch.randn(4, 8), lambda out: out.pow(2).mean()\n")
+        "    return m, torch.randn(4, 8), lambda out: out.pow(2).mean()\n"
+    )
     monkeypatch.chdir(tmp_path)
     assert main(["profile", "mymodel:build", "--out", "g.json", "--repeat", "1"]) == 0
     assert json.loads((tmp_path / "g.json").read_text())["format"] == "slackswap.graph/1"
@@ -89,16 +112,19 @@ def test_profile_command(tmp_path, monkeypatch):
     assert main(["profile", "nomodule:build", "--out", "g.json"]) == 2
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["solve", "no-such-workload", "--budget", "0.5"], "neither a graph file nor a workload"),
-    (["solve", "bert-large", "--budget", "lots"], "budget"),
-    (["solve", "bert-large", "--budget", "1e-9", "--solver", "heuristic"], "cannot fit"),
-    (["solve", "bert-large", "--budget", "0.5", "--solver", "gurobi"], "unknown solver"),
-    (["solve", "bert-large", "--budget", "0.5", "--hardware", "tpu"], "unknown hardware"),
-    (["solve", "bert-large", "--budget", "0.5", "--time-limit", "abc"], "--time-limit"),
-    (["solve", "bert-large"], "--budget"),
-    (["frobnicate"], "invalid choice"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["solve", "no-such-workload", "--budget", "0.5"], "neither a graph file nor a workload"),
+        (["solve", "bert-large", "--budget", "lots"], "budget"),
+        (["solve", "bert-large", "--budget", "1e-9", "--solver", "heuristic"], "cannot fit"),
+        (["solve", "bert-large", "--budget", "0.5", "--solver", "gurobi"], "unknown solver"),
+        (["solve", "bert-large", "--budget", "0.5", "--hardware", "tpu"], "unknown hardware"),
+        (["solve", "bert-large", "--budget", "0.5", "--time-limit", "abc"], "--time-limit"),
+        (["solve", "bert-large"], "--budget"),
+        (["frobnicate"], "invalid choice"),
+    ],
+)
 def test_bad_input_is_one_line_and_exit_2(argv, message, capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err.strip()
@@ -110,8 +136,9 @@ def test_bad_graph_file_and_help(tmp_path):
     bad.write_text(json.dumps({**GRAPH, "format": "nope"}))
     assert main(["solve", str(bad), "--budget", "0.5"]) == 2
     for cmd in ("solve", "compare", "sweep", "simulate", "plot", "profile"):
-        result = subprocess.run([sys.executable, "-m", "slackswap.cli", cmd, "--help"],
-                                capture_output=True, text=True)
+        result = subprocess.run(
+            [sys.executable, "-m", "slackswap.cli", cmd, "--help"], capture_output=True, text=True
+        )
         assert result.returncode == 0 and "usage" in result.stdout
 
 

@@ -21,7 +21,10 @@ def test_vgg16_first_layer_by_hand():
     assert out.bytes == 2 * 2 * 64 * 32 * 32  # bf16
     assert out.saved_for == ("conv1_1.bn",)  # batch norm saves its input
     relu = g.tensors[g.tensor_index["conv1_1.relu.out"]]
-    assert set(relu.saved_for) == {"conv1_1.relu", "conv1_2.conv"}  # ReLU its output, conv its input
+    assert set(relu.saved_for) == {
+        "conv1_1.relu",
+        "conv1_2.conv",
+    }  # ReLU its output, conv its input
 
 
 def test_segnet_indices_reach_the_decoder_and_unet_skips_live_across():

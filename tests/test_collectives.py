@@ -20,8 +20,10 @@ SHARED = LINK.with_link(name="test-shared", collectives_on_link=True)
 
 def two_ops(*collectives):
     """a (fwd 1 s, bwd 2 s) makes x (100 B) saved for b (fwd 1 s, bwd 2 s); link 100 B/s."""
-    g = graph([op("a", 1, 2, [], ["x"]), op("b", 1, 2, ["x"], ["y"])],
-              [tensor("x", 100, ["b"]), tensor("y", 100)])
+    g = graph(
+        [op("a", 1, 2, [], ["x"]), op("b", 1, 2, ["x"], ["y"])],
+        [tensor("x", 100, ["b"]), tensor("y", 100)],
+    )
     return dataclasses.replace(g, collectives=tuple(collectives))
 
 
@@ -72,10 +74,15 @@ def graphs_with_collectives(draw):
     g, p = draw(random_graphs_and_plans())
     names = [o.name for o in g.ops]
     collectives = tuple(
-        Collective(f"c{i}", draw(st.sampled_from(names)), draw(st.sampled_from(["forward",
-                                                                                "backward"])),
-                   draw(st.integers(0, 300)), draw(st.integers(0, 300)))
-        for i in range(draw(st.integers(1, 4))))
+        Collective(
+            f"c{i}",
+            draw(st.sampled_from(names)),
+            draw(st.sampled_from(["forward", "backward"])),
+            draw(st.integers(0, 300)),
+            draw(st.integers(0, 300)),
+        )
+        for i in range(draw(st.integers(1, 4)))
+    )
     return dataclasses.replace(g, collectives=collectives), p
 
 
@@ -91,8 +98,9 @@ def random_graphs_and_plans(draw):
 def test_checker_and_simulator_agree_with_collectives_on_the_link(case, duplex):
     g, p = case
     hw = SHARED.with_link(duplex=duplex)
-    closed = ss.complete(dataclasses.replace(p, graph_digest=g.digest, schedule=None,
-                                             hardware=None), g, hw)
+    closed = ss.complete(
+        dataclasses.replace(p, graph_digest=g.digest, schedule=None, hardware=None), g, hw
+    )
     sim = ss.simulate(g, closed, hw)
     check = ss.validate(g, closed)
     assert check.ok == sim.fits
@@ -110,14 +118,17 @@ def test_the_integral_relaxation_is_a_bound_with_collectives(case):
     """Its decisions are integral; its times are not (a bound that rounded them up would pass
     valid plans)."""
     g, p = case
-    closed = ss.complete(dataclasses.replace(p, graph_digest=g.digest, schedule=None,
-                                             hardware=None), g, SHARED)
+    closed = ss.complete(
+        dataclasses.replace(p, graph_digest=g.digest, schedule=None, hardware=None), g, SHARED
+    )
     keep_all = ss.solve(g, 1.0, SHARED, solver="keep-all")
     for valid in (closed, keep_all):  # any valid plan, and one with no stall but the lanes'
         sim = ss.simulate(g, valid, SHARED)
         if not sim.fits:
             continue
-        relaxed = ss.lp_bound(g, valid.budget_bytes, SHARED, integral=True, max_nodes=5000, time_limit_s=300.0)
+        relaxed = ss.lp_bound(
+            g, valid.budget_bytes, SHARED, integral=True, max_nodes=5000, time_limit_s=300.0
+        )
         if relaxed.status in ("optimal", "timeout"):
             assert relaxed.step_time_s <= sim.step_time_s * (1 + 1e-6) + 1e-9
 
@@ -127,9 +138,13 @@ def test_the_integral_relaxation_is_a_bound_with_collectives(case):
 @given(g=random_graphs(max_ops=6), data=st.data())
 def test_exact_plans_with_collectives_are_valid_and_never_beat_the_bound(g, data):
     names = [o.name for o in g.ops]
-    g = dataclasses.replace(g, collectives=(
-        Collective("ag", data.draw(st.sampled_from(names)), "forward", 0, 150),
-        Collective("rs", data.draw(st.sampled_from(names)), "backward", 150, 0)))
+    g = dataclasses.replace(
+        g,
+        collectives=(
+            Collective("ag", data.draw(st.sampled_from(names)), "forward", 0, 150),
+            Collective("rs", data.draw(st.sampled_from(names)), "backward", 150, 0),
+        ),
+    )
     budget = data.draw(st.integers(ss.min_budget(g, SHARED), ss.keep_all_peak(g, SHARED)))
     for solver in ("heuristic", "cpsat"):
         p = ss.solve(g, budget, SHARED, solver=solver, work_s=5, time_limit_s=CAP)
@@ -144,15 +159,30 @@ def test_a_step_of_denormal_seconds_with_a_collective_on_the_link_is_bounded():
     """Found by the test above: an ideal step of 2.2e-313 s and a 1-byte collective (0.01 s on
     the link). In units of a thousandth of the step, the collective's time overflowed to inf and
     the LP bound (and every exact planner through it) raised scipy's ValueError."""
-    g = ss.load_graph({
-        "format": "slackswap.graph/1", "name": "denormal", "optimizer_s": 0.0,
-        "ops": [{"name": "a", "forward_s": 0.0, "backward_s": 0.0, "inputs": [], "outputs": ["x"]},
-                {"name": "b", "forward_s": 0.0, "backward_s": 2.2250738585e-313, "inputs": [],
-                 "outputs": ["y"]}],
-        "tensors": [{"name": "x", "bytes": 0, "saved_for": []},
-                    {"name": "y", "bytes": 0, "saved_for": []}],
-        "collectives": [{"name": "c", "op": "a", "phase": "forward", "d2h_bytes": 0,
-                         "h2d_bytes": 1}]})
+    g = ss.load_graph(
+        {
+            "format": "slackswap.graph/1",
+            "name": "denormal",
+            "optimizer_s": 0.0,
+            "ops": [
+                {"name": "a", "forward_s": 0.0, "backward_s": 0.0, "inputs": [], "outputs": ["x"]},
+                {
+                    "name": "b",
+                    "forward_s": 0.0,
+                    "backward_s": 2.2250738585e-313,
+                    "inputs": [],
+                    "outputs": ["y"],
+                },
+            ],
+            "tensors": [
+                {"name": "x", "bytes": 0, "saved_for": []},
+                {"name": "y", "bytes": 0, "saved_for": []},
+            ],
+            "collectives": [
+                {"name": "c", "op": "a", "phase": "forward", "d2h_bytes": 0, "h2d_bytes": 1}
+            ],
+        }
+    )
     for duplex in (True, False):
         hw = SHARED.with_link(duplex=duplex)
         lp = ss.lp_bound(g, 1, hw)

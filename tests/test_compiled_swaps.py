@@ -41,9 +41,12 @@ def plan_swapping(graph, chosen) -> ss.Plan:
 
 def saved_by(graph, aten: str, module_prefix: str = "blocks.") -> list[str]:
     """The saved outputs of the ops named ``aten`` inside the blocks."""
-    return [graph.tensors[t].name for t in graph.saved
-            if graph.ops[int(graph.producer[t])].extra.get("aten") == aten
-            and graph.ops[int(graph.producer[t])].extra.get("module", "").startswith(module_prefix)]
+    return [
+        graph.tensors[t].name
+        for t in graph.saved
+        if graph.ops[int(graph.producer[t])].extra.get("aten") == aten
+        and graph.ops[int(graph.producer[t])].extra.get("module", "").startswith(module_prefix)
+    ]
 
 
 def compiled_step(model, x, capture: dict):
@@ -56,10 +59,14 @@ def compiled_step(model, x, capture: dict):
         def compiler(gm, example_inputs):
             capture.setdefault(kind, []).append(gm)
             return make_boxed_func(gm.forward)
+
         return compiler
 
-    backend = aot_autograd(fw_compiler=keep("forward"), bw_compiler=keep("backward"),
-                           partition_fn=min_cut_rematerialization_partition)
+    backend = aot_autograd(
+        fw_compiler=keep("forward"),
+        bw_compiler=keep("backward"),
+        partition_fn=min_cut_rematerialization_partition,
+    )
     torch._dynamo.reset()
     compiled = torch.compile(model, backend=backend)
     model.zero_grad(set_to_none=True)
@@ -111,11 +118,13 @@ def test_a_swap_torchs_pass_will_not_offload_is_said_and_saved(setup):
     The step runs with it saved on the device, a RuntimeWarning names it, and the context's
     info says "saved"; the addmm swap beside it is offloaded."""
     model, x, graph = setup
-    mean = next(graph.tensors[t].name for t in graph.saved
-                if graph.ops[int(graph.producer[t])].extra.get("aten")
-                == "aten.native_layer_norm.default"
-                and graph.ops[int(graph.producer[t])].extra.get("module", "").startswith("blocks.")
-                and graph.tensors[t].extra.get("shape", [0])[-1] == 1)
+    mean = next(
+        graph.tensors[t].name
+        for t in graph.saved
+        if graph.ops[int(graph.producer[t])].extra.get("aten") == "aten.native_layer_norm.default"
+        and graph.ops[int(graph.producer[t])].extra.get("module", "").startswith("blocks.")
+        and graph.tensors[t].extra.get("shape", [0])[-1] == 1
+    )
     fc1 = saved_by(graph, "aten.addmm.default")[0]
     plan = plan_swapping(graph, [mean, fc1])
     capture: dict = {}

@@ -27,8 +27,11 @@ from slackswap.planners import departures
 from slackswap.planners.departures import departure_bound
 
 LATENCY_LINK = LINK.with_link(name="test-latency", latency_s=0.05)
-SETTINGS = settings(max_examples=60, deadline=None,
-                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+SETTINGS = settings(
+    max_examples=60,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+)
 
 
 @contextmanager
@@ -47,8 +50,10 @@ def first_positions(count: int, probe: bool = True):
 
 def two_ops():
     # a (100 B) made by A (1 s) must be gone during B for a + b (60 B) to fit in 130 B
-    return graph([op("A", 1, 1, ["x"], ["a"]), op("B", 1, 1, ["x"], ["b"])],
-                 [tensor("a", 100, ["A"]), tensor("b", 60)])
+    return graph(
+        [op("A", 1, 1, ["x"], ["a"]), op("B", 1, 1, ["x"], ["b"])],
+        [tensor("a", 100, ["A"]), tensor("b", 60)],
+    )
 
 
 def test_a_copy_frees_its_tensor_only_once_it_is_whole():
@@ -77,10 +82,21 @@ def test_a_stall_before_a_copy_is_released_gives_it_no_lane_time():
     # 350 B) and a and b both while C runs (450 B). Swapping only: a's copy ends at 2 s, so B
     # waits 1 s and ends at 3 s; b's copy then ends at 4 s, so C waits 1 s more: 10 s. A row that
     # let the 1 s stall before B count as lane time for b (released at B's end) proves only 9 s
-    g = graph([op("A", 1, 1, ["x"], ["a"]), op("B", 1, 1, ["x"], ["b", "u"]),
-               op("C", 1, 1, ["u"], ["v"]), op("D", 1, 1, ["u", "v"], ["y"])],
-              [tensor("a", 100, ["A"]), tensor("b", 100, ["B"]), tensor("u", 150),
-               tensor("v", 100), tensor("y", 0)])
+    g = graph(
+        [
+            op("A", 1, 1, ["x"], ["a"]),
+            op("B", 1, 1, ["x"], ["b", "u"]),
+            op("C", 1, 1, ["u"], ["v"]),
+            op("D", 1, 1, ["u", "v"], ["y"]),
+        ],
+        [
+            tensor("a", 100, ["A"]),
+            tensor("b", 100, ["B"]),
+            tensor("u", 150),
+            tensor("v", 100),
+            tensor("y", 0),
+        ],
+    )
     swapping = ("keep", "swap")
     bound = departure_bound(g, 250, LINK, allowed=swapping, deterministic_time_s=5.0)
     assert bound.status == "optimal"
@@ -91,8 +107,9 @@ def test_a_stall_before_a_copy_is_released_gives_it_no_lane_time():
 
 def test_its_decisions_keep_to_the_allowed_ones():
     g = two_ops()
-    only_recompute = departure_bound(g, 130, LINK, allowed=("keep", "recompute"),
-                                     deterministic_time_s=5.0)
+    only_recompute = departure_bound(
+        g, 130, LINK, allowed=("keep", "recompute"), deterministic_time_s=5.0
+    )
     a = g.tensor_index["a"]
     assert only_recompute.codes[a] == RECOMPUTE
     assert only_recompute.step_time_s == pytest.approx(5.0, rel=1e-6)
@@ -122,12 +139,20 @@ def test_nothing_to_free_and_too_large_are_said():
     assert departure_bound(g, 160, LINK).status == "trivial"
     with pytest.raises(ValueError, match="hint"):
         departure_bound(g, 130, LINK, hint=np.zeros(5, dtype=np.int8))
-    for bad in ({"gap": -0.1}, {"gap": float("nan")}, {"min_gap_s": float("inf")},
-                {"gap": "1%"}, {"enough_s": float("nan")}, {"enough_s": "4 s"}):
+    for bad in (
+        {"gap": -0.1},
+        {"gap": float("nan")},
+        {"min_gap_s": float("inf")},
+        {"gap": "1%"},
+        {"enough_s": float("nan")},
+        {"enough_s": "4 s"},
+    ):
         with pytest.raises(ValueError, match=next(iter(bad))):
             departure_bound(g, 130, LINK, **bad)
     skipped = departure_bound(g, 130, LINK, max_binaries=0)
-    assert skipped.status == "skipped" and skipped.step_time_s is None and "binaries" in skipped.note
+    assert (
+        skipped.status == "skipped" and skipped.step_time_s is None and "binaries" in skipped.note
+    )
 
 
 @SETTINGS
@@ -143,8 +168,9 @@ def test_every_plan_is_a_point_of_it(case, hw):
         budget = max(budget, sim.peak_bytes)
         sim = simulate_decisions(g, codes, hw, budget)
     assume(sim.fits)
-    bound = departure_bound(g, budget, hw, incumbent_s=sim.step_time_s, hint=codes,
-                            deterministic_time_s=5.0)
+    bound = departure_bound(
+        g, budget, hw, incumbent_s=sim.step_time_s, hint=codes, deterministic_time_s=5.0
+    )
     assert bound.status in ("optimal", "trivial"), bound
     assert bound.step_time_s <= sim.step_time_s * (1 + 1e-9)
 
@@ -171,8 +197,11 @@ def test_rounds_end_at_the_whole_models_optimum():
                 several += not probe and rounds.note != "1 rounds"
                 by_probe += probe and rounds.note == "1 rounds"
                 assert whole.status == "optimal" and whole.note == "1 rounds"
-                assert rounds.step_time_s == pytest.approx(whole.step_time_s, rel=1e-9), \
-                    (seed, share, probe)
+                assert rounds.step_time_s == pytest.approx(whole.step_time_s, rel=1e-9), (
+                    seed,
+                    share,
+                    probe,
+                )
     assert several >= 8 and by_probe >= 8
 
 
@@ -197,7 +226,9 @@ def test_no_plan_beats_the_departure_bound(case, hw):
     can_recompute = g.can_recompute
     assert not any(bound.codes[t] == RECOMPUTE and not can_recompute[t] for t in g.saved)
     assert set(np.unique(bound.codes[g.saved])) <= {KEEP, SWAP, RECOMPUTE}
-    p = ss.solve(g, budget, hw, solver="cpsat", gap=0.0, work_s=20.0, time_limit_s=CAP, strict=False)
+    p = ss.solve(
+        g, budget, hw, solver="cpsat", gap=0.0, work_s=20.0, time_limit_s=CAP, strict=False
+    )
     sim = ss.simulate(g, p, hw)
     if sim.fits:
         assert ss.validate(g, p, hw).ok
@@ -211,7 +242,9 @@ def test_it_proves_cnn_plans_with_swaps_in_the_time_limit():
     beside the integral relaxations; taken at a fixed place, it gives the same plan twice."""
     hw = ss.hardware("a100-80gb-pcie4")
     g = ss.cnn_graph("fcn8", hw, batch=16)
-    p, again = (ss.solve(g, 0.9, hw, solver="cpsat", work_s=10.0, time_limit_s=CAP) for _ in range(2))
+    p, again = (
+        ss.solve(g, 0.9, hw, solver="cpsat", work_s=10.0, time_limit_s=CAP) for _ in range(2)
+    )
     assert p.decisions == again.decisions and p.info.bound == again.info.bound
     note = p.info.extra["departure_bound"]
     assert note["work"] == again.info.extra["departure_bound"]["work"]
@@ -257,8 +290,11 @@ def test_a_gap_stops_its_rounds_early_and_keeps_the_bound_valid():
         if exact.status != "optimal":
             continue
         assert early.status == "optimal"
-        unit = 2 * (g.ideal_step_time_s + sum(LINK.d2h_time(int(g.tensor_bytes[t]))
-                                              for t in g.saved)) / departures.TIME_RANGE
+        unit = (
+            2
+            * (g.ideal_step_time_s + sum(LINK.d2h_time(int(g.tensor_bytes[t])) for t in g.saved))
+            / departures.TIME_RANGE
+        )
         assert early.overhead_s <= exact.overhead_s * (1 + 1e-9), seed
         assert early.overhead_s >= (1 - gap) * exact.overhead_s - unit, seed
         saved += early.work < exact.work and early.overhead_s < exact.overhead_s
@@ -331,9 +367,15 @@ def test_the_probe_alone_bounds_resnet50_at_80_percent():
 
     def run(probe: bool):
         with first_positions(departures.FIRST_POSITIONS, probe=probe):
-            return departure_bound(g, 0.8, hw, hint=decision_codes(g, start),
-                                   incumbent_s=start.info.predicted_step_time_s,
-                                   deterministic_time_s=2.0, gap=0.008)
+            return departure_bound(
+                g,
+                0.8,
+                hw,
+                hint=decision_codes(g, start),
+                incumbent_s=start.info.predicted_step_time_s,
+                deterministic_time_s=2.0,
+                gap=0.008,
+            )
 
     probed, plain = run(True), run(False)
     assert probed.status == "optimal" and probed.note == "1 rounds" and probed.positions == 1

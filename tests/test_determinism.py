@@ -53,13 +53,18 @@ def test_interleaved_cpsat_survives_an_infeasible_complete_hint():
 def test_same_input_same_plan_and_proof_when_no_clock_stopped_a_phase(seed):
     g = seeded_graph(seed, n_ops=8)
     budget = (ss.min_budget(g, LINK) + ss.keep_all_peak(g, LINK)) // 2
-    plans = [ss.solve(g, budget, LINK, solver="cpsat", work_s=30, time_limit_s=CAP) for _ in range(2)]
+    plans = [
+        ss.solve(g, budget, LINK, solver="cpsat", work_s=30, time_limit_s=CAP) for _ in range(2)
+    ]
     first, second = plans
     assert first.info.extra["clock_stopped"] == []  # small graph, ample time: work limits alone
     assert first.decisions == second.decisions
     assert first.schedule == second.schedule
-    assert (first.info.status, first.info.bound, first.info.gap) == \
-        (second.info.status, second.info.bound, second.info.gap)
+    assert (first.info.status, first.info.bound, first.info.gap) == (
+        second.info.status,
+        second.info.bound,
+        second.info.gap,
+    )
 
 
 def test_a_clock_ended_phase_is_named_and_the_plan_says_timeout():
@@ -77,8 +82,10 @@ def test_a_short_time_limit_sizes_the_work_and_the_clock_does_not_bind():
     # with work sized by a 1 s limit, the integral relaxation (182,166 cells, about 1.2 s for
     # its root node here) is too large for the work and is left out by size, not by the clock:
     # the same plan on any machine
-    plans = [ss.solve(g, 0.3, "a100-80gb-pcie4", solver="cpsat", time_limit_s=60.0, work_s=1.0)
-             for _ in range(2)]
+    plans = [
+        ss.solve(g, 0.3, "a100-80gb-pcie4", solver="cpsat", time_limit_s=60.0, work_s=1.0)
+        for _ in range(2)
+    ]
     assert plans[0].info.extra["clock_stopped"] == []
     assert plans[0].info.extra["integral_lp"]["reason"] == "model too large for the work"
     assert plans[0].decisions == plans[1].decisions
@@ -96,8 +103,9 @@ def test_the_default_runs_every_phase_on_work_limits():
     assert plan.info.extra["clock_stopped"] == []
     assert ss.validate(g, plan).ok
     # deterministic=True, the older switch, is the default; False is anytime
-    same = ss.solve(g, budget, LINK, solver="cpsat", time_limit_s=120, work_s=20,
-                    deterministic=True)
+    same = ss.solve(
+        g, budget, LINK, solver="cpsat", time_limit_s=120, work_s=20, deterministic=True
+    )
     assert same.decisions == plan.decisions and same.info.status == plan.info.status
     anytime = ss.solve(g, budget, LINK, solver="cpsat", time_limit_s=5, deterministic=False)
     assert anytime.info.extra["work_limits"]["anytime"] is True
@@ -123,5 +131,8 @@ def test_the_default_gives_the_same_plan_beside_two_busy_processes():
             p.wait()
     assert idle.info.extra["clock_stopped"] == loaded.info.extra["clock_stopped"] == []
     assert idle.decisions == loaded.decisions and idle.schedule == loaded.schedule
-    assert (idle.info.status, idle.info.bound, idle.info.gap) == \
-        (loaded.info.status, loaded.info.bound, loaded.info.gap)
+    assert (idle.info.status, idle.info.bound, idle.info.gap) == (
+        loaded.info.status,
+        loaded.info.bound,
+        loaded.info.gap,
+    )

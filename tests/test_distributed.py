@@ -32,8 +32,13 @@ def _port() -> int:
 
 
 def _spawn(fn, args, tmp_path, timeout_s: float) -> list[dict]:
-    ctx = mp.start_processes(fn, args=(WORLD, _port(), *args, str(tmp_path)), nprocs=WORLD,
-                             join=False, start_method="spawn")
+    ctx = mp.start_processes(
+        fn,
+        args=(WORLD, _port(), *args, str(tmp_path)),
+        nprocs=WORLD,
+        join=False,
+        start_method="spawn",
+    )
     deadline = time.monotonic() + timeout_s
     while not ctx.join(timeout=1):
         if time.monotonic() > deadline:
@@ -45,7 +50,8 @@ def _spawn(fn, args, tmp_path, timeout_s: float) -> list[dict]:
 
 CASES = [("gpt", "fsdp-reshard"), ("gpt", "fsdp-keep"), ("gpt", "ddp")] + [
     pytest.param("llama", w, marks=pytest.mark.skipif(not HAS_HF, reason="transformers"))
-    for w in ("fsdp-reshard", "fsdp-keep", "ddp")]
+    for w in ("fsdp-reshard", "fsdp-keep", "ddp")
+]
 
 
 @pytest.mark.parametrize("kind,wrapping", CASES)
@@ -65,8 +71,12 @@ def test_plans_train_every_rank_bit_identically(kind, wrapping, tmp_path):
                     # profile keeps those to the end of the forward): never above the simulator
                     assert 0.9 * got["simulated_peak"] <= peak <= got["simulated_peak"]
                 else:
-                    assert peak == got["simulated_peak"], (rank, variant, got["tracked_peaks"],
-                                                           got["simulated_peak"])
+                    assert peak == got["simulated_peak"], (
+                        rank,
+                        variant,
+                        got["tracked_peaks"],
+                        got["simulated_peak"],
+                    )
     for variant in VARIANTS:  # one plan for all ranks
         assert ranks[0][variant]["digest"] == ranks[1][variant]["digest"]
     # parameters (sharded, gathered or replicated) are never activations: the wrapped model saves
@@ -90,9 +100,14 @@ def test_plans_train_every_rank_bit_identically(kind, wrapping, tmp_path):
         assert bool(again) == (wrapping == "fsdp-reshard")
 
 
-@pytest.mark.parametrize("fault,message", [("shapes", "rank 1 traced another step"),
-                                           ("crash", "rank 1 could not profile"),
-                                           ("late", "rank 1 did not reach")])
+@pytest.mark.parametrize(
+    "fault,message",
+    [
+        ("shapes", "rank 1 traced another step"),
+        ("crash", "rank 1 could not profile"),
+        ("late", "rank 1 did not reach"),
+    ],
+)
 def test_a_rank_that_differs_or_crashes_fails_every_rank_without_a_hang(fault, message, tmp_path):
     ranks = _spawn(dist_workers.mismatch_case, (fault,), tmp_path, timeout_s=120)
     for rank, out in enumerate(ranks):

@@ -26,7 +26,9 @@ data = [{"input_ids": ids, "labels": ids}] * 2
 optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
 """
 
-_TRAINER = _GPT2 + """
+_TRAINER = (
+    _GPT2
+    + """
 import tempfile, lightning
 class _Tokens(torch.utils.data.Dataset):
     def __len__(self): return 8
@@ -43,6 +45,7 @@ args = transformers.TrainingArguments(output_dir=tempfile.mkdtemp(), max_steps=2
     disable_tqdm=True)
 trainer = transformers.Trainer(model=model, args=args, train_dataset=train, data_collator=collate)
 """
+)
 
 _FSDP = """
 import os, torch, transformers
@@ -61,12 +64,19 @@ loss_fn = lambda out: out.loss
 hw = "cpu"
 """
 
-PRELUDES = {"README.md": _TRAINER, "training-loop.md": _GPT2, "trainers.md": _TRAINER,
-            "distributed.md": _FSDP}
-NEEDS = {"README.md": ["torch", "transformers", "accelerate", "lightning"],
-         "training-loop.md": ["torch", "transformers"],
-         "trainers.md": ["torch", "transformers", "accelerate", "lightning"],
-         "distributed.md": ["torch", "transformers"], "fit.md": ["torch", "transformers"]}
+PRELUDES = {
+    "README.md": _TRAINER,
+    "training-loop.md": _GPT2,
+    "trainers.md": _TRAINER,
+    "distributed.md": _FSDP,
+}
+NEEDS = {
+    "README.md": ["torch", "transformers", "accelerate", "lightning"],
+    "training-loop.md": ["torch", "transformers"],
+    "trainers.md": ["torch", "transformers", "accelerate", "lightning"],
+    "distributed.md": ["torch", "transformers"],
+    "fit.md": ["torch", "transformers"],
+}
 
 
 def python_blocks(page: Path) -> list[str]:

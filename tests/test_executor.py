@@ -14,8 +14,13 @@ from models import build, profiled  # noqa: E402
 import slackswap as ss  # noqa: E402
 
 MODELS = ["mlp", "encoder", "gpt", "cnn"] + [
-    pytest.param("hf-gpt2", marks=pytest.mark.skipif(
-        __import__("importlib").util.find_spec("transformers") is None, reason="transformers"))]
+    pytest.param(
+        "hf-gpt2",
+        marks=pytest.mark.skipif(
+            __import__("importlib").util.find_spec("transformers") is None, reason="transformers"
+        ),
+    )
+]
 setup = profiled  # one profile per model for the whole process
 
 
@@ -38,7 +43,9 @@ def plan_from(graph, choices, budget=10**12):
         if c == "recompute" and not graph.can_recompute[t]:
             c = "swap"
         decisions[graph.tensors[t].name] = c
-    return ss.complete(ss.Plan(graph.name, graph.digest, budget, decisions), graph, "cpu-emulated-link")
+    return ss.complete(
+        ss.Plan(graph.name, graph.digest, budget, decisions), graph, "cpu-emulated-link"
+    )
 
 
 @pytest.mark.parametrize("name", MODELS)
@@ -46,8 +53,13 @@ def plan_from(graph, choices, budget=10**12):
 @given(data=st.data())
 def test_random_plans_give_bit_identical_gradients(name, data):
     model, inputs, loss_fn, graph = setup(name)
-    choices = data.draw(st.lists(st.sampled_from(["keep", "swap", "recompute"]),
-                                 min_size=len(graph.saved), max_size=len(graph.saved)))
+    choices = data.draw(
+        st.lists(
+            st.sampled_from(["keep", "swap", "recompute"]),
+            min_size=len(graph.saved),
+            max_size=len(graph.saved),
+        )
+    )
     reference, _ = grads(model, inputs, loss_fn)
     got, run = grads(model, inputs, loss_fn, plan_from(graph, choices), graph)
     for a, b in zip(reference, got):
@@ -138,12 +150,25 @@ def test_in_place_modification_of_a_saved_tensor_raises():
     model = Bad()
     x = torch.randn(2, 4)
     # a plan naming the tensor the model saves and then modifies
-    graph = ss.load_graph({
-        "format": "slackswap.graph/1", "name": "bad",
-        "ops": [{"name": "lin/addmm#1", "forward_s": 1e-6, "backward_s": 1e-6, "inputs": [],
-                 "outputs": ["lin#0"]}],
-        "tensors": [{"name": "lin#0", "bytes": 32, "saved_for": ["lin/addmm#1"]}]})
-    plan = ss.complete(ss.Plan(graph.name, graph.digest, 10**6, {"lin#0": "keep"}), graph, "cpu-emulated-link")
+    graph = ss.load_graph(
+        {
+            "format": "slackswap.graph/1",
+            "name": "bad",
+            "ops": [
+                {
+                    "name": "lin/addmm#1",
+                    "forward_s": 1e-6,
+                    "backward_s": 1e-6,
+                    "inputs": [],
+                    "outputs": ["lin#0"],
+                }
+            ],
+            "tensors": [{"name": "lin#0", "bytes": 32, "saved_for": ["lin/addmm#1"]}],
+        }
+    )
+    plan = ss.complete(
+        ss.Plan(graph.name, graph.digest, 10**6, {"lin#0": "keep"}), graph, "cpu-emulated-link"
+    )
     with pytest.raises(RuntimeError, match="modified in place"):
         with ss.apply(plan, model):
             model(x).sum().backward()
@@ -236,8 +261,12 @@ def test_checkpoint_policy_export():
     reference, _ = grads(model, inputs, loss_fn)
     torch.manual_seed(7)
     model.zero_grad(set_to_none=True)
-    out = checkpoint(model, inputs, use_reentrant=False,
-                     context_fn=partial(create_selective_checkpoint_contexts, policy))
+    out = checkpoint(
+        model,
+        inputs,
+        use_reentrant=False,
+        context_fn=partial(create_selective_checkpoint_contexts, policy),
+    )
     loss_fn(out).backward()
     assert all(torch.equal(a, p.grad) for a, p in zip(reference, model.parameters()))
 
@@ -251,8 +280,14 @@ def test_checkpoint_policy_over_several_steps_with_the_loss_outside():
     from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
     model, inputs, loss_fn, graph = setup("gpt")
-    plan = ss.solve(graph, 0.5, ss.hardware("cpu-emulated-link").with_link(
-        name="no-offload", d2h_bytes_per_s=1e3, h2d_bytes_per_s=1e3), solver="heuristic")
+    plan = ss.solve(
+        graph,
+        0.5,
+        ss.hardware("cpu-emulated-link").with_link(
+            name="no-offload", d2h_bytes_per_s=1e3, h2d_bytes_per_s=1e3
+        ),
+        solver="heuristic",
+    )
     assert plan.count("recompute") > 0
     policy = ss.checkpoint_policy(plan, graph)
     calls = []
@@ -267,12 +302,16 @@ def test_checkpoint_policy_over_several_steps_with_the_loss_outside():
         reference, _ = grads(model, inputs, loss_fn, seed=seed)
         torch.manual_seed(seed)
         model.zero_grad(set_to_none=True)
-        out = checkpoint(model, inputs, use_reentrant=False,
-                         context_fn=partial(create_selective_checkpoint_contexts, counting))
+        out = checkpoint(
+            model,
+            inputs,
+            use_reentrant=False,
+            context_fn=partial(create_selective_checkpoint_contexts, counting),
+        )
         loss_fn(out).backward()
         assert all(torch.equal(a, p.grad) for a, p in zip(reference, model.parameters()))
     per_step = len(calls) // 3
-    assert calls[:per_step] == calls[per_step:2 * per_step] == calls[2 * per_step:]
+    assert calls[:per_step] == calls[per_step : 2 * per_step] == calls[2 * per_step :]
 
 
 class _GradPenalty(torch.nn.Module):
@@ -309,8 +348,14 @@ def test_backward_inside_forward_keeps_tracing_and_wrappers_are_restored():
     assert run._step.packed == set(plan.decisions)
 
 
-@pytest.mark.parametrize("solver", ["keep-all", "heuristic", "cpsat"] + [
-    pytest.param(s, marks=pytest.mark.slow) for s in ("recompute-all", "swap-all", "cbc", "highs", "scip")])
+@pytest.mark.parametrize(
+    "solver",
+    ["keep-all", "heuristic", "cpsat"]
+    + [
+        pytest.param(s, marks=pytest.mark.slow)
+        for s in ("recompute-all", "swap-all", "cbc", "highs", "scip")
+    ],
+)
 def test_every_planners_plan_reloaded_executes_on_its_own_schedule(solver, tmp_path):
     """Saved and reloaded, a plan runs with its own schedule and hardware: exact gradients, and
     the tracked peak is the one simulated on that schedule."""

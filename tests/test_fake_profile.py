@@ -24,21 +24,42 @@ def _hf(family: str, dropout: bool):
     """Small configs of the three families, dropout on or off (every probability of the config)."""
     p = 0.1 if dropout else 0.0
     if family == "gpt2":
-        config = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=2, n_positions=64,
-                                         vocab_size=500, resid_pdrop=p, embd_pdrop=p, attn_pdrop=p,
-                                         bos_token_id=0, eos_token_id=0)
+        config = transformers.GPT2Config(
+            n_layer=2,
+            n_embd=64,
+            n_head=2,
+            n_positions=64,
+            vocab_size=500,
+            resid_pdrop=p,
+            embd_pdrop=p,
+            attn_pdrop=p,
+            bos_token_id=0,
+            eos_token_id=0,
+        )
         model = transformers.GPT2LMHeadModel(config)
     elif family == "bert":
-        config = transformers.BertConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=2,
-                                         intermediate_size=256, vocab_size=500,
-                                         max_position_embeddings=64, hidden_dropout_prob=p,
-                                         attention_probs_dropout_prob=p)
+        config = transformers.BertConfig(
+            num_hidden_layers=2,
+            hidden_size=64,
+            num_attention_heads=2,
+            intermediate_size=256,
+            vocab_size=500,
+            max_position_embeddings=64,
+            hidden_dropout_prob=p,
+            attention_probs_dropout_prob=p,
+        )
         model = transformers.BertForMaskedLM(config)
     else:
-        config = transformers.LlamaConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=2,
-                                          num_key_value_heads=1, intermediate_size=172,
-                                          vocab_size=500, max_position_embeddings=64,
-                                          attention_dropout=p)
+        config = transformers.LlamaConfig(
+            num_hidden_layers=2,
+            hidden_size=64,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            intermediate_size=172,
+            vocab_size=500,
+            max_position_embeddings=64,
+            attention_dropout=p,
+        )
         model = transformers.LlamaForCausalLM(config)
     torch.manual_seed(0)
     ids = torch.randint(0, 500, (2, 64))
@@ -94,17 +115,25 @@ def test_faked_for_a_gpu_attention_is_the_fused_kernel_even_with_dropout():
 
 @pytest.mark.slow
 def test_a_meta_model_profiles_and_stays_on_meta():
-    config = transformers.LlamaConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=2,
-                                      num_key_value_heads=1, intermediate_size=172,
-                                      vocab_size=500, max_position_embeddings=64)
+    config = transformers.LlamaConfig(
+        num_hidden_layers=2,
+        hidden_size=64,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        intermediate_size=172,
+        vocab_size=500,
+        max_position_embeddings=64,
+    )
     with torch.device("meta"):
         model = transformers.LlamaForCausalLM(config).train()
     ids = torch.zeros((2, 64), dtype=torch.long)
-    g = ss.profile(model, {"input_ids": ids, "labels": ids}, lambda o: o.loss, fake=True,
-                   hardware="cpu")
+    g = ss.profile(
+        model, {"input_ids": ids, "labels": ids}, lambda o: o.loss, fake=True, hardware="cpu"
+    )
     real_model = transformers.LlamaForCausalLM(config).train()
-    real = ss.profile(real_model, {"input_ids": ids, "labels": ids}, lambda o: o.loss,
-                      warmup=0, repeat=1)
+    real = ss.profile(
+        real_model, {"input_ids": ids, "labels": ids}, lambda o: o.loss, warmup=0, repeat=1
+    )
     assert g.structure_digest == real.structure_digest
     assert all(p.is_meta for p in model.parameters())
     state = g.extra["model_state"]
@@ -142,8 +171,9 @@ def test_a_fake_profile_allocates_no_tensor_memory():
         saved = int(g.tensor_bytes[g.saved].sum())
         print(json.dumps({"grown": (after - before) * 1024, "saved": saved}))
     """)
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                         check=True, timeout=CAP)
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, check=True, timeout=CAP
+    )
     figures = json.loads(out.stdout.strip().splitlines()[-1])
     assert figures["saved"] > 6 * 2**30
     assert figures["grown"] < 300 * 2**20, figures
@@ -152,9 +182,18 @@ def test_a_fake_profile_allocates_no_tensor_memory():
 # ---------------------------------------------------------------- the cost model
 
 # round figures: 100 TFLOP/s at GEMM efficiency 0.5, 1 TB/s at memory efficiency 0.5
-ROUND = ss.Hardware(name="round", d2h_bytes_per_s=1e10, h2d_bytes_per_s=1e10, latency_s=0.0,
-                    duplex=True, peak_flops=1e14, hbm_bytes_per_s=1e12, gemm_efficiency=0.5,
-                    attention_efficiency=0.25, memory_efficiency=0.5)
+ROUND = ss.Hardware(
+    name="round",
+    d2h_bytes_per_s=1e10,
+    h2d_bytes_per_s=1e10,
+    latency_s=0.0,
+    duplex=True,
+    peak_flops=1e14,
+    hbm_bytes_per_s=1e12,
+    gemm_efficiency=0.5,
+    attention_efficiency=0.25,
+    memory_efficiency=0.5,
+)
 
 
 def _fake(*shape):
@@ -193,14 +232,18 @@ def test_an_elementwise_op_costs_its_bytes_over_the_bandwidth_plus_a_launch():
     assert cost.flops == 0 and cost.kind == "memory"
     assert cost.time_s == pytest.approx(8 * 2**20 / 5e11 + 4e-6)
     # views move nothing and launch nothing
-    assert model.cost(torch.ops.aten.view.default, (x, [1024, 1024]), {}, x.view(1024, 1024)).time_s == 0
+    assert (
+        model.cost(torch.ops.aten.view.default, (x, [1024, 1024]), {}, x.view(1024, 1024)).time_s
+        == 0
+    )
 
 
 def test_a_fake_profile_of_a_matmul_chain_is_timed_by_hand():
     """Linear(256, 512) then Linear(512, 128), no bias, on 64 rows: forward mm times 2*64*512*256
     and 2*64*128*512 FLOPs over 5e13, each plus the launch (both compute-bound here)."""
-    model = torch.nn.Sequential(torch.nn.Linear(256, 512, bias=False),
-                                torch.nn.Linear(512, 128, bias=False))
+    model = torch.nn.Sequential(
+        torch.nn.Linear(256, 512, bias=False), torch.nn.Linear(512, 128, bias=False)
+    )
     x = torch.randn(64, 256)
     g = ss.profile(model, x, lambda out: out.sum(), fake=True, hardware=ROUND)
     mms = [op for op in g.ops if op.extra["aten"] == "aten.mm.default"]
@@ -216,11 +259,13 @@ def test_a_fake_profile_of_a_matmul_chain_is_timed_by_hand():
 
 # ---------------------------------------------------------------- fit
 
+
 @pytest.mark.slow
 def test_fit_leaves_the_model_state_aside_and_plans_the_rest():
     model, inputs, loss_fn = _hf("gpt2", True)
-    g = ss.profile(model, inputs, loss_fn, fake=True, hardware=HW, optimizer="adamw",
-                   gradients="held")
+    g = ss.profile(
+        model, inputs, loss_fn, fake=True, hardware=HW, optimizer="adamw", gradients="held"
+    )
     state = g.extra["model_state"]
     keep_all = ss.keep_all_peak(g, HW)
     smallest = ss.smallest_budget(g, HW).budget_bytes
@@ -244,8 +289,10 @@ def test_fit_counts_gradients_made_in_backward_once():
     state = made.extra["model_state"]
     report = ss.fit(made, HW, memory_bytes=10**9)
     # parameters and optimizer state beside; the gradients are in the backward workspaces
-    assert report.activation_memory_bytes == 10**9 - state["parameter_bytes"] - \
-        state["optimizer_state_bytes"]
+    assert (
+        report.activation_memory_bytes
+        == 10**9 - state["parameter_bytes"] - state["optimizer_state_bytes"]
+    )
 
 
 @pytest.mark.slow
@@ -253,11 +300,31 @@ def test_the_command_line_fits_a_config(tmp_path, capsys):
     from slackswap.cli import main
 
     graph, plan = tmp_path / "g.json", tmp_path / "p.json"
-    config = json.dumps({"n_layer": 2, "n_embd": 64, "n_head": 2, "n_positions": 128,
-                         "vocab_size": 1000})
-    rc = main(["fit", "gpt2", "--hf-config", config, "--seq", "128", "--batch", "2",
-               "--hardware", HW, "--memory", "1GB", "--time-limit", "20", "--out", str(graph),
-               "--plan", str(plan)])
+    config = json.dumps(
+        {"n_layer": 2, "n_embd": 64, "n_head": 2, "n_positions": 128, "vocab_size": 1000}
+    )
+    rc = main(
+        [
+            "fit",
+            "gpt2",
+            "--hf-config",
+            config,
+            "--seq",
+            "128",
+            "--batch",
+            "2",
+            "--hardware",
+            HW,
+            "--memory",
+            "1GB",
+            "--time-limit",
+            "20",
+            "--out",
+            str(graph),
+            "--plan",
+            str(plan),
+        ]
+    )
     out = capsys.readouterr().out
     assert rc == 0, out
     assert "memory left for activations" in out and "fits" in out

@@ -35,13 +35,17 @@ def test_valid_graph_loads_and_round_trips(tmp_path):
 def test_alive_until_extends_the_forward_life_and_round_trips():
     """A tensor the model holds past its last reader: its forward life ends at alive_until, the
     field survives JSON, and graphs without it keep their digest."""
-    ops = [op("A", 1.0, 1.0, ["batch"], ["a"]), op("B", 1.0, 1.0, ["a"], ["b"]),
-           op("C", 1.0, 1.0, ["b"], ["c"])]
+    ops = [
+        op("A", 1.0, 1.0, ["batch"], ["a"]),
+        op("B", 1.0, 1.0, ["a"], ["b"]),
+        op("C", 1.0, 1.0, ["b"], ["c"]),
+    ]
     plain = graph(ops, [tensor("a", 100), tensor("b", 10, ["C"]), tensor("c", 1)])
-    held = graph(ops, [dict(tensor("a", 100), alive_until="C"), tensor("b", 10, ["C"]),
-                       tensor("c", 1)])
+    held = graph(
+        ops, [dict(tensor("a", 100), alive_until="C"), tensor("b", 10, ["C"]), tensor("c", 1)]
+    )
     assert plain.last_forward_use.tolist() == [1, 2, 2]  # a: last read by B
-    assert held.last_forward_use.tolist() == [2, 2, 2]   # a: held until C
+    assert held.last_forward_use.tolist() == [2, 2, 2]  # a: held until C
     assert held.digest != plain.digest
     again = ss.load_graph(json.loads(held.to_json()))
     assert again.tensors[0].alive_until == "C" and again.digest == held.digest
@@ -50,26 +54,44 @@ def test_alive_until_extends_the_forward_life_and_round_trips():
     assert ss.keep_all_peak(plain, cpu) < ss.keep_all_peak(held, cpu) == 111
 
 
-@pytest.mark.parametrize("mutate, pattern", [
-    (lambda o, t: o.reverse(), r"op 'B'.*reads tensor 'a' before it is produced"),
-    (lambda o, t: o[0]["inputs"].append("b"), r"op 'A'.*reads tensor 'b' before it is produced.*cycle"),
-    (lambda o, t: t[0].update(saved_for=["Z"]), r"tensor 'a'.*saved_for names unknown op 'Z'"),
-    (lambda o, t: t.append(tensor("orphan", 5)), r"tensor 'orphan'.*no op produces it"),
-    (lambda o, t: o[1]["outputs"].append("ghost"), r"op 'B'.*output 'ghost' is not listed"),
-    (lambda o, t: t[0].update(bytes=-1), r"tensor 'a'.*bytes must be a non-negative integer"),
-    (lambda o, t: t[0].update(bytes=1.5), r"tensor 'a'.*bytes must be a non-negative integer"),
-    (lambda o, t: t[0].update(bytes="100"), r"tensor 'a'.*bytes must be a non-negative integer"),
-    (lambda o, t: o[0].update(forward_s=math.nan), r"op 'A'.*forward_s must be finite"),
-    (lambda o, t: o[1].update(backward_s=math.inf), r"op 'B'.*backward_s must be finite"),
-    (lambda o, t: o[1].update(forward_s=-0.5), r"op 'B'.*forward_s must be finite and >= 0"),
-    (lambda o, t: o.append(op("A", 1.0, 1.0)), r"op 'A'.*duplicate op name"),
-    (lambda o, t: t.append(tensor("a", 3)), r"tensor 'a'.*duplicate tensor name"),
-    (lambda o, t: o[0].update(forward_workspace_bytes=-3), r"op 'A'.*forward_workspace_bytes"),
-    (lambda o, t: t[1].update(saved_for=["A"]), r"tensor 'b'.*names op 'A', which neither produces nor reads it"),
-    (lambda o, t: t[0].update(alive_until="Z"), r"tensor 'a'.*alive_until names unknown op 'Z'"),
-    (lambda o, t: t[1].update(alive_until="A"), r"tensor 'b'.*alive_until names op 'A', which runs before"),
-    (lambda o, t: t[0].update(alive_until=3), r"tensor 'a'.*alive_until must be an op name"),
-])
+@pytest.mark.parametrize(
+    "mutate, pattern",
+    [
+        (lambda o, t: o.reverse(), r"op 'B'.*reads tensor 'a' before it is produced"),
+        (
+            lambda o, t: o[0]["inputs"].append("b"),
+            r"op 'A'.*reads tensor 'b' before it is produced.*cycle",
+        ),
+        (lambda o, t: t[0].update(saved_for=["Z"]), r"tensor 'a'.*saved_for names unknown op 'Z'"),
+        (lambda o, t: t.append(tensor("orphan", 5)), r"tensor 'orphan'.*no op produces it"),
+        (lambda o, t: o[1]["outputs"].append("ghost"), r"op 'B'.*output 'ghost' is not listed"),
+        (lambda o, t: t[0].update(bytes=-1), r"tensor 'a'.*bytes must be a non-negative integer"),
+        (lambda o, t: t[0].update(bytes=1.5), r"tensor 'a'.*bytes must be a non-negative integer"),
+        (
+            lambda o, t: t[0].update(bytes="100"),
+            r"tensor 'a'.*bytes must be a non-negative integer",
+        ),
+        (lambda o, t: o[0].update(forward_s=math.nan), r"op 'A'.*forward_s must be finite"),
+        (lambda o, t: o[1].update(backward_s=math.inf), r"op 'B'.*backward_s must be finite"),
+        (lambda o, t: o[1].update(forward_s=-0.5), r"op 'B'.*forward_s must be finite and >= 0"),
+        (lambda o, t: o.append(op("A", 1.0, 1.0)), r"op 'A'.*duplicate op name"),
+        (lambda o, t: t.append(tensor("a", 3)), r"tensor 'a'.*duplicate tensor name"),
+        (lambda o, t: o[0].update(forward_workspace_bytes=-3), r"op 'A'.*forward_workspace_bytes"),
+        (
+            lambda o, t: t[1].update(saved_for=["A"]),
+            r"tensor 'b'.*names op 'A', which neither produces nor reads it",
+        ),
+        (
+            lambda o, t: t[0].update(alive_until="Z"),
+            r"tensor 'a'.*alive_until names unknown op 'Z'",
+        ),
+        (
+            lambda o, t: t[1].update(alive_until="A"),
+            r"tensor 'b'.*alive_until names op 'A', which runs before",
+        ),
+        (lambda o, t: t[0].update(alive_until=3), r"tensor 'a'.*alive_until must be an op name"),
+    ],
+)
 def test_bad_graphs_are_refused(mutate, pattern):
     ops, tensors = base()
     mutate(ops, tensors)

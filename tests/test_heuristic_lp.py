@@ -83,8 +83,11 @@ def test_heuristic_prefers_hidden_swaps_then_cheap_recomputes():
     # Backward C (10..14) holds b + c = 110, so the prefetch of a (100) cannot start before
     # backward B: it runs 14..15 and backward B waits 1 s. Stall 1.9 s; ideal 18.2 s.
     g = graph(
-        [op("A", 5.0, 5.0, ["x"], ["a"]), op("B", 0.1, 0.1, ["a"], ["b"]),
-         op("C", 4.0, 4.0, ["b"], ["c"])],
+        [
+            op("A", 5.0, 5.0, ["x"], ["a"]),
+            op("B", 0.1, 0.1, ["a"], ["b"]),
+            op("C", 4.0, 4.0, ["b"], ["c"]),
+        ],
         [tensor("a", 100, ["B"]), tensor("b", 100, ["C"]), tensor("c", 10, ["C"])],
     )
     p = ss.solve(g, 200, LINK, solver="heuristic")
@@ -97,25 +100,31 @@ def test_heuristic_prefers_hidden_swaps_then_cheap_recomputes():
 def _two_attention_layers():
     ops, tensors = [], []
     for i in (1, 2):
-        ops += [op(f"qkv{i}", 3.0, 3.0, [f"x{i}"], [f"q{i}", f"k{i}", f"v{i}"]),
-                op(f"attn{i}", 2.0, 2.0, [f"q{i}", f"k{i}", f"v{i}"], [f"a{i}"]),
-                op(f"proj{i}", 1.0, 1.0, [f"a{i}"], [f"x{i + 1}"])]
+        ops += [
+            op(f"qkv{i}", 3.0, 3.0, [f"x{i}"], [f"q{i}", f"k{i}", f"v{i}"]),
+            op(f"attn{i}", 2.0, 2.0, [f"q{i}", f"k{i}", f"v{i}"], [f"a{i}"]),
+            op(f"proj{i}", 1.0, 1.0, [f"a{i}"], [f"x{i + 1}"]),
+        ]
         tensors += [tensor(f"{n}{i}", 10, [f"attn{i}"]) for n in "qkv"]
         tensors += [tensor(f"a{i}", 10, [f"proj{i}"]), tensor(f"x{i + 1}", 1)]
     return graph(ops, tensors)
 
 
-@pytest.mark.parametrize("budget, decisions, overhead, published_overhead", [
-    # keep-all peaks at 81 B (eight saved tensors of 10 B, x3's 1 B). At 60 B at least 21 B must
-    # be off at the peak: q1, k1, v1 (30 B) come back from one rerun of qkv1 (3 s). Priced one
-    # by one (the published rule), a1 is cheapest (2 s for 10 B against 3 s for each of q1, k1,
-    # v1), then q1 with its chain: qkv1 and attn1 rerun, 5 s
-    (60, {"q1": "recompute", "k1": "recompute", "v1": "recompute", "a1": "keep"}, 3.0, 5.0),
-    # at 72 B 9 B are enough: a1 alone (2 s) beats the bundle (3 s); that plan stays
-    (72, {"q1": "keep", "k1": "keep", "v1": "keep", "a1": "recompute"}, 2.0, 2.0),
-])
-def test_tensors_rebuilt_by_one_rerun_are_priced_together(budget, decisions, overhead,
-                                                          published_overhead):
+@pytest.mark.parametrize(
+    "budget, decisions, overhead, published_overhead",
+    [
+        # keep-all peaks at 81 B (eight saved tensors of 10 B, x3's 1 B). At 60 B at least 21 B must
+        # be off at the peak: q1, k1, v1 (30 B) come back from one rerun of qkv1 (3 s). Priced one
+        # by one (the published rule), a1 is cheapest (2 s for 10 B against 3 s for each of q1, k1,
+        # v1), then q1 with its chain: qkv1 and attn1 rerun, 5 s
+        (60, {"q1": "recompute", "k1": "recompute", "v1": "recompute", "a1": "keep"}, 3.0, 5.0),
+        # at 72 B 9 B are enough: a1 alone (2 s) beats the bundle (3 s); that plan stays
+        (72, {"q1": "keep", "k1": "keep", "v1": "keep", "a1": "recompute"}, 2.0, 2.0),
+    ],
+)
+def test_tensors_rebuilt_by_one_rerun_are_priced_together(
+    budget, decisions, overhead, published_overhead
+):
     from slackswap.check.simulate import simulate_decisions
     from slackswap.core.restrict import decision_mask
     from slackswap.planners.heuristic import heuristic_codes
@@ -132,8 +141,10 @@ def test_tensors_rebuilt_by_one_rerun_are_priced_together(budget, decisions, ove
     assert published.step_time_s == pytest.approx(g.ideal_step_time_s + published_overhead)
     # polish=False is the published scheme; the bundled candidate can be asked for alone (the
     # exact planner's start when there is no time for the polish)
-    for options, expected in (({"polish": False}, published_overhead),
-                              ({"polish": False, "bundle_reruns": True}, overhead)):
+    for options, expected in (
+        ({"polish": False}, published_overhead),
+        ({"polish": False, "bundle_reruns": True}, overhead),
+    ):
         q = ss.solve(g, budget, LINK, solver="heuristic", allowed=("keep", "recompute"), **options)
         assert ss.simulate(g, q, LINK).step_time_s == pytest.approx(g.ideal_step_time_s + expected)
 
@@ -157,7 +168,9 @@ def test_lp_bound_hand_case():
 def test_integral_relaxation_is_a_tighter_bound_no_plan_beats(case):
     g, p = case
     fractional = ss.lp_bound(g, p.budget_bytes, LINK)
-    integral = ss.lp_bound(g, p.budget_bytes, LINK, integral=True, max_nodes=5000, time_limit_s=300.0)
+    integral = ss.lp_bound(
+        g, p.budget_bytes, LINK, integral=True, max_nodes=5000, time_limit_s=300.0
+    )
     assert integral.integral and not fractional.integral
     if fractional.status == "infeasible":
         assert integral.status == "infeasible"
@@ -191,8 +204,10 @@ def test_lp_bound_a_copy_starts_only_when_its_producer_ends():
     # so B must wait 0.3 s for 30 B of it to leave (100 B/s), or pay 0.3 of a 1 s rerun: either
     # way the bound is 4 / 4.3 (it was 1.0 when the relaxation let a leave the instant it exists).
     # Real plans lose more: the whole copy must land (B waits 1 s) or A reruns (1 s): 4 / 5.
-    g = graph([op("A", 1, 1, ["x"], ["a"]), op("B", 1, 1, ["x"], ["b"])],
-              [tensor("a", 100, ["A"]), tensor("b", 60)])
+    g = graph(
+        [op("A", 1, 1, ["x"], ["a"]), op("B", 1, 1, ["x"], ["b"])],
+        [tensor("a", 100, ["A"]), tensor("b", 60)],
+    )
     assert ss.lp_bound(g, 130, LINK).retention == pytest.approx(4 / 4.3)
     best = ss.simulate(g, ss.solve(g, 130, LINK, solver="cpsat", gap=0.0), LINK)
     assert best.retention == pytest.approx(4 / 5)
@@ -250,9 +265,14 @@ def test_the_interior_point_bound_stays_below_a_zero_overhead_optimum(monkeypatc
     own scaling): the margin of 1e-6 of the step keeps the bound at or below the optimum."""
     from slackswap.planners import lpbound
 
-    g = graph([op("op0", 1.0, 0.0, [], ["t0"]), op("op1", 0.0, 0.0, [], ["t1"]),
-               op("op2", 0.0, 0.0, [], ["t2"])],
-              [tensor("t0", 1, ["op0"]), tensor("t1", 0), tensor("t2", 0)])
+    g = graph(
+        [
+            op("op0", 1.0, 0.0, [], ["t0"]),
+            op("op1", 0.0, 0.0, [], ["t1"]),
+            op("op2", 0.0, 0.0, [], ["t2"]),
+        ],
+        [tensor("t0", 1, ["op0"]), tensor("t1", 0), tensor("t2", 0)],
+    )
     assert ss.lp_bound(g, 1, LINK).step_time_s == g.ideal_step_time_s == 1.0
     monkeypatch.setattr(lpbound, "IPM_FROM_SLOTS", 0)
     interior = ss.lp_bound(g, 1, LINK)
@@ -264,8 +284,10 @@ def test_whole_departures_see_the_copy_a_fluid_lane_splits():
     # 130 B. The fluid lane frees 30 B of it after a 0.3 s stall (bound 4 / 4.3); a real copy
     # frees a only once all 100 B have left (1 s at 100 B/s), and rerunning A costs 1 s too:
     # with whole departures the bound is the optimum, 4 / 5 (the integral relaxation alone: 4 / 4.3)
-    g = graph([op("A", 1, 1, ["x"], ["a"]), op("B", 1, 1, ["x"], ["b"])],
-              [tensor("a", 100, ["A"]), tensor("b", 60)])
+    g = graph(
+        [op("A", 1, 1, ["x"], ["a"]), op("B", 1, 1, ["x"], ["b"])],
+        [tensor("a", 100, ["A"]), tensor("b", 60)],
+    )
     assert ss.lp_bound(g, 130, LINK, integral=True).retention == pytest.approx(4 / 4.3)
     whole = ss.lp_bound(g, 130, LINK, integral=True, whole_departures=1)
     assert whole.status == "optimal" and whole.retention == pytest.approx(4 / 5)
@@ -276,13 +298,13 @@ LATENCY_LINK = LINK.with_link(name="test-latency", latency_s=0.05)
 
 @pytest.mark.slow
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(graph_and_budget(), st.sampled_from([LINK, HALF_DUPLEX, LATENCY_LINK]),
-       st.integers(0, 3))
+@given(graph_and_budget(), st.sampled_from([LINK, HALF_DUPLEX, LATENCY_LINK]), st.integers(0, 3))
 def test_no_plan_beats_the_whole_departures_bound(case, hw, more):
     """The exact optimum (every schedule position, gap 0) never beats it, on every kind of link."""
     g, budget = case
-    bound = ss.lp_bound(g, budget, hw, integral=True, whole_departures=1 + more,
-                        max_nodes=5000, time_limit_s=300.0)
+    bound = ss.lp_bound(
+        g, budget, hw, integral=True, whole_departures=1 + more, max_nodes=5000, time_limit_s=300.0
+    )
     assert bound.status in ("optimal", "timeout", "infeasible")
     if bound.status == "infeasible":
         return
@@ -296,8 +318,10 @@ def test_no_plan_beats_the_whole_departures_bound(case, hw, more):
 
 @pytest.mark.parametrize("bad, integral", [(1, False), (-1, True), (1.5, True), (True, True)])
 def test_whole_departures_refuses_what_it_cannot_honour(bad, integral):
-    g = graph([op("A", 1, 1, ["x"], ["a"]), op("B", 1, 1, ["x"], ["b"])],
-              [tensor("a", 100, ["A"]), tensor("b", 60)])
+    g = graph(
+        [op("A", 1, 1, ["x"], ["a"]), op("B", 1, 1, ["x"], ["b"])],
+        [tensor("a", 100, ["A"]), tensor("b", 60)],
+    )
     with pytest.raises(ValueError, match="whole_departures"):
         ss.lp_bound(g, 130, LINK, integral=integral, whole_departures=bad)
 
@@ -325,11 +349,22 @@ def test_a_small_cheap_rerun_covers_the_excess_where_the_cheapest_per_byte_is_de
     when it is cheaper than the greedy set (the class behind a real VGG19 profile at 80%
     recompute-only, one op a quarter of the step: 22.7% overhead where 0.17% is optimal)."""
     cpu = ss.hardware("cpu")
-    g = graph([op("A", 0.3, 0.3, ["x"], ["a"]), op("B", 0.04, 0.04, ["a"], ["b"]),
-               op("C", 0.01, 0.01, ["b"], ["c"]), op("M", 0.01, 0.01, ["c"], ["m"]),
-               op("N", 0.01, 0.01, ["m"], ["n"])],
-              [tensor("a", 100, ["B"]), tensor("b", 10, ["C"]), tensor("c", 1, ["M"]),
-               tensor("m", 50, []), tensor("n", 1, [])])
+    g = graph(
+        [
+            op("A", 0.3, 0.3, ["x"], ["a"]),
+            op("B", 0.04, 0.04, ["a"], ["b"]),
+            op("C", 0.01, 0.01, ["b"], ["c"]),
+            op("M", 0.01, 0.01, ["c"], ["m"]),
+            op("N", 0.01, 0.01, ["m"], ["n"]),
+        ],
+        [
+            tensor("a", 100, ["B"]),
+            tensor("b", 10, ["C"]),
+            tensor("c", 1, ["M"]),
+            tensor("m", 50, []),
+            tensor("n", 1, []),
+        ],
+    )
     assert ss.keep_all_peak(g, cpu) == 162
     for budget in (157, 152):
         plan = ss.solve(g, budget, cpu, solver="heuristic")

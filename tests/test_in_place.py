@@ -13,9 +13,15 @@ def masked():
     # reads x and saves it for its backward; op3 makes the output. Rebuilding x reruns op0 then
     # op1: 1 + 2 = 3 s of forward work, against the 2 s of op0 alone a rerun of its producer
     # would count.
-    return graph([op("op0", 1.0, 1.0, [], ["x"]), op("op1", 2.0, 0.0, ["x"], [], writes=["x"]),
-                  op("op2", 4.0, 4.0, ["x"], ["y"]), op("op3", 1.0, 1.0, ["y"], ["z"])],
-                 [tensor("x", 100, ["op2"]), tensor("y", 50, ["op3"]), tensor("z", 10)])
+    return graph(
+        [
+            op("op0", 1.0, 1.0, [], ["x"]),
+            op("op1", 2.0, 0.0, ["x"], [], writes=["x"]),
+            op("op2", 4.0, 4.0, ["x"], ["y"]),
+            op("op3", 1.0, 1.0, ["y"], ["z"]),
+        ],
+        [tensor("x", 100, ["op2"]), tensor("y", 50, ["op3"]), tensor("z", 10)],
+    )
 
 
 def test_a_rebuild_reruns_the_writers_and_costs_their_time():
@@ -31,10 +37,14 @@ def test_a_rebuild_reruns_the_writers_and_costs_their_time():
 
 
 def test_a_writer_that_may_not_run_again_blocks_the_rebuild():
-    g = graph([op("op0", 1.0, 1.0, [], ["x"]),
-               op("op1", 2.0, 0.0, ["x"], [], writes=["x"], recomputable=False),
-               op("op2", 4.0, 4.0, ["x"], ["y"])],
-              [tensor("x", 100, ["op2"]), tensor("y", 50)])
+    g = graph(
+        [
+            op("op0", 1.0, 1.0, [], ["x"]),
+            op("op1", 2.0, 0.0, ["x"], [], writes=["x"], recomputable=False),
+            op("op2", 4.0, 4.0, ["x"], ["y"]),
+        ],
+        [tensor("x", 100, ["op2"]), tensor("y", 50)],
+    )
     assert not g.can_recompute[g.tensor_index["x"]]
     assert "op1" in g.recompute_blocker(g.tensor_index["x"])
     with pytest.raises(ss.PlanError, match="op1"):

@@ -61,8 +61,13 @@ def wait_for(condition, limit_s: float = 60.0, every_s: float = 0.05) -> bool:
 
 def start(solver: str, tmp_path: Path) -> subprocess.Popen:
     env = {**os.environ, "TMPDIR": str(tmp_path)}
-    proc = subprocess.Popen([sys.executable, "-c", SOLVING, solver], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", SOLVING, solver],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     # mid-solve: a native child is running (the MILP's, or an integral relaxation's)
     assert wait_for(lambda: workers_in(tmp_path) or proc.poll() is not None), "no child started"
     assert proc.poll() is None
@@ -85,8 +90,13 @@ def test_a_killed_parent_leaves_no_child_and_no_folder(solver, how, tmp_path):
 @pytest.mark.parametrize("solver", ["cbc", "highs", "cpsat"])
 def test_ctrl_c_ends_the_solve_as_keyboard_interrupt_and_cleans_up(solver, tmp_path):
     env = {**os.environ, "TMPDIR": str(tmp_path)}
-    proc = subprocess.Popen([sys.executable, "-c", SOLVING, solver], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", SOLVING, solver],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     assert proc.stdout.readline().strip() == "solving"
     if solver != "cpsat":
         assert wait_for(lambda: bool(workers_in(tmp_path))), "no child started"

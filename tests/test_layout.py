@@ -11,8 +11,24 @@ import slackswap
 ROOT = Path(slackswap.__file__).parent
 
 # lower layers never import higher ones; runtime sits beside the chain, on core and the checker
-LAYER = {"core": 0, "check": 1, "planners": 2, "solve": 3, "fit": 3, "workloads": 3, "cnn": 3, "plot": 3,
-         "cli": 4, "demo": 4, "distributed": 4, "hf": 4, "lightning": 4, "loop": 4, "refine": 4, "refinements": 4}
+LAYER = {
+    "core": 0,
+    "check": 1,
+    "planners": 2,
+    "solve": 3,
+    "fit": 3,
+    "workloads": 3,
+    "cnn": 3,
+    "plot": 3,
+    "cli": 4,
+    "demo": 4,
+    "distributed": 4,
+    "hf": 4,
+    "lightning": 4,
+    "loop": 4,
+    "refine": 4,
+    "refinements": 4,
+}
 APPLICATION = 4  # the command line and the demo may drive the runtime (profile, apply)
 RUNTIME = "runtime"
 # the checker's whole world: data types and what a budget means, no model, no planner
@@ -36,10 +52,10 @@ def _imports(path: Path, top_only: bool = False) -> set[str]:
     package = mod.split(".") if path.name == "__init__.py" else mod.split(".")[:-1]
     found = set()
     tree = ast.parse(path.read_text())
-    for node in (tree.body if top_only else ast.walk(tree)):
+    for node in tree.body if top_only else ast.walk(tree):
         if isinstance(node, ast.ImportFrom):
             if node.level:
-                base = package[:len(package) - node.level + 1]
+                base = package[: len(package) - node.level + 1]
                 target = ".".join(base + ([node.module] if node.module else []))
             elif node.module and node.module.startswith("slackswap"):
                 target = node.module.removeprefix("slackswap").lstrip(".")
@@ -48,8 +64,9 @@ def _imports(path: Path, top_only: bool = False) -> set[str]:
             names = [a.name for a in node.names]
             for name in names:  # "from . import x" may name a module
                 full = f"{target}.{name}" if target else name
-                found.add(full if (ROOT / full.replace(".", "/")).with_suffix(".py").exists()
-                           else target)
+                found.add(
+                    full if (ROOT / full.replace(".", "/")).with_suffix(".py").exists() else target
+                )
         elif isinstance(node, ast.Import):
             for a in node.names:
                 if a.name.startswith("slackswap."):
@@ -83,8 +100,7 @@ def test_no_import_goes_up_the_chain():
             if mine == RUNTIME:
                 # the runtime runs no plan the checker refuses: it may ask the checker; and it
                 # replays its log through the simulator's rules (runtime/positions.py)
-                ok = theirs == RUNTIME or theirs == 0 or dep in ("check.validate",
-                                                                  "check.simulate")
+                ok = theirs == RUNTIME or theirs == 0 or dep in ("check.validate", "check.simulate")
             elif theirs == RUNTIME:
                 ok = mine == APPLICATION
             else:

@@ -29,9 +29,17 @@ def _language_model():
         def __init__(self):
             super().__init__()
             torch.manual_seed(0)
-            self.model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
-                n_layer=2, n_embd=128, n_head=2, n_positions=128, vocab_size=1000,
-                bos_token_id=0, eos_token_id=0))  # dropout 0.1 throughout
+            self.model = transformers.GPT2LMHeadModel(
+                transformers.GPT2Config(
+                    n_layer=2,
+                    n_embd=128,
+                    n_head=2,
+                    n_positions=128,
+                    vocab_size=1000,
+                    bos_token_id=0,
+                    eos_token_id=0,
+                )
+            )  # dropout 0.1 throughout
 
         def training_step(self, batch, batch_idx):
             return self.model(input_ids=batch, labels=batch).loss
@@ -55,10 +63,19 @@ def _data(n: int, seed: int):
 def _fit(callbacks):
     pl = _lightning()
     module = _language_model()()
-    trainer = pl.Trainer(max_steps=8, accumulate_grad_batches=2, accelerator="cpu", devices=1,
-                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                         enable_model_summary=False, val_check_interval=4,
-                         limit_val_batches=2, callbacks=callbacks)
+    trainer = pl.Trainer(
+        max_steps=8,
+        accumulate_grad_batches=2,
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        val_check_interval=4,
+        limit_val_batches=2,
+        callbacks=callbacks,
+    )
     pl.seed_everything(0, verbose=False)
     trainer.fit(module, train_dataloaders=_data(16, 1), val_dataloaders=_data(2, 2))
     return module
@@ -69,7 +86,6 @@ def test_a_planned_fit_ends_with_the_weights_of_a_plain_one():
     callback = ss.lightning.SlackSwapCallback(budget=0.5, refine_solver=None)
     peaks = []
     end_step = None
-
 
     def record():  # the executor's tracked peak of each planned batch, against its budget
         end_step()
@@ -104,8 +120,14 @@ def test_manual_optimization_is_refused():
             super().__init__()
             self.automatic_optimization = False
 
-    trainer = pl.Trainer(max_steps=1, accelerator="cpu", logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False,
-                         callbacks=[ss.lightning.SlackSwapCallback(budget=0.5, refine_solver=None)])
+    trainer = pl.Trainer(
+        max_steps=1,
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[ss.lightning.SlackSwapCallback(budget=0.5, refine_solver=None)],
+    )
     with pytest.raises(ValueError, match="manual optimization"):
         trainer.fit(Manual(), train_dataloaders=_data(2, 1))

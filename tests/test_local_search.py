@@ -19,8 +19,11 @@ def unhidden_copy_graph():
     # A -> a (300 B, saved for B); B reads a -> b (10 B); C reads b -> c (10 B).
     # Forward A 0..1, B 1..2, C 2..2.5; backward C, B, A take 0.5, 1, 1: ideal step 5 s.
     return graph(
-        [op("A", 1.0, 1.0, ["batch"], ["a"]), op("B", 1.0, 1.0, ["a"], ["b"]),
-         op("C", 0.5, 0.5, ["b"], ["c"])],
+        [
+            op("A", 1.0, 1.0, ["batch"], ["a"]),
+            op("B", 1.0, 1.0, ["a"], ["b"]),
+            op("C", 0.5, 0.5, ["b"], ["c"]),
+        ],
         [tensor("a", 300, ["B"]), tensor("b", 10), tensor("c", 10)],
     )
 
@@ -78,10 +81,17 @@ def test_random_groups_move_together():
     # A draws two dropout masks from one RNG stream (100 B each, saved for B); B -> b (100 B,
     # saved for C); C -> c. Ideal: 0.1 + 1 + 0.1 forward, the same backward = 2.4 s.
     g = graph(
-        [op("A", 0.1, 0.1, ["batch"], ["m1", "m2"]), op("B", 1.0, 1.0, ["m1", "m2"], ["b"]),
-         op("C", 0.1, 0.1, ["b"], ["c"])],
-        [tensor("m1", 100, ["B"], group="rng"), tensor("m2", 100, ["B"], group="rng"),
-         tensor("b", 100, ["C"]), tensor("c", 10)],
+        [
+            op("A", 0.1, 0.1, ["batch"], ["m1", "m2"]),
+            op("B", 1.0, 1.0, ["m1", "m2"], ["b"]),
+            op("C", 0.1, 0.1, ["b"], ["c"]),
+        ],
+        [
+            tensor("m1", 100, ["B"], group="rng"),
+            tensor("m2", 100, ["B"], group="rng"),
+            tensor("b", 100, ["C"]),
+            tensor("c", 10),
+        ],
     )
     # budget 300 B: keeping both masks peaks at m1 + m2 + b + c = 310 B at forward C; keep m1
     # and swap m2 fits but the 1 s prefetch of m2 behind a 0.1 s backward C stalls (3.3 s);
@@ -128,8 +138,9 @@ def test_a_work_limit_gives_the_same_plan_whatever_the_clock():
     budget = ss.parse_budget(0.3, g, hw)
     start = recompute_all_codes(g)
     work = 40 * g.n_slots
-    runs = [improve(g, hw, budget, start, time_limit_s=limit, max_work=work)
-            for limit in (60.0, 3600.0)]
+    runs = [
+        improve(g, hw, budget, start, time_limit_s=limit, max_work=work) for limit in (60.0, 3600.0)
+    ]
     assert np.array_equal(runs[0].codes, runs[1].codes)
     assert runs[0].evaluations == runs[1].evaluations and runs[0].moves == runs[1].moves
     assert not runs[0].complete and work <= runs[0].work <= work + g.n_slots

@@ -77,8 +77,10 @@ def test_the_loop_plans_per_bucket_switches_between_steps_and_keeps_gradients():
         plan = loop.plan_for(x)
         assert plan.count("swap") == 0  # a CPU device: keep and recompute only
         assert plan.info.predicted_step_time_s <= next(
-            s.predicted_step_time_s for s in first if s.bucket == bucket_of(((tuple(x.shape),
-                                                                              str(x.dtype)),)))
+            s.predicted_step_time_s
+            for s in first
+            if s.bucket == bucket_of(((tuple(x.shape), str(x.dtype)),))
+        )
     assert 0 < peaks
 
 
@@ -139,8 +141,10 @@ def test_parameters_the_loss_function_holds_get_plain_gradients():
     with ss.planned(looped_model, loss_of(1), 0.8, refine_solver=None) as loop:
         for x in data:
             loop.step(x)
-    for a, b in zip([*plain_model.parameters(), *heads[0].parameters(), temps[0]],
-                    [*looped_model.parameters(), *heads[1].parameters(), temps[1]]):
+    for a, b in zip(
+        [*plain_model.parameters(), *heads[0].parameters(), temps[0]],
+        [*looped_model.parameters(), *heads[1].parameters(), temps[1]],
+    ):
         assert torch.equal(a.grad, b.grad)
 
 
@@ -184,8 +188,10 @@ class TopOne(torch.nn.Module):
     def __init__(self):
         super().__init__()
         self.router = torch.nn.Linear(16, 2)
-        self.experts = torch.nn.ModuleList(torch.nn.Sequential(
-            torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 16)) for _ in range(2))
+        self.experts = torch.nn.ModuleList(
+            torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 16))
+            for _ in range(2)
+        )
 
     def forward(self, x):
         choice = int(self.router(x).mean(0).argmax())
@@ -269,8 +275,9 @@ def test_a_profile_taken_while_a_refinement_runs_is_not_slowed_by_it():
     torch.set_num_threads(1)  # one core's worth: the same share whatever else the machine runs
 
     def ideal() -> float:  # the fastest of three profiles: noise only ever slows one
-        return min(ss.profile(model, x, loss_fn, warmup=1, repeat=3).ideal_step_time_s
-                   for _ in range(3))
+        return min(
+            ss.profile(model, x, loss_fn, warmup=1, repeat=3).ideal_step_time_s for _ in range(3)
+        )
 
     alone = ideal()
     hw = ss.hardware("a100-80gb-pcie4")
@@ -281,8 +288,11 @@ def test_a_profile_taken_while_a_refinement_runs_is_not_slowed_by_it():
         root = refinements.running.proc.pid
         time.sleep(3)  # it is searching
         with refinements.paused() as stopped:
-            states = [open(f"/proc/{pid}/stat").read().rsplit(")", 1)[-1].split()[0]
-                      for pid in process_tree(root) if _alive(pid)]
+            states = [
+                open(f"/proc/{pid}/stat").read().rsplit(")", 1)[-1].split()[0]
+                for pid in process_tree(root)
+                if _alive(pid)
+            ]
             assert root in stopped and states and set(states) == {"T"}
             during = ideal()
         assert _alive(root)  # it goes on afterwards

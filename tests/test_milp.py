@@ -55,7 +55,8 @@ def test_backends_agree_and_plans_check_out(case):
         assert p.info.predicted_step_time_s == pytest.approx(sim.step_time_s, rel=1e-12)
         assert p.info.objective >= sim.step_time_s * (1 - 1e-12)
         assert p.info.objective == pytest.approx(
-            sim.step_time_s, rel=0.01, abs=1e-7 * span * (2 * g.n_ops + 2 * len(g.saved)) + 1e-15)
+            sim.step_time_s, rel=0.01, abs=1e-7 * span * (2 * g.n_ops + 2 * len(g.saved)) + 1e-15
+        )
         objectives[solver] = p.info.objective
     # their optima agree to the rounding: CP-SAT's time unit is 10x finer (span / 1e8, exact
     # integers) than CBC's, HiGHS's and SCIP's (span / 1e7), so each objective is within the coarser
@@ -116,13 +117,24 @@ def test_exhaustive_search_never_beats_the_solver(case):
 @pytest.mark.slow
 def test_exhaustive_seven_tensors():
     # a chain with a skip: 7 saved tensors, 3^7 decision vectors
-    ops = [op("A", 1.0, 2.0, ["x"], ["a"]), op("B", 0.2, 0.4, ["a"], ["b"]),
-           op("C", 2.0, 4.0, ["b"], ["c"]), op("D", 0.1, 0.2, ["c", "a"], ["d"]),
-           op("E", 1.5, 3.0, ["d"], ["e"]), op("F", 0.1, 0.3, ["e"], ["f"]),
-           op("G", 1.0, 2.0, ["f"], ["g"])]
-    tensors = [tensor("a", 300, ["B"]), tensor("b", 100, ["C"]), tensor("c", 300, ["D"]),
-               tensor("d", 100, ["E"]), tensor("e", 300, ["F"]), tensor("f", 100, ["G"]),
-               tensor("g", 50, ["G"])]
+    ops = [
+        op("A", 1.0, 2.0, ["x"], ["a"]),
+        op("B", 0.2, 0.4, ["a"], ["b"]),
+        op("C", 2.0, 4.0, ["b"], ["c"]),
+        op("D", 0.1, 0.2, ["c", "a"], ["d"]),
+        op("E", 1.5, 3.0, ["d"], ["e"]),
+        op("F", 0.1, 0.3, ["e"], ["f"]),
+        op("G", 1.0, 2.0, ["f"], ["g"]),
+    ]
+    tensors = [
+        tensor("a", 300, ["B"]),
+        tensor("b", 100, ["C"]),
+        tensor("c", 300, ["D"]),
+        tensor("d", 100, ["E"]),
+        tensor("e", 300, ["F"]),
+        tensor("f", 100, ["G"]),
+        tensor("g", 50, ["G"]),
+    ]
     g = graph(ops, tensors)
     lo, hi = ss.min_budget(g, LINK), ss.keep_all_peak(g, LINK)
     budget = lo + (hi - lo) // 3
@@ -138,8 +150,9 @@ def test_the_models_own_bound_less_its_rounding_is_below_every_plan(case):
     bound, less what that can add to a plan (Formulation.rounding_units), is a proof:
     exhaustive search over every decision finds no plan below it."""
     g, budget = case
-    p = ss.solve(g, budget, LINK, solver="cpsat", gap=0.0, warm_start=False, full=True,
-                 strategy="whole")
+    p = ss.solve(
+        g, budget, LINK, solver="cpsat", gap=0.0, warm_start=False, full=True, strategy="whole"
+    )
     milp_bound = p.info.extra.get("milp_bound_s")
     assert milp_bound is not None
     best = None
@@ -154,7 +167,7 @@ def test_the_models_own_bound_less_its_rounding_is_below_every_plan(case):
     # default schedules searched above) is within the rounding's few time units of it
     f_unit = (g.ideal_step_time_s + sum(2 * g.tensors[t].bytes / 100.0 for t in g.saved)) / 1e8
     slack = p.info.predicted_step_time_s - milp_bound
-    assert slack <= f_unit * (2 * g.n_ops + 2 * len(g.saved) + 3 * g.n_ops ** 2 + 2) + 1e-15
+    assert slack <= f_unit * (2 * g.n_ops + 2 * len(g.saved) + 3 * g.n_ops**2 + 2) + 1e-15
 
 
 def test_rounding_taken_off_the_bound_counts_reruns_a_plan_can_afford():
@@ -165,9 +178,14 @@ def test_rounding_taken_off_the_bound_counts_reruns_a_plan_can_afford():
     of them (1.67 units); with no plan known, every rerun the model has."""
     from slackswap.planners.exact.formulate import formulate
 
-    g = graph([op("A", 1.0, 2.0, ["x"], ["a"]), op("B", 1.0, 2.0, ["a"], ["b"]),
-               op("C", 0.0, 0.0, ["b"], ["c"])],
-              [tensor("a", 100, ["B"]), tensor("b", 100, ["C"]), tensor("c", 100, ["C"])])
+    g = graph(
+        [
+            op("A", 1.0, 2.0, ["x"], ["a"]),
+            op("B", 1.0, 2.0, ["a"], ["b"]),
+            op("C", 0.0, 0.0, ["b"], ["c"]),
+        ],
+        [tensor("a", 100, ["B"]), tensor("b", 100, ["C"]), tensor("c", 100, ["C"])],
+    )
     f = formulate(g, LINK, ss.keep_all_peak(g, LINK), full=True, fine_time=True)
     unit = f.scaling.time_unit
     assert unit == pytest.approx(12.0 / 1e8)
@@ -179,8 +197,7 @@ def test_rounding_taken_off_the_bound_counts_reruns_a_plan_can_afford():
     ideal = g.ideal_step_time_s
     assert f.rounding_units(ideal + 0.5) == pytest.approx(fixed + 1.0 + 0.5 * one, abs=1e-6)
     assert f.rounding_units(ideal + 2.5) == pytest.approx(fixed + 1.0 + 2.5 * one, abs=1e-6)
-    assert f.rounding_units(None) == pytest.approx(fixed + 1.0 + one_second_reruns * one,
-                                                   abs=1e-6)
+    assert f.rounding_units(None) == pytest.approx(fixed + 1.0 + one_second_reruns * one, abs=1e-6)
 
 
 @pytest.mark.slow
@@ -195,7 +212,9 @@ def test_the_proof_round_proves_a_cnn_plan_with_swaps():
     assert p.info.status == "optimal", p.info.extra.get("proof_round")
     assert p.info.overhead_gap <= 0.01
     assert p.info.extra["proof_round"]["bound_s"] >= p.info.predicted_step_time_s * (1 - 1e-4)
-    windows = ss.solve(g, 0.9, hw, solver="cpsat", work_s=60, time_limit_s=CAP, full=False, departure=False)
+    windows = ss.solve(
+        g, 0.9, hw, solver="cpsat", work_s=60, time_limit_s=CAP, full=False, departure=False
+    )
     assert "proof_round" not in windows.info.extra and windows.info.status != "optimal"
     assert windows.info.predicted_step_time_s == pytest.approx(p.info.predicted_step_time_s)
 
@@ -212,17 +231,23 @@ def test_timeout_returns_a_plan_no_worse_than_heuristic():
 
 
 def test_infeasible_budget_names_the_minimum():
-    g = graph([op("A", 1, 1, ["x"], ["a"]), op("B", 1, 1, ["a"], ["b"])],
-              [tensor("a", 100, ["B"]), tensor("b", 10, ["B"])])
+    g = graph(
+        [op("A", 1, 1, ["x"], ["a"]), op("B", 1, 1, ["a"], ["b"])],
+        [tensor("a", 100, ["B"]), tensor("b", 10, ["B"])],
+    )
     with pytest.raises(ss.InfeasibleBudget) as info:
         ss.solve(g, 109, LINK, solver="cpsat")
     assert info.value.min_budget_bytes == 110
 
 
 def test_compare_rows():
-    g = graph([op("A", 1, 1, ["x"], ["a"]), op("B", 3, 3, ["x"], ["b"]), op("C", 1, 1, ["x"], ["c"])],
-              [tensor("a", 100, ["A"]), tensor("b", 10, ["B"]), tensor("c", 100, ["C"])])
-    rows = ss.compare(g, 110, LINK, solvers=("heuristic", "cpsat", "cbc", "highs", "scip", "keep-all"))
+    g = graph(
+        [op("A", 1, 1, ["x"], ["a"]), op("B", 3, 3, ["x"], ["b"]), op("C", 1, 1, ["x"], ["c"])],
+        [tensor("a", 100, ["A"]), tensor("b", 10, ["B"]), tensor("c", 100, ["C"])],
+    )
+    rows = ss.compare(
+        g, 110, LINK, solvers=("heuristic", "cpsat", "cbc", "highs", "scip", "keep-all")
+    )
     by = {r["solver"]: r for r in rows}
     assert set(by) == {"heuristic", "cpsat", "cbc", "highs", "scip", "keep-all"}
     for name in ("cpsat", "cbc", "highs", "scip"):
@@ -239,8 +264,6 @@ def test_unknown_solver_is_refused():
         ss.solve(g, 1.0, LINK, solver="gurobi")
 
 
-
-
 @pytest.mark.slow
 def test_sizes_without_a_common_unit_still_prove_and_bound_every_plan():
     """Sizes that share no unit and span more than BYTE_RANGE units (gcd 1, 3,000,017 bytes the
@@ -250,14 +273,33 @@ def test_sizes_without_a_common_unit_still_prove_and_bound_every_plan():
     from slackswap.planners.exact.formulate import BYTE_RANGE, formulate
 
     fast = LINK.with_link(d2h_bytes_per_s=1e6, h2d_bytes_per_s=1e6)  # 3 s for the largest
-    ops = [op("A", 1.0, 2.0, ["x"], ["a"]), op("B", 0.2, 0.4, ["a"], ["b"]),
-           op("C", 2.0, 4.0, ["b"], ["c"]), op("D", 0.1, 0.2, ["c", "a"], ["d"]),
-           op("E", 1.5, 3.0, ["d"], ["e"]), op("F", 0.1, 0.3, ["e"], ["f"]),
-           op("G", 1.0, 2.0, ["f"], ["g"])]
-    sizes = {"a": 3_000_017, "b": 1_000_003, "c": 2_999_999, "d": 999_983, "e": 3_000_001,
-             "f": 1_000_001, "g": 500_009}
-    users = {"a": ["B", "D"], "b": ["C"], "c": ["D"], "d": ["E"], "e": ["F"], "f": ["G"],
-             "g": ["G"]}
+    ops = [
+        op("A", 1.0, 2.0, ["x"], ["a"]),
+        op("B", 0.2, 0.4, ["a"], ["b"]),
+        op("C", 2.0, 4.0, ["b"], ["c"]),
+        op("D", 0.1, 0.2, ["c", "a"], ["d"]),
+        op("E", 1.5, 3.0, ["d"], ["e"]),
+        op("F", 0.1, 0.3, ["e"], ["f"]),
+        op("G", 1.0, 2.0, ["f"], ["g"]),
+    ]
+    sizes = {
+        "a": 3_000_017,
+        "b": 1_000_003,
+        "c": 2_999_999,
+        "d": 999_983,
+        "e": 3_000_001,
+        "f": 1_000_001,
+        "g": 500_009,
+    }
+    users = {
+        "a": ["B", "D"],
+        "b": ["C"],
+        "c": ["D"],
+        "d": ["E"],
+        "e": ["F"],
+        "f": ["G"],
+        "g": ["G"],
+    }
     g = graph(ops, [tensor(t, sizes[t], users[t]) for t in sizes])
     lo, hi = ss.min_budget(g, fast), ss.keep_all_peak(g, fast)
     budget = lo + (hi - lo) // 3
@@ -280,8 +322,10 @@ def test_the_exact_plan_is_never_slower_than_its_start_on_tiny_op_times():
     """Ops of 3.45e-202 s (a case hypothesis found): the MILP's plan was taken over the warm
     start although 33% slower, being within an absolute 1e-12 s of it."""
     t = 3.4531147189067924e-202
-    g = graph([op("op0", t, 0.0, [], ["t0_0", "t0_1"]), op("op1", t, 0.0, [], ["t1_0"])],
-              [tensor("t0_0", 1, ["op0"]), tensor("t0_1", 0, []), tensor("t1_0", 1, ["op1"])])
+    g = graph(
+        [op("op0", t, 0.0, [], ["t0_0", "t0_1"]), op("op1", t, 0.0, [], ["t1_0"])],
+        [tensor("t0_0", 1, ["op0"]), tensor("t0_1", 0, []), tensor("t1_0", 1, ["op1"])],
+    )
     for budget in range(ss.min_budget(g, LINK), ss.keep_all_peak(g, LINK) + 1):
         best = ss.simulate(g, ss.solve(g, budget, LINK, solver="cpsat", gap=0.0), LINK)
         heuristic = ss.simulate(g, ss.solve(g, budget, LINK, solver="heuristic"), LINK)

@@ -39,13 +39,13 @@ def test_a_plan_fits_the_reported_minimum_and_none_below_a_proven_one(g):
         smallest = ss.smallest_budget(g, hw, allowed=allowed)
         assert smallest.lower_bytes <= smallest.budget_bytes
         assert offload_floor(g, hw) <= smallest.lower_bytes
-        plan = ss.solve(g, smallest.budget_bytes, hw, allowed=allowed, work_s=2,
-                        time_limit_s=CAP)
+        plan = ss.solve(g, smallest.budget_bytes, hw, allowed=allowed, work_s=2, time_limit_s=CAP)
         assert ss.validate(g, plan).ok
         if smallest.proven and smallest.budget_bytes > 0:
             with pytest.raises(ss.InfeasibleBudget) as info:
-                ss.solve(g, smallest.budget_bytes - 1, hw, allowed=allowed, work_s=2,
-                         time_limit_s=CAP)
+                ss.solve(
+                    g, smallest.budget_bytes - 1, hw, allowed=allowed, work_s=2, time_limit_s=CAP
+                )
             assert info.value.min_budget_bytes == smallest.budget_bytes
 
 

@@ -14,12 +14,15 @@ def two_sizes():
     # makes w (300 B) from z (10 B). Keep-all peak, at op3's forward: x + y + z + w = 760 B. At
     # 720 B something must leave: x alone would do (710 B) but may not be swapped, and op0 (its
     # producer) is not recomputable, so y goes (swapped or recomputed).
-    return graph([op("op0", 1.0, 1.0, [], ["x"], recomputable=False),
-                  op("op1", 4.0, 1.0, ["x"], ["y"]),
-                  op("op2", 9.0, 9.0, ["y"], ["z"]),
-                  op("op3", 9.0, 9.0, ["z"], ["w"])],
-                 [tensor("x", 50, ["op1"]), tensor("y", 400, ["op2"]), tensor("z", 10),
-                  tensor("w", 300)])
+    return graph(
+        [
+            op("op0", 1.0, 1.0, [], ["x"], recomputable=False),
+            op("op1", 4.0, 1.0, ["x"], ["y"]),
+            op("op2", 9.0, 9.0, ["y"], ["z"]),
+            op("op3", 9.0, 9.0, ["z"], ["w"]),
+        ],
+        [tensor("x", 50, ["op1"]), tensor("y", 400, ["op2"]), tensor("z", 10), tensor("w", 300)],
+    )
 
 
 def test_presets_name_their_source():
@@ -50,8 +53,10 @@ def test_the_checker_refuses_a_swap_under_the_minimum():
     p = plan(g, {"x": "swap", "y": "keep"}, 760, hw=SMALL_LINK)
     check = ss.validate(g, p)
     assert not check.ok
-    assert any("'x' (50 bytes) is 'swap'" in str(v) and "min_swap_bytes" in str(v)
-               for v in check.violations)
+    assert any(
+        "'x' (50 bytes) is 'swap'" in str(v) and "min_swap_bytes" in str(v)
+        for v in check.violations
+    )
     assert ss.validate(g, plan(g, {"x": "keep", "y": "swap"}, 760, hw=SMALL_LINK)).ok
 
 

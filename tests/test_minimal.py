@@ -21,7 +21,8 @@ def turned_back(g, p, names):
     schedule = ss.Schedule(
         d2h_free={k: v for k, v in s.d2h_free.items() if k not in names},
         h2d_issue={k: v for k, v in s.h2d_issue.items() if k not in names},
-        recompute_at={k: v for k, v in s.recompute_at.items() if k not in names})
+        recompute_at={k: v for k, v in s.recompute_at.items() if k not in names},
+    )
     return replace(p, decisions=decisions, schedule=schedule)
 
 
@@ -33,8 +34,13 @@ def moves(g, p):
             out.append((name,))
         elif d == "recompute":
             t = g.tensor_index[name]
-            unit = tuple(sorted(g.tensors[u].name for u in g.group_of(t)
-                                if p.decisions[g.tensors[u].name] == "recompute"))
+            unit = tuple(
+                sorted(
+                    g.tensors[u].name
+                    for u in g.group_of(t)
+                    if p.decisions[g.tensors[u].name] == "recompute"
+                )
+            )
             if unit not in out:
                 out.append(unit)
     return out
@@ -45,16 +51,19 @@ def assert_minimal(g, p, hw=LINK):
     assert sim.fits
     for unit in moves(g, p):
         other = ss.simulate(g, turned_back(g, p, set(unit)), hw)
-        assert not (other.fits and other.step_time_s <= sim.step_time_s * (1 + 1e-12)), \
+        assert not (other.fits and other.step_time_s <= sim.step_time_s * (1 + 1e-12)), (
             f"{unit} could stay on the device: step {other.step_time_s} <= {sim.step_time_s}"
+        )
 
 
 def test_a_hidden_swap_the_budget_does_not_need_is_kept():
     # a (100 B) is saved for op1's backward; b (50 B) is op1's output. Keep-all peak: a and b
     # together, 150 B. Swapping a takes 1 s each way (100 B at 100 B/s), hidden behind op1's 2 s
     # forward and op1's 3 s backward: free in the model. At 150 B the budget needs nothing moved.
-    g = graph([op("op0", 1.0, 1.0, [], ["a"]), op("op1", 2.0, 3.0, ["a"], ["b"])],
-              [tensor("a", 100, ["op1"]), tensor("b", 50, ["op1"])])
+    g = graph(
+        [op("op0", 1.0, 1.0, [], ["a"]), op("op1", 2.0, 3.0, ["a"], ["b"])],
+        [tensor("a", 100, ["op1"]), tensor("b", 50, ["op1"])],
+    )
     assert ss.keep_all_peak(g, LINK) == 150
     for solver in SOLVERS:
         p = ss.solve(g, 150, LINK, solver=solver, work_s=5, time_limit_s=CAP)
@@ -73,8 +82,7 @@ def test_budget_at_the_keep_all_peak_keeps_everything_with_every_solver(name):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name,budget", [("bert-large", 0.7), ("llama-7b", 0.5),
-                                         ("gpt2-xl", 0.5)])
+@pytest.mark.parametrize("name,budget", [("bert-large", 0.7), ("llama-7b", 0.5), ("gpt2-xl", 0.5)])
 def test_reference_plans_are_minimal(name, budget):
     g = ss.workload(name)
     for solver in ("heuristic", "cpsat"):
@@ -83,7 +91,9 @@ def test_reference_plans_are_minimal(name, budget):
         assert_minimal(g, p, p.hardware)
 
 
-@pytest.mark.parametrize("seed", [0] + [pytest.param(s, marks=pytest.mark.slow) for s in range(1, 6)])
+@pytest.mark.parametrize(
+    "seed", [0] + [pytest.param(s, marks=pytest.mark.slow) for s in range(1, 6)]
+)
 def test_seeded_plans_are_minimal_and_keep_their_proof(seed):
     g = seeded_graph(seed)
     peak = ss.keep_all_peak(g, LINK)
@@ -115,6 +125,7 @@ def test_pins_and_allowed_are_not_turned_back():
     p = ss.solve(g, peak, LINK, solver="heuristic", pins={name: "swap"})
     assert p.decisions[name] == "swap"
     assert all(d == "keep" for n, d in p.decisions.items() if n != name)
-    p = ss.solve(g, peak, LINK, solver="cpsat", allowed=("swap", "recompute"), work_s=5,
-                 time_limit_s=CAP)
+    p = ss.solve(
+        g, peak, LINK, solver="cpsat", allowed=("swap", "recompute"), work_s=5, time_limit_s=CAP
+    )
     assert "keep" not in p.decisions.values()

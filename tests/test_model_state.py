@@ -28,8 +28,9 @@ class FunctionalBN(nn.Module):
         self.head = nn.Linear(c * 8 * 8, 4)
 
     def forward(self, x):
-        y = torch.nn.functional.batch_norm(self.conv(x), self.mean, self.var, self.weight,
-                                           self.bias, training=True, momentum=0.3)
+        y = torch.nn.functional.batch_norm(
+            self.conv(x), self.mean, self.var, self.weight, self.bias, training=True, momentum=0.3
+        )
         return self.head(torch.relu(y).flatten(1))
 
 
@@ -48,14 +49,21 @@ class Counter(nn.Module):
 
 
 def sequential_bn():
-    return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
-                         nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8, momentum=None),
-                         nn.ReLU(), nn.Flatten(), nn.Linear(8 * 8 * 8, 4)), torch.randn(4, 3, 8, 8)
+    return nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1),
+        nn.BatchNorm2d(8),
+        nn.ReLU(),
+        nn.Conv2d(8, 8, 3, padding=1),
+        nn.BatchNorm2d(8, momentum=None),
+        nn.ReLU(),
+        nn.Flatten(),
+        nn.Linear(8 * 8 * 8, 4),
+    ), torch.randn(4, 3, 8, 8)
 
 
 def nested_bn():
-    block = lambda: nn.ModuleDict({"conv": nn.Conv2d(8, 8, 3, padding=1),  # noqa: E731
-                                   "norm": nn.BatchNorm2d(8)})
+    def block():
+        return nn.ModuleDict({"conv": nn.Conv2d(8, 8, 3, padding=1), "norm": nn.BatchNorm2d(8)})
 
     class Nested(nn.Module):
         def __init__(self):
@@ -83,8 +91,10 @@ LAYOUTS = {
 
 def recompute_everything(graph):
     """Every saved tensor the graph lets be recomputed is: the plan most likely to rerun state."""
-    decisions = {graph.tensors[int(t)].name: "recompute" if graph.can_recompute[t] else "keep"
-                 for t in graph.saved}
+    decisions = {
+        graph.tensors[int(t)].name: "recompute" if graph.can_recompute[t] else "keep"
+        for t in graph.saved
+    }
     return ss.complete(ss.Plan(graph.name, graph.digest, 10**12, decisions), graph, HW)
 
 

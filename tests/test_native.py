@@ -22,19 +22,30 @@ def _worker(tmp_path, body: str):
 
 
 def test_a_crashing_solver_is_an_error_not_a_dead_interpreter(tmp_path, monkeypatch):
-    monkeypatch.setattr(native, "WORKER", _worker(
-        tmp_path, "import os, signal\nos.kill(os.getpid(), signal.SIGSEGV)\n"))
+    monkeypatch.setattr(
+        native,
+        "WORKER",
+        _worker(tmp_path, "import os, signal\nos.kill(os.getpid(), signal.SIGSEGV)\n"),
+    )
     with pytest.raises(native.NativeSolverError, match="SIGSEGV"):
         native.run_in_child("pulp", {}, None, 10.0)
 
 
 def test_the_deadline_kills_the_solver_and_its_children(tmp_path, monkeypatch):
     pids = tmp_path / "pids"
-    monkeypatch.setattr(native, "WORKER", _worker(tmp_path, (
-        "import os, subprocess, sys, time\n"
-        "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
-        f"open({str(pids)!r}, 'w').write(f'{{os.getpid()}} {{child.pid}}')\n"
-        "time.sleep(60)\n")))
+    monkeypatch.setattr(
+        native,
+        "WORKER",
+        _worker(
+            tmp_path,
+            (
+                "import os, subprocess, sys, time\n"
+                "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
+                f"open({str(pids)!r}, 'w').write(f'{{os.getpid()}} {{child.pid}}')\n"
+                "time.sleep(60)\n"
+            ),
+        ),
+    )
     start = time.perf_counter()
     with pytest.raises(native.NativeTimeout):
         native.run_in_child("pulp", {}, None, 1.0)
@@ -56,19 +67,28 @@ def test_a_crashing_interior_point_solver_leaves_the_lp_bound_to_highs(tmp_path,
 
     g = seeded_graph(5, n_ops=10)
     simplex = ss.lp_bound(g, 0.5, LINK)
-    monkeypatch.setattr(native, "WORKER", _worker(
-        tmp_path, "import os, signal\nos.kill(os.getpid(), signal.SIGSEGV)\n"))
+    monkeypatch.setattr(
+        native,
+        "WORKER",
+        _worker(tmp_path, "import os, signal\nos.kill(os.getpid(), signal.SIGSEGV)\n"),
+    )
     monkeypatch.setattr(lpbound, "IPM_FROM_SLOTS", 0)
     crashed = lpbound._LP.solve_piqp
     outcomes = []
-    monkeypatch.setattr(lpbound._LP, "solve_piqp", lambda self, **kw: outcomes.append(
-        crashed(self, **kw)) or outcomes[-1])
+    monkeypatch.setattr(
+        lpbound._LP,
+        "solve_piqp",
+        lambda self, **kw: outcomes.append(crashed(self, **kw)) or outcomes[-1],
+    )
     interior = ss.lp_bound(g, 0.5, LINK)
     assert outcomes[0].status == 4 and "SIGSEGV" in outcomes[0].message
     assert interior.status == simplex.status == "optimal"
     extra = simplex.step_time_s - g.ideal_step_time_s
-    assert extra - 1e-5 * max(extra, g.ideal_step_time_s) <= \
-        interior.step_time_s - g.ideal_step_time_s <= extra + 1e-12
+    assert (
+        extra - 1e-5 * max(extra, g.ideal_step_time_s)
+        <= interior.step_time_s - g.ideal_step_time_s
+        <= extra + 1e-12
+    )
 
 
 @pytest.mark.slow
@@ -76,11 +96,15 @@ def test_a_crashing_interior_point_solver_leaves_the_lp_bound_to_highs(tmp_path,
 def test_exact_planner_falls_back_when_the_native_solver_crashes(solver, tmp_path, monkeypatch):
     if not ss.is_available(solver):
         pytest.skip(f"{solver} is not installed")
-    monkeypatch.setattr(native, "WORKER", _worker(
-        tmp_path, "import os, signal\nos.kill(os.getpid(), signal.SIGSEGV)\n"))
+    monkeypatch.setattr(
+        native,
+        "WORKER",
+        _worker(tmp_path, "import os, signal\nos.kill(os.getpid(), signal.SIGSEGV)\n"),
+    )
     g = seeded_graph(22, n_ops=8)
-    plan = ss.solve(g, 0.6, LINK, solver=solver, work_s=5, time_limit_s=CAP, full=True, warm_start=True,
-                    gap=0.0)
+    plan = ss.solve(
+        g, 0.6, LINK, solver=solver, work_s=5, time_limit_s=CAP, full=True, warm_start=True, gap=0.0
+    )
     assert ss.validate(g, plan).ok
     assert plan.info.status in ss.core.plan.STATUSES
 
@@ -102,12 +126,15 @@ def test_concurrent_solves_leave_stdout_and_pulp_alone(capfd):
 
     def solving(solver):
         try:
-            ss.solve(g, 0.6, LINK, solver=solver, work_s=3, time_limit_s=CAP, gap=0.0, warm_start=False)
+            ss.solve(
+                g, 0.6, LINK, solver=solver, work_s=3, time_limit_s=CAP, gap=0.0, warm_start=False
+            )
         except Exception as exc:  # noqa: BLE001 - reported below
             errors.append(exc)
 
     threads = [threading.Thread(target=printer)] + [
-        threading.Thread(target=solving, args=(s,)) for s in ("highs", "cbc", "highs", "cbc")]
+        threading.Thread(target=solving, args=(s,)) for s in ("highs", "cbc", "highs", "cbc")
+    ]
     for t in threads:
         t.start()
     for t in threads:

@@ -13,7 +13,9 @@ NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["01_quickstart.ipynb", "02_budget_sweep.ipynb", "03_real_model.ipynb"])
+@pytest.mark.parametrize(
+    "name", ["01_quickstart.ipynb", "02_budget_sweep.ipynb", "03_real_model.ipynb"]
+)
 def test_notebook_runs(name, tmp_path, monkeypatch):
     import sys
 
@@ -29,5 +31,7 @@ def test_notebook_runs(name, tmp_path, monkeypatch):
     monkeypatch.setenv("SLACKSWAP_NOTEBOOK_SMALL", "1")
     shutil.copy(NOTEBOOKS / name, tmp_path / name)
     nb = execute(fresh, tmp_path, timeout=300)
-    errors = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs if o.output_type == "error"]
+    errors = [
+        o for c in nb.cells if c.cell_type == "code" for o in c.outputs if o.output_type == "error"
+    ]
     assert not errors

@@ -14,9 +14,13 @@ from hypothesis import strategies as st
 import slackswap as ss
 
 
-@pytest.mark.parametrize("solver", [s if s in ("heuristic", "cpsat", "keep-all") else
-                                    pytest.param(s, marks=pytest.mark.slow)
-                                    for s in ss.solver_names()])
+@pytest.mark.parametrize(
+    "solver",
+    [
+        s if s in ("heuristic", "cpsat", "keep-all") else pytest.param(s, marks=pytest.mark.slow)
+        for s in ss.solver_names()
+    ],
+)
 def test_every_planner_returns_a_closed_plan_that_round_trips(solver, tmp_path):
     if not ss.is_available(solver):
         pytest.skip(f"{solver} is not installed")
@@ -55,9 +59,14 @@ def test_open_plans_are_refused_downstream_and_completed_once(caplog):
 def test_version_1_files_still_load_and_complete_deterministically():
     g = ss.workload("bert-large", "a100-80gb-pcie4")
     plan = ss.solve(g, 0.5, "a100-80gb-pcie4", solver="heuristic")
-    old = {"format": "slackswap.plan/1", "graph": g.name, "graph_digest": g.digest,
-           "budget_bytes": plan.budget_bytes, "decisions": dict(plan.decisions),
-           "info": {"solver": "heuristic", "status": "heuristic"}}
+    old = {
+        "format": "slackswap.plan/1",
+        "graph": g.name,
+        "graph_digest": g.digest,
+        "budget_bytes": plan.budget_bytes,
+        "decisions": dict(plan.decisions),
+        "info": {"solver": "heuristic", "status": "heuristic"},
+    }
     loaded = ss.load_plan(json.dumps(old))
     assert not loaded.is_complete and loaded.hardware is None  # without its graph: as written
     done = ss.load_plan(json.dumps(old), graph=g)
@@ -65,8 +74,9 @@ def test_version_1_files_still_load_and_complete_deterministically():
     # /1 plans were made for the A100 preset by default: the step model's default positions
     # for these decisions there (the solved plan's own positions may differ: it turned some
     # tensors back to keep after scheduling the others, planners/minimal.py)
-    again = ss.complete(ss.Plan(g.name, g.digest, plan.budget_bytes, dict(plan.decisions)), g,
-                        "a100-80gb-pcie4")
+    again = ss.complete(
+        ss.Plan(g.name, g.digest, plan.budget_bytes, dict(plan.decisions)), g, "a100-80gb-pcie4"
+    )
     assert done.schedule == again.schedule
     assert ss.simulate(g, done).step_time_s == ss.simulate(g, again).step_time_s
     # a /1 plan with a partial schedule keeps the positions it gives
@@ -75,14 +85,17 @@ def test_version_1_files_still_load_and_complete_deterministically():
     assert ss.load_plan(partial, graph=g).schedule.d2h_free[first] == plan.schedule.d2h_free[first]
 
 
-@pytest.mark.parametrize("field, value, message", [
-    ("format", "slackswap.plan/9", "format"),
-    ("graph_digest", 12345, "graph_digest"),
-    ("info", 5, "info"),
-    ("hardware", "a100", "hardware"),
-    ("hardware", {"name": "x", "d2h_bytes_per_s": -1}, "hardware"),
-    ("schedule", None, "complete schedule"),
-])
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        ("format", "slackswap.plan/9", "format"),
+        ("graph_digest", 12345, "graph_digest"),
+        ("info", 5, "info"),
+        ("hardware", "a100", "hardware"),
+        ("hardware", {"name": "x", "d2h_bytes_per_s": -1}, "hardware"),
+        ("schedule", None, "complete schedule"),
+    ],
+)
 def test_bad_plan_files_get_named_errors(field, value, message):
     g = seeded_graph(2)
     data = ss.solve(g, 0.7, LINK, solver="heuristic").to_dict()
@@ -140,14 +153,16 @@ class _StaleSimulation:
         if other == "budget":
             sim = simulate_decisions(g, codes, hw, problem.budget_bytes // 2)
         elif other == "hardware":  # a link 1000x slower: the same decisions, another schedule
-            slow = hw.with_link(d2h_bytes_per_s=hw.d2h_bytes_per_s / 1000,
-                                h2d_bytes_per_s=hw.h2d_bytes_per_s / 1000)
+            slow = hw.with_link(
+                d2h_bytes_per_s=hw.d2h_bytes_per_s / 1000, h2d_bytes_per_s=hw.h2d_bytes_per_s / 1000
+            )
             sim = simulate_decisions(g, swap_all_codes(g), slow, problem.budget_bytes)
             codes = swap_all_codes(g)
         else:
             sim = simulate_decisions(g, swap_all_codes(g), hw, problem.budget_bytes)
-        return Solution(codes, None, SolveInfo(solver=self.name, status="heuristic"),
-                        simulation=sim)
+        return Solution(
+            codes, None, SolveInfo(solver=self.name, status="heuristic"), simulation=sim
+        )
 
 
 @pytest.mark.parametrize("other", ["decisions", "budget", "hardware"])
@@ -185,8 +200,7 @@ def test_the_checker_holds_a_plan_to_its_claims(solver):
     step = plan.info.predicted_step_time_s
     lies = {
         "above its own step": plan.with_info(bound=1.5 * step, gap=None, overhead_gap=None),
-        "'optimal'": plan.with_info(status="optimal", bound=0.5 * step, gap=0.5,
-                                    overhead_gap=None),
+        "'optimal'": plan.with_info(status="optimal", bound=0.5 * step, gap=0.5, overhead_gap=None),
         "gap of": plan.with_info(bound=0.9 * step, gap=0.5, overhead_gap=None),
         "without a bound": plan.with_info(bound=None, gap=0.1, overhead_gap=None),
         "overhead gap": plan.with_info(bound=0.99 * step, gap=0.01, overhead_gap=0.9),

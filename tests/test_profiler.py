@@ -13,9 +13,15 @@ import slackswap as ss  # noqa: E402
 from slackswap.runtime.profiler import ProfileError  # noqa: E402
 
 MODELS = [m for m in BUILDERS if not m.startswith("hf-")] + [
-    pytest.param(m, marks=pytest.mark.skipif(
-        __import__("importlib").util.find_spec("transformers") is None, reason="transformers"))
-    for m in BUILDERS if m.startswith("hf-")]
+    pytest.param(
+        m,
+        marks=pytest.mark.skipif(
+            __import__("importlib").util.find_spec("transformers") is None, reason="transformers"
+        ),
+    )
+    for m in BUILDERS
+    if m.startswith("hf-")
+]
 
 
 def independent_saved_count(model, inputs, loss_fn):
@@ -23,7 +29,11 @@ def independent_saved_count(model, inputs, loss_fn):
     parameters, buffers and the inputs."""
     skip = {p.untyped_storage().data_ptr() for p in model.parameters()}
     skip |= {b.untyped_storage().data_ptr() for b in model.buffers()}
-    flat = inputs.values() if isinstance(inputs, dict) else (inputs if isinstance(inputs, tuple) else (inputs,))
+    flat = (
+        inputs.values()
+        if isinstance(inputs, dict)
+        else (inputs if isinstance(inputs, tuple) else (inputs,))
+    )
     skip |= {t.untyped_storage().data_ptr() for t in flat}
     storages = {}
 
@@ -74,11 +84,12 @@ def test_keep_all_memory_matches_the_real_step(name):
     last = g.n_ops - 1
     in_flight = {t for t in g.op_inputs[last] + g.op_outputs[last] if not g.is_saved[t]}
     assert boundary == saved_bytes + sum(g.tensors[t].bytes for t in in_flight)
-    largest_op = max(sum(g.tensors[t].bytes for t in outs) + ws
-                     for outs, ws in zip(g.op_outputs, g.forward_ws))
+    largest_op = max(
+        sum(g.tensors[t].bytes for t in outs) + ws for outs, ws in zip(g.op_outputs, g.forward_ws)
+    )
     assert sim.peak_bytes <= boundary + largest_op + sum(
-        g.tensors[t].bytes for t in range(len(g.tensors)) if not g.is_saved[t]) + \
-        int(g.backward_ws.max())  # the activation gradients alive in backward
+        g.tensors[t].bytes for t in range(len(g.tensors)) if not g.is_saved[t]
+    ) + int(g.backward_ws.max())  # the activation gradients alive in backward
 
 
 def test_keep_all_peak_counts_the_activation_gradients_of_backward():
@@ -101,8 +112,15 @@ def test_keep_all_peak_counts_the_activation_gradients_of_backward():
         def forward(self, x):
             return torch.relu(x + self.c2(torch.relu(self.bn(self.c1(x)))))
 
-    model = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.ReLU(), Block(16), Block(16),
-                          nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 10))
+    model = nn.Sequential(
+        nn.Conv2d(3, 16, 3, padding=1),
+        nn.ReLU(),
+        Block(16),
+        Block(16),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(16, 10),
+    )
     x, y = torch.randn(8, 3, 64, 64), torch.randint(0, 10, (8,))
 
     def loss_fn(out):
@@ -117,8 +135,11 @@ def test_keep_all_peak_counts_the_activation_gradients_of_backward():
     for _ in range(2):  # the first measured step also pays the heap's first-use buffers
         with ss.StepMeter(sample="ops") as meter:
             loss_fn(model(x)).backward()
-    assert sim.peak_bytes == pytest.approx(meter.peak_bytes, rel=0.05), \
-        (sim.peak_bytes, meter.peak_bytes, int(g.backward_ws.max()))
+    assert sim.peak_bytes == pytest.approx(meter.peak_bytes, rel=0.05), (
+        sim.peak_bytes,
+        meter.peak_bytes,
+        int(g.backward_ws.max()),
+    )
     assert sim.peak_bytes - int(g.backward_ws.max()) < 0.8 * meter.peak_bytes
 
 
@@ -208,7 +229,10 @@ def test_calibrate_link_keeps_its_promise_on_this_machine():
         assert hw == ss.hardware("cpu")
 
 
-@pytest.mark.parametrize("name", ["gpt", "hf-llama"] if __import__("importlib").util.find_spec("transformers") else ["gpt"])
+@pytest.mark.parametrize(
+    "name",
+    ["gpt", "hf-llama"] if __import__("importlib").util.find_spec("transformers") else ["gpt"],
+)
 def test_grouped_by_module(name):
     """One op per module call: fewer ops, the same saved tensors and bytes, same ideal time, and
     its plans run in the executor with exact gradients."""
@@ -216,7 +240,9 @@ def test_grouped_by_module(name):
     fine = ss.profile(model, inputs, loss_fn, warmup=0, repeat=1)
     coarse = ss.profile(model, inputs, loss_fn, warmup=0, repeat=1, group_by_module=True)
     assert coarse.n_ops < fine.n_ops
-    assert [coarse.tensors[t].name for t in coarse.saved] == [fine.tensors[t].name for t in fine.saved]
+    assert [coarse.tensors[t].name for t in coarse.saved] == [
+        fine.tensors[t].name for t in fine.saved
+    ]
     assert int(coarse.tensor_bytes[coarse.saved].sum()) == int(fine.tensor_bytes[fine.saved].sum())
     hw = ss.hardware("cpu-emulated-link")
     lo, hi = ss.min_budget(coarse, hw), ss.keep_all_peak(coarse, hw)
@@ -269,9 +295,15 @@ def test_profile_observes_tensors_the_model_holds_past_their_last_reader(drop):
         assert g.last_forward_use[g.tensor_index["l1#0"]] == tanh
     # a plan that recomputes a: the executor's tracked peak is the simulator's either way
     cpu = ss.hardware("cpu")
-    plan = ss.Plan(g.name, g.digest, ss.keep_all_peak(g, cpu), {
-        g.tensors[t].name: ("recompute" if g.tensors[t].name == "l1#0" else "keep")
-        for t in g.saved})
+    plan = ss.Plan(
+        g.name,
+        g.digest,
+        ss.keep_all_peak(g, cpu),
+        {
+            g.tensors[t].name: ("recompute" if g.tensors[t].name == "l1#0" else "keep")
+            for t in g.saved
+        },
+    )
     plan = ss.complete(plan, g, cpu)
     with ss.apply(plan, model, graph=g) as run:
         model(torch.randn(8, 16)).sum().backward()
@@ -279,7 +311,6 @@ def test_profile_observes_tensors_the_model_holds_past_their_last_reader(drop):
 
 
 def test_a_profiled_graph_records_its_hardware_and_solve_uses_it():
-
 
     model, inputs, loss_fn = build("mlp")
     graph = ss.profile(model, inputs, loss_fn, warmup=0, repeat=1)
@@ -313,7 +344,8 @@ def test_op_times_sum_to_the_plain_step_of_each_phase():
     assert sum(o.forward_s for o in g.ops) == pytest.approx(timing["forward_plain_s"], rel=1e-9)
     assert sum(o.backward_s for o in g.ops) == pytest.approx(timing["backward_plain_s"], rel=1e-9)
     assert g.ideal_step_time_s == pytest.approx(
-        timing["forward_plain_s"] + timing["backward_plain_s"], rel=1e-9)
+        timing["forward_plain_s"] + timing["backward_plain_s"], rel=1e-9
+    )
     with pytest.raises(ProfileError, match="calibrate"):
         ss.profile(model, inputs, loss_fn, calibrate="no")
     with pytest.raises(ProfileError, match="gradients"):
@@ -345,9 +377,18 @@ def test_link_figures_from_timings_hand_worked():
     # 10 + 4,128,768 x 5e-11 s/B (20 GB/s) us: intercept 10 - 3.28 = 6.72 us. The larger is kept.
     small, medium = 64 * 2**10, 4 * 2**20
     slope = (177e-6 - 12e-6) / (medium - small)
-    t = LinkTimings(nbytes=10**9, d2h_s=0.040, h2d_s=0.050, both_s=0.055, small_bytes=small,
-                    medium_bytes=medium, d2h_small_s=12e-6, d2h_medium_s=177e-6,
-                    h2d_small_s=10e-6, h2d_medium_s=10e-6 + (medium - small) * 5e-11)
+    t = LinkTimings(
+        nbytes=10**9,
+        d2h_s=0.040,
+        h2d_s=0.050,
+        both_s=0.055,
+        small_bytes=small,
+        medium_bytes=medium,
+        d2h_small_s=12e-6,
+        d2h_medium_s=177e-6,
+        h2d_small_s=10e-6,
+        h2d_medium_s=10e-6 + (medium - small) * 5e-11,
+    )
     f = link_figures(t)
     assert f["duplex"] is True
     assert f["d2h_bytes_per_s"] == pytest.approx(1e9 / 0.055)
@@ -365,8 +406,9 @@ def test_link_figures_from_timings_hand_worked():
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(__import__("importlib").util.find_spec("transformers") is None,
-                    reason="transformers")
+@pytest.mark.skipif(
+    __import__("importlib").util.find_spec("transformers") is None, reason="transformers"
+)
 def test_the_device_check_runs_on_its_cpu_fallback(tmp_path):
     """benchmarks/gpu_check.py is one call on a GPU; its CPU fallback runs the same rows on tiny
     configs, so the script is known to work before device time is spent on it."""
@@ -377,9 +419,25 @@ def test_the_device_check_runs_on_its_cpu_fallback(tmp_path):
 
     root = Path(__file__).resolve().parents[1]
     out = tmp_path / "check.json"
-    subprocess.run([sys.executable, str(root / "benchmarks" / "gpu_check.py"), "--cpu", "--out",
-                    str(out), "--rounds", "1", "--time-limit", "5", "--solvers", "heuristic"],
-                   check=True, cwd=root, capture_output=True, timeout=CAP)
+    subprocess.run(
+        [
+            sys.executable,
+            str(root / "benchmarks" / "gpu_check.py"),
+            "--cpu",
+            "--out",
+            str(out),
+            "--rounds",
+            "1",
+            "--time-limit",
+            "5",
+            "--solvers",
+            "heuristic",
+        ],
+        check=True,
+        cwd=root,
+        capture_output=True,
+        timeout=CAP,
+    )
     summary = json.loads(out.read_text())
     assert summary["ok"] and [m["model"] for m in summary["models"]] == ["gpt2-tiny", "llama-tiny"]
     for entry in summary["models"]:
@@ -394,14 +452,19 @@ def test_the_device_check_runs_on_its_cpu_fallback(tmp_path):
         assert plans[0]["counts"]["swap"] == plans[0]["counts"]["recompute"] == 0
         variants = {r["variant"]: r for r in entry["rows"] if "variant" in r}
         compiled = variants.pop("torch.compile + ss.checkpointed at 50% (swaps by torch's pass)")
-        assert set(variants) == {"per-block checkpointing",
-                                 "selective checkpointing (save matmuls)", "save_on_cpu"}
+        assert set(variants) == {
+            "per-block checkpointing",
+            "selective checkpointing (save matmuls)",
+            "save_on_cpu",
+        }
         # swaps run by torch's offloading pass, each said as offloaded, saved or recomputed
         assert "error" not in compiled, compiled
         assert sum(compiled["swaps_ran"].values()) == compiled["counts"]["swap"] > 0
         assert compiled["swaps_ran"]["not compiled"] == 0
-        assert sum(g["offloads"] for g in compiled["compiled_graphs"]) == \
-            compiled["swaps_ran"]["offloaded"]
+        assert (
+            sum(g["offloads"] for g in compiled["compiled_graphs"])
+            == compiled["swaps_ran"]["offloaded"]
+        )
         fake = entry["fake_vs_measured"]
         assert fake["same_structure"] and fake["preset"] == "cpu", fake
         assert fake["forward_ratio"] > 0 and fake["backward_ratio"] > 0
@@ -415,23 +478,47 @@ def _sized(name):
     torch.manual_seed(0)
     ids = {"input_ids": torch.randint(0, 1000, (4, 128))}
     if name == "hf-gpt2":
-        model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
-            n_layer=4, n_embd=256, n_head=4, n_positions=128, vocab_size=1000, bos_token_id=0,
-            eos_token_id=0))
+        model = transformers.GPT2LMHeadModel(
+            transformers.GPT2Config(
+                n_layer=4,
+                n_embd=256,
+                n_head=4,
+                n_positions=128,
+                vocab_size=1000,
+                bos_token_id=0,
+                eos_token_id=0,
+            )
+        )
     elif name == "hf-bert":
-        model = transformers.BertForMaskedLM(transformers.BertConfig(
-            num_hidden_layers=4, hidden_size=256, num_attention_heads=4, intermediate_size=1024,
-            vocab_size=1000, max_position_embeddings=128))
+        model = transformers.BertForMaskedLM(
+            transformers.BertConfig(
+                num_hidden_layers=4,
+                hidden_size=256,
+                num_attention_heads=4,
+                intermediate_size=1024,
+                vocab_size=1000,
+                max_position_embeddings=128,
+            )
+        )
     else:
-        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
-            num_hidden_layers=4, hidden_size=256, num_attention_heads=4, num_key_value_heads=2,
-            intermediate_size=688, vocab_size=1000, max_position_embeddings=128))
+        model = transformers.LlamaForCausalLM(
+            transformers.LlamaConfig(
+                num_hidden_layers=4,
+                hidden_size=256,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                intermediate_size=688,
+                vocab_size=1000,
+                max_position_embeddings=128,
+            )
+        )
     return model.train(), ids, (lambda o: o.logits.float().logsumexp(-1).mean())
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(__import__("importlib").util.find_spec("transformers") is None,
-                    reason="transformers")
+@pytest.mark.skipif(
+    __import__("importlib").util.find_spec("transformers") is None, reason="transformers"
+)
 @pytest.mark.parametrize("name", ["hf-gpt2", "hf-bert", "hf-llama"])
 def test_the_keep_all_peak_counts_the_gradients_the_step_makes(name):
     """Training as torch's zero_grad() leaves it (gradients set to None, made in the step,
@@ -496,8 +583,9 @@ def test_a_tied_weights_gradient_waits_for_its_other_reader_and_is_counted_there
     assert waiting[:head] == [grad] * head and not any(waiting[head:])
     for h, m in zip(held.ops, made.ops):
         # "made" holds the gradients made so far; the waiting one is among them, once
-        assert m.backward_workspace_bytes >= h.backward_workspace_bytes - \
-            int(h.extra.get("param_grad_waiting_bytes", 0))
+        assert m.backward_workspace_bytes >= h.backward_workspace_bytes - int(
+            h.extra.get("param_grad_waiting_bytes", 0)
+        )
     l1 = held.op_index["l1/addmm#2"]
     sim = ss.simulate(held, ss.solve(held, 1.0, "cpu", solver="keep-all"), "cpu")
     q = 2 * held.n_ops - 1 - l1
@@ -505,7 +593,8 @@ def test_a_tied_weights_gradient_waits_for_its_other_reader_and_is_counted_there
     loss_fn(model(ids)).backward()  # gradients held before the measured steps
     seen = []
     hook = model.l1.register_full_backward_pre_hook(
-        lambda module, grad_out: seen.append(_heap_in_use()))
+        lambda module, grad_out: seen.append(_heap_in_use())
+    )
     try:
         for _ in range(2):  # the first step also pays the heap's first-use buffers
             model.zero_grad(set_to_none=False)

@@ -17,10 +17,18 @@ import slackswap as ss
 def chain(rebuilt_before=None):
     """x -> A -> a -> B -> b -> C -> c -> D -> d; B's output b is saved for C (and rebuilt from
     a, which B's backward reads); c is saved for D, whose backward takes 5 bytes of workspace."""
-    ops = [op("A", 1.0, 1.0, ["x"], ["a"]), op("B", 1.0, 1.0, ["a"], ["b"]),
-           op("C", 1.0, 1.0, ["b"], ["c"]), op("D", 1.0, 1.0, ["c"], ["d"], backward_workspace_bytes=5)]
-    tensors = [tensor("a", 100, ["B"]), tensor("b", 10, ["C"]), tensor("c", 1000, ["D"]),
-               tensor("d", 1, [])]
+    ops = [
+        op("A", 1.0, 1.0, ["x"], ["a"]),
+        op("B", 1.0, 1.0, ["a"], ["b"]),
+        op("C", 1.0, 1.0, ["b"], ["c"]),
+        op("D", 1.0, 1.0, ["c"], ["d"], backward_workspace_bytes=5),
+    ]
+    tensors = [
+        tensor("a", 100, ["B"]),
+        tensor("b", 10, ["C"]),
+        tensor("c", 1000, ["D"]),
+        tensor("d", 1, []),
+    ]
     if rebuilt_before:
         tensors[1]["rebuilt_before"] = rebuilt_before
     return graph(ops, tensors)
@@ -52,6 +60,7 @@ def test_a_recomputed_tensor_is_rebuilt_at_its_latest_position_and_held_from_the
     p_forced = ss.complete(open_plan(forced, decisions, budget), forced, LINK)
     assert p_plain.schedule.recompute_at["b"] == 5 and p_forced.schedule.recompute_at["b"] == 4
     s_plain, s_forced = ss.simulate(plain, p_plain), ss.simulate(forced, p_forced)
+
     # D's backward runs at the last point of position 4 (a rerun, when there is one, before it)
     def at_d(sim):
         return sim.memory_bytes[sim.expansion.slot_first_point[5] - 1]
@@ -66,8 +75,16 @@ def test_the_checker_refuses_a_rebuild_after_the_latest_position():
     """A plan that rebuilds b at its first use (5) on the graph that says D (4): the simulator
     runs it as written; the checker names the rule."""
     g = chain("D")
-    late = ss.complete(open_plan(g, {"a": "keep", "b": "recompute", "c": "keep"},
-                                 ss.keep_all_peak(g, LINK), {"recompute_at": {"b": 5}}), g, LINK)
+    late = ss.complete(
+        open_plan(
+            g,
+            {"a": "keep", "b": "recompute", "c": "keep"},
+            ss.keep_all_peak(g, LINK),
+            {"recompute_at": {"b": 5}},
+        ),
+        g,
+        LINK,
+    )
     assert ss.simulate(g, late).fits
     check = ss.validate(g, late)
     assert not check.ok
@@ -96,7 +113,9 @@ def test_every_planner_rebuilds_no_later_than_the_graph_allows(solver, g, fracti
     budget = int(lo + fraction * (hi - lo))
     # strict=False: a plan that breaks a rule comes back (strict would refuse it as infeasible)
     options = {"gap": 0.0} if solver == "cpsat" else {}
-    plan = ss.solve(g, budget, LINK, solver=solver, work_s=5, time_limit_s=CAP, strict=False, **options)
+    plan = ss.solve(
+        g, budget, LINK, solver=solver, work_s=5, time_limit_s=CAP, strict=False, **options
+    )
     check = ss.validate(g, plan)
     assert not [v for v in check.violations if v.kind != "memory"], check.violations
     for name, slot in plan.schedule.recompute_at.items():

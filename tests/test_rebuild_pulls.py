@@ -45,8 +45,9 @@ def _random_codes(g, rng, recompute_share: float, swap_share: float) -> np.ndarr
             codes[t] = SWAP
     for group in g.rng_groups.values():  # a random group is rebuilt whole or not at all
         members = [int(m) for m in group]
-        if any(codes[m] == RECOMPUTE for m in members) and \
-                not all(codes[m] == RECOMPUTE for m in members):
+        if any(codes[m] == RECOMPUTE for m in members) and not all(
+            codes[m] == RECOMPUTE for m in members
+        ):
             for m in members:
                 codes[m] = KEEP if codes[m] == RECOMPUTE else codes[m]
     return codes
@@ -63,18 +64,26 @@ def test_no_plan_beats_the_integral_relaxation_with_pulls(monkeypatch):
         g = seeded_graph(seed, n_ops=int(rng.integers(6, 18)))
         for _ in range(6):
             codes = _random_codes(g, rng, rng.choice([0.3, 0.6, 0.9]), rng.choice([0.0, 0.2]))
-            budget = int(simulate_decisions(g, codes, LINK, 10**18).peak_bytes
-                         * rng.choice([1.0, 1.05]))
+            budget = int(
+                simulate_decisions(g, codes, LINK, 10**18).peak_bytes * rng.choice([1.0, 1.05])
+            )
             sim = simulate_decisions(g, codes, LINK, budget)
             if sim.fits:
                 cases.append((g, budget, sim.step_time_s))
-    bounds = [ss.lp_bound(g, budget, LINK, integral=True, max_nodes=5000, time_limit_s=300.0)
-              for g, budget, _ in cases]
+    bounds = [
+        ss.lp_bound(g, budget, LINK, integral=True, max_nodes=5000, time_limit_s=300.0)
+        for g, budget, _ in cases
+    ]
     for (g, budget, step), bound in zip(cases, bounds):
         assert bound.status in ("optimal", "timeout"), (g.name, budget)
         assert bound.step_time_s <= step * (1 + 1e-9), (g.name, budget)
     _without_pulls(monkeypatch)
-    raised = sum(bound.step_time_s > ss.lp_bound(g, budget, LINK, integral=True,
-                                                 max_nodes=5000, time_limit_s=300.0).step_time_s * (1 + 1e-9)
-                 for (g, budget, _), bound in zip(cases, bounds))
+    raised = sum(
+        bound.step_time_s
+        > ss.lp_bound(
+            g, budget, LINK, integral=True, max_nodes=5000, time_limit_s=300.0
+        ).step_time_s
+        * (1 + 1e-9)
+        for (g, budget, _), bound in zip(cases, bounds)
+    )
     assert raised >= 2

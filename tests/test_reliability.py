@@ -20,23 +20,33 @@ EXACT = [s for s in ("cpsat", "cbc", "highs", "scip") if ss.is_available(s)]
 
 
 def chain(nbytes, fwd=1.0, bwd=2.0, ws=0):
-    ops = [op(f"o{i}", fwd, bwd, [f"t{i - 1}"] if i else ["x"], [f"t{i}"],
-              forward_workspace_bytes=ws) for i in range(len(nbytes))]
-    tensors = [tensor(f"t{i}", b, [f"o{min(i + 1, len(nbytes) - 1)}"]) for i, b in enumerate(nbytes)]
+    ops = [
+        op(f"o{i}", fwd, bwd, [f"t{i - 1}"] if i else ["x"], [f"t{i}"], forward_workspace_bytes=ws)
+        for i in range(len(nbytes))
+    ]
+    tensors = [
+        tensor(f"t{i}", b, [f"o{min(i + 1, len(nbytes) - 1)}"]) for i, b in enumerate(nbytes)
+    ]
     return graph(ops, tensors)
 
 
-@pytest.mark.parametrize("case", ["zero bytes", "zero times", "tiny times, huge bytes",
-                                  "bytes from 1 to 1e12"])
-@pytest.mark.parametrize("solver", ["heuristic"] + [pytest.param(s, marks=pytest.mark.slow)
-                                                    for s in EXACT])
+@pytest.mark.parametrize(
+    "case", ["zero bytes", "zero times", "tiny times, huge bytes", "bytes from 1 to 1e12"]
+)
+@pytest.mark.parametrize(
+    "solver", ["heuristic"] + [pytest.param(s, marks=pytest.mark.slow) for s in EXACT]
+)
 def test_degenerate_graphs_plan_with_every_solver(case, solver):
-    g = {"zero bytes": lambda: chain([0] * 6),
-         "zero times": lambda: chain([100] * 6, 0.0, 0.0),
-         "tiny times, huge bytes": lambda: chain([10**12, 10**9, 10**12, 10**9, 10**12, 10**9],
-                                                 1e-9, 1e-9),
-         "bytes from 1 to 1e12": lambda: chain([10**12, 1000, 10**12, 1000, 10**12, 1000],
-                                               ws=4 * 10**11)}[case]()
+    g = {
+        "zero bytes": lambda: chain([0] * 6),
+        "zero times": lambda: chain([100] * 6, 0.0, 0.0),
+        "tiny times, huge bytes": lambda: chain(
+            [10**12, 10**9, 10**12, 10**9, 10**12, 10**9], 1e-9, 1e-9
+        ),
+        "bytes from 1 to 1e12": lambda: chain(
+            [10**12, 1000, 10**12, 1000, 10**12, 1000], ws=4 * 10**11
+        ),
+    }[case]()
     budget = max(ss.min_budget(g, LINK), int(0.5 * ss.keep_all_peak(g, LINK)))
     plan = ss.solve(g, budget, LINK, solver=solver, work_s=2, time_limit_s=CAP)
     assert ss.validate(g, plan).ok and plan.info.status in STATUSES
@@ -62,10 +72,16 @@ def test_statuses_are_documented_and_the_bound_holds(g, fraction, solver):
 
 def test_byte_sums_never_wrap_refused_at_the_boundary_by_tensor_name():
     def two(a, b):
-        return {"format": "slackswap.graph/1", "name": "big",
-                "ops": [{"name": "A", "forward_s": 1, "backward_s": 1, "outputs": ["a", "b"]}],
-                "tensors": [{"name": "a", "bytes": a, "saved_for": ["A"]},
-                            {"name": "b", "bytes": b, "saved_for": ["A"]}]}
+        return {
+            "format": "slackswap.graph/1",
+            "name": "big",
+            "ops": [{"name": "A", "forward_s": 1, "backward_s": 1, "outputs": ["a", "b"]}],
+            "tensors": [
+                {"name": "a", "bytes": a, "saved_for": ["A"]},
+                {"name": "b", "bytes": b, "saved_for": ["A"]},
+            ],
+        }
+
     half = MAX_TOTAL_BYTES // 2
     g = ss.load_graph(two(half, half))  # exactly at the limit: exact sums
     assert ss.keep_all_peak(g, LINK) == MAX_TOTAL_BYTES == 2 * half
@@ -76,9 +92,17 @@ def test_byte_sums_never_wrap_refused_at_the_boundary_by_tensor_name():
             ss.load_graph(two(huge, 1))
 
 
-@pytest.mark.parametrize("field, value", [("latency_s", math.nan), ("latency_s", -1.0),
-                                          ("d2h_bytes_per_s", math.inf), ("h2d_bytes_per_s", 0.0),
-                                          ("peak_flops", math.nan), ("duplex", "yes")])
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("latency_s", math.nan),
+        ("latency_s", -1.0),
+        ("d2h_bytes_per_s", math.inf),
+        ("h2d_bytes_per_s", 0.0),
+        ("peak_flops", math.nan),
+        ("duplex", "yes"),
+    ],
+)
 def test_hardware_figures_must_be_finite_and_sane(field, value):
     with pytest.raises(ValueError, match=field):
         LINK.with_link(**{field: value})
@@ -122,13 +146,16 @@ def _bert_dict():
     return ss.workload("bert-large", "a100-80gb-pcie4").to_dict()
 
 
-@pytest.mark.parametrize("corrupt, message", [
-    (lambda d: d["ops"][0].update(recomputable="no"), "recomputable must be true or false"),
-    (lambda d: d["ops"][0].update(recomputable=0.0), "recomputable must be true or false"),
-    (lambda d: [o.update(forward_s=1e308) for o in d["ops"]], "time passes"),
-    (lambda d: d["tensors"][0].update(bytes=float("inf")), "non-negative integer"),
-    (lambda d: d["tensors"][0].update(bytes=2**70), "bytes"),
-])
+@pytest.mark.parametrize(
+    "corrupt, message",
+    [
+        (lambda d: d["ops"][0].update(recomputable="no"), "recomputable must be true or false"),
+        (lambda d: d["ops"][0].update(recomputable=0.0), "recomputable must be true or false"),
+        (lambda d: [o.update(forward_s=1e308) for o in d["ops"]], "time passes"),
+        (lambda d: d["tensors"][0].update(bytes=float("inf")), "non-negative integer"),
+        (lambda d: d["tensors"][0].update(bytes=2**70), "bytes"),
+    ],
+)
 def test_corrupt_graph_fields_get_named_errors(corrupt, message):
     d = _bert_dict()
     corrupt(d)
@@ -136,12 +163,15 @@ def test_corrupt_graph_fields_get_named_errors(corrupt, message):
         ss.load_graph(d)
 
 
-@pytest.mark.parametrize("text, message", [
-    ("[" * 100000, "nested too deeply"),
-    ("hello " * 1000, "not JSON"),
-    ("{not json", "not valid JSON"),
-    ("/no/such/graph.json", "does not exist"),
-])
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("[" * 100000, "nested too deeply"),
+        ("hello " * 1000, "not JSON"),
+        ("{not json", "not valid JSON"),
+        ("/no/such/graph.json", "does not exist"),
+    ],
+)
 def test_bad_graph_and_plan_text_gets_named_errors(text, message):
     with pytest.raises(ss.GraphError, match=message):
         ss.load_graph(text)
@@ -158,19 +188,22 @@ def test_unknown_options_are_refused_by_name():
             ss.solve(g, 0.8, LINK, solver=EXACT[0], gapp=0.0)
 
 
-@pytest.mark.parametrize("solver,option,value,message", [
-    ("cpsat", "departure", "False", "departure must be True or False"),  # truthy: would be on
-    ("cpsat", "coarse", 0, "coarse must be True or False"),
-    ("cpsat", "full", "yes", "full must be True or False"),
-    ("heuristic", "polish", "no", "polish must be True or False"),
-    ("cpsat", "workers", 0, r"workers must be an integer >= 1"),
-    ("cpsat", "seed", "1", r"seed must be an integer >= 0"),
-    ("cpsat", "seed", True, r"seed must be an integer >= 0"),
-    ("cpsat", "gap", float("nan"), r"gap must be a finite number >= 0"),
-    ("cpsat", "gap", -0.1, r"gap must be a finite number >= 0"),
-    ("cpsat", "strategy", 1, "strategy must be one of auto, whole, lp-guided"),
-    ("cpsat", "strategy", "wholee", "strategy must be one of"),  # ran lp-guided silently
-])
+@pytest.mark.parametrize(
+    "solver,option,value,message",
+    [
+        ("cpsat", "departure", "False", "departure must be True or False"),  # truthy: would be on
+        ("cpsat", "coarse", 0, "coarse must be True or False"),
+        ("cpsat", "full", "yes", "full must be True or False"),
+        ("heuristic", "polish", "no", "polish must be True or False"),
+        ("cpsat", "workers", 0, r"workers must be an integer >= 1"),
+        ("cpsat", "seed", "1", r"seed must be an integer >= 0"),
+        ("cpsat", "seed", True, r"seed must be an integer >= 0"),
+        ("cpsat", "gap", float("nan"), r"gap must be a finite number >= 0"),
+        ("cpsat", "gap", -0.1, r"gap must be a finite number >= 0"),
+        ("cpsat", "strategy", 1, "strategy must be one of auto, whole, lp-guided"),
+        ("cpsat", "strategy", "wholee", "strategy must be one of"),  # ran lp-guided silently
+    ],
+)
 def test_options_of_the_wrong_type_are_refused_by_name(solver, option, value, message):
     g = chain([100] * 4)
     with pytest.raises((TypeError, ValueError), match=message):
@@ -201,8 +234,9 @@ def test_the_time_limit_counts_from_solves_entry(monkeypatch):
     if "cpsat" in EXACT:
         # a caller whose clock started 10 s ago with a 5 s limit: nothing clock-capped starts
         budget = int(0.6 * ss.keep_all_peak(g, LINK))
-        late = get_planner("cpsat").solve(Problem(g, LINK, budget, began=time.perf_counter() - 10),
-                                          time_limit_s=5.0)
+        late = get_planner("cpsat").solve(
+            Problem(g, LINK, budget, began=time.perf_counter() - 10), time_limit_s=5.0
+        )
         on_time = get_planner("cpsat").solve(Problem(g, LINK, budget), time_limit_s=5.0)
         assert "lp_bound" in late.info.extra["clock_stopped"]
         assert "lp_bound" not in on_time.info.extra.get("clock_stopped", [])

@@ -35,12 +35,27 @@ def chain_of_blocks(blocks: int, shared: bool = True):
     tensors = [tensor("x", 10, ["b0.a"]), tensor("mask", 1)]
     prev = "x"
     for j in range(blocks):
-        ops.append(op(f"b{j}.a", 2.0, 3.0, inputs=[prev] + (["mask"] if shared else []),
-                      outputs=[f"b{j}.h"]))
+        ops.append(
+            op(
+                f"b{j}.a",
+                2.0,
+                3.0,
+                inputs=[prev] + (["mask"] if shared else []),
+                outputs=[f"b{j}.h"],
+            )
+        )
         ops.append(op(f"b{j}.b", 1.0, 2.0, inputs=[f"b{j}.h", prev], outputs=[f"b{j}.y"]))
         tensors.append(tensor(f"b{j}.h", 40, [f"b{j}.b"], alive_until="loss"))
-        tensors.append(tensor(f"b{j}.y", 10, [f"b{j + 1}.a" if j + 1 < blocks else "head",
-                                               f"b{j + 1}.b" if j + 1 < blocks else "loss"]))
+        tensors.append(
+            tensor(
+                f"b{j}.y",
+                10,
+                [
+                    f"b{j + 1}.a" if j + 1 < blocks else "head",
+                    f"b{j + 1}.b" if j + 1 < blocks else "loss",
+                ],
+            )
+        )
         prev = f"b{j}.y"
     ops.append(op("head", 1.0, 1.0, inputs=[prev], outputs=["z"]))
     ops.append(op("loss", 1.0, 1.0, inputs=["z", prev], outputs=["l"]))
@@ -65,9 +80,23 @@ def test_stretch_maps_block_j_to_coarse_block_j_times_blocks_over_count():
     cg = coarse.graph
     # before the 14 repeated blocks (b1-b14): in, b0; their first three (b1-b3), the last one
     # (b14) and what follows (b15, head, loss): 3 + 4 * 2 + 2 + 2 ops
-    assert [o.name for o in cg.ops] == ["in", "b0.a", "b0.b", "b1.a", "b1.b", "b2.a", "b2.b",
-                                        "b3.a", "b3.b", "b14.a", "b14.b", "b15.a", "b15.b",
-                                        "head", "loss"]
+    assert [o.name for o in cg.ops] == [
+        "in",
+        "b0.a",
+        "b0.b",
+        "b1.a",
+        "b1.b",
+        "b2.a",
+        "b2.b",
+        "b3.a",
+        "b3.b",
+        "b14.a",
+        "b14.b",
+        "b15.a",
+        "b15.b",
+        "head",
+        "loss",
+    ]
     # b14.a reads b3.y where it read b13.y (the dropped blocks' shift: b4-b13, 10 blocks)
     assert cg.ops[cg.op_index["b14.a"]].inputs == ("b3.y", "mask")
     assert cg.tensors[cg.tensor_index["b3.y"]].saved_for == ("b14.a", "b14.b")
@@ -113,11 +142,19 @@ def repeated_graphs(draw):
     shape = []
     for i in range(size):
         reads = draw(st.lists(st.integers(1, size + i), max_size=2, unique=True))  # ops back
-        shape.append(dict(
-            reads=reads, shared=draw(st.booleans()), out=draw(st.integers(1, 2)),
-            bytes=draw(st.integers(1, 50)), fwd=draw(st.floats(0.1, 2.0)),
-            save_own=draw(st.booleans()), save_inputs=draw(st.booleans()),
-            group=draw(st.booleans()), alive=draw(st.booleans())))
+        shape.append(
+            dict(
+                reads=reads,
+                shared=draw(st.booleans()),
+                out=draw(st.integers(1, 2)),
+                bytes=draw(st.integers(1, 50)),
+                fwd=draw(st.floats(0.1, 2.0)),
+                save_own=draw(st.booleans()),
+                save_inputs=draw(st.booleans()),
+                group=draw(st.booleans()),
+                alive=draw(st.booleans()),
+            )
+        )
     n_body = count * size
     ops = [op("in", 1.0, 1.0, outputs=["in.0", "in.shared"])]
     out_of = {0: ["in.0"]}
@@ -169,10 +206,17 @@ def test_coarse_graphs_and_stretched_plans_are_valid(case, data):
     # any decisions of the coarse graph, stretched, are valid decisions of the original ...
     coarse_codes = np.full(len(cg.tensors), -1, dtype=np.int8)
     for t in cg.saved:
-        coarse_codes[t] = data.draw(st.sampled_from(
-            [KEEP, SWAP] + ([RECOMPUTE] if cg.can_recompute[t] else [])))
-    mask = decision_mask(g, data.draw(st.sampled_from(
-        [("keep", "swap", "recompute"), ("keep", "recompute"), ("keep", "swap")])))
+        coarse_codes[t] = data.draw(
+            st.sampled_from([KEEP, SWAP] + ([RECOMPUTE] if cg.can_recompute[t] else []))
+        )
+    mask = decision_mask(
+        g,
+        data.draw(
+            st.sampled_from(
+                [("keep", "swap", "recompute"), ("keep", "recompute"), ("keep", "swap")]
+            )
+        ),
+    )
     codes = consistent(g, coarse.stretch(coarse_codes), mask)
     assert first_forbidden(g, codes, mask) is None
     assert set(codes[g.saved].tolist()) <= {KEEP, SWAP, RECOMPUTE}
@@ -183,10 +227,16 @@ def test_coarse_graphs_and_stretched_plans_are_valid(case, data):
     # ... and, repaired to a budget that can be met, a plan the checker passes
     budget = int(max(ss.min_budget(g, LINK), 0.6 * keep_all_peak(g, LINK)))
     if fit_to_budget(g, LINK, budget, codes, mask):
-        decisions = {g.tensors[int(t)].name: ("keep", "swap", "recompute")[int(codes[t])]
-                     for t in g.saved}
-        plan = ss.complete(ss.Plan(graph_name=g.name, graph_digest=g.digest,
-                                   budget_bytes=budget, decisions=decisions), g, LINK)
+        decisions = {
+            g.tensors[int(t)].name: ("keep", "swap", "recompute")[int(codes[t])] for t in g.saved
+        }
+        plan = ss.complete(
+            ss.Plan(
+                graph_name=g.name, graph_digest=g.digest, budget_bytes=budget, decisions=decisions
+            ),
+            g,
+            LINK,
+        )
         assert ss.validate(g, plan, LINK).ok
 
 
@@ -218,8 +268,15 @@ def test_a_period_of_the_shapes_alone_gives_way_to_the_references():
     ops = [op("in", 1.0, 1.0, outputs=["in.0", "in.shared"])]
     tensors = [tensor("in.0", 5), tensor("in.shared", 3)]
     for k in range(1, 27):
-        ops.append(op(f"k{k}", 1.0, 2.0, inputs=["in.shared" if k % 2 else f"k{k - 1}.0"],
-                      outputs=[f"k{k}.0"]))
+        ops.append(
+            op(
+                f"k{k}",
+                1.0,
+                2.0,
+                inputs=["in.shared" if k % 2 else f"k{k - 1}.0"],
+                outputs=[f"k{k}.0"],
+            )
+        )
         tensors.append(tensor(f"k{k}.0", 1))
     ops.append(op("loss", 1.0, 1.0, inputs=["k26.0"], outputs=["loss.0"]))
     tensors.append(tensor("loss.0", 1))

@@ -14,8 +14,14 @@ import slackswap as ss
 from slackswap.cli import main as cli_main
 from slackswap.core.plan import proof_tolerance_s
 
-SUBSETS = [("keep",), ("swap",), ("keep", "swap"), ("keep", "recompute"), ("swap", "recompute"),
-           ("keep", "swap", "recompute")]
+SUBSETS = [
+    ("keep",),
+    ("swap",),
+    ("keep", "swap"),
+    ("keep", "recompute"),
+    ("swap", "recompute"),
+    ("keep", "swap", "recompute"),
+]
 
 
 @pytest.mark.slow
@@ -33,8 +39,16 @@ def test_restricted_plans_never_use_a_forbidden_decision_nor_beat_their_bound(g,
     bound = ss.lp_bound(g, budget, LINK, allowed=allowed, pins=pins)
     for solver in ("heuristic", "cpsat"):
         try:
-            plan = ss.solve(g, budget, LINK, solver=solver, work_s=5, time_limit_s=CAP, allowed=allowed,
-                            pins=pins)
+            plan = ss.solve(
+                g,
+                budget,
+                LINK,
+                solver=solver,
+                work_s=5,
+                time_limit_s=CAP,
+                allowed=allowed,
+                pins=pins,
+            )
         except ss.InfeasibleBudget:
             continue  # the restriction leaves no plan within this budget
         for name, decision in plan.decisions.items():
@@ -56,27 +70,40 @@ def test_allowing_more_decisions_never_makes_the_proven_exact_plan_worse(g, data
     full = ss.solve(g, budget, LINK, solver="cpsat", work_s=10, time_limit_s=CAP)
     for allowed in (("keep", "swap"), ("keep", "recompute")):
         try:
-            less = ss.solve(g, budget, LINK, solver="cpsat", work_s=10, time_limit_s=CAP, allowed=allowed)
+            less = ss.solve(
+                g, budget, LINK, solver="cpsat", work_s=10, time_limit_s=CAP, allowed=allowed
+            )
         except ss.InfeasibleBudget:
             continue
         assume(full.info.status == "optimal")
         # the full plan is within the proof target of a bound no plan beats, the restricted plan
         # among them: it is never worse than the restricted one by more than that target
         step = full.info.predicted_step_time_s
-        assert step <= less.info.predicted_step_time_s + proof_tolerance_s(step, g.ideal_step_time_s)
+        assert step <= less.info.predicted_step_time_s + proof_tolerance_s(
+            step, g.ideal_step_time_s
+        )
 
 
 def chain():
     """a -> x -> b -> y -> c; x and y saved; every op rebuildable."""
-    return graph([op("a", 1, 1, [], ["x"]), op("b", 1, 1, ["x"], ["y"]),
-                  op("c", 1, 1, ["y"], ["z"])],
-                 [tensor("x", 100, ["b"]), tensor("y", 100, ["c"]), tensor("z", 1)])
+    return graph(
+        [op("a", 1, 1, [], ["x"]), op("b", 1, 1, ["x"], ["y"]), op("c", 1, 1, ["y"], ["z"])],
+        [tensor("x", 100, ["b"]), tensor("y", 100, ["c"]), tensor("z", 1)],
+    )
 
 
 def test_recompute_only_plans_and_pins_travel_with_the_plan():
     g = chain()
-    plan = ss.solve(g, ss.min_budget(g, LINK), LINK, solver="cpsat", work_s=5, time_limit_s=CAP,
-                    allowed=("keep", "recompute"), pins={"y": "keep"})
+    plan = ss.solve(
+        g,
+        ss.min_budget(g, LINK),
+        LINK,
+        solver="cpsat",
+        work_s=5,
+        time_limit_s=CAP,
+        allowed=("keep", "recompute"),
+        pins={"y": "keep"},
+    )
     assert plan.decisions["y"] == "keep" and "swap" not in plan.decisions.values()
     again = ss.load_plan(plan.to_json())
     assert again.extra["allowed"] == ["keep", "recompute"] and again.extra["pins"] == {"y": "keep"}
@@ -85,10 +112,17 @@ def test_recompute_only_plans_and_pins_travel_with_the_plan():
 
 def test_the_checker_flags_a_plan_that_breaks_its_own_restrictions():
     g = chain()
-    plan = ss.solve(g, ss.keep_all_peak(g, LINK), LINK, solver="heuristic",
-                    allowed=("keep", "swap"), pins={"x": "keep"})
-    tampered = dataclasses.replace(plan, extra={**plan.extra, "allowed": ["swap"],
-                                                "pins": {"x": "swap"}})
+    plan = ss.solve(
+        g,
+        ss.keep_all_peak(g, LINK),
+        LINK,
+        solver="heuristic",
+        allowed=("keep", "swap"),
+        pins={"x": "keep"},
+    )
+    tampered = dataclasses.replace(
+        plan, extra={**plan.extra, "allowed": ["swap"], "pins": {"x": "swap"}}
+    )
     kinds = [v.kind for v in ss.validate(g, tampered).violations]
     assert kinds.count("restriction") == 3  # x and y kept where only swap is allowed; x's pin
 
@@ -105,8 +139,9 @@ def test_bad_restrictions_are_refused_by_name():
         ss.solve(g, 1.0, LINK, allowed=("keep",), pins={"x": "swap"})
     with pytest.raises(ss.PlanError, match="solver 'swap-all' cannot honour"):
         ss.solve(g, 1.0, LINK, solver="swap-all", allowed=("keep", "recompute"))
-    rows = ss.compare(g, 1.0, LINK, solvers=("heuristic", "swap-all"),
-                      allowed=("keep", "recompute"))
+    rows = ss.compare(
+        g, 1.0, LINK, solvers=("heuristic", "swap-all"), allowed=("keep", "recompute")
+    )
     assert [r["solver"] for r in rows] == ["heuristic"]  # the baseline cannot honour it
 
 
@@ -114,8 +149,25 @@ def test_cli_allowed(tmp_path, capsys):
     path = tmp_path / "g.json"
     path.write_text(chain().to_json())
     out = tmp_path / "plan.json"
-    assert cli_main(["solve", str(path), "--budget", "1.0", "--hardware", "cpu", "--solver",
-                     "heuristic", "--allowed", "keep,recompute", "--out", str(out)]) == 0
+    assert (
+        cli_main(
+            [
+                "solve",
+                str(path),
+                "--budget",
+                "1.0",
+                "--hardware",
+                "cpu",
+                "--solver",
+                "heuristic",
+                "--allowed",
+                "keep,recompute",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     assert "swap" not in ss.load_plan(out).decisions.values()
     assert cli_main(["solve", str(path), "--budget", "1.0", "--allowed", "keep,fly"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
@@ -146,7 +198,8 @@ def test_overhead_gap_is_the_gap_on_what_the_user_pays():
     plan = ss.solve(g, ss.min_budget(g, LINK), LINK, solver="cpsat", work_s=5, time_limit_s=CAP)
     step, ideal = plan.info.predicted_step_time_s, g.ideal_step_time_s
     assert plan.info.overhead_gap == pytest.approx(
-        (step - plan.info.bound) / max(step - ideal, 1e-5 * step))
+        (step - plan.info.bound) / max(step - ideal, 1e-5 * step)
+    )
     assert ss.load_plan(plan.to_json()).info.overhead_gap == plan.info.overhead_gap
 
 
@@ -183,8 +236,9 @@ def test_a_device_whose_memory_is_the_host_never_swaps():
         ss.solve(g, budget, host, solver="heuristic", allowed=("keep", "swap"))
     with pytest.raises(ss.PlanError, match="solver 'swap-all' swaps.*no host"):
         ss.solve(g, budget, host, solver="swap-all")
-    assert [r["solver"] for r in ss.compare(g, budget, host, solvers=("heuristic", "swap-all"))] \
-        == ["heuristic"]
+    assert [
+        r["solver"] for r in ss.compare(g, budget, host, solvers=("heuristic", "swap-all"))
+    ] == ["heuristic"]
     moved = dataclasses.replace(swapping, hardware=host)
     found = [v for v in ss.validate(g, moved).violations if v.kind == "restriction"]
     assert found and "no host to swap to" in found[0].message

@@ -15,10 +15,16 @@ from models import profiled  # noqa: E402
 
 import slackswap as ss  # noqa: E402
 
-HF = pytest.mark.skipif(__import__("importlib").util.find_spec("transformers") is None,
-                        reason="transformers")
-MODELS = ["gpt", "cnn", pytest.param("hf-gpt2", marks=HF), pytest.param("hf-bert", marks=HF),
-          pytest.param("hf-llama", marks=HF)]
+HF = pytest.mark.skipif(
+    __import__("importlib").util.find_spec("transformers") is None, reason="transformers"
+)
+MODELS = [
+    "gpt",
+    "cnn",
+    pytest.param("hf-gpt2", marks=HF),
+    pytest.param("hf-bert", marks=HF),
+    pytest.param("hf-llama", marks=HF),
+]
 setup = profiled  # one profile per model for the whole process
 
 
@@ -32,13 +38,15 @@ def random_plan(graph, choices):
         decisions[graph.tensors[t].name] = c
     for members in graph.rng_groups.values():
         names = [graph.tensors[m].name for m in members]
-        if any(decisions[n] == "recompute" for n in names) and \
-                not all(decisions[n] == "recompute" for n in names):
+        if any(decisions[n] == "recompute" for n in names) and not all(
+            decisions[n] == "recompute" for n in names
+        ):
             for n in names:
                 if decisions[n] == "recompute":
                     decisions[n] = "swap"
-    return ss.complete(ss.Plan(graph.name, graph.digest, 10**12, decisions), graph,
-                       "cpu-emulated-link")
+    return ss.complete(
+        ss.Plan(graph.name, graph.digest, 10**12, decisions), graph, "cpu-emulated-link"
+    )
 
 
 def call(model, inputs):
@@ -49,16 +57,23 @@ def dead_positions(graph):
     """Backward positions whose node never ran when profiled (off the loss's path, a pooler
     whose output the loss does not read): the executor cannot act there."""
     n = graph.n_ops
-    return {2 * n - 1 - i for i, o in enumerate(graph.ops)
-            if o.extra.get("backward_ran", True) is False}
+    return {
+        2 * n - 1 - i for i, o in enumerate(graph.ops) if o.extra.get("backward_ran", True) is False
+    }
 
 
 def unread(graph, plan, decision):
     """Tensors of ``decision`` no backward node reads: never rebuilt nor waited for."""
     index = {o.name: o for o in graph.ops}
-    return {name for name, d in plan.decisions.items() if d == decision and all(
-        index[r].extra.get("backward_ran", True) is False
-        for r in graph.tensors[graph.tensor_index[name]].saved_for)}
+    return {
+        name
+        for name, d in plan.decisions.items()
+        if d == decision
+        and all(
+            index[r].extra.get("backward_ran", True) is False
+            for r in graph.tensors[graph.tensor_index[name]].saved_for
+        )
+    }
 
 
 def assert_same_positions(logged, planned, dead):
@@ -77,8 +92,13 @@ def assert_same_positions(logged, planned, dead):
 @given(data=st.data())
 def test_the_logged_schedule_is_the_plans(name, data):
     model, inputs, loss_fn, graph = setup(name)
-    choices = data.draw(st.lists(st.sampled_from(["keep", "swap", "recompute"]),
-                                 min_size=len(graph.saved), max_size=len(graph.saved)))
+    choices = data.draw(
+        st.lists(
+            st.sampled_from(["keep", "swap", "recompute"]),
+            min_size=len(graph.saved),
+            max_size=len(graph.saved),
+        )
+    )
     plan = random_plan(graph, choices)
     torch.manual_seed(3)
     model.zero_grad(set_to_none=True)
@@ -95,8 +115,11 @@ def test_the_logged_schedule_is_the_plans(name, data):
     assert_same_positions(dict(logged.d2h_free), dict(planned.d2h_free), dead)
     assert_same_positions(dict(logged.h2d_issue), dict(planned.h2d_issue), dead)
     skipped = unread(graph, plan, "recompute")
-    assert_same_positions(dict(logged.recompute_at), {
-        k: v for k, v in planned.recompute_at.items() if k not in skipped}, dead)
+    assert_same_positions(
+        dict(logged.recompute_at),
+        {k: v for k, v in planned.recompute_at.items() if k not in skipped},
+        dead,
+    )
     # every swap: offloaded in forward, released, prefetched, then waited on, in that order
     events = run.log.events
     never_read = unread(graph, plan, "swap")
@@ -196,8 +219,11 @@ def test_later_steps_of_a_context_are_skimmed_on_the_same_schedule(name, mix):
             logged, planned = run.log.schedule, plan.schedule
             assert_same_positions(dict(logged.d2h_free), dict(planned.d2h_free), dead)
             assert_same_positions(dict(logged.h2d_issue), dict(planned.h2d_issue), dead)
-            assert_same_positions(dict(logged.recompute_at), {
-                k: v for k, v in planned.recompute_at.items() if k not in skipped}, dead)
+            assert_same_positions(
+                dict(logged.recompute_at),
+                {k: v for k, v in planned.recompute_at.items() if k not in skipped},
+                dead,
+            )
     assert run.stats.skimmed_steps == 2
     model.zero_grad(set_to_none=True)
 
@@ -205,6 +231,7 @@ def test_later_steps_of_a_context_are_skimmed_on_the_same_schedule(name, mix):
 def test_a_skimmed_step_that_leaves_the_checked_one_is_refused_by_name():
     """A forward that depends on its data (here: one more op on odd calls) cannot be named by
     the checked step's order of saves: refused, never run on wrong names."""
+
     class Branchy(torch.nn.Module):
         def __init__(self):
             super().__init__()
@@ -221,9 +248,13 @@ def test_a_skimmed_step_that_leaves_the_checked_one_is_refused_by_name():
     model, x = Branchy(), torch.randn(32, 64)
     graph = ss.profile(model, x, lambda y: y.sum(), warmup=0, repeat=1, calibrate=False)
     model.calls = 0  # the next call is odd, as the profiled one was
-    plan = ss.complete(ss.Plan(graph.name, graph.digest, 10**12,
-                               {graph.tensors[t].name: "swap" for t in graph.saved}), graph,
-                       "cpu-emulated-link")
+    plan = ss.complete(
+        ss.Plan(
+            graph.name, graph.digest, 10**12, {graph.tensors[t].name: "swap" for t in graph.saved}
+        ),
+        graph,
+        "cpu-emulated-link",
+    )
     with ss.apply(plan, model, graph=graph):
         model(x).sum().backward()  # call 1 (odd, as profiled): traced, checked
         with pytest.raises(ss.PlanError, match="depends on its data"):

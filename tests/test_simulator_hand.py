@@ -13,8 +13,11 @@ import slackswap as ss
 def chain_graph():
     # A -> a (100 B, saved for B); B reads a -> b (10 B, read by C only); C reads b -> c (10 B).
     return graph(
-        [op("A", 1.0, 1.0, ["batch"], ["a"]), op("B", 1.0, 1.0, ["a"], ["b"]),
-         op("C", 3.0, 3.0, ["b"], ["c"])],
+        [
+            op("A", 1.0, 1.0, ["batch"], ["a"]),
+            op("B", 1.0, 1.0, ["a"], ["b"]),
+            op("C", 3.0, 3.0, ["b"], ["c"]),
+        ],
         [tensor("a", 100, ["B"]), tensor("b", 10), tensor("c", 10)],
     )
 
@@ -46,8 +49,11 @@ def test_swap_hidden_behind_compute():
 
 def test_swap_that_cannot_be_hidden_and_prefetch_stall():
     g = graph(
-        [op("A", 1.0, 1.0, ["batch"], ["a"]), op("B", 1.0, 1.0, ["a"], ["b"]),
-         op("C", 0.5, 0.5, ["b"], ["c"])],
+        [
+            op("A", 1.0, 1.0, ["batch"], ["a"]),
+            op("B", 1.0, 1.0, ["a"], ["b"]),
+            op("C", 0.5, 0.5, ["b"], ["c"]),
+        ],
         [tensor("a", 300, ["B"]), tensor("b", 10), tensor("c", 10)],
     )
     sim = ss.simulate(g, plan(g, {"a": "swap"}, 1000), LINK)
@@ -62,8 +68,11 @@ def test_swap_that_cannot_be_hidden_and_prefetch_stall():
 def test_recompute_chain():
     # A -> a (100, saved for B); B reads a -> b (50, saved for C); C reads b -> c (10, saved by C)
     g = graph(
-        [op("A", 1.0, 1.0, ["batch"], ["a"]), op("B", 2.0, 1.0, ["a"], ["b"]),
-         op("C", 1.0, 1.0, ["b"], ["c"])],
+        [
+            op("A", 1.0, 1.0, ["batch"], ["a"]),
+            op("B", 2.0, 1.0, ["a"], ["b"]),
+            op("C", 1.0, 1.0, ["b"], ["c"]),
+        ],
         [tensor("a", 100, ["B"]), tensor("b", 50, ["C"]), tensor("c", 10, ["C"])],
     )
     p = plan(g, {"a": "recompute", "b": "recompute", "c": "keep"}, 1000)
@@ -81,8 +90,11 @@ def test_recompute_chain():
 
 def test_memory_pressure_stall():
     g = graph(
-        [op("A", 1.0, 1.0, ["batch"], ["a"]), op("B", 0.5, 1.0, ["a"], ["b"]),
-         op("C", 3.0, 1.0, ["b"], ["c"])],
+        [
+            op("A", 1.0, 1.0, ["batch"], ["a"]),
+            op("B", 0.5, 1.0, ["a"], ["b"]),
+            op("C", 3.0, 1.0, ["b"], ["c"]),
+        ],
         [tensor("a", 100, ["B"]), tensor("b", 10), tensor("c", 10)],
     )
     # D2H of a runs 1..2; B ends at 1.5. Left alone, a would stay through C (120 bytes there).
@@ -99,8 +111,11 @@ def test_memory_pressure_stall():
 
 def test_half_duplex_link_serialises_copies():
     g = graph(
-        [op("A", 1.0, 1.0, ["batch"], ["a"]), op("B", 1.0, 1.0, ["batch"], ["b"]),
-         op("C", 1.0, 1.0, ["batch"], ["c"])],
+        [
+            op("A", 1.0, 1.0, ["batch"], ["a"]),
+            op("B", 1.0, 1.0, ["batch"], ["b"]),
+            op("C", 1.0, 1.0, ["batch"], ["c"]),
+        ],
         [tensor("a", 100, ["A"]), tensor("b", 100, ["B"]), tensor("c", 1)],
     )
     sched = {"d2h_free": {"a": 1, "b": 2}, "h2d_issue": {"a": 2, "b": 3}}
@@ -130,13 +145,17 @@ def test_schedule_errors_are_named():
     with pytest.raises(ss.PlanError, match=r"d2h_free\['a'\].*before its last forward reader"):
         plan(g, {"a": "swap"}, 1000, {"d2h_free": {"a": 0}})
     # a complete schedule that breaks a rule: the simulator refuses, the checker names it
-    bad = dataclasses.replace(open_plan(g, {"a": "swap"}, 1000, {"d2h_free": {"a": 0},
-                                                                 "h2d_issue": {"a": 3}}), hardware=LINK)
+    bad = dataclasses.replace(
+        open_plan(g, {"a": "swap"}, 1000, {"d2h_free": {"a": 0}, "h2d_issue": {"a": 3}}),
+        hardware=LINK,
+    )
     with pytest.raises(ss.PlanError, match=r"d2h_free\['a'\].*before its last forward reader"):
         ss.simulate(g, bad)
     assert "before its last forward reader" in ss.validate(g, bad).report()
-    late = dataclasses.replace(open_plan(g, {"a": "swap"}, 1000, {"d2h_free": {"a": 1},
-                                                                  "h2d_issue": {"a": 5}}), hardware=LINK)
+    late = dataclasses.replace(
+        open_plan(g, {"a": "swap"}, 1000, {"d2h_free": {"a": 1}, "h2d_issue": {"a": 5}}),
+        hardware=LINK,
+    )
     with pytest.raises(ss.PlanError, match=r"h2d_issue\['a'\].*after its first use"):
         ss.simulate(g, late)
     assert "after its first use" in ss.validate(g, late).report()
@@ -149,8 +168,11 @@ def test_a_rebuild_holds_the_gradients_waiting_for_its_position():
     with C's rerun workspace 40: rerun A 110 + 40 = 150, rerun B 160 + 40 = 200; the checker
     finds the same peak, and at a budget of 199 the plan is over it at rerun B."""
     g = graph(
-        [op("A", 1.0, 1.0, ["batch"], ["a"]), op("B", 2.0, 1.0, ["a"], ["b"]),
-         op("C", 1.0, 1.0, ["b"], ["c"], rerun_workspace_bytes=40)],
+        [
+            op("A", 1.0, 1.0, ["batch"], ["a"]),
+            op("B", 2.0, 1.0, ["a"], ["b"]),
+            op("C", 1.0, 1.0, ["b"], ["c"], rerun_workspace_bytes=40),
+        ],
         [tensor("a", 100, ["B"]), tensor("b", 50, ["C"]), tensor("c", 10, ["C"])],
     )
     p = plan(g, {"a": "recompute", "b": "recompute", "c": "keep"}, 1000)
@@ -163,10 +185,18 @@ def test_a_rebuild_holds_the_gradients_waiting_for_its_position():
     # the exact planner sees it too: at 199 it keeps what the rebuild would need
     solved = ss.solve(g, 199, LINK, solver="cpsat", gap=0.0)
     assert ss.simulate(g, solved, LINK).peak_bytes <= 199
-    assert ss.load_graph(g.to_json()).digest == g.digest != graph(
-        [op("A", 1.0, 1.0, ["batch"], ["a"]), op("B", 2.0, 1.0, ["a"], ["b"]),
-         op("C", 1.0, 1.0, ["b"], ["c"])],
-        [tensor("a", 100, ["B"]), tensor("b", 50, ["C"]), tensor("c", 10, ["C"])]).digest
+    assert (
+        ss.load_graph(g.to_json()).digest
+        == g.digest
+        != graph(
+            [
+                op("A", 1.0, 1.0, ["batch"], ["a"]),
+                op("B", 2.0, 1.0, ["a"], ["b"]),
+                op("C", 1.0, 1.0, ["b"], ["c"]),
+            ],
+            [tensor("a", 100, ["B"]), tensor("b", 50, ["C"]), tensor("c", 10, ["C"])],
+        ).digest
+    )
 
 
 def test_an_op_that_reruns_with_another_brings_it_into_every_rebuild():
@@ -177,10 +207,13 @@ def test_an_op_that_reruns_with_another_brings_it_into_every_rebuild():
     190 (d read by nothing: gone after), C itself 160; B: a 100; A: 0. Without D in the
     rebuild, C's position would peak at 160."""
     g = graph(
-        [op("A", 1.0, 1.0, ["batch"], ["a"]), op("B", 2.0, 1.0, ["a"], ["b"], rerun_with=["D"]),
-         op("C", 1.0, 1.0, ["b"], ["c"]), op("D", 0.5, 0.5, ["b"], ["d"])],
-        [tensor("a", 100, ["B"]), tensor("b", 50, ["C"]), tensor("c", 10, ["C"]),
-         tensor("d", 30)],
+        [
+            op("A", 1.0, 1.0, ["batch"], ["a"]),
+            op("B", 2.0, 1.0, ["a"], ["b"], rerun_with=["D"]),
+            op("C", 1.0, 1.0, ["b"], ["c"]),
+            op("D", 0.5, 0.5, ["b"], ["d"]),
+        ],
+        [tensor("a", 100, ["B"]), tensor("b", 50, ["C"]), tensor("c", 10, ["C"]), tensor("d", 30)],
     )
     b = g.tensor_index["b"]
     assert [g.ops[q].name for q in g.rerun_ops[b]] == ["B", "D"]

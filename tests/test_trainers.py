@@ -19,8 +19,10 @@ class Tokens(torch.utils.data.Dataset):
 
     def __init__(self, n: int, seed: int):
         g = torch.Generator().manual_seed(seed)
-        self.items = [torch.randint(1, 1000, (int(torch.randint(10, 129, (1,), generator=g)),),
-                                    generator=g) for _ in range(n)]
+        self.items = [
+            torch.randint(1, 1000, (int(torch.randint(10, 129, (1,), generator=g)),), generator=g)
+            for _ in range(n)
+        ]
 
     def __len__(self):
         return len(self.items)
@@ -35,8 +37,8 @@ def collate(batch):
     ids = torch.zeros((len(batch), width), dtype=torch.long)
     mask = torch.zeros_like(ids)
     for i, b in enumerate(batch):
-        ids[i, :len(b["input_ids"])] = torch.tensor(b["input_ids"])
-        mask[i, :len(b["input_ids"])] = 1
+        ids[i, : len(b["input_ids"])] = torch.tensor(b["input_ids"])
+        mask[i, : len(b["input_ids"])] = 1
     labels = ids.masked_fill(mask == 0, -100)
     return {"input_ids": ids, "attention_mask": mask, "labels": labels}
 
@@ -44,24 +46,56 @@ def collate(batch):
 def _model(family: str):
     torch.manual_seed(0)
     if family == "gpt2":
-        return transformers.GPT2LMHeadModel(transformers.GPT2Config(
-            n_layer=2, n_embd=128, n_head=2, n_positions=128, vocab_size=1000, bos_token_id=0,
-            eos_token_id=0))
-    return transformers.LlamaForCausalLM(transformers.LlamaConfig(
-        num_hidden_layers=2, hidden_size=128, num_attention_heads=2, num_key_value_heads=1,
-        intermediate_size=344, vocab_size=1000, max_position_embeddings=128,
-        attention_dropout=0.1))
+        return transformers.GPT2LMHeadModel(
+            transformers.GPT2Config(
+                n_layer=2,
+                n_embd=128,
+                n_head=2,
+                n_positions=128,
+                vocab_size=1000,
+                bos_token_id=0,
+                eos_token_id=0,
+            )
+        )
+    return transformers.LlamaForCausalLM(
+        transformers.LlamaConfig(
+            num_hidden_layers=2,
+            hidden_size=128,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            intermediate_size=344,
+            vocab_size=1000,
+            max_position_embeddings=128,
+            attention_dropout=0.1,
+        )
+    )
 
 
 def _trainer(family: str, tmp_path, **overrides):
     settings = dict(
-        output_dir=str(tmp_path), per_device_train_batch_size=4, per_device_eval_batch_size=4,
-        gradient_accumulation_steps=2, max_steps=20, eval_strategy="steps", eval_steps=5,
-        logging_steps=5, save_strategy="no", report_to=[], use_cpu=True, seed=0,
-        dataloader_num_workers=0, learning_rate=1e-3)
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=4,
+        per_device_eval_batch_size=4,
+        gradient_accumulation_steps=2,
+        max_steps=20,
+        eval_strategy="steps",
+        eval_steps=5,
+        logging_steps=5,
+        save_strategy="no",
+        report_to=[],
+        use_cpu=True,
+        seed=0,
+        dataloader_num_workers=0,
+        learning_rate=1e-3,
+    )
     args = transformers.TrainingArguments(**{**settings, **overrides})
-    return transformers.Trainer(model=_model(family), args=args, train_dataset=Tokens(96, 1),
-                                eval_dataset=Tokens(8, 2), data_collator=collate)
+    return transformers.Trainer(
+        model=_model(family),
+        args=args,
+        train_dataset=Tokens(96, 1),
+        eval_dataset=Tokens(8, 2),
+        data_collator=collate,
+    )
 
 
 def _metered(trainer, planned, peaks):
@@ -74,9 +108,15 @@ def _metered(trainer, planned, peaks):
         before = {id(p) for p in model.parameters() if p.grad is not None}
         with StepMeter(sample="ops") as meter:
             loss = inner(model, inputs, num_items_in_batch)
-        made = sum(p.grad.numel() * p.grad.element_size() for p in model.parameters()
-                   if p.grad is not None and id(p) not in before)
-        if len(planned.loop.switches) == switches or planned.loop.switches[-1].source != "heuristic":
+        made = sum(
+            p.grad.numel() * p.grad.element_size()
+            for p in model.parameters()
+            if p.grad is not None and id(p) not in before
+        )
+        if (
+            len(planned.loop.switches) == switches
+            or planned.loop.switches[-1].source != "heuristic"
+        ):
             peaks.append((meter.peak_bytes - made, planned.loop.last_plan.budget_bytes))
         return loss
 
@@ -133,6 +173,7 @@ def test_remove_gives_the_trainer_its_own_step_back(tmp_path):
 def test_bf16_autocast_steps_end_with_the_weights_of_a_plain_trainer(tmp_path):
     """bf16=True (autocast on the CPU through accelerate): the buckets are profiled under the
     Trainer's own autocast, and 4 planned steps end bit-identical to 4 plain ones."""
+
     def run(planned: bool):
         trainer = _trainer("gpt2", tmp_path / str(planned), bf16=True, max_steps=4)
         handle = ss.hf.plan_trainer(trainer, budget=0.5, refine_solver=None) if planned else None

@@ -12,8 +12,11 @@ def layer_saved_bytes(g, layer):
     total = 0
     for t in g.saved:
         name = g.tensors[t].name
-        if name.startswith(prefix) or (layer > 0 and name == f"L{layer - 1}.out") or \
-                (layer == 0 and name == "embed.out"):
+        if (
+            name.startswith(prefix)
+            or (layer > 0 and name == f"L{layer - 1}.out")
+            or (layer == 0 and name == "embed.out")
+        ):
             # the block input x is saved by this block's first norm
             if name.endswith(".out") and not name.startswith(prefix):
                 total += g.tensors[t].bytes
@@ -63,8 +66,19 @@ def test_eager_attention_adds_5as2b():
 
 
 def test_gqa_shrinks_k_and_v():
-    cfg = ss.TransformerConfig(layers=1, hidden=512, heads=8, kv_heads=2, ffn=1024, seq_len=64,
-                               micro_batch=1, mlp="swiglu", norm="rmsnorm", rope=True, dropout=0.0)
+    cfg = ss.TransformerConfig(
+        layers=1,
+        hidden=512,
+        heads=8,
+        kv_heads=2,
+        ffn=1024,
+        seq_len=64,
+        micro_batch=1,
+        mlp="swiglu",
+        norm="rmsnorm",
+        rope=True,
+        dropout=0.0,
+    )
     g = ss.transformer_graph(cfg, HW)
     assert g.tensors[g.tensor_index["L0.k"]].bytes == 2 * 64 * 512 // 4
 
@@ -86,7 +100,9 @@ def test_bad_config_is_refused():
     with pytest.raises(ValueError, match="hidden 100 is not divisible by heads 3"):
         ss.TransformerConfig(layers=1, hidden=100, heads=3, ffn=4, seq_len=4, micro_batch=1)
     with pytest.raises(ValueError, match="mlp"):
-        ss.TransformerConfig(layers=1, hidden=8, heads=2, ffn=4, seq_len=4, micro_batch=1, mlp="relu")
+        ss.TransformerConfig(
+            layers=1, hidden=8, heads=2, ffn=4, seq_len=4, micro_batch=1, mlp="relu"
+        )
     with pytest.raises(ValueError, match="unknown workload"):
         ss.workload("gpt-5")
 

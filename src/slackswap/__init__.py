@@ -31,11 +31,45 @@ from .workloads import WORKLOADS, TransformerConfig, transformer_graph, workload
 __version__ = "0.2.0"
 
 __all__ = [
-    "ActivationGraph", "CNN_SHAPES", "Decision", "FitReport", "GraphError", "Hardware", "InfeasibleBudget", "Op", "Plan",
-    "PlanError", "Schedule", "SimResult", "SolveInfo", "Tensor", "TransformerConfig", "Validation",
-    "Violation", "WORKLOADS", "cnn_graph", "compare", "complete", "fit", "hardware", "hardware_names", "is_available",
-    "keep_all_peak", "load_graph", "load_plan", "min_budget", "parse_budget", "register_solver",
-    "result_row", "simulate", "smallest_budget", "solve", "solver_names", "transformer_graph", "validate", "workload",
+    "ActivationGraph",
+    "CNN_SHAPES",
+    "Decision",
+    "FitReport",
+    "GraphError",
+    "Hardware",
+    "InfeasibleBudget",
+    "Op",
+    "Plan",
+    "PlanError",
+    "Schedule",
+    "SimResult",
+    "SolveInfo",
+    "Tensor",
+    "TransformerConfig",
+    "Validation",
+    "Violation",
+    "WORKLOADS",
+    "cnn_graph",
+    "compare",
+    "complete",
+    "fit",
+    "hardware",
+    "hardware_names",
+    "is_available",
+    "keep_all_peak",
+    "load_graph",
+    "load_plan",
+    "min_budget",
+    "parse_budget",
+    "register_solver",
+    "result_row",
+    "simulate",
+    "smallest_budget",
+    "solve",
+    "solver_names",
+    "transformer_graph",
+    "validate",
+    "workload",
 ]
 
 _LAZY = {
@@ -65,8 +99,10 @@ def __getattr__(name: str):
         try:
             return importlib.import_module(f"slackswap.{name}")
         except ModuleNotFoundError as exc:
-            raise ImportError(f"slackswap.{name} needs {exc.name!r}, which is not installed: "
-                              "pip install 'slackswap[trainers]'") from exc
+            raise ImportError(
+                f"slackswap.{name} needs {exc.name!r}, which is not installed: "
+                "pip install 'slackswap[trainers]'"
+            ) from exc
     if name in _LAZY:
         import importlib
 
@@ -74,6 +110,8 @@ def __getattr__(name: str):
         try:
             return getattr(importlib.import_module(module), attr)
         except ModuleNotFoundError as exc:
-            raise ImportError(f"slackswap.{name} needs {exc.name!r}, which is not installed: "
-                              "pip install 'slackswap[torch]'") from exc
+            raise ImportError(
+                f"slackswap.{name} needs {exc.name!r}, which is not installed: "
+                "pip install 'slackswap[torch]'"
+            ) from exc
     raise AttributeError(f"module 'slackswap' has no attribute {name!r}")

@@ -25,7 +25,9 @@ def _graph(spec: str, hw):
         return load_graph(spec)
     if spec in WORKLOADS:
         return workload(spec, hw)
-    raise CliError(f"{spec!r} is neither a graph file nor a workload ({', '.join(sorted(WORKLOADS))})")
+    raise CliError(
+        f"{spec!r} is neither a graph file nor a workload ({', '.join(sorted(WORKLOADS))})"
+    )
 
 
 def _budget(text: str) -> str:
@@ -46,12 +48,20 @@ def cmd_solve(args) -> int:
     hw = hardware(args.hardware)
     g = _graph(args.graph, hw)
     with _Spinner(f"solving {g.name} with {args.solver}"):
-        plan = solve(g, _budget(args.budget), hw, solver=args.solver, time_limit_s=args.time_limit,
-                     allowed=args.allowed)
+        plan = solve(
+            g,
+            _budget(args.budget),
+            hw,
+            solver=args.solver,
+            time_limit_s=args.time_limit,
+            allowed=args.allowed,
+        )
     sim = simulate(g, plan)
-    print(f"{g.name}: {plan.count('keep')} keep, {plan.count('swap')} swap, "
-          f"{plan.count('recompute')} recompute; status {plan.info.status}, gap "
-          f"{_pct(plan.info.gap)}, solved in {plan.info.wall_s:.2f} s")
+    print(
+        f"{g.name}: {plan.count('keep')} keep, {plan.count('swap')} swap, "
+        f"{plan.count('recompute')} recompute; status {plan.info.status}, gap "
+        f"{_pct(plan.info.gap)}, solved in {plan.info.wall_s:.2f} s"
+    )
     print(sim.summary())
     if args.out:
         plan.save(args.out)
@@ -69,19 +79,31 @@ def cmd_compare(args) -> int:
     rows = []
     with _Progress(len(solvers), "solvers") as bar:
         for s in solvers:
-            rows.extend(compare(g, _budget(args.budget), hw, solvers=(s,),
-                                time_limit_s=args.time_limit, allowed=args.allowed))
+            rows.extend(
+                compare(
+                    g,
+                    _budget(args.budget),
+                    hw,
+                    solvers=(s,),
+                    time_limit_s=args.time_limit,
+                    allowed=args.allowed,
+                )
+            )
             bar.update(1)
-    print(f"{'solver':<14} {'status':<10} {'retention':>9} {'step ms':>9} {'peak GiB':>9} "
-          f"{'stall ms':>9} {'solve s':>8} {'gap':>8}")
+    print(
+        f"{'solver':<14} {'status':<10} {'retention':>9} {'step ms':>9} {'peak GiB':>9} "
+        f"{'stall ms':>9} {'solve s':>8} {'gap':>8}"
+    )
     for r in rows:
         if r.get("status") == "infeasible" and "retention" not in r:
             print(f"{r['solver']:<14} infeasible  {r.get('error', '')}")
             continue
         fit = "" if r["fits"] else "  (over budget)"
-        print(f"{r['solver']:<14} {r['status']:<10} {_pct(r['retention']):>9} "
-              f"{1e3 * r['step_time_s']:9.2f} {r['peak_bytes'] / 2**30:9.3f} {1e3 * r['stall_s']:9.2f} "
-              f"{r['wall_s']:8.2f} {_pct(r['gap']):>8}{fit}")
+        print(
+            f"{r['solver']:<14} {r['status']:<10} {_pct(r['retention']):>9} "
+            f"{1e3 * r['step_time_s']:9.2f} {r['peak_bytes'] / 2**30:9.3f} {1e3 * r['stall_s']:9.2f} "
+            f"{r['wall_s']:8.2f} {_pct(r['gap']):>8}{fit}"
+        )
     return 0
 
 
@@ -157,7 +179,9 @@ def cmd_simulate(args) -> int:
     for start, end, op, kind in sim.compute_intervals[: args.limit]:
         what = ("forward", "rerun", "backward")[int(kind)]
         mem = f"{memory[int(op)] / 2**20:11.2f}" if kind == 0 else ""
-        print(f"{1e3 * start:10.3f} {1e3 * (end - start):9.3f} {mem:>11}  {what} {g.ops[int(op)].name}")
+        print(
+            f"{1e3 * start:10.3f} {1e3 * (end - start):9.3f} {mem:>11}  {what} {g.ops[int(op)].name}"
+        )
     if len(sim.compute_intervals) > args.limit:
         print(f"... {len(sim.compute_intervals) - args.limit} more ops (--limit)")
     for lane, ivs in (("D2H", sim.d2h_intervals), ("H2D", sim.h2d_intervals)):
@@ -196,7 +220,9 @@ def cmd_profile(args) -> int:
 
     module_name, _, func_name = args.target.partition(":")
     if not func_name:
-        raise CliError("profile target must be MODULE:FUNCTION (a function returning model, inputs, loss_fn)")
+        raise CliError(
+            "profile target must be MODULE:FUNCTION (a function returning model, inputs, loss_fn)"
+        )
     sys.path.insert(0, str(Path.cwd()))
     try:
         module = importlib.import_module(module_name)
@@ -234,13 +260,25 @@ def cmd_fit(args) -> int:
     model, config = meta_model(args.family, overrides, dtype=args.dtype)
     inputs, loss_fn = training_batch(config, args.seq, args.batch)
     with _Spinner("profiling (fake)"):
-        g = profile(model, inputs, loss_fn, fake=True, hardware=args.hardware,
-                    optimizer=args.optimizer, gradients=args.gradients,
-                    name=f"{args.family}-s{args.seq}-b{args.batch}")
+        g = profile(
+            model,
+            inputs,
+            loss_fn,
+            fake=True,
+            hardware=args.hardware,
+            optimizer=args.optimizer,
+            gradients=args.gradients,
+            name=f"{args.family}-s{args.seq}-b{args.batch}",
+        )
     print(g.summary())
     with _Spinner("planning"):
-        report = fit(g, args.hardware, time_limit_s=args.time_limit, solver=args.solver,
-                     **({"memory_bytes": _bytes(args.memory)} if args.memory else {}))
+        report = fit(
+            g,
+            args.hardware,
+            time_limit_s=args.time_limit,
+            solver=args.solver,
+            **({"memory_bytes": _bytes(args.memory)} if args.memory else {}),
+        )
     print(report.table())
     if args.out:
         Path(args.out).write_text(g.to_json(indent=1))
@@ -291,18 +329,35 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="slackswap", description="Plan the activation memory of "
-                                     "a training step: keep, swap to host, or recompute.")
+    parser = _Parser(
+        prog="slackswap",
+        description="Plan the activation memory of "
+        "a training step: keep, swap to host, or recompute.",
+    )
     parser.add_argument("--version", action="version", version=f"slackswap {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     def common(p, budget=True):
-        p.add_argument("--hardware", default="a100-80gb-pcie4", help="hardware preset (default %(default)s)")
+        p.add_argument(
+            "--hardware", default="a100-80gb-pcie4", help="hardware preset (default %(default)s)"
+        )
         if budget:
-            p.add_argument("--budget", required=True, help="fraction of the keep-all peak (0.5), bytes, or 12GiB")
-        p.add_argument("--time-limit", type=float, default=10.0, help="seconds per exact solve (default %(default)s)")
-        p.add_argument("--allowed", default=None,
-                       help="decisions plans may use, e.g. keep,recompute (default: all three)")
+            p.add_argument(
+                "--budget",
+                required=True,
+                help="fraction of the keep-all peak (0.5), bytes, or 12GiB",
+            )
+        p.add_argument(
+            "--time-limit",
+            type=float,
+            default=10.0,
+            help="seconds per exact solve (default %(default)s)",
+        )
+        p.add_argument(
+            "--allowed",
+            default=None,
+            help="decisions plans may use, e.g. keep,recompute (default: all three)",
+        )
 
     p = sub.add_parser("solve", help="plan one graph or workload")
     p.add_argument("graph", help="graph JSON file or workload name")
@@ -317,7 +372,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--solvers", default="heuristic,cpsat,cbc,highs,recompute-all,swap-all")
     p.set_defaults(func=cmd_compare)
 
-    p = sub.add_parser("sweep", help="solvers x budgets x workloads, one JSON line per row (resumable)")
+    p = sub.add_parser(
+        "sweep", help="solvers x budgets x workloads, one JSON line per row (resumable)"
+    )
     p.add_argument("--workloads", required=True)
     p.add_argument("--budgets", required=True)
     p.add_argument("--solvers", default="heuristic,cpsat")
@@ -348,20 +405,28 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--name")
     p.set_defaults(func=cmd_profile)
 
-    p = sub.add_parser("fit", help="will a Hugging Face model's training step fit the device? "
-                                   "(profiled fake: no weights, no memory)")
+    p = sub.add_parser(
+        "fit",
+        help="will a Hugging Face model's training step fit the device? "
+        "(profiled fake: no weights, no memory)",
+    )
     p.add_argument("family", help="gpt2, bert, llama or mistral")
-    p.add_argument("--hf-config", default=None,
-                   help="JSON object of config fields over the family's defaults")
+    p.add_argument(
+        "--hf-config", default=None, help="JSON object of config fields over the family's defaults"
+    )
     p.add_argument("--seq", type=int, required=True)
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--dtype", default="bfloat16", help="float32, bfloat16 or float16")
     p.add_argument("--optimizer", default="adamw", help="adamw, adam, sgd-momentum, sgd or none")
     p.add_argument("--gradients", default="made", help="made (zero_grad() to None) or held")
-    p.add_argument("--hardware", default="a100-80gb-pcie4", help="hardware preset (default %(default)s)")
+    p.add_argument(
+        "--hardware", default="a100-80gb-pcie4", help="hardware preset (default %(default)s)"
+    )
     p.add_argument("--memory", help="device memory instead of the preset's, e.g. 24GB")
     p.add_argument("--solver", default="cpsat")
-    p.add_argument("--time-limit", type=float, default=60.0, help="seconds for the plan (default %(default)s)")
+    p.add_argument(
+        "--time-limit", type=float, default=60.0, help="seconds for the plan (default %(default)s)"
+    )
     p.add_argument("--out", help="write the graph JSON here")
     p.add_argument("--plan", help="write the plan JSON here")
     p.set_defaults(func=cmd_fit)
@@ -393,13 +458,23 @@ def main(argv: list[str] | None = None) -> int:
         if getattr(args, "out", None):
             check_output(args.out, prefix=args.func is cmd_plot)
         return args.func(args)
-    except (CliError, GraphError, PlanError, InfeasibleBudget, ValueError, FileNotFoundError,
-            ImportError, KeyError) as exc:
+    except (
+        CliError,
+        GraphError,
+        PlanError,
+        InfeasibleBudget,
+        ValueError,
+        FileNotFoundError,
+        ImportError,
+        KeyError,
+    ) as exc:
         print(f"slackswap: error: {exc}", file=sys.stderr)
         return 2
     except OSError as exc:  # a write that failed anyway (disk full, removed meanwhile)
-        print(f"slackswap: error: {exc.strerror or exc}: {exc.filename or ''}".rstrip(": "),
-              file=sys.stderr)
+        print(
+            f"slackswap: error: {exc.strerror or exc}: {exc.filename or ''}".rstrip(": "),
+            file=sys.stderr,
+        )
         return 2
 
 

@@ -23,10 +23,49 @@ from .core.hardware import Hardware, hardware
 CNN_SHAPES = ("vgg16", "vgg19", "fcn8", "segnet", "unet", "mobilenet", "resnet50")
 
 _VGG = {
-    "vgg16": [64, 64, "M", 128, 128, "M", 256, 256, 256, "M", 512, 512, 512, "M",
-              512, 512, 512, "M"],
-    "vgg19": [64, 64, "M", 128, 128, "M", 256, 256, 256, 256, "M", 512, 512, 512, 512, "M",
-              512, 512, 512, 512, "M"],
+    "vgg16": [
+        64,
+        64,
+        "M",
+        128,
+        128,
+        "M",
+        256,
+        256,
+        256,
+        "M",
+        512,
+        512,
+        512,
+        "M",
+        512,
+        512,
+        512,
+        "M",
+    ],
+    "vgg19": [
+        64,
+        64,
+        "M",
+        128,
+        128,
+        "M",
+        256,
+        256,
+        256,
+        256,
+        "M",
+        512,
+        512,
+        512,
+        512,
+        "M",
+        512,
+        512,
+        512,
+        512,
+        "M",
+    ],
 }
 
 
@@ -42,8 +81,10 @@ class _Net:
 
     def _time(self, flops: float, nbytes: float) -> float:
         hw = self.hw
-        return max(flops / (hw.gemm_efficiency * hw.peak_flops),
-                   nbytes / (hw.memory_efficiency * hw.hbm_bytes_per_s))
+        return max(
+            flops / (hw.gemm_efficiency * hw.peak_flops),
+            nbytes / (hw.memory_efficiency * hw.hbm_bytes_per_s),
+        )
 
     def elems(self, name: str) -> int:
         c, side = self.shape[name]
@@ -51,20 +92,43 @@ class _Net:
 
     def new(self, name: str, channels: int, side: int, element_bytes: int | None = None) -> str:
         self.shape[name] = (channels, side)
-        size = (self.d if element_bytes is None else element_bytes) * self.batch * channels * side * side
+        size = (
+            (self.d if element_bytes is None else element_bytes)
+            * self.batch
+            * channels
+            * side
+            * side
+        )
         self.tensors[name] = [int(size), []]
         return name
 
-    def add_op(self, name: str, inputs: list[str], outputs: list[str], fwd: tuple[float, float],
-               bwd: tuple[float, float], kind: str, saves: list[str] = ()) -> None:
-        self.ops.append(Op(name=name, forward_s=self._time(*fwd), backward_s=self._time(*bwd),
-                           inputs=tuple(inputs), outputs=tuple(outputs), extra={"kind": kind}))
+    def add_op(
+        self,
+        name: str,
+        inputs: list[str],
+        outputs: list[str],
+        fwd: tuple[float, float],
+        bwd: tuple[float, float],
+        kind: str,
+        saves: list[str] = (),
+    ) -> None:
+        self.ops.append(
+            Op(
+                name=name,
+                forward_s=self._time(*fwd),
+                backward_s=self._time(*bwd),
+                inputs=tuple(inputs),
+                outputs=tuple(outputs),
+                extra={"kind": kind},
+            )
+        )
         for t in saves:
             if t in self.tensors:
                 self.tensors[t][1].append(name)
 
-    def conv(self, name: str, x: str, out_c: int, k: int = 3, stride: int = 1,
-             groups: int = 1) -> str:
+    def conv(
+        self, name: str, x: str, out_c: int, k: int = 3, stride: int = 1, groups: int = 1
+    ) -> str:
         in_c, side = self.shape[x]
         out_side = max(1, side // stride)
         y = self.new(name + ".out", out_c, out_side)
@@ -73,8 +137,15 @@ class _Net:
         # backward: weight gradient, and the input gradient except for the first layer
         grads = 1.0 if self.first else 2.0
         self.first = False
-        self.add_op(name, [x], [y], (flops, io), (grads * flops, grads * io),
-                    "depthwise" if groups > 1 else "conv", saves=[x])
+        self.add_op(
+            name,
+            [x],
+            [y],
+            (flops, io),
+            (grads * flops, grads * io),
+            "depthwise" if groups > 1 else "conv",
+            saves=[x],
+        )
         return y
 
     def bn(self, name: str, x: str) -> str:
@@ -91,8 +162,16 @@ class _Net:
         self.add_op(name, [x], [y], (0.0, 2 * n), (0.0, 3 * n), "memory", saves=[y])
         return y
 
-    def conv_bn_relu(self, name: str, x: str, out_c: int, k: int = 3, stride: int = 1,
-                     groups: int = 1, relu: bool = True) -> str:
+    def conv_bn_relu(
+        self,
+        name: str,
+        x: str,
+        out_c: int,
+        k: int = 3,
+        stride: int = 1,
+        groups: int = 1,
+        relu: bool = True,
+    ) -> str:
         y = self.bn(name + ".bn", self.conv(name + ".conv", x, out_c, k, stride, groups))
         return self.relu(name + ".relu", y) if relu else y
 
@@ -101,16 +180,30 @@ class _Net:
         y = self.new(name + ".out", c, side // 2)
         idx = self.new(name + ".indices", c, side // 2, element_bytes=8)
         n_in, n_out = self.d * self.elems(x), self.d * self.elems(y)
-        self.add_op(name, [x], [y, idx], (0.0, n_in + n_out + 4 * n_out),
-                    (0.0, 2 * n_in + n_out + 4 * n_out), "memory", saves=[x, idx])
+        self.add_op(
+            name,
+            [x],
+            [y, idx],
+            (0.0, n_in + n_out + 4 * n_out),
+            (0.0, 2 * n_in + n_out + 4 * n_out),
+            "memory",
+            saves=[x, idx],
+        )
         return y, idx
 
     def unpool(self, name: str, x: str, idx: str) -> str:
         c, side = self.shape[x]
         y = self.new(name + ".out", c, side * 2)
         n = self.d * (self.elems(x) + self.elems(y))
-        self.add_op(name, [x, idx], [y], (0.0, n + 4 * self.elems(x)),
-                    (0.0, n + 4 * self.elems(x)), "memory", saves=[idx])
+        self.add_op(
+            name,
+            [x, idx],
+            [y],
+            (0.0, n + 4 * self.elems(x)),
+            (0.0, n + 4 * self.elems(x)),
+            "memory",
+            saves=[idx],
+        )
         return y
 
     def upconv(self, name: str, x: str, out_c: int, factor: int = 2) -> str:
@@ -156,20 +249,22 @@ class _Net:
         c, side = self.shape[x]
         logp = self.new("loss.log_probs", c, side)
         n = self.d * self.elems(x)
-        self.add_op("log_softmax", [x], [logp], (0.0, 2 * n), (0.0, 3 * n), "memory",
-                    saves=[logp])
+        self.add_op("log_softmax", [x], [logp], (0.0, 2 * n), (0.0, 3 * n), "memory", saves=[logp])
         self.tensors["loss"] = [4, []]
         self.add_op("nll_loss", [logp], ["loss"], (0.0, n), (0.0, 2 * n), "loss")
 
     def graph(self, name: str, extra: dict) -> ActivationGraph:
-        tensors = tuple(Tensor(name=n, bytes=v[0], saved_for=tuple(v[1]))
-                        for n, v in self.tensors.items())
-        return ActivationGraph(name=name, ops=tuple(self.ops), tensors=tensors, optimizer_s=0.0,
-                               extra=extra)
+        tensors = tuple(
+            Tensor(name=n, bytes=v[0], saved_for=tuple(v[1])) for n, v in self.tensors.items()
+        )
+        return ActivationGraph(
+            name=name, ops=tuple(self.ops), tensors=tensors, optimizer_s=0.0, extra=extra
+        )
 
 
-def _vgg_trunk(net: _Net, x: str, config: list, indices: list | None = None,
-               taps: list | None = None) -> str:
+def _vgg_trunk(
+    net: _Net, x: str, config: list, indices: list | None = None, taps: list | None = None
+) -> str:
     stage, i = 1, 1
     for item in config:
         if item == "M":
@@ -231,8 +326,21 @@ def _unet(net: _Net, x: str, classes: int) -> None:
 
 def _mobilenet(net: _Net, x: str, classes: int) -> None:
     x = net.conv_bn_relu("stem", x, 32, stride=2)
-    plan = [(64, 1), (128, 2), (128, 1), (256, 2), (256, 1), (512, 2), (512, 1), (512, 1),
-            (512, 1), (512, 1), (512, 1), (1024, 2), (1024, 1)]
+    plan = [
+        (64, 1),
+        (128, 2),
+        (128, 1),
+        (256, 2),
+        (256, 1),
+        (512, 2),
+        (512, 1),
+        (512, 1),
+        (512, 1),
+        (512, 1),
+        (512, 1),
+        (1024, 2),
+        (1024, 1),
+    ]
     for i, (width, stride) in enumerate(plan, start=1):
         c, _ = net.shape[x]
         x = net.conv_bn_relu(f"block{i}.dw", x, c, stride=stride, groups=c)
@@ -250,8 +358,11 @@ def _resnet50(net: _Net, x: str, classes: int) -> None:
             y = net.conv_bn_relu(p + ".a", x, width, k=1)
             y = net.conv_bn_relu(p + ".b", y, width, stride=stride)
             y = net.conv_bn_relu(p + ".c", y, 4 * width, k=1, relu=False)
-            short = net.conv_bn_relu(p + ".down", x, 4 * width, k=1, stride=stride,
-                                     relu=False) if b == 0 else x
+            short = (
+                net.conv_bn_relu(p + ".down", x, 4 * width, k=1, stride=stride, relu=False)
+                if b == 0
+                else x
+            )
             x = net.relu(p + ".relu", net.add(p + ".add", y, short))
     net.loss(net.linear("fc", net.avgpool("avgpool", x), classes))
 
@@ -267,15 +378,21 @@ _BUILDERS = {
 }
 
 
-def cnn_graph(name: str, hw: Hardware | str = "a100-80gb-pcie4", batch: int = 16,
-              side: int | None = None, dtype_bytes: int = 2) -> ActivationGraph:
+def cnn_graph(
+    name: str,
+    hw: Hardware | str = "a100-80gb-pcie4",
+    batch: int = 16,
+    side: int | None = None,
+    dtype_bytes: int = 2,
+) -> ActivationGraph:
     """The layer-level activation graph of one training step of the CNN ``name`` (one of
     CNN_SHAPES) on ``hw``: ``batch`` images of ``side`` x ``side`` pixels (the network's usual
     input side by default)."""
     if name not in _BUILDERS:
         raise ValueError(f"unknown CNN {name!r}; known: {', '.join(CNN_SHAPES)}")
-    for label, value in (("batch", batch), ("dtype_bytes", dtype_bytes)) + \
-            ((("side", side),) if side is not None else ()):
+    for label, value in (("batch", batch), ("dtype_bytes", dtype_bytes)) + (
+        (("side", side),) if side is not None else ()
+    ):
         if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
             raise ValueError(f"cnn_graph: {label} must be a positive integer, got {value!r}")
     build, default_side, classes = _BUILDERS[name]
@@ -286,5 +403,7 @@ def cnn_graph(name: str, hw: Hardware | str = "a100-80gb-pcie4", batch: int = 16
     net = _Net(hw, batch, dtype_bytes)
     net.shape["image"] = (3, side)
     build(net, "image", classes)
-    return net.graph(f"{name}-b{batch}-{side}px",
-                     {"cnn": name, "batch": batch, "side": side, "hardware": hw.name})
+    return net.graph(
+        f"{name}-b{batch}-{side}px",
+        {"cnn": name, "batch": batch, "side": side, "hardware": hw.name},
+    )

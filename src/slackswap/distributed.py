@@ -36,9 +36,10 @@ class RankError(RuntimeError):
 
 def _structure(graph: ActivationGraph) -> list:
     """What must agree across ranks: every op and tensor, less the measured times."""
-    return ([(o.name, o.inputs, o.outputs, o.recomputable, o.unit, o.param_unit)
-             for o in graph.ops],
-            [(t.name, t.bytes, t.saved_for, t.group) for t in graph.tensors])
+    return (
+        [(o.name, o.inputs, o.outputs, o.recomputable, o.unit, o.param_unit) for o in graph.ops],
+        [(t.name, t.bytes, t.saved_for, t.group) for t in graph.tensors],
+    )
 
 
 _OP_FIELDS = ("inputs", "outputs", "recomputable", "unit", "param_unit")
@@ -47,8 +48,10 @@ _TENSOR_FIELDS = ("bytes", "saved_for", "group")
 
 def _first_difference(mine: list, theirs: list) -> str:
     """The first op or tensor where two structures differ, and how, in words."""
-    for kind, fields, a_items, b_items in (("op", _OP_FIELDS, mine[0], theirs[0]),
-                                           ("tensor", _TENSOR_FIELDS, mine[1], theirs[1])):
+    for kind, fields, a_items, b_items in (
+        ("op", _OP_FIELDS, mine[0], theirs[0]),
+        ("tensor", _TENSOR_FIELDS, mine[1], theirs[1]),
+    ):
         for a, b in zip(a_items, b_items):
             if a == b:
                 continue
@@ -62,37 +65,55 @@ def _first_difference(mine: list, theirs: list) -> str:
     return "the graphs differ"
 
 
-def agree_on_graph(graph: ActivationGraph | None, error: str | None = None,
-                   group: Any = None) -> ActivationGraph:
+def agree_on_graph(
+    graph: ActivationGraph | None, error: str | None = None, group: Any = None
+) -> ActivationGraph:
     """Every rank's graph, checked equal in structure, with each op's forward and backward time
     the median over the ranks (robust to one slow or noisy rank; the same value on every rank).
     ``error``: this rank could not profile (every rank then raises, naming it)."""
     import torch.distributed as dist
 
     world = dist.get_world_size(group)
-    mine = None if graph is None else {
-        "structure": _structure(graph), "alive_until": [t.alive_until for t in graph.tensors],
-        "forward_s": graph.forward_s.tolist(), "backward_s": graph.backward_s.tolist(),
-        "optimizer_s": graph.optimizer_s}
+    mine = (
+        None
+        if graph is None
+        else {
+            "structure": _structure(graph),
+            "alive_until": [t.alive_until for t in graph.tensors],
+            "forward_s": graph.forward_s.tolist(),
+            "backward_s": graph.backward_s.tolist(),
+            "optimizer_s": graph.optimizer_s,
+        }
+    )
     gathered: list = [None] * world
     dist.all_gather_object(gathered, {"error": error, "graph": mine}, group=group)
-    failed = [(rank, item["error"] or "no graph") for rank, item in enumerate(gathered)
-              if item["error"] is not None or item["graph"] is None]
+    failed = [
+        (rank, item["error"] or "no graph")
+        for rank, item in enumerate(gathered)
+        if item["error"] is not None or item["graph"] is None
+    ]
     if failed:
         # every failure is named: one rank's own error often makes the others' collectives fail
-        raise RankError("; ".join(f"rank {rank} could not profile its step: {why}"
-                                  for rank, why in failed), failed[0][0])
+        raise RankError(
+            "; ".join(f"rank {rank} could not profile its step: {why}" for rank, why in failed),
+            failed[0][0],
+        )
     reference = gathered[0]["graph"]["structure"]
     for rank, item in enumerate(gathered[1:], start=1):
         if item["graph"]["structure"] != reference:
-            raise RankError(f"rank {rank} traced another step than rank 0 (uneven batch or other "
-                            f"shapes?): {_first_difference(reference, item['graph']['structure'])}"
-                            "; every rank must run the same shapes to share one plan", rank)
+            raise RankError(
+                f"rank {rank} traced another step than rank 0 (uneven batch or other "
+                f"shapes?): {_first_difference(reference, item['graph']['structure'])}"
+                "; every rank must run the same shapes to share one plan",
+                rank,
+            )
     fwd = np.median([item["graph"]["forward_s"] for item in gathered], axis=0)
     bwd = np.median([item["graph"]["backward_s"] for item in gathered], axis=0)
     opt = float(np.median([item["graph"]["optimizer_s"] for item in gathered]))
-    ops = tuple(replace(op, forward_s=float(f), backward_s=float(b))
-                for op, f, b in zip(graph.ops, fwd, bwd))
+    ops = tuple(
+        replace(op, forward_s=float(f), backward_s=float(b))
+        for op, f, b in zip(graph.ops, fwd, bwd)
+    )
     # how long the model holds a tensor is observed, and a rank's own work (DDP's buffer
     # broadcast differs on the source rank) can hold one longer: the latest any rank saw
     position = {op.name: i for i, op in enumerate(graph.ops)}
@@ -102,10 +123,20 @@ def agree_on_graph(graph: ActivationGraph | None, error: str | None = None,
         named = [x for x in seen if x is not None]  # None: freed after its last reader
         latest = max(named, key=position.__getitem__) if named else None
         tensors.append(t if latest == t.alive_until else replace(t, alive_until=latest))
-    extra = {**graph.extra, "ranks": world, "times": "median over ranks",
-             "lifetimes": "latest over ranks"}
-    return ActivationGraph(name=graph.name, ops=ops, tensors=tuple(tensors), optimizer_s=opt,
-                           extra=extra, collectives=graph.collectives)
+    extra = {
+        **graph.extra,
+        "ranks": world,
+        "times": "median over ranks",
+        "lifetimes": "latest over ranks",
+    }
+    return ActivationGraph(
+        name=graph.name,
+        ops=ops,
+        tensors=tuple(tensors),
+        optimizer_s=opt,
+        extra=extra,
+        collectives=graph.collectives,
+    )
 
 
 def share_plan(graph: ActivationGraph, make_plan, group: Any = None) -> Plan:
@@ -129,14 +160,25 @@ def share_plan(graph: ActivationGraph, make_plan, group: Any = None) -> Plan:
     dist.all_gather_object(verdicts, ok, group=group)
     bad = [r for r, v in enumerate(verdicts) if not v]
     if bad:
-        raise RankError(f"the plan's graph digest does not match the graph of rank(s) {bad}", bad[0])
+        raise RankError(
+            f"the plan's graph digest does not match the graph of rank(s) {bad}", bad[0]
+        )
     return plan
 
 
-def plan_for_ranks(model, inputs, loss_fn, budget, hardware: Hardware | str | None = None,
-                   solver: str = "heuristic", time_limit_s: float | None = None,
-                   group: Any = None, profile_options: dict[str, Any] | None = None,
-                   timeout_s: float = 600.0, **solve_options: Any) -> tuple[ActivationGraph, Plan]:
+def plan_for_ranks(
+    model,
+    inputs,
+    loss_fn,
+    budget,
+    hardware: Hardware | str | None = None,
+    solver: str = "heuristic",
+    time_limit_s: float | None = None,
+    group: Any = None,
+    profile_options: dict[str, Any] | None = None,
+    timeout_s: float = 600.0,
+    **solve_options: Any,
+) -> tuple[ActivationGraph, Plan]:
     """Profile ``model`` on every rank, agree on one graph (median times), solve on rank 0 and
     share the plan: (graph, plan), the same on every rank. Call it on every rank, like any
     collective, with the model already wrapped (``fully_shard``, ``DistributedDataParallel``).
@@ -153,11 +195,24 @@ def plan_for_ranks(model, inputs, loss_fn, budget, hardware: Hardware | str | No
     arrivals = _Arrivals(timeout_s)
     own = group is None
     if own:
-        group = arrivals.phase("the planning group's creation", lambda: dist.new_group(
-            backend="gloo", timeout=datetime.timedelta(seconds=timeout_s)))
+        group = arrivals.phase(
+            "the planning group's creation",
+            lambda: dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s)),
+        )
     try:
-        return _plan_for_ranks(model, inputs, loss_fn, budget, hardware, solver, time_limit_s,
-                               group, profile_options, solve_options, arrivals)
+        return _plan_for_ranks(
+            model,
+            inputs,
+            loss_fn,
+            budget,
+            hardware,
+            solver,
+            time_limit_s,
+            group,
+            profile_options,
+            solve_options,
+            arrivals,
+        )
     finally:
         if own:
             dist.destroy_process_group(group)
@@ -187,9 +242,11 @@ class _Arrivals:
             failed = self.store.check([key])
             failure = json.loads(self.store.get(key).decode()) if failed else None
         except RuntimeError as exc:  # torch's DistNetworkError and DistStoreError among them
-            raise RankError(f"rank {self.rank} did not reach slackswap's planning before the "
-                            f"other ranks gave up: the store is gone ({type(exc).__name__})",
-                            self.rank) from exc
+            raise RankError(
+                f"rank {self.rank} did not reach slackswap's planning before the "
+                f"other ranks gave up: the store is gone ({type(exc).__name__})",
+                self.rank,
+            ) from exc
         if failure is not None:
             raise RankError(failure["message"], failure["rank"])
 
@@ -202,21 +259,35 @@ class _Arrivals:
         except RankError:
             raise
         except Exception as exc:
-            missing = [r for r in range(self.world)
-                       if not self.store.check([f"{self.prefix}/{name}/{r}"])]
+            missing = [
+                r for r in range(self.world) if not self.store.check([f"{self.prefix}/{name}/{r}"])
+            ]
             if not missing:
                 raise
-            message = (f"rank {missing[0]}" if len(missing) == 1 else f"ranks {missing}") + \
-                f" did not reach {name} within {self.timeout_s:g} s (late, or stuck in another " \
+            message = (
+                (f"rank {missing[0]}" if len(missing) == 1 else f"ranks {missing}")
+                + f" did not reach {name} within {self.timeout_s:g} s (late, or stuck in another "
                 "collective); every rank must call plan_for_ranks together"
-            self.store.set(f"{self.prefix}/failed",
-                           json.dumps({"message": message, "rank": missing[0]}))
+            )
+            self.store.set(
+                f"{self.prefix}/failed", json.dumps({"message": message, "rank": missing[0]})
+            )
             raise RankError(message, missing[0]) from exc
 
 
-def _plan_for_ranks(model, inputs, loss_fn, budget, hardware, solver, time_limit_s, group,
-                    profile_options, solve_options, arrivals: _Arrivals
-                    ) -> tuple[ActivationGraph, Plan]:
+def _plan_for_ranks(
+    model,
+    inputs,
+    loss_fn,
+    budget,
+    hardware,
+    solver,
+    time_limit_s,
+    group,
+    profile_options,
+    solve_options,
+    arrivals: _Arrivals,
+) -> tuple[ActivationGraph, Plan]:
     from .runtime.profiler import profile
     from .solve import solve
 
@@ -225,12 +296,20 @@ def _plan_for_ranks(model, inputs, loss_fn, budget, hardware, solver, time_limit
         graph = profile(model, inputs, loss_fn, **(profile_options or {}))
     except Exception as exc:  # noqa: BLE001 - agreed on first, then raised on every rank
         error = f"{type(exc).__name__}: {exc}"
-    shared = arrivals.phase("the graphs' exchange",
-                            lambda: agree_on_graph(graph, error, group=group))
+    shared = arrivals.phase(
+        "the graphs' exchange", lambda: agree_on_graph(graph, error, group=group)
+    )
     hw = {} if hardware is None else {"hardware": hardware}
-    plan = arrivals.phase("the plan's exchange", lambda: share_plan(
-        shared, lambda: solve(shared, budget, solver=solver, time_limit_s=time_limit_s, **hw,
-                              **solve_options), group=group))
+    plan = arrivals.phase(
+        "the plan's exchange",
+        lambda: share_plan(
+            shared,
+            lambda: solve(
+                shared, budget, solver=solver, time_limit_s=time_limit_s, **hw, **solve_options
+            ),
+            group=group,
+        ),
+    )
     if plan.hardware is None:
         raise PlanError("the shared plan carries no hardware")
     return shared, plan

@@ -54,22 +54,35 @@ class FitReport:
         rows = [("device", f"{self.hardware}, {self.memory_bytes / GIB:.2f} GiB")]
         if state:
             grads = f"{state['gradient_bytes'] / GIB:.2f} GiB" + (
-                " (made in backward: counted with the activations)" if self.gradients_made else "")
-            rows += [("parameters", f"{state['parameter_bytes'] / GIB:.2f} GiB"),
-                     ("gradients", grads),
-                     (f"optimizer state ({state['optimizer']})",
-                      f"{state['optimizer_state_bytes'] / GIB:.2f} GiB")]
-        rows += [("memory left for activations", f"{self.activation_memory_bytes / GIB:.2f} GiB"),
-                 ("activations, keep-all peak", f"{self.keep_all_peak_bytes / GIB:.2f} GiB"),
-                 ("smallest budget any plan reaches",
-                  f"{self.smallest_budget_bytes / GIB:.2f} GiB"
-                  + ("" if self.smallest_proven else " (found, not proven)")),
-                 ("ideal step (nothing moved)", f"{1e3 * self.ideal_step_s:.1f} ms")]
+                " (made in backward: counted with the activations)" if self.gradients_made else ""
+            )
+            rows += [
+                ("parameters", f"{state['parameter_bytes'] / GIB:.2f} GiB"),
+                ("gradients", grads),
+                (
+                    f"optimizer state ({state['optimizer']})",
+                    f"{state['optimizer_state_bytes'] / GIB:.2f} GiB",
+                ),
+            ]
+        rows += [
+            ("memory left for activations", f"{self.activation_memory_bytes / GIB:.2f} GiB"),
+            ("activations, keep-all peak", f"{self.keep_all_peak_bytes / GIB:.2f} GiB"),
+            (
+                "smallest budget any plan reaches",
+                f"{self.smallest_budget_bytes / GIB:.2f} GiB"
+                + ("" if self.smallest_proven else " (found, not proven)"),
+            ),
+            ("ideal step (nothing moved)", f"{1e3 * self.ideal_step_s:.1f} ms"),
+        ]
         if self.plan is not None:
             counts = ", ".join(f"{self.plan.count(d)} {d}" for d in ("keep", "swap", "recompute"))
-            rows += [("plan", f"{self.plan.info.solver}, {self.plan.info.status}: {counts}"),
-                     ("predicted step", f"{1e3 * self.step_s:.1f} ms, "
-                                        f"{100 * self.retention:.2f}% of ideal")]
+            rows += [
+                ("plan", f"{self.plan.info.solver}, {self.plan.info.status}: {counts}"),
+                (
+                    "predicted step",
+                    f"{1e3 * self.step_s:.1f} ms, {100 * self.retention:.2f}% of ideal",
+                ),
+            ]
         rows.append(("verdict", self.verdict))
         return rows
 
@@ -78,18 +91,31 @@ class FitReport:
         return "\n".join(f"{k.ljust(width)}  {v}" for k, v in self.rows())
 
     def to_dict(self) -> dict[str, Any]:
-        return {"graph": self.graph_name, "hardware": self.hardware,
-                "memory_bytes": self.memory_bytes, "model_state": self.model_state,
-                "activation_memory_bytes": self.activation_memory_bytes,
-                "keep_all_peak_bytes": self.keep_all_peak_bytes,
-                "smallest_budget_bytes": self.smallest_budget_bytes,
-                "smallest_proven": self.smallest_proven, "ideal_step_s": self.ideal_step_s,
-                "step_s": self.step_s, "retention": self.retention, "fits": self.fits,
-                "verdict": self.verdict}
+        return {
+            "graph": self.graph_name,
+            "hardware": self.hardware,
+            "memory_bytes": self.memory_bytes,
+            "model_state": self.model_state,
+            "activation_memory_bytes": self.activation_memory_bytes,
+            "keep_all_peak_bytes": self.keep_all_peak_bytes,
+            "smallest_budget_bytes": self.smallest_budget_bytes,
+            "smallest_proven": self.smallest_proven,
+            "ideal_step_s": self.ideal_step_s,
+            "step_s": self.step_s,
+            "retention": self.retention,
+            "fits": self.fits,
+            "verdict": self.verdict,
+        }
 
 
-def fit(graph: ActivationGraph, hardware: Hardware | str | None = None, *,
-        memory_bytes: int | None = None, solver: str = "cpsat", **options: Any) -> FitReport:
+def fit(
+    graph: ActivationGraph,
+    hardware: Hardware | str | None = None,
+    *,
+    memory_bytes: int | None = None,
+    solver: str = "cpsat",
+    **options: Any,
+) -> FitReport:
     """Plan ``graph`` for the device memory ``hw`` has (``memory_bytes`` overrides it), less the
     model state the graph records. ``solver`` and ``options`` go to :func:`slackswap.solve`."""
     if not isinstance(graph, ActivationGraph):
@@ -104,7 +130,9 @@ def fit(graph: ActivationGraph, hardware: Hardware | str | None = None, *,
     # gradients made in the step (zero_grad() sets them to None) are in the graph's backward
     # workspaces already (profile(gradients="made")); held ones are there for the whole step
     made = graph.extra.get("parameter_gradients") == "made"
-    outside = int(state.get("total_bytes", 0)) - (int(state.get("gradient_bytes", 0)) if made else 0)
+    outside = int(state.get("total_bytes", 0)) - (
+        int(state.get("gradient_bytes", 0)) if made else 0
+    )
     left = memory - outside
     keep_all = keep_all_peak(graph, hw)
     smallest = smallest_budget(graph, hw)
@@ -112,11 +140,15 @@ def fit(graph: ActivationGraph, hardware: Hardware | str | None = None, *,
     plan = None
     step = retention = None
     if left <= 0:
-        verdict = (f"does not fit: the model state alone needs {outside / GIB:.2f} "
-                   f"GiB of {memory / GIB:.2f} GiB")
+        verdict = (
+            f"does not fit: the model state alone needs {outside / GIB:.2f} "
+            f"GiB of {memory / GIB:.2f} GiB"
+        )
     elif left < smallest.budget_bytes:
-        verdict = (f"does not fit: the smallest plan needs {smallest.budget_bytes / GIB:.2f} GiB "
-                   f"for activations, {left / GIB:.2f} GiB are left")
+        verdict = (
+            f"does not fit: the smallest plan needs {smallest.budget_bytes / GIB:.2f} GiB "
+            f"for activations, {left / GIB:.2f} GiB are left"
+        )
     else:
         try:
             plan = solve(graph, int(left), hw, solver=solver, **options)
@@ -125,11 +157,24 @@ def fit(graph: ActivationGraph, hardware: Hardware | str | None = None, *,
         else:
             sim = simulate(graph, plan, hw)
             step, retention = sim.step_time_s, sim.retention
-            verdict = ("fits as it is: every activation kept" if keep_all <= left else
-                       f"fits with the plan: {100 * retention:.2f}% of ideal throughput")
-    return FitReport(graph_name=graph.name, hardware=hw.name, memory_bytes=int(memory),
-                     model_state=state, activation_memory_bytes=int(left),
-                     keep_all_peak_bytes=int(keep_all),
-                     smallest_budget_bytes=int(smallest.budget_bytes),
-                     smallest_proven=bool(smallest.proven), ideal_step_s=float(ideal), plan=plan,
-                     step_s=step, retention=retention, verdict=verdict, gradients_made=made)
+            verdict = (
+                "fits as it is: every activation kept"
+                if keep_all <= left
+                else f"fits with the plan: {100 * retention:.2f}% of ideal throughput"
+            )
+    return FitReport(
+        graph_name=graph.name,
+        hardware=hw.name,
+        memory_bytes=int(memory),
+        model_state=state,
+        activation_memory_bytes=int(left),
+        keep_all_peak_bytes=int(keep_all),
+        smallest_budget_bytes=int(smallest.budget_bytes),
+        smallest_proven=bool(smallest.proven),
+        ideal_step_s=float(ideal),
+        plan=plan,
+        step_s=step,
+        retention=retention,
+        verdict=verdict,
+        gradients_made=made,
+    )

@@ -44,8 +44,9 @@ class PlannedTrainer:
     def training_step(self, model, inputs, num_items_in_batch=None):
         original = self._originals["training_step"]
         if self.loop is None:
-            self.loop = PlannedLoop(model, self._loss, self.budget, self.hardware,
-                                    forward=self._forward, **self.options)
+            self.loop = PlannedLoop(
+                model, self._loss, self.budget, self.hardware, forward=self._forward, **self.options
+            )
             self.loop.__enter__()
         # the Trainer sets training mode inside its step; the bucket (and its profile) must see
         # the step's mode, not the evaluation's it may come from
@@ -67,8 +68,9 @@ class PlannedTrainer:
         trainer = self.trainer
         scaled = trainer.loss_is_scaled_for_ga
         if scaled is None:
-            scaled = (trainer.model_accepts_loss_kwargs and self._num_items is not None) or \
-                trainer.compute_loss_func is not None
+            scaled = (
+                trainer.model_accepts_loss_kwargs and self._num_items is not None
+            ) or trainer.compute_loss_func is not None
         return loss if scaled else loss / trainer.current_gradient_accumulation_steps
 
     # ------------------------------------------------------------ logging
@@ -78,9 +80,12 @@ class PlannedTrainer:
         loop = self.loop
         if loop is not None and "loss" in logs and loop.last_plan is not None:
             plan = loop.last_plan
-            logs = {**logs, "slackswap_budget_mib": plan.budget_bytes / MIB,
-                    "slackswap_peak_mib": loop.last_stats.peak_activation_bytes / MIB,
-                    "slackswap_plan": f"{plan.info.solver}/{plan.info.status}"}
+            logs = {
+                **logs,
+                "slackswap_budget_mib": plan.budget_bytes / MIB,
+                "slackswap_peak_mib": loop.last_stats.peak_activation_bytes / MIB,
+                "slackswap_plan": f"{plan.info.solver}/{plan.info.status}",
+            }
         return self._originals["log"](logs, *args, **kwargs)
 
     def remove(self) -> None:
@@ -92,26 +97,51 @@ class PlannedTrainer:
             self.loop.close()
 
 
-def plan_trainer(trainer, budget, hardware: Hardware | str | None = None, *,
-                 refine_solver: str | None = "cpsat", refine_time_limit_s: float = 30.0,
-                 max_plans: int = 8) -> PlannedTrainer:
+def plan_trainer(
+    trainer,
+    budget,
+    hardware: Hardware | str | None = None,
+    *,
+    refine_solver: str | None = "cpsat",
+    refine_time_limit_s: float = 30.0,
+    max_plans: int = 8,
+) -> PlannedTrainer:
     """Plan the activation memory of ``trainer``'s training steps under ``budget`` (a fraction
     of each bucket's keep-all peak, bytes, or a string such as "40GiB"). Call before
     ``trainer.train()``; the options are :func:`slackswap.planned`'s."""
     args = getattr(trainer, "args", None)
-    if args is None or not hasattr(trainer, "training_step") or not hasattr(trainer, "compute_loss"):
-        raise TypeError(f"plan_trainer: expected a transformers Trainer, got {type(trainer).__name__}")
+    if (
+        args is None
+        or not hasattr(trainer, "training_step")
+        or not hasattr(trainer, "compute_loss")
+    ):
+        raise TypeError(
+            f"plan_trainer: expected a transformers Trainer, got {type(trainer).__name__}"
+        )
     model = getattr(trainer, "model", None)
-    if getattr(args, "gradient_checkpointing", False) or getattr(model, "is_gradient_checkpointing", False):
-        raise ValueError("plan_trainer: the Trainer has gradient_checkpointing=True: torch's "
-                         "checkpointing and slackswap would both own the saved tensors (a plan "
-                         "recomputes what it needs itself); set gradient_checkpointing=False")
+    if getattr(args, "gradient_checkpointing", False) or getattr(
+        model, "is_gradient_checkpointing", False
+    ):
+        raise ValueError(
+            "plan_trainer: the Trainer has gradient_checkpointing=True: torch's "
+            "checkpointing and slackswap would both own the saved tensors (a plan "
+            "recomputes what it needs itself); set gradient_checkpointing=False"
+        )
     if isinstance(getattr(trainer, "training_step", None), _Bound):
-        raise ValueError("plan_trainer: this Trainer is already planned; call remove() on the "
-                         "first PlannedTrainer to plan it again")
-    planned = PlannedTrainer(trainer, budget, hardware, {
-        "refine_solver": refine_solver, "refine_time_limit_s": refine_time_limit_s,
-        "max_plans": max_plans})
+        raise ValueError(
+            "plan_trainer: this Trainer is already planned; call remove() on the "
+            "first PlannedTrainer to plan it again"
+        )
+    planned = PlannedTrainer(
+        trainer,
+        budget,
+        hardware,
+        {
+            "refine_solver": refine_solver,
+            "refine_time_limit_s": refine_time_limit_s,
+            "max_plans": max_plans,
+        },
+    )
     planned._originals = {"training_step": trainer.training_step, "log": trainer.log}
     trainer.training_step = _Bound(planned.training_step)
     trainer.log = _Bound(planned.log)

@@ -41,14 +41,23 @@ class SlackSwapCallback(Callback):
     bucket's keep-all peak, bytes, or a string such as "40GiB"); the options are
     :func:`slackswap.planned`'s. ``loop`` is the PlannedLoop during a fit."""
 
-    def __init__(self, budget, hardware: Hardware | str | None = None, *,
-                 refine_solver: str | None = "cpsat", refine_time_limit_s: float = 30.0,
-                 max_plans: int = 8):
+    def __init__(
+        self,
+        budget,
+        hardware: Hardware | str | None = None,
+        *,
+        refine_solver: str | None = "cpsat",
+        refine_time_limit_s: float = 30.0,
+        max_plans: int = 8,
+    ):
         super().__init__()
         self.budget = budget
         self.hardware = hardware
-        self.options = {"refine_solver": refine_solver, "refine_time_limit_s": refine_time_limit_s,
-                        "max_plans": max_plans}
+        self.options = {
+            "refine_solver": refine_solver,
+            "refine_time_limit_s": refine_time_limit_s,
+            "max_plans": max_plans,
+        }
         self.loop: PlannedLoop | None = None
         self.planned_batches = 0
         self._module = None
@@ -59,15 +68,18 @@ class SlackSwapCallback(Callback):
     # ------------------------------------------------------------ the fit
     def on_fit_start(self, trainer, pl_module) -> None:
         if not trainer.lightning_module.automatic_optimization:
-            raise ValueError("SlackSwapCallback: manual optimization runs the backward inside "
-                             "training_step; use ss.planned or ss.apply around it instead")
+            raise ValueError(
+                "SlackSwapCallback: manual optimization runs the backward inside "
+                "training_step; use ss.planned or ss.apply around it instead"
+            )
         self._accumulate = int(trainer.accumulate_grad_batches)
         original = pl_module.training_step
         self._own = vars(pl_module).get("training_step")  # an instance's own, to put back
         self._module = pl_module
         self._wrapper = _TrainingStep(pl_module, original)
-        self.loop = PlannedLoop(self._wrapper, self._loss, self.budget, self.hardware,
-                                **self.options)
+        self.loop = PlannedLoop(
+            self._wrapper, self._loss, self.budget, self.hardware, **self.options
+        )
         self.loop.__enter__()
         pl_module.training_step = self._training_step
 
@@ -108,6 +120,11 @@ class SlackSwapCallback(Callback):
             return
         loop.end_step()  # a batch whose loss was None ran no backward
         if loop.last_plan is not None and loop.last_stats is not None:
-            pl_module.log_dict({"slackswap_budget_mib": loop.last_plan.budget_bytes / MIB,
-                                "slackswap_peak_mib": loop.last_stats.peak_activation_bytes / MIB},
-                               on_step=True, on_epoch=False)
+            pl_module.log_dict(
+                {
+                    "slackswap_budget_mib": loop.last_plan.budget_bytes / MIB,
+                    "slackswap_peak_mib": loop.last_stats.peak_activation_bytes / MIB,
+                },
+                on_step=True,
+                on_epoch=False,
+            )

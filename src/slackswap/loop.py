@@ -65,12 +65,26 @@ def _arguments(inputs) -> tuple:
     if isinstance(inputs, torch.Tensor):
         return ()
     if isinstance(inputs, dict):
-        return tuple((k, _arguments(inputs[k]) if isinstance(inputs[k], (dict, list, tuple))
-                      else None if isinstance(inputs[k], torch.Tensor) else _key(inputs[k]))
-                     for k in sorted(inputs))
+        return tuple(
+            (
+                k,
+                _arguments(inputs[k])
+                if isinstance(inputs[k], (dict, list, tuple))
+                else None
+                if isinstance(inputs[k], torch.Tensor)
+                else _key(inputs[k]),
+            )
+            for k in sorted(inputs)
+        )
     if isinstance(inputs, (tuple, list)):
-        return tuple(_arguments(x) if isinstance(x, (dict, list, tuple))
-                     else None if isinstance(x, torch.Tensor) else _key(x) for x in inputs)
+        return tuple(
+            _arguments(x)
+            if isinstance(x, (dict, list, tuple))
+            else None
+            if isinstance(x, torch.Tensor)
+            else _key(x)
+            for x in inputs
+        )
     return (_key(inputs),)
 
 
@@ -94,14 +108,17 @@ def bucket_of(shapes: tuple) -> tuple:
 def _dominates(big: tuple, small: tuple) -> bool:
     return len(big) == len(small) and all(
         db == ds and len(sb) == len(ss) and all(b >= s for b, s in zip(sb, ss))
-        for (sb, db), (ss, ds) in zip(big, small))
+        for (sb, db), (ss, ds) in zip(big, small)
+    )
 
 
 def step_signature(model) -> tuple:
     """What of the model changes the traced step besides its inputs: each module's training
     flag, and each parameter's requires_grad and dtype."""
-    return (tuple(m.training for m in model.modules()),
-            tuple((p.requires_grad, str(p.dtype)) for p in model.parameters()))
+    return (
+        tuple(m.training for m in model.modules()),
+        tuple((p.requires_grad, str(p.dtype)) for p in model.parameters()),
+    )
 
 
 @dataclass(frozen=True)
@@ -200,8 +217,7 @@ class PlannedLoop:
         once the backward has run. A forward that is not the plan's is undone and run again
         under a new profile, as ``step`` does (it has run no backward)."""
         self.end_step()
-        return self._under_plan(inputs, lambda bucket: self._open_planned(bucket, forward),
-                                forward)
+        return self._under_plan(inputs, lambda bucket: self._open_planned(bucket, forward), forward)
 
     def end_step(self) -> None:
         """Close the context ``forward_step`` left open (after the step's backward)."""
@@ -211,15 +227,18 @@ class PlannedLoop:
             run._drop_step()
             self.last_stats = run.stats
 
-    def _under_plan(self, inputs, attempt: Callable[[_Bucket], tuple[bool, Any]],
-                    plain: Callable[[], Any]):
+    def _under_plan(
+        self, inputs, attempt: Callable[[_Bucket], tuple[bool, Any]], plain: Callable[[], Any]
+    ):
         """The step under its bucket's plan (``attempt``); a step whose traced ops do not match
         the plan is undone and profiled again at these inputs, and a bucket whose steps differ
         again runs ``plain`` from then on, said once in a warning."""
         shapes = _shapes(inputs)
         if not shapes:
-            raise ValueError("planned: step() needs the inputs as a tensor, tuple or dict of "
-                             "tensors (their shapes choose the plan)")
+            raise ValueError(
+                "planned: step() needs the inputs as a tensor, tuple or dict of "
+                "tensors (their shapes choose the plan)"
+            )
         key = (bucket_of(shapes), _arguments(inputs), step_signature(self.model))
         self._adopt_refinements()
         self.steps += 1
@@ -239,7 +258,10 @@ class PlannedLoop:
                 f"planned: the traced step of bucket {key[0]} differs from batch to batch at "
                 "the same shapes (a route that depends on the data, such as a mixture of "
                 "experts' top-k choice): slackswap cannot plan it, and its steps run without a "
-                "plan from now on", RuntimeWarning, stacklevel=3)
+                "plan from now on",
+                RuntimeWarning,
+                stacklevel=3,
+            )
             return plain()
         bucket = self._new_bucket(key, shapes, inputs)
         done, out = attempt(bucket)
@@ -247,9 +269,12 @@ class PlannedLoop:
             self._mismatches[key] = 2
             self._plain.add(key)
             self._drop(key)
-            warnings.warn(f"planned: the traced step of bucket {key[0]} is not the same twice "
-                          "on the same inputs: its steps run without a plan",
-                          RuntimeWarning, stacklevel=3)
+            warnings.warn(
+                f"planned: the traced step of bucket {key[0]} is not the same twice "
+                "on the same inputs: its steps run without a plan",
+                RuntimeWarning,
+                stacklevel=3,
+            )
             return plain()
         bucket.steps += 1
         return out
@@ -259,15 +284,20 @@ class PlannedLoop:
         RNG streams and the model's buffers."""
         import torch
 
-        return (torch.get_rng_state(),
-                torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
-                [(b, b.detach().clone()) for b in self.model.buffers()])
+        return (
+            torch.get_rng_state(),
+            torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+            [(b, b.detach().clone()) for b in self.model.buffers()],
+        )
 
     def _undo(self, snapshot, mismatch: Exception) -> None:
         import torch
 
-        log.info("planned: step %d does not match its bucket's plan (%s); profiling again",
-                 self.steps, mismatch)
+        log.info(
+            "planned: step %d does not match its bucket's plan (%s); profiling again",
+            self.steps,
+            mismatch,
+        )
         rng, cuda_rng, buffers = snapshot
         torch.set_rng_state(rng)
         if cuda_rng is not None:
@@ -342,9 +372,15 @@ class PlannedLoop:
         paused = self._refinements.paused() if self._refinements else contextlib.nullcontext()
         try:
             with paused, _same_rng():
-                graph = profile(self.model, inputs, self.loss_fn, warmup=1, repeat=1,
-                                name=f"{type(self.model).__name__}-bucket{len(self._buckets)}",
-                                forward=self.forward)
+                graph = profile(
+                    self.model,
+                    inputs,
+                    self.loss_fn,
+                    warmup=1,
+                    repeat=1,
+                    name=f"{type(self.model).__name__}-bucket{len(self._buckets)}",
+                    forward=self.forward,
+                )
         except ProfileError as exc:
             if exc.user_error is not None:  # the user's own exception, as a plain step raises it
                 raise exc.user_error.with_traceback(exc.user_error.__traceback__) from None
@@ -355,15 +391,21 @@ class PlannedLoop:
             if self.refine_solver is None:
                 raise
             # the heuristic found no plan that fits: the exact planner, now, before this step
-            plan = solve(graph, self.budget, self.hardware, solver=self.refine_solver,
-                         time_limit_s=self.refine_time_limit_s)
+            plan = solve(
+                graph,
+                self.budget,
+                self.hardware,
+                solver=self.refine_solver,
+                time_limit_s=self.refine_time_limit_s,
+            )
         bucket = _Bucket(shapes, graph, plan)
         self._buckets[key] = bucket
         self._buckets.move_to_end(key)
         while len(self._buckets) > self.max_plans:
             self._drop(next(iter(self._buckets)))
-        self.switches.append(Switch(self.steps - 1, key[0], "heuristic",
-                                    plan.info.predicted_step_time_s))
+        self.switches.append(
+            Switch(self.steps - 1, key[0], "heuristic", plan.info.predicted_step_time_s)
+        )
         if self._refinements is not None:
             self._refinements.submit(key, graph, plan, _same_restrictions(plan))
         return bucket
@@ -381,8 +423,11 @@ class PlannedLoop:
             if bucket is None:
                 continue
             if isinstance(result, Exception):
-                log.warning("planned: refining bucket %s failed (%s); keeping the heuristic "
-                            "plan", key[0], result)
+                log.warning(
+                    "planned: refining bucket %s failed (%s); keeping the heuristic plan",
+                    key[0],
+                    result,
+                )
                 continue
             if result.graph_digest != bucket.graph.digest:
                 continue  # made for a graph the bucket no longer has
@@ -406,8 +451,11 @@ class PlannedLoop:
 
 
 def _same_restrictions(plan: Plan) -> dict:
-    return {"allowed": list(plan.extra["allowed"])} if "allowed" in plan.extra and \
-        plan.info.extra.get("allowed_from") != "hardware" else {}
+    return (
+        {"allowed": list(plan.extra["allowed"])}
+        if "allowed" in plan.extra and plan.info.extra.get("allowed_from") != "hardware"
+        else {}
+    )
 
 
 @contextlib.contextmanager
@@ -426,9 +474,16 @@ def _same_rng():
             torch.cuda.set_rng_state_all(cuda_rng)
 
 
-def planned(model, loss_fn: Callable, budget, hardware: Hardware | str | None = None, *,
-            refine_solver: str | None = "cpsat", refine_time_limit_s: float = 30.0,
-            max_plans: int = 8) -> PlannedLoop:
+def planned(
+    model,
+    loss_fn: Callable,
+    budget,
+    hardware: Hardware | str | None = None,
+    *,
+    refine_solver: str | None = "cpsat",
+    refine_time_limit_s: float = 30.0,
+    max_plans: int = 8,
+) -> PlannedLoop:
     """A training loop that plans itself: ``with ss.planned(model, loss_fn, "12GiB") as loop:``
     then ``loss = loop.step(batch)`` per step (see the module's docstring for the buckets).
 
@@ -437,5 +492,6 @@ def planned(model, loss_fn: Callable, budget, hardware: Hardware | str | None = 
     exact planner run in a background process (None: the heuristic's plans only)."""
     if isinstance(max_plans, bool) or not isinstance(max_plans, int) or max_plans < 1:
         raise ValueError(f"planned: max_plans must be a positive integer, got {max_plans!r}")
-    return PlannedLoop(model, loss_fn, budget, hardware, refine_solver, refine_time_limit_s,
-                       max_plans)
+    return PlannedLoop(
+        model, loss_fn, budget, hardware, refine_solver, refine_time_limit_s, max_plans
+    )

@@ -9,7 +9,9 @@ from .check.simulate import SimResult
 from .core.graph import ActivationGraph
 
 
-def plot_memory(results: dict[str, SimResult], budget: int, path: str | Path, title: str = "") -> list[Path]:
+def plot_memory(
+    results: dict[str, SimResult], budget: int, path: str | Path, title: str = ""
+) -> list[Path]:
     """Memory over time for one or more plans, with the budget line."""
     import matplotlib
 
@@ -31,7 +33,9 @@ def plot_memory(results: dict[str, SimResult], budget: int, path: str | Path, ti
     return _save(fig, path)
 
 
-def plot_gantt(graph: ActivationGraph, sim: SimResult, path: str | Path, title: str = "") -> list[Path]:
+def plot_gantt(
+    graph: ActivationGraph, sim: SimResult, path: str | Path, title: str = ""
+) -> list[Path]:
     """The compute stream (forward, reruns, backward) and the D2H / H2D lanes over time."""
     import matplotlib
 
@@ -50,9 +54,18 @@ def plot_gantt(graph: ActivationGraph, sim: SimResult, path: str | Path, title: 
     ax.set_xlabel("time in step (ms)")
     from matplotlib.patches import Patch
 
-    ax.legend(handles=[Patch(color="tab:blue", label="forward"), Patch(color="tab:orange", label="rerun"),
-                       Patch(color="tab:green", label="backward"), Patch(color="tab:purple", label="offload"),
-                       Patch(color="tab:red", label="prefetch")], loc="upper right", fontsize=7, ncol=5)
+    ax.legend(
+        handles=[
+            Patch(color="tab:blue", label="forward"),
+            Patch(color="tab:orange", label="rerun"),
+            Patch(color="tab:green", label="backward"),
+            Patch(color="tab:purple", label="offload"),
+            Patch(color="tab:red", label="prefetch"),
+        ],
+        loc="upper right",
+        fontsize=7,
+        ncol=5,
+    )
     ax.set_title(title or f"{graph.name}: compute and copy lanes")
     fig.tight_layout()
     return _save(fig, path)

@@ -51,9 +51,14 @@ def main(argv: list[str] | None = None) -> int:
     request = json.loads((folder / "request.json").read_text())
     graph = load_graph(folder / "graph.json")
     try:
-        plan = solve(graph, int(request["budget_bytes"]), Hardware.from_dict(request["hardware"]),
-                     solver=request["solver"], time_limit_s=request["time_limit_s"],
-                     **request.get("options", {}))
+        plan = solve(
+            graph,
+            int(request["budget_bytes"]),
+            Hardware.from_dict(request["hardware"]),
+            solver=request["solver"],
+            time_limit_s=request["time_limit_s"],
+            **request.get("options", {}),
+        )
     except (InfeasibleBudget, ValueError) as exc:
         (folder / "error.json").write_text(json.dumps({"error": f"{type(exc).__name__}: {exc}"}))
         return 0

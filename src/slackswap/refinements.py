@@ -164,16 +164,29 @@ class Refinements:
         key, (graph, plan, options) = self.queue.popitem(last=False)
         folder = Path(tempfile.mkdtemp(prefix="slackswap-refine-"))
         (folder / "graph.json").write_text(graph.to_json())
-        (folder / "request.json").write_text(json.dumps({
-            "budget_bytes": plan.budget_bytes, "hardware": plan.hardware.to_dict(),
-            "solver": self.solver, "time_limit_s": self.time_limit_s, "options": options}))
+        (folder / "request.json").write_text(
+            json.dumps(
+                {
+                    "budget_bytes": plan.budget_bytes,
+                    "hardware": plan.hardware.to_dict(),
+                    "solver": self.solver,
+                    "time_limit_s": self.time_limit_s,
+                    "options": options,
+                }
+            )
+        )
         alive_r, alive_w = os.pipe()
         env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHONSTARTUP")}
         try:
             with open(folder / "stderr.txt", "wb") as err:
-                proc = subprocess.Popen([sys.executable, "-m", "slackswap.refine", str(folder)],
-                                        stdin=alive_r, stdout=subprocess.DEVNULL, stderr=err,
-                                        start_new_session=True, env=env)
+                proc = subprocess.Popen(
+                    [sys.executable, "-m", "slackswap.refine", str(folder)],
+                    stdin=alive_r,
+                    stdout=subprocess.DEVNULL,
+                    stderr=err,
+                    start_new_session=True,
+                    env=env,
+                )
         finally:
             os.close(alive_r)
         self.running = _Running(key, folder, proc, alive_w)
@@ -200,8 +213,10 @@ class Refinements:
         if error_file.exists():
             return RuntimeError(json.loads(error_file.read_text())["error"])
         err = (run.folder / "stderr.txt").read_text(errors="replace").strip()[-500:]
-        return RuntimeError(f"the refining process exited with status {run.proc.returncode}"
-                            + (f": {err}" if err else ""))
+        return RuntimeError(
+            f"the refining process exited with status {run.proc.returncode}"
+            + (f": {err}" if err else "")
+        )
 
     def _stop_running(self) -> None:
         run, self.running = self.running, None

@@ -41,8 +41,17 @@ from .planners.minpeak import MinPeak, min_peak
 
 log = logging.getLogger("slackswap")
 
-__all__ = ["DEFAULT_SOLVER", "RESULT_FIELDS", "compare", "min_budget", "register_solver",
-           "result_row", "smallest_budget", "solve", "solver_names"]
+__all__ = [
+    "DEFAULT_SOLVER",
+    "RESULT_FIELDS",
+    "compare",
+    "min_budget",
+    "register_solver",
+    "result_row",
+    "smallest_budget",
+    "solve",
+    "solver_names",
+]
 
 DEFAULT_SOLVER = "cpsat"
 
@@ -61,8 +70,10 @@ def graph_hardware(graph: ActivationGraph, given: Hardware | str | None) -> tupl
         try:
             return Hardware.from_dict(dict(recorded)), "graph"
         except (TypeError, ValueError) as exc:
-            raise ValueError(f"graph {graph.name!r}: its recorded hardware is not valid ({exc}); "
-                             "pass hardware= explicitly") from exc
+            raise ValueError(
+                f"graph {graph.name!r}: its recorded hardware is not valid ({exc}); "
+                "pass hardware= explicitly"
+            ) from exc
     if isinstance(recorded, str):
         try:
             return get_hardware(recorded), "graph"
@@ -71,10 +82,19 @@ def graph_hardware(graph: ActivationGraph, given: Hardware | str | None) -> tupl
     return get_hardware(DEFAULT_HARDWARE), "default"
 
 
-def solve(graph: ActivationGraph, budget: float | int | str, hardware: Hardware | str | None = None,
-          solver: str = DEFAULT_SOLVER, time_limit_s: float | None = None, *,
-          work_s: float | None = None, strict: bool = True, allowed=None,
-          pins: Mapping[str, str] | None = None, **options: Any) -> Plan:
+def solve(
+    graph: ActivationGraph,
+    budget: float | int | str,
+    hardware: Hardware | str | None = None,
+    solver: str = DEFAULT_SOLVER,
+    time_limit_s: float | None = None,
+    *,
+    work_s: float | None = None,
+    strict: bool = True,
+    allowed=None,
+    pins: Mapping[str, str] | None = None,
+    **options: Any,
+) -> Plan:
     """The best plan ``solver`` finds for ``graph`` under ``budget`` on ``hardware``, closed:
     every copy and rebuild position and the hardware travel with it.
 
@@ -102,8 +122,12 @@ def solve(graph: ActivationGraph, budget: float | int | str, hardware: Hardware 
         raise TypeError(f"solve: graph must be an ActivationGraph, got {type(graph).__name__}")
     hw, hardware_from = graph_hardware(graph, hardware)
     if hardware_from != "argument":
-        log.info("solve: planning graph %r for hardware %r (%s)", graph.name, hw.name,
-                 "recorded in the graph" if hardware_from == "graph" else "the default")
+        log.info(
+            "solve: planning graph %r for hardware %r (%s)",
+            graph.name,
+            hw.name,
+            "recorded in the graph" if hardware_from == "graph" else "the default",
+        )
     time_limit_s = check_time_limit(time_limit_s)
     budget_bytes = parse_budget(budget, graph, hw)
     allowed, implied = host_allowed(hw, allowed)
@@ -115,16 +139,19 @@ def solve(graph: ActivationGraph, budget: float | int | str, hardware: Hardware 
     if budget_bytes < offload_floor(graph, hw, mask):
         raise _infeasible(graph, hw, mask, budget_bytes, allowed, bool(pins), "")
     planner = get_planner(solver)
-    if restricted(mask, graph) and asked \
-            and not getattr(planner, "honours_restrictions", False):
-        raise PlanError(f"solve: solver {solver!r} cannot honour allowed="
-                        f"{parse_allowed(allowed)} and pins; use {_one_of(honouring_restrictions())}")
+    if restricted(mask, graph) and asked and not getattr(planner, "honours_restrictions", False):
+        raise PlanError(
+            f"solve: solver {solver!r} cannot honour allowed="
+            f"{parse_allowed(allowed)} and pins; use {_one_of(honouring_restrictions())}"
+        )
     accepted = getattr(planner, "options", None)
     if accepted is not None:
         unknown = sorted(set(options) - set(accepted))
         if unknown:
-            raise ValueError(f"solve: solver {solver!r} takes no option(s) {', '.join(unknown)}; "
-                             f"it takes: {', '.join(sorted(accepted)) or 'none'}")
+            raise ValueError(
+                f"solve: solver {solver!r} takes no option(s) {', '.join(unknown)}; "
+                f"it takes: {', '.join(sorted(accepted)) or 'none'}"
+            )
     check_options({**options, "work_s": work_s})
     if work_s is not None and "work_s" in (accepted or ()):
         options = {**options, "work_s": work_s}  # the planners without work limits ignore it
@@ -132,37 +159,56 @@ def solve(graph: ActivationGraph, budget: float | int | str, hardware: Hardware 
         raise TypeError(f"solve: strict must be True or False, got {strict!r}")
     start = time.perf_counter()
     with interruptible():  # Ctrl-C stops native work at once: KeyboardInterrupt, cleaned up
-        solution = planner.solve(Problem(graph, hw, budget_bytes, mask, began=entered),
-                                 time_limit_s=time_limit_s, **options)
+        solution = planner.solve(
+            Problem(graph, hw, budget_bytes, mask, began=entered),
+            time_limit_s=time_limit_s,
+            **options,
+        )
     forbidden = first_forbidden(graph, solution.codes, mask)
     if forbidden is not None:
         if not asked and not implied:
-            raise PlanError(f"solve: solver {solver!r} swaps a tensor under hardware "
-                            f"{hw.name!r}'s min_swap_bytes ({hw.min_swap_bytes}): {forbidden}")
+            raise PlanError(
+                f"solve: solver {solver!r} swaps a tensor under hardware "
+                f"{hw.name!r}'s min_swap_bytes ({hw.min_swap_bytes}): {forbidden}"
+            )
         if implied:
-            raise PlanError(f"solve: solver {solver!r} swaps ({forbidden}), but hardware "
-                            f"{hw.name!r} has no host to swap to (its device memory is host "
-                            "memory); use a solver that keeps or recomputes")
-        raise PlanError(f"solve: solver {solver!r} does not honour allowed={parse_allowed(allowed)} "
-                        f"and pins ({forbidden}); use {_one_of(honouring_restrictions())}")
+            raise PlanError(
+                f"solve: solver {solver!r} swaps ({forbidden}), but hardware "
+                f"{hw.name!r} has no host to swap to (its device memory is host "
+                "memory); use a solver that keeps or recomputes"
+            )
+        raise PlanError(
+            f"solve: solver {solver!r} does not honour allowed={parse_allowed(allowed)} "
+            f"and pins ({forbidden}); use {_one_of(honouring_restrictions())}"
+        )
     simulated = solution.simulation
-    if solution.schedule is None and simulated is not None \
-            and simulated.budget_bytes == budget_bytes and simulated.hardware == hw \
-            and np.array_equal(simulated.expansion.codes, solution.codes):
+    if (
+        solution.schedule is None
+        and simulated is not None
+        and simulated.budget_bytes == budget_bytes
+        and simulated.hardware == hw
+        and np.array_equal(simulated.expansion.codes, solution.codes)
+    ):
         # the planner's own simulation of these decisions with the default schedule: its
         # expansion is the closed plan's (no second expansion of the step)
         expansion = simulated.expansion
         plan = close_from(graph, expansion, hw, budget_bytes, solution.info)
     else:
         simulated = None
-        plan, expansion = close_expanded(graph, solution.codes, solution.schedule, hw,
-                                         budget_bytes, solution.info)
+        plan, expansion = close_expanded(
+            graph, solution.codes, solution.schedule, hw, budget_bytes, solution.info
+        )
     if allowed is not None or pins:
-        plan = replace(plan, extra={**plan.extra, "allowed": list(parse_allowed(allowed)),
-                                    "pins": dict(pins or {})})
-    if "checkpoint_graph" in graph.extra:  # a plan for ss.checkpointed alone (the executor refuses it)
-        plan = replace(plan, extra={**plan.extra,
-                                    "checkpoint_graph": graph.extra["checkpoint_graph"]})
+        plan = replace(
+            plan,
+            extra={**plan.extra, "allowed": list(parse_allowed(allowed)), "pins": dict(pins or {})},
+        )
+    if (
+        "checkpoint_graph" in graph.extra
+    ):  # a plan for ss.checkpointed alone (the executor refuses it)
+        plan = replace(
+            plan, extra={**plan.extra, "checkpoint_graph": graph.extra["checkpoint_graph"]}
+        )
     if not plan.info.wall_s:
         plan = plan.with_info(wall_s=time.perf_counter() - start)
     # the closed plan's own expansion (expanding its complete schedule again gives the same
@@ -173,37 +219,57 @@ def solve(graph: ActivationGraph, budget: float | int | str, hardware: Hardware 
         plan, sim = _minimal(graph, hw, budget_bytes, plan, expansion, sim, mask)
     if implied:
         plan = plan.with_info(allowed_from="hardware")
-    plan = plan.with_info(predicted_step_time_s=sim.step_time_s, hardware_from=hardware_from,
-                          overhead_gap=overhead_gap(sim.step_time_s, graph.ideal_step_time_s,
-                                                    plan.info.bound))
+    plan = plan.with_info(
+        predicted_step_time_s=sim.step_time_s,
+        hardware_from=hardware_from,
+        overhead_gap=overhead_gap(sim.step_time_s, graph.ideal_step_time_s, plan.info.bound),
+    )
     check = validate(graph, plan)
     if not sim.fits and strict:
         # the planner's plan does not fit: where the smallest-budget plan does, it is returned
         # (a plan exists at every budget min_budget reports), said so in its info; strict=False
         # returns the planner's own plan (compare's rows)
         smallest = smallest_budget_of(graph, hw, mask)
-        if smallest.budget_bytes <= budget_bytes and getattr(planner, "honours_restrictions",
-                                                             False):
+        if smallest.budget_bytes <= budget_bytes and getattr(
+            planner, "honours_restrictions", False
+        ):
             # (a baseline's plan is what it is: keep-all does not fit, it is not replaced)
-            return _smallest_plan(graph, hw, budget_bytes, smallest, plan, mask, allowed, pins,
-                                  implied, hardware_from)
-        raise _infeasible(graph, hw, mask, budget_bytes, allowed, bool(pins),
-                          f"solver {solver!r} found no plan: {check.violations[0]}; ")
+            return _smallest_plan(
+                graph, hw, budget_bytes, smallest, plan, mask, allowed, pins, implied, hardware_from
+            )
+        raise _infeasible(
+            graph,
+            hw,
+            mask,
+            budget_bytes,
+            allowed,
+            bool(pins),
+            f"solver {solver!r} found no plan: {check.violations[0]}; ",
+        )
     if strict and not check.ok:
         raise InfeasibleBudget(
             f"solver {solver!r} found no plan for graph {graph.name!r} within {budget_bytes} bytes: "
             f"{check.violations[0]}",
             min_budget_bytes=smallest_budget_of(graph, hw, mask).budget_bytes,
-            budget_bytes=budget_bytes)
+            budget_bytes=budget_bytes,
+        )
     return plan
 
 
-def _minimal(graph: ActivationGraph, hw: Hardware, budget_bytes: int, plan: Plan,
-             expansion, sim: SimResult, mask) -> tuple[Plan, SimResult]:
+def _minimal(
+    graph: ActivationGraph,
+    hw: Hardware,
+    budget_bytes: int,
+    plan: Plan,
+    expansion,
+    sim: SimResult,
+    mask,
+) -> tuple[Plan, SimResult]:
     """The plan with every swap and recompute turned back to keep that the budget allows at the
     same or a lower step (planners/minimal.py); its info says how many."""
-    minimal = keep_what_fits(graph, hw, budget_bytes, expansion, sim,
-                             None if mask is None else mask[:, KEEP])
+    minimal = keep_what_fits(
+        graph, hw, budget_bytes, expansion, sim, None if mask is None else mask[:, KEEP]
+    )
     if minimal is None:
         return plan, sim
     info = plan.info
@@ -213,9 +279,19 @@ def _minimal(graph: ActivationGraph, hw: Hardware, budget_bytes: int, plan: Plan
     objective = info.objective
     if objective is not None and step < sim.step_time_s:
         objective = step  # no model's objective describes the new decisions: the simulator's
-    closed = close_from(graph, minimal.expansion, hw, budget_bytes,
-                        replace(info, bound=bound, gap=gap, objective=objective,
-                                extra={**info.extra, "kept_back": len(minimal.kept_back)}))
+    closed = close_from(
+        graph,
+        minimal.expansion,
+        hw,
+        budget_bytes,
+        replace(
+            info,
+            bound=bound,
+            gap=gap,
+            objective=objective,
+            extra={**info.extra, "kept_back": len(minimal.kept_back)},
+        ),
+    )
     return replace(closed, extra={**plan.extra, **closed.extra}), minimal.simulation
 
 
@@ -237,44 +313,83 @@ def smallest_budget_of(graph: ActivationGraph, hw: Hardware, mask) -> MinPeak:
     return found
 
 
-def _infeasible(graph: ActivationGraph, hw: Hardware, mask, budget_bytes: int, allowed,
-                pinned: bool, prefix: str) -> InfeasibleBudget:
+def _infeasible(
+    graph: ActivationGraph,
+    hw: Hardware,
+    mask,
+    budget_bytes: int,
+    allowed,
+    pinned: bool,
+    prefix: str,
+) -> InfeasibleBudget:
     smallest = smallest_budget_of(graph, hw, mask)
-    decisions = "every decision" if mask is None else \
-        f"allowed={parse_allowed(allowed)}" + (" and these pins" if pinned else "")
+    decisions = (
+        "every decision"
+        if mask is None
+        else f"allowed={parse_allowed(allowed)}" + (" and these pins" if pinned else "")
+    )
     if hw.min_swap_bytes and mask is not None:
         decisions += f" (no swap under the hardware's min_swap_bytes, {hw.min_swap_bytes})"
-    how = "proven" if smallest.proven else "the smallest found; no plan fits below " \
-        f"{smallest.lower_bytes} bytes"
+    how = (
+        "proven"
+        if smallest.proven
+        else f"the smallest found; no plan fits below {smallest.lower_bytes} bytes"
+    )
     return InfeasibleBudget(
         f"{prefix}graph {graph.name!r} cannot fit {budget_bytes} bytes with {decisions} on "
         f"{hw.name!r}: a plan fits {smallest.budget_bytes} bytes ({how})",
-        min_budget_bytes=smallest.budget_bytes, budget_bytes=budget_bytes)
+        min_budget_bytes=smallest.budget_bytes,
+        budget_bytes=budget_bytes,
+    )
 
 
-def _smallest_plan(graph: ActivationGraph, hw: Hardware, budget_bytes: int, smallest: MinPeak,
-                   planned: Plan, mask, allowed, pins, implied: bool, hardware_from: str) -> Plan:
+def _smallest_plan(
+    graph: ActivationGraph,
+    hw: Hardware,
+    budget_bytes: int,
+    smallest: MinPeak,
+    planned: Plan,
+    mask,
+    allowed,
+    pins,
+    implied: bool,
+    hardware_from: str,
+) -> Plan:
     """The smallest-budget plan, closed at ``budget_bytes``, in place of a planner's plan that
     did not fit."""
     from .core.plan import SolveInfo
 
-    info = SolveInfo(solver=planned.info.solver, status="feasible",
-                     extra={**planned.info.extra, "plan_from": "smallest budget "
-                            f"({smallest.method}): the planner's plan did not fit"})
-    plan, expansion = close_expanded(graph, smallest.codes, smallest.schedule, hw, budget_bytes,
-                                     info)
+    info = SolveInfo(
+        solver=planned.info.solver,
+        status="feasible",
+        extra={
+            **planned.info.extra,
+            "plan_from": f"smallest budget ({smallest.method}): the planner's plan did not fit",
+        },
+    )
+    plan, expansion = close_expanded(
+        graph, smallest.codes, smallest.schedule, hw, budget_bytes, info
+    )
     if allowed is not None or pins:
-        plan = replace(plan, extra={**plan.extra, "allowed": list(parse_allowed(allowed)),
-                                    "pins": dict(pins or {})})
+        plan = replace(
+            plan,
+            extra={**plan.extra, "allowed": list(parse_allowed(allowed)), "pins": dict(pins or {})},
+        )
     sim = run_timeline(graph, expansion, hw, budget_bytes)
     if implied:
         plan = plan.with_info(allowed_from="hardware")
-    return plan.with_info(predicted_step_time_s=sim.step_time_s, hardware_from=hardware_from,
-                          overhead_gap=None)
+    return plan.with_info(
+        predicted_step_time_s=sim.step_time_s, hardware_from=hardware_from, overhead_gap=None
+    )
 
 
-def min_budget(graph: ActivationGraph, hardware: Hardware | str | None = None, *, allowed=None,
-               pins: Mapping[str, str] | None = None) -> int:
+def min_budget(
+    graph: ActivationGraph,
+    hardware: Hardware | str | None = None,
+    *,
+    allowed=None,
+    pins: Mapping[str, str] | None = None,
+) -> int:
     """The smallest budget (bytes) a plan fits with the decisions allowed: ``allowed`` and
     ``pins`` as for :func:`solve`, and the hardware's own restriction (a device whose memory is
     the host's keeps and recomputes only). A plan exists at it: ``solve`` at this budget returns
@@ -282,8 +397,13 @@ def min_budget(graph: ActivationGraph, hardware: Hardware | str | None = None, *
     return smallest_budget(graph, hardware, allowed=allowed, pins=pins).budget_bytes
 
 
-def smallest_budget(graph: ActivationGraph, hardware: Hardware | str | None = None, *,
-                    allowed=None, pins: Mapping[str, str] | None = None) -> MinPeak:
+def smallest_budget(
+    graph: ActivationGraph,
+    hardware: Hardware | str | None = None,
+    *,
+    allowed=None,
+    pins: Mapping[str, str] | None = None,
+) -> MinPeak:
     """The smallest budget and a plan that fits it (planners/minpeak.py): where every tensor
     that is not pinned to stay may be offloaded, the all-offloaded peak (exact); otherwise the
     heuristic's smallest fitting plan by bisection, then, on graphs of at most 12,000 positions
@@ -316,15 +436,27 @@ def host_allowed(hw: Hardware, allowed) -> tuple[Any, bool]:
     if allowed is None:
         return ("keep", "recompute"), True
     if "swap" in parse_allowed(allowed):
-        raise PlanError(f"allowed={parse_allowed(allowed)}: hardware {hw.name!r} has no host to "
-                        "swap to (its device memory is host memory, a swap frees nothing); "
-                        "allow keep and recompute only, or plan for another hardware")
+        raise PlanError(
+            f"allowed={parse_allowed(allowed)}: hardware {hw.name!r} has no host to "
+            "swap to (its device memory is host memory, a swap frees nothing); "
+            "allow keep and recompute only, or plan for another hardware"
+        )
     return allowed, False
 
 
 # the planners' on/off options (``full`` may also be None: the planner decides)
-BOOLEAN_OPTIONS = ("warm_start", "polish", "deterministic", "coarse", "departure", "full",
-                   "bundle_reruns", "unfit_polish", "log", "anytime")
+BOOLEAN_OPTIONS = (
+    "warm_start",
+    "polish",
+    "deterministic",
+    "coarse",
+    "departure",
+    "full",
+    "bundle_reruns",
+    "unfit_polish",
+    "log",
+    "anytime",
+)
 STRATEGIES = ("auto", "whole", "lp-guided")  # the exact planners' (planners/exact/driver.py)
 
 
@@ -339,52 +471,99 @@ def check_options(options: Mapping[str, Any]) -> None:
     for name, least in (("seed", 0), ("workers", 1), ("linearization_level", 0)):
         if name in options:
             value = options[name]
-            if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral) \
-                    or value < least:
-                raise TypeError(f"solve: option {name} must be an integer >= {least}, got {value!r}")
+            if (
+                isinstance(value, (bool, np.bool_))
+                or not isinstance(value, numbers.Integral)
+                or value < least
+            ):
+                raise TypeError(
+                    f"solve: option {name} must be an integer >= {least}, got {value!r}"
+                )
     if "gap" in options:
         value = options["gap"]
-        if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real) \
-                or not math.isfinite(value) or value < 0:
+        if (
+            isinstance(value, (bool, np.bool_))
+            or not isinstance(value, numbers.Real)
+            or not math.isfinite(value)
+            or value < 0
+        ):
             raise ValueError(f"solve: option gap must be a finite number >= 0, got {value!r}")
     if options.get("work_s") is not None:
         value = options["work_s"]
-        if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real) \
-                or not math.isfinite(value) or value <= 0:
-            raise ValueError(f"solve: option work_s must be a finite number of seconds > 0, "
-                             f"got {value!r}")
+        if (
+            isinstance(value, (bool, np.bool_))
+            or not isinstance(value, numbers.Real)
+            or not math.isfinite(value)
+            or value <= 0
+        ):
+            raise ValueError(
+                f"solve: option work_s must be a finite number of seconds > 0, got {value!r}"
+            )
     if "strategy" in options and options["strategy"] not in STRATEGIES:
-        raise ValueError(f"solve: option strategy must be one of {', '.join(STRATEGIES)}, got "
-                         f"{options['strategy']!r}")
+        raise ValueError(
+            f"solve: option strategy must be one of {', '.join(STRATEGIES)}, got "
+            f"{options['strategy']!r}"
+        )
 
 
 def check_time_limit(time_limit_s: float | None) -> float | None:
     """None (the planner's default) or a finite number of seconds >= 0."""
     if time_limit_s is None:
         return None
-    if isinstance(time_limit_s, bool) or not isinstance(time_limit_s, numbers.Real) \
-            or not math.isfinite(time_limit_s) or time_limit_s < 0:
-        raise ValueError(f"time_limit_s must be a finite number of seconds >= 0, got {time_limit_s!r}")
+    if (
+        isinstance(time_limit_s, bool)
+        or not isinstance(time_limit_s, numbers.Real)
+        or not math.isfinite(time_limit_s)
+        or time_limit_s < 0
+    ):
+        raise ValueError(
+            f"time_limit_s must be a finite number of seconds >= 0, got {time_limit_s!r}"
+        )
     return float(time_limit_s)
 
 
 # one row schema for compare(), the CLI's sweep and the benchmarks' tables
-RESULT_FIELDS = ("solver", "status", "fits", "retention", "step_time_s", "peak_bytes", "stall_s",
-                 "recompute_s", "wall_s", "objective", "bound", "gap", "overhead_gap",
-                 "budget_bytes")
+RESULT_FIELDS = (
+    "solver",
+    "status",
+    "fits",
+    "retention",
+    "step_time_s",
+    "peak_bytes",
+    "stall_s",
+    "recompute_s",
+    "wall_s",
+    "objective",
+    "bound",
+    "gap",
+    "overhead_gap",
+    "budget_bytes",
+)
 
 
-def result_row(graph: ActivationGraph, plan: Plan, sim: SimResult | None = None,
-               **context: Any) -> dict[str, Any]:
+def result_row(
+    graph: ActivationGraph, plan: Plan, sim: SimResult | None = None, **context: Any
+) -> dict[str, Any]:
     """One row: the plan's status and proof, and its simulated step on its own schedule.
     ``context`` (workload, budget fraction, ...) is put first."""
     sim = simulate(graph, plan) if sim is None else sim
     row: dict[str, Any] = dict(context)
-    row.update(solver=plan.info.solver, status=plan.info.status, fits=sim.fits,
-               retention=sim.retention, step_time_s=sim.step_time_s, peak_bytes=sim.peak_bytes,
-               stall_s=sim.stall_s, recompute_s=sim.recompute_s, wall_s=plan.info.wall_s,
-               objective=plan.info.objective, bound=plan.info.bound, gap=plan.info.gap,
-               overhead_gap=plan.info.overhead_gap, budget_bytes=plan.budget_bytes)
+    row.update(
+        solver=plan.info.solver,
+        status=plan.info.status,
+        fits=sim.fits,
+        retention=sim.retention,
+        step_time_s=sim.step_time_s,
+        peak_bytes=sim.peak_bytes,
+        stall_s=sim.stall_s,
+        recompute_s=sim.recompute_s,
+        wall_s=plan.info.wall_s,
+        objective=plan.info.objective,
+        bound=plan.info.bound,
+        gap=plan.info.gap,
+        overhead_gap=plan.info.overhead_gap,
+        budget_bytes=plan.budget_bytes,
+    )
     return row
 
 
@@ -396,16 +575,29 @@ def infeasible_row(solver: str, exc: InfeasibleBudget, **context: Any) -> dict[s
     """The row of a planner that found no plan within the budget (same fields, no figures)."""
     row: dict[str, Any] = dict(context)
     row.update({k: None for k in RESULT_FIELDS})
-    row.update(solver=solver, status="infeasible", fits=False, wall_s=0.0, error=str(exc),
-               budget_bytes=exc.budget_bytes, min_budget_bytes=exc.min_budget_bytes)
+    row.update(
+        solver=solver,
+        status="infeasible",
+        fits=False,
+        wall_s=0.0,
+        error=str(exc),
+        budget_bytes=exc.budget_bytes,
+        min_budget_bytes=exc.min_budget_bytes,
+    )
     return row
 
 
-def compare(graph: ActivationGraph, budget: float | int | str, hardware: Hardware | str | None = None,
-            solvers: tuple[str, ...] = ("heuristic", "cpsat", "cbc", "highs"),
-            time_limit_s: float | None = None, allowed=None,
-            pins: Mapping[str, str] | None = None, work_s: float | None = None,
-            **options: Any) -> list[dict[str, Any]]:
+def compare(
+    graph: ActivationGraph,
+    budget: float | int | str,
+    hardware: Hardware | str | None = None,
+    solvers: tuple[str, ...] = ("heuristic", "cpsat", "cbc", "highs"),
+    time_limit_s: float | None = None,
+    allowed=None,
+    pins: Mapping[str, str] | None = None,
+    work_s: float | None = None,
+    **options: Any,
+) -> list[dict[str, Any]]:
     """One row per solver (:func:`result_row`): retention, step time, peak, stall, solve time,
     status, gap. Each option goes to the solvers that take it; one that none takes is refused.
     ``allowed`` and ``pins`` go to every solver (see :func:`solve`)."""
@@ -414,22 +606,37 @@ def compare(graph: ActivationGraph, budget: float | int | str, hardware: Hardwar
     known = set().union(*(a or set(options) for a in accepted.values())) if accepted else set()
     unknown = sorted(set(options) - known)
     if unknown:
-        raise ValueError(f"compare: no solver of {', '.join(solvers)} takes option(s) "
-                         f"{', '.join(unknown)}")
+        raise ValueError(
+            f"compare: no solver of {', '.join(solvers)} takes option(s) {', '.join(unknown)}"
+        )
     rows = []
     if host_allowed(hw, allowed)[1]:  # no host to swap to: the planners that always swap sit out
         solvers = tuple(n for n in solvers if n != "swap-all")
     if allowed is not None or pins:  # the planners that cannot honour a restriction sit out
         mask = restriction_mask(graph, hw, host_allowed(hw, allowed)[0], pins)
         if restricted(mask, graph):
-            solvers = tuple(n for n in solvers
-                            if getattr(get_planner(n), "honours_restrictions", False))
+            solvers = tuple(
+                n for n in solvers if getattr(get_planner(n), "honours_restrictions", False)
+            )
     for name in solvers:
-        mine = options if accepted[name] is None else {
-            k: v for k, v in options.items() if k in accepted[name]}
+        mine = (
+            options
+            if accepted[name] is None
+            else {k: v for k, v in options.items() if k in accepted[name]}
+        )
         try:
-            plan = solve(graph, budget, hw, solver=name, time_limit_s=time_limit_s,
-                         work_s=work_s, strict=False, allowed=allowed, pins=pins, **mine)
+            plan = solve(
+                graph,
+                budget,
+                hw,
+                solver=name,
+                time_limit_s=time_limit_s,
+                work_s=work_s,
+                strict=False,
+                allowed=allowed,
+                pins=pins,
+                **mine,
+            )
         except InfeasibleBudget as exc:
             rows.append(infeasible_row(name, exc))
             continue

@@ -37,20 +37,28 @@ class TransformerConfig:
         for name in ("layers", "hidden", "heads", "ffn", "seq_len", "micro_batch", "dtype_bytes"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"TransformerConfig: {name} must be a positive integer, got {value!r}")
+                raise ValueError(
+                    f"TransformerConfig: {name} must be a positive integer, got {value!r}"
+                )
         if self.vocab < 0:
             raise ValueError(f"TransformerConfig: vocab must be >= 0, got {self.vocab!r}")
         if self.hidden % self.heads:
-            raise ValueError(f"TransformerConfig: hidden {self.hidden} is not divisible by heads {self.heads}")
+            raise ValueError(
+                f"TransformerConfig: hidden {self.hidden} is not divisible by heads {self.heads}"
+            )
         kv = self.kv_heads if self.kv_heads is not None else self.heads
         if kv <= 0 or self.heads % kv:
             raise ValueError(f"TransformerConfig: kv_heads {kv} must divide heads {self.heads}")
         if self.mlp not in ("gelu", "swiglu"):
             raise ValueError(f"TransformerConfig: mlp must be 'gelu' or 'swiglu', got {self.mlp!r}")
         if self.norm not in ("layernorm", "rmsnorm"):
-            raise ValueError(f"TransformerConfig: norm must be 'layernorm' or 'rmsnorm', got {self.norm!r}")
+            raise ValueError(
+                f"TransformerConfig: norm must be 'layernorm' or 'rmsnorm', got {self.norm!r}"
+            )
         if self.attention not in ("flash", "eager"):
-            raise ValueError(f"TransformerConfig: attention must be 'flash' or 'eager', got {self.attention!r}")
+            raise ValueError(
+                f"TransformerConfig: attention must be 'flash' or 'eager', got {self.attention!r}"
+            )
         if not 0 <= self.dropout < 1:
             raise ValueError(f"TransformerConfig: dropout must be in [0, 1), got {self.dropout!r}")
 
@@ -59,15 +67,46 @@ class TransformerConfig:
 
 
 WORKLOADS: dict[str, TransformerConfig] = {
-    "bert-large": TransformerConfig(layers=24, hidden=1024, heads=16, ffn=4096, seq_len=512,
-                                    micro_batch=32, vocab=0, mlp="gelu", norm="layernorm",
-                                    causal=False, dropout=0.1),
-    "gpt2-xl": TransformerConfig(layers=48, hidden=1600, heads=25, ffn=6400, seq_len=1024,
-                                 micro_batch=8, vocab=50257, mlp="gelu", norm="layernorm",
-                                 causal=True, dropout=0.1),
-    "llama-7b": TransformerConfig(layers=32, hidden=4096, heads=32, ffn=11008, seq_len=2048,
-                                  micro_batch=4, vocab=32000, mlp="swiglu", norm="rmsnorm",
-                                  causal=True, dropout=0.0, rope=True),
+    "bert-large": TransformerConfig(
+        layers=24,
+        hidden=1024,
+        heads=16,
+        ffn=4096,
+        seq_len=512,
+        micro_batch=32,
+        vocab=0,
+        mlp="gelu",
+        norm="layernorm",
+        causal=False,
+        dropout=0.1,
+    ),
+    "gpt2-xl": TransformerConfig(
+        layers=48,
+        hidden=1600,
+        heads=25,
+        ffn=6400,
+        seq_len=1024,
+        micro_batch=8,
+        vocab=50257,
+        mlp="gelu",
+        norm="layernorm",
+        causal=True,
+        dropout=0.1,
+    ),
+    "llama-7b": TransformerConfig(
+        layers=32,
+        hidden=4096,
+        heads=32,
+        ffn=11008,
+        seq_len=2048,
+        micro_batch=4,
+        vocab=32000,
+        mlp="swiglu",
+        norm="rmsnorm",
+        causal=True,
+        dropout=0.0,
+        rope=True,
+    ),
 }
 
 
@@ -87,16 +126,34 @@ class _Builder:
 
     def _time(self, flops: float, nbytes: float, eff: float) -> float:
         hw = self.hw
-        return max(flops / (eff * hw.peak_flops), nbytes / (hw.memory_efficiency * hw.hbm_bytes_per_s))
+        return max(
+            flops / (eff * hw.peak_flops), nbytes / (hw.memory_efficiency * hw.hbm_bytes_per_s)
+        )
 
-    def op(self, name, inputs, outputs, fwd_flops, fwd_bytes, bwd_flops, bwd_bytes, kind,
-           eff=None, saves=()):
+    def op(
+        self,
+        name,
+        inputs,
+        outputs,
+        fwd_flops,
+        fwd_bytes,
+        bwd_flops,
+        bwd_bytes,
+        kind,
+        eff=None,
+        saves=(),
+    ):
         eff = self.hw.gemm_efficiency if eff is None else eff
-        self.ops.append(Op(name=name,
-                           forward_s=self._time(fwd_flops, fwd_bytes, eff),
-                           backward_s=self._time(bwd_flops, bwd_bytes, eff),
-                           inputs=tuple(inputs), outputs=tuple(outputs),
-                           extra={"kind": kind}))
+        self.ops.append(
+            Op(
+                name=name,
+                forward_s=self._time(fwd_flops, fwd_bytes, eff),
+                backward_s=self._time(bwd_flops, bwd_bytes, eff),
+                inputs=tuple(inputs),
+                outputs=tuple(outputs),
+                extra={"kind": kind},
+            )
+        )
         for t in saves:
             self.save(t, name)
 
@@ -110,8 +167,9 @@ class _Builder:
         self.op(name, inputs, outputs, 0.0, fwd_bytes, 0.0, bwd_bytes, kind, saves=saves)
 
 
-def transformer_graph(config: TransformerConfig, hw: Hardware | str, name: str | None = None
-                      ) -> ActivationGraph:
+def transformer_graph(
+    config: TransformerConfig, hw: Hardware | str, name: str | None = None
+) -> ActivationGraph:
     """The kernel-level activation graph of one training step of ``config`` on ``hw``."""
     hw = hardware(hw)
     c = config
@@ -138,8 +196,9 @@ def transformer_graph(config: TransformerConfig, hw: Hardware | str, name: str |
             B.gemm(p + "qkv", n1, [q_raw, k_raw, v], tokens, qkv_out, h, saves=[n1])
             q = B.tensor(p + "q", d * sbh)
             k = B.tensor(p + "k", d * sbh_kv)
-            B.elementwise(p + "rope", [q_raw, k_raw], [q, k], 2 * d * (sbh + sbh_kv),
-                          2 * d * (sbh + sbh_kv))
+            B.elementwise(
+                p + "rope", [q_raw, k_raw], [q, k], 2 * d * (sbh + sbh_kv), 2 * d * (sbh + sbh_kv)
+            )
         else:
             q = B.tensor(p + "q", d * sbh)
             k = B.tensor(p + "k", d * sbh_kv)
@@ -151,13 +210,32 @@ def transformer_graph(config: TransformerConfig, hw: Hardware | str, name: str |
         if c.attention == "flash":
             lse = B.tensor(p + "attn.lse", 4 * a * s * b)
             io = d * (2 * sbh + 2 * sbh_kv)
-            B.op(p + "attention", [q, k, v], [o, lse], att_flops, io, 2.5 * att_flops, 2 * io,
-                 "attention", eff=hw.attention_efficiency, saves=[q, k, v, o, lse])
+            B.op(
+                p + "attention",
+                [q, k, v],
+                [o, lse],
+                att_flops,
+                io,
+                2.5 * att_flops,
+                2 * io,
+                "attention",
+                eff=hw.attention_efficiency,
+                saves=[q, k, v, o, lse],
+            )
         else:
             ss = a * s * s * b
             scores = B.tensor(p + "attn.scores", d * ss)
-            B.op(p + "attn.qk", [q, k], [scores], att_flops / 2, d * (sbh + sbh_kv + ss),
-                 att_flops, 2 * d * (sbh + sbh_kv + ss), "gemm", saves=[q, k])
+            B.op(
+                p + "attn.qk",
+                [q, k],
+                [scores],
+                att_flops / 2,
+                d * (sbh + sbh_kv + ss),
+                att_flops,
+                2 * d * (sbh + sbh_kv + ss),
+                "gemm",
+                saves=[q, k],
+            )
             probs = B.tensor(p + "attn.probs", d * ss)
             B.elementwise(p + "attn.softmax", [scores], [probs], 2 * d * ss, 3 * d * ss)
             B.save(probs, p + "attn.softmax")
@@ -166,19 +244,40 @@ def transformer_graph(config: TransformerConfig, hw: Hardware | str, name: str |
                 amask = B.tensor(p + "attn.mask", ss)
                 B.elementwise(p + "attn.mask_gen", [], [amask], ss, 0, kind="rng")
                 pd = B.tensor(p + "attn.dropped", d * ss)
-                B.elementwise(p + "attn.dropout", [probs, amask], [pd], (2 * d + 1) * ss,
-                              (2 * d + 1) * ss, saves=[amask])
+                B.elementwise(
+                    p + "attn.dropout",
+                    [probs, amask],
+                    [pd],
+                    (2 * d + 1) * ss,
+                    (2 * d + 1) * ss,
+                    saves=[amask],
+                )
                 pv_in = pd
-            B.op(p + "attn.pv", [pv_in, v], [o], att_flops / 2, d * (ss + sbh_kv + sbh),
-                 att_flops, 2 * d * (ss + sbh_kv + sbh), "gemm", saves=[pv_in, v])
+            B.op(
+                p + "attn.pv",
+                [pv_in, v],
+                [o],
+                att_flops / 2,
+                d * (ss + sbh_kv + sbh),
+                att_flops,
+                2 * d * (ss + sbh_kv + sbh),
+                "gemm",
+                saves=[pv_in, v],
+            )
         attn_proj = B.tensor(p + "attn.proj", d * sbh)
         B.gemm(p + "out_proj", o, [attn_proj], tokens, h, h, saves=[o])
         h1 = B.tensor(p + "h1", d * sbh)
         if drop:
             m1 = B.tensor(p + "drop1.mask", sbh)
             B.elementwise(p + "drop1.mask_gen", [], [m1], sbh, 0, kind="rng")
-            B.elementwise(p + "add1", [attn_proj, m1, x], [h1], (3 * d + 1) * sbh,
-                          (3 * d + 1) * sbh, saves=[m1])
+            B.elementwise(
+                p + "add1",
+                [attn_proj, m1, x],
+                [h1],
+                (3 * d + 1) * sbh,
+                (3 * d + 1) * sbh,
+                saves=[m1],
+            )
         else:
             B.elementwise(p + "add1", [attn_proj, x], [h1], 3 * d * sbh, 3 * d * sbh)
         n2 = B.tensor(p + "norm2.out", d * sbh)
@@ -193,16 +292,23 @@ def transformer_graph(config: TransformerConfig, hw: Hardware | str, name: str |
             up = B.tensor(p + "up", d * sbf)
             B.gemm(p + "fc13", n2, [gate, up], tokens, 2 * f, h, saves=[n2])
             act = B.tensor(p + "swiglu.out", d * sbf)
-            B.elementwise(p + "swiglu", [gate, up], [act], 3 * d * sbf, 5 * d * sbf,
-                          saves=[gate, up])
+            B.elementwise(
+                p + "swiglu", [gate, up], [act], 3 * d * sbf, 5 * d * sbf, saves=[gate, up]
+            )
         mlp_out = B.tensor(p + "fc2.out", d * sbh)
         B.gemm(p + "fc2", act, [mlp_out], tokens, h, f, saves=[act])
         x_next = B.tensor(p + "out", d * sbh)
         if drop:
             m2 = B.tensor(p + "drop2.mask", sbh)
             B.elementwise(p + "drop2.mask_gen", [], [m2], sbh, 0, kind="rng")
-            B.elementwise(p + "add2", [mlp_out, m2, h1], [x_next], (3 * d + 1) * sbh,
-                          (3 * d + 1) * sbh, saves=[m2])
+            B.elementwise(
+                p + "add2",
+                [mlp_out, m2, h1],
+                [x_next],
+                (3 * d + 1) * sbh,
+                (3 * d + 1) * sbh,
+                saves=[m2],
+            )
         else:
             B.elementwise(p + "add2", [mlp_out, h1], [x_next], 3 * d * sbh, 3 * d * sbh)
         x = x_next
@@ -212,8 +318,15 @@ def transformer_graph(config: TransformerConfig, hw: Hardware | str, name: str |
         logits = B.tensor("head.logits", d * tokens * c.vocab)
         B.gemm("head", nf, [logits], tokens, c.vocab, h, saves=[nf])
         loss = B.tensor("loss", 4)
-        B.elementwise("loss", [logits], [loss], d * tokens * c.vocab, 2 * d * tokens * c.vocab,
-                      saves=[logits], kind="loss")
+        B.elementwise(
+            "loss",
+            [logits],
+            [loss],
+            d * tokens * c.vocab,
+            2 * d * tokens * c.vocab,
+            saves=[logits],
+            kind="loss",
+        )
     else:
         loss = B.tensor("loss", 4)
         B.elementwise("loss", [nf], [loss], d * sbh, d * sbh, kind="loss")
@@ -238,8 +351,9 @@ def layer_parameter_bytes(config: TransformerConfig) -> int:
     return c.dtype_bytes * (qkv + c.hidden * c.hidden + mlp + norms)
 
 
-def fsdp_collectives(config: TransformerConfig, world: int, reshard_after_forward: bool = True
-                     ) -> tuple[Collective, ...]:
+def fsdp_collectives(
+    config: TransformerConfig, world: int, reshard_after_forward: bool = True
+) -> tuple[Collective, ...]:
     """FSDP2's per-rank traffic with one unit per decoder layer and the rest (embedding, final
     norm, head) in the root unit, ``world`` ranks (shared/reference.md): each unit's forward
     all-gather receives (N-1)/N of its parameter bytes, issued as its first op is reached; with
@@ -265,8 +379,12 @@ def fsdp_collectives(config: TransformerConfig, world: int, reshard_after_forwar
     return tuple(out)
 
 
-def workload(name: str, hw: Hardware | str = "a100-80gb-pcie4", fsdp_world: int | None = None,
-             reshard_after_forward: bool = True) -> ActivationGraph:
+def workload(
+    name: str,
+    hw: Hardware | str = "a100-80gb-pcie4",
+    fsdp_world: int | None = None,
+    reshard_after_forward: bool = True,
+) -> ActivationGraph:
     """One of the reference workloads ("bert-large", "gpt2-xl", "llama-7b") on ``hw``.
 
     ``fsdp_world``: the graph of one rank of an FSDP2 job over that many ranks (the same
@@ -275,13 +393,21 @@ def workload(name: str, hw: Hardware | str = "a100-80gb-pcie4", fsdp_world: int 
     try:
         config = WORKLOADS[name]
     except KeyError:
-        raise ValueError(f"unknown workload {name!r}; known: {', '.join(sorted(WORKLOADS))}") from None
+        raise ValueError(
+            f"unknown workload {name!r}; known: {', '.join(sorted(WORKLOADS))}"
+        ) from None
     graph = transformer_graph(config, hw, name=name)
     if fsdp_world is None:
         return graph
     from dataclasses import replace
 
-    return replace(graph, name=f"{name}-fsdp{fsdp_world}",
-                   collectives=fsdp_collectives(config, fsdp_world, reshard_after_forward),
-                   extra={**graph.extra, "fsdp_world": fsdp_world,
-                          "reshard_after_forward": reshard_after_forward})
+    return replace(
+        graph,
+        name=f"{name}-fsdp{fsdp_world}",
+        collectives=fsdp_collectives(config, fsdp_world, reshard_after_forward),
+        extra={
+            **graph.extra,
+            "fsdp_world": fsdp_world,
+            "reshard_after_forward": reshard_after_forward,
+        },
+    )

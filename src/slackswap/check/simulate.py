@@ -35,7 +35,9 @@ class SimResult:
     recomputed_bytes: int
     memory_time_s: np.ndarray = field(repr=False)
     memory_bytes: np.ndarray = field(repr=False)
-    compute_intervals: np.ndarray = field(repr=False)  # (start, end, op, kind) kind 0 fwd 1 rerun 2 bwd
+    compute_intervals: np.ndarray = field(
+        repr=False
+    )  # (start, end, op, kind) kind 0 fwd 1 rerun 2 bwd
     d2h_intervals: np.ndarray = field(repr=False)  # (start, end, tensor)
     h2d_intervals: np.ndarray = field(repr=False)
     expansion: Expansion = field(repr=False)
@@ -46,10 +48,12 @@ class SimResult:
     hardware: Hardware | None = field(default=None, repr=False, compare=False)
 
     def summary(self) -> str:
-        return (f"step {self.step_time_s * 1e3:.2f} ms (ideal {self.ideal_step_time_s * 1e3:.2f} ms), "
-                f"retention {100 * self.retention:.2f}%, peak {self.peak_bytes / 2**30:.3f} GiB "
-                f"of {self.budget_bytes / 2**30:.3f} GiB, stall {self.stall_s * 1e3:.2f} ms, "
-                f"recompute {self.recompute_s * 1e3:.2f} ms")
+        return (
+            f"step {self.step_time_s * 1e3:.2f} ms (ideal {self.ideal_step_time_s * 1e3:.2f} ms), "
+            f"retention {100 * self.retention:.2f}%, peak {self.peak_bytes / 2**30:.3f} GiB "
+            f"of {self.budget_bytes / 2**30:.3f} GiB, stall {self.stall_s * 1e3:.2f} ms, "
+            f"recompute {self.recompute_s * 1e3:.2f} ms"
+        )
 
 
 def simulate(graph: ActivationGraph, plan: Plan, hw: Hardware | str | None = None) -> SimResult:
@@ -64,8 +68,9 @@ def simulate(graph: ActivationGraph, plan: Plan, hw: Hardware | str | None = Non
     return run_timeline(graph, exp, hw, plan.budget_bytes)
 
 
-def simulate_decisions(graph: ActivationGraph, codes: np.ndarray, hw: Hardware,
-                       budget: int) -> SimResult:
+def simulate_decisions(
+    graph: ActivationGraph, codes: np.ndarray, hw: Hardware, budget: int
+) -> SimResult:
     """Decision codes with the default schedule (yielding to ``budget``), simulated: how planners
     compare candidate decisions. The schedule used is ``result.expansion``'s."""
     return run_timeline(graph, expand(graph, codes, None, hw, budget_bytes=budget), hw, budget)
@@ -79,9 +84,11 @@ def lane_start(lane_free_at: float, earliest: float) -> float:
 def run_timeline(graph: ActivationGraph, exp: Expansion, hw: Hardware, budget: int) -> SimResult:
     if hw.host_is_device and (exp.codes == SWAP).any():
         first = graph.tensors[int(np.flatnonzero(exp.codes == SWAP)[0])].name
-        raise PlanError(f"simulate: tensor {first!r} is swapped, but hardware {hw.name!r} has no "
-                        "host to swap to (its device memory is host memory): the copy would run "
-                        "on the compute thread and free nothing, so it is not simulated")
+        raise PlanError(
+            f"simulate: tensor {first!r} is swapped, but hardware {hw.name!r} has no "
+            "host to swap to (its device memory is host memory): the copy would run "
+            "on the compute thread and free nothing, so it is not simulated"
+        )
     n = graph.n_ops
     S = graph.n_slots
     codes = exp.codes
@@ -206,8 +213,9 @@ def run_timeline(graph: ActivationGraph, exp: Expansion, hw: Hardware, budget: i
     )
 
 
-def memory_violations(graph: ActivationGraph, exp: Expansion, mem: np.ndarray, budget: int,
-                      limit: int = 20) -> list[str]:
+def memory_violations(
+    graph: ActivationGraph, exp: Expansion, mem: np.ndarray, budget: int, limit: int = 20
+) -> list[str]:
     """Where memory tops the budget: the op, the largest resident tensor there, and by how much."""
     over = np.flatnonzero(mem > budget)
     out = []
@@ -220,8 +228,10 @@ def memory_violations(graph: ActivationGraph, exp: Expansion, mem: np.ndarray, b
             idx = np.flatnonzero(live)
             top = idx[np.argmax(exp.iv_bytes[idx])]
             biggest = f"; largest resident tensor {graph.tensors[int(exp.iv_tensor[top])].name!r}"
-        out.append(f"{kind} of op {op!r}: {int(mem[p])} bytes resident, "
-                   f"{int(mem[p] - budget)} bytes over the budget of {budget}{biggest}")
+        out.append(
+            f"{kind} of op {op!r}: {int(mem[p])} bytes resident, "
+            f"{int(mem[p] - budget)} bytes over the budget of {budget}{biggest}"
+        )
     if over.size > limit:
         out.append(f"... and {over.size - limit} more points over the budget")
     return out

@@ -57,13 +57,19 @@ class Validation:
 
     def report(self) -> str:
         if self.ok:
-            return (f"ok: peak {self.peak_bytes} bytes within budget {self.budget_bytes}, "
-                    f"step {self.step_time_s:.6g} s")
+            return (
+                f"ok: peak {self.peak_bytes} bytes within budget {self.budget_bytes}, "
+                f"step {self.step_time_s:.6g} s"
+            )
         return "\n".join(str(v) for v in self.violations)
 
 
-def validate(graph: ActivationGraph, plan: Plan, hw: Hardware | str | None = None,
-             budget: int | float | str | None = None) -> Validation:
+def validate(
+    graph: ActivationGraph,
+    plan: Plan,
+    hw: Hardware | str | None = None,
+    budget: int | float | str | None = None,
+) -> Validation:
     """Check ``plan`` against ``graph``: decisions, its complete schedule, every read, memory at
     every point against the budget (the plan's, or ``budget``), and the step time on the copy
     lanes of ``hw`` (the plan's hardware by default)."""
@@ -75,14 +81,25 @@ def validate(graph: ActivationGraph, plan: Plan, hw: Hardware | str | None = Non
     else:
         limit = budget_bytes_from(budget, lambda: step.keep_all_peak())
     if plan.graph_digest != graph.digest:
-        msg = (f"plan was made for graph {plan.graph_name!r} (digest {plan.graph_digest[:12]}), "
-               f"not for graph {graph.name!r} (digest {graph.digest[:12]})")
+        msg = (
+            f"plan was made for graph {plan.graph_name!r} (digest {plan.graph_digest[:12]}), "
+            f"not for graph {graph.name!r} (digest {graph.digest[:12]})"
+        )
         return Validation(False, (Violation("graph", msg),), 0, limit)
     if hw is None:
         if plan.hardware is None:
-            return Validation(False, (Violation(
-                "plan", "plan names no hardware: it is not closed; complete it once with "
-                "slackswap.complete(plan, graph, hw)"),), 0, limit)
+            return Validation(
+                False,
+                (
+                    Violation(
+                        "plan",
+                        "plan names no hardware: it is not closed; complete it once with "
+                        "slackswap.complete(plan, graph, hw)",
+                    ),
+                ),
+                0,
+                limit,
+            )
         hw = plan.hardware
     hw = hardware(hw)
     try:
@@ -91,7 +108,8 @@ def validate(graph: ActivationGraph, plan: Plan, hw: Hardware | str | None = Non
         return Validation(False, (Violation("plan", str(exc)),), 0, limit)
     walk = step.walk(decisions, plan)
     violations = list(walk.violations) + restriction_violations(
-        plan, {t.name: t.bytes for t in graph.tensors})
+        plan, {t.name: t.bytes for t in graph.tensors}
+    )
     if walk.points is None:  # the schedule could not be walked at all
         return Validation(False, tuple(violations), 0, limit)
     peak, over = step.memory(walk, limit)
@@ -99,17 +117,26 @@ def validate(graph: ActivationGraph, plan: Plan, hw: Hardware | str | None = Non
     step_time, stall, recompute = step.timeline(walk, decisions, plan, hw)
     claimed = plan.info.predicted_step_time_s
     same_hw = plan.hardware is None or plan.hardware == hw
-    if claimed is not None and same_hw and step_time > 0 and \
-            abs(claimed - step_time) > CLAIM_TOLERANCE * step_time:
-        violations.append(Violation(
-            "claim", f"plan claims a step time of {claimed!r} s; its schedule gives {step_time!r} s"))
+    if (
+        claimed is not None
+        and same_hw
+        and step_time > 0
+        and abs(claimed - step_time) > CLAIM_TOLERANCE * step_time
+    ):
+        violations.append(
+            Violation(
+                "claim",
+                f"plan claims a step time of {claimed!r} s; its schedule gives {step_time!r} s",
+            )
+        )
     if same_hw:
         violations.extend(_proof_claims(graph, plan, step_time, fits=not over))
     return Validation(not violations, tuple(violations), peak, limit, step_time, stall, recompute)
 
 
-def _proof_claims(graph: ActivationGraph, plan: Plan, step_s: float,
-                  fits: bool = True) -> list[Violation]:
+def _proof_claims(
+    graph: ActivationGraph, plan: Plan, step_s: float, fits: bool = True
+) -> list[Violation]:
     """What the plan says of its proof, against the step the walk derived: a bound is never
     above the step (no plan beats a bound, this one included); gap and overhead gap are what
     the step and the bound make them; "optimal" means the step is within 1% of its overhead
@@ -120,35 +147,58 @@ def _proof_claims(graph: ActivationGraph, plan: Plan, step_s: float,
     out: list[Violation] = []
     if not fits:  # a bound holds for the plans that fit; one that does not is no optimum
         if info.status == "optimal":
-            out.append(Violation("claim", "plan claims status 'optimal' but does not fit its "
-                                          "budget"))
+            out.append(
+                Violation("claim", "plan claims status 'optimal' but does not fit its budget")
+            )
         return out
     bound, slack = info.bound, 1e-9 * max(step_s, 1e-300) + 1e-12
     if bound is not None and bound > step_s + slack:
-        out.append(Violation("claim", f"plan claims a bound of {bound!r} s, above its own step "
-                                      f"of {step_s!r} s: no plan beats a valid bound"))
+        out.append(
+            Violation(
+                "claim",
+                f"plan claims a bound of {bound!r} s, above its own step "
+                f"of {step_s!r} s: no plan beats a valid bound",
+            )
+        )
         return out
     if info.gap is not None:
         if bound is None:
             out.append(Violation("claim", f"plan claims a gap of {info.gap!r} without a bound"))
         elif step_s > 0 and abs(info.gap - (step_s - bound) / step_s) > 1e-6:
-            out.append(Violation("claim", f"plan claims a gap of {info.gap!r}; its step and bound "
-                                          f"make it {(step_s - bound) / step_s!r}"))
+            out.append(
+                Violation(
+                    "claim",
+                    f"plan claims a gap of {info.gap!r}; its step and bound "
+                    f"make it {(step_s - bound) / step_s!r}",
+                )
+            )
     ideal = float(sum(op.forward_s + op.backward_s for op in graph.ops)) + graph.optimizer_s
     overhead = max(step_s - ideal, STEP_FLOOR * step_s)
     if info.overhead_gap is not None and bound is not None and overhead > 0:
         derived = max(0.0, step_s - bound) / overhead
         if abs(info.overhead_gap - derived) > 1e-6 * max(1.0, derived):
-            out.append(Violation("claim", f"plan claims an overhead gap of {info.overhead_gap!r};"
-                                          f" its step and bound make it {derived!r}"))
+            out.append(
+                Violation(
+                    "claim",
+                    f"plan claims an overhead gap of {info.overhead_gap!r};"
+                    f" its step and bound make it {derived!r}",
+                )
+            )
     if info.status == "optimal":
         tolerance = max(OVERHEAD_TARGET * max(step_s - ideal, 0.0), STEP_FLOOR * step_s)
         if bound is None or step_s - bound > tolerance * (1 + 1e-9) + 1e-15:
-            out.append(Violation("claim", "plan claims status 'optimal', but " + (
-                "names no bound" if bound is None else
-                f"its step ({step_s!r} s) is {step_s - bound!r} s above its bound, more than the "
-                f"{tolerance!r} s that 'optimal' allows (1% of the overhead, or 1e-5 of the step)"
-            )))
+            out.append(
+                Violation(
+                    "claim",
+                    "plan claims status 'optimal', but "
+                    + (
+                        "names no bound"
+                        if bound is None
+                        else f"its step ({step_s!r} s) is {step_s - bound!r} s above its bound, more than the "
+                        f"{tolerance!r} s that 'optimal' allows (1% of the overhead, or 1e-5 of the step)"
+                    ),
+                )
+            )
     return out
 
 
@@ -161,30 +211,56 @@ def restriction_violations(plan: Plan, sizes: Mapping[str, int] | None = None) -
     if allowed is not None:
         for name, decision in plan.decisions.items():
             if decision not in allowed:
-                out.append(Violation("restriction", f"restriction: tensor {name!r} is "
-                                     f"{decision!r}, but the plan allows only {list(allowed)}",
-                                     tensor=name))
+                out.append(
+                    Violation(
+                        "restriction",
+                        f"restriction: tensor {name!r} is "
+                        f"{decision!r}, but the plan allows only {list(allowed)}",
+                        tensor=name,
+                    )
+                )
     hw = plan.hardware
     if hw is not None and hw.host_is_device:
         swapped = sorted(n for n, d in plan.decisions.items() if d == "swap")
         if swapped:
-            out.append(Violation("restriction", f"restriction: tensor {swapped[0]!r} is 'swap', "
-                                 f"but hardware {hw.name!r} has no host to swap to (its device "
-                                 "memory is host memory)", tensor=swapped[0]))
+            out.append(
+                Violation(
+                    "restriction",
+                    f"restriction: tensor {swapped[0]!r} is 'swap', "
+                    f"but hardware {hw.name!r} has no host to swap to (its device "
+                    "memory is host memory)",
+                    tensor=swapped[0],
+                )
+            )
     if hw is not None and hw.min_swap_bytes:
         sizes = sizes if sizes is not None else plan.extra.get("tensor_bytes") or {}
-        small = sorted(n for n, d in plan.decisions.items()
-                       if d == "swap" and n in sizes and sizes[n] < hw.min_swap_bytes)
+        small = sorted(
+            n
+            for n, d in plan.decisions.items()
+            if d == "swap" and n in sizes and sizes[n] < hw.min_swap_bytes
+        )
         if small:
-            out.append(Violation("restriction", f"restriction: tensor {small[0]!r} "
-                                 f"({sizes[small[0]]} bytes) is 'swap', but hardware {hw.name!r} "
-                                 f"swaps no tensor under {hw.min_swap_bytes} bytes "
-                                 "(min_swap_bytes)", tensor=small[0]))
+            out.append(
+                Violation(
+                    "restriction",
+                    f"restriction: tensor {small[0]!r} "
+                    f"({sizes[small[0]]} bytes) is 'swap', but hardware {hw.name!r} "
+                    f"swaps no tensor under {hw.min_swap_bytes} bytes "
+                    "(min_swap_bytes)",
+                    tensor=small[0],
+                )
+            )
     for name, decision in (plan.extra.get("pins") or {}).items():
         if plan.decisions.get(name) != decision:
-            out.append(Violation("restriction", f"restriction: tensor {name!r} is pinned to "
-                                 f"{decision!r} but the plan makes it "
-                                 f"{plan.decisions.get(name)!r}", tensor=name))
+            out.append(
+                Violation(
+                    "restriction",
+                    f"restriction: tensor {name!r} is pinned to "
+                    f"{decision!r} but the plan makes it "
+                    f"{plan.decisions.get(name)!r}",
+                    tensor=name,
+                )
+            )
     return out
 
 
@@ -292,7 +368,9 @@ class _Step:
             if t is None:
                 raise PlanError(f"plan: tensor {name!r} is not in graph {g.name!r}")
             if not self.saved[t]:
-                raise PlanError(f"plan: tensor {name!r} is not saved for backward; it takes no decision")
+                raise PlanError(
+                    f"plan: tensor {name!r} is not saved for backward; it takes no decision"
+                )
             if decision not in ("keep", "swap", "recompute"):
                 raise PlanError(f"plan: tensor {name!r} has decision {decision!r}")
             decisions[t] = str(decision)
@@ -303,16 +381,20 @@ class _Step:
                 ops, _ = self.rebuild(t)
                 blocked = sorted(q for q in ops if not g.ops[q].recomputable)
                 if blocked:
-                    raise PlanError(f"plan: tensor {tensor.name!r} cannot be recomputed: op "
-                                    f"{g.ops[blocked[0]].name!r} may not run again")
+                    raise PlanError(
+                        f"plan: tensor {tensor.name!r} cannot be recomputed: op "
+                        f"{g.ops[blocked[0]].name!r} may not run again"
+                    )
         groups: dict[str, set[bool]] = {}
         for t, tensor in enumerate(g.tensors):
             if self.saved[t] and tensor.group is not None:
                 groups.setdefault(tensor.group, set()).add(decisions[t] == "recompute")
         for group, kinds in groups.items():
             if len(kinds) > 1:
-                raise PlanError(f"plan: tensors of RNG group {group!r} must be recomputed all "
-                                "together or not at all")
+                raise PlanError(
+                    f"plan: tensors of RNG group {group!r} must be recomputed all "
+                    "together or not at all"
+                )
         return decisions
 
     def keep_all_peak(self) -> int:
@@ -322,18 +404,32 @@ class _Step:
         return self.memory(walk, None)[0]
 
     # ------------------------------------------------------------------ the walk
-    def _position(self, plan: Plan | None, table: str, t: int, violations: list[Violation]) -> int | None:
+    def _position(
+        self, plan: Plan | None, table: str, t: int, violations: list[Violation]
+    ) -> int | None:
         name = self.graph.tensors[t].name
         schedule = None if plan is None else plan.schedule
         entries = {} if schedule is None else getattr(schedule, table)
         if name not in entries:
-            violations.append(Violation("schedule", f"schedule: {table} has no position for tensor "
-                                        f"{name!r}: the plan is not complete", tensor=name))
+            violations.append(
+                Violation(
+                    "schedule",
+                    f"schedule: {table} has no position for tensor "
+                    f"{name!r}: the plan is not complete",
+                    tensor=name,
+                )
+            )
             return None
         pos = int(entries[name])
         if not 0 <= pos < 2 * self.n:
-            violations.append(Violation("schedule", f"schedule: {table}[{name!r}] = {pos} is not a "
-                                        f"position of the step (0..{2 * self.n - 1})", tensor=name))
+            violations.append(
+                Violation(
+                    "schedule",
+                    f"schedule: {table}[{name!r}] = {pos} is not a "
+                    f"position of the step (0..{2 * self.n - 1})",
+                    tensor=name,
+                )
+            )
             return None
         return pos
 
@@ -353,13 +449,22 @@ class _Step:
         rebuild_at: dict[int, int] = {}
         if plan is not None:
             schedule = plan.schedule
-            for table, wanted in (("d2h_free", "swap"), ("h2d_issue", "swap"),
-                                  ("recompute_at", "recompute")):
-                for name in ({} if schedule is None else getattr(schedule, table)):
+            for table, wanted in (
+                ("d2h_free", "swap"),
+                ("h2d_issue", "swap"),
+                ("recompute_at", "recompute"),
+            ):
+                for name in {} if schedule is None else getattr(schedule, table):
                     t = self.tensor_of.get(name)
                     if t is None or decisions[t] != wanted:
-                        out.append(Violation("schedule", f"schedule: {table} names tensor {name!r}, "
-                                             f"which the plan does not {wanted}", tensor=name))
+                        out.append(
+                            Violation(
+                                "schedule",
+                                f"schedule: {table} names tensor {name!r}, "
+                                f"which the plan does not {wanted}",
+                                tensor=name,
+                            )
+                        )
             for t, d in enumerate(decisions):
                 if d == "swap":
                     f = self._position(plan, "d2h_free", t, out)
@@ -395,47 +500,90 @@ class _Step:
                     here |= ops
                     todo.extend(frontier)
                 if not todo:  # what the reruns make that the plan recomputes is rebuilt too
-                    todo = [x for q in here for x in self.makes[q]
-                            if decisions[x] == "recompute" and x not in rebuilt]
+                    todo = [
+                        x
+                        for q in here
+                        for x in self.makes[q]
+                        if decisions[x] == "recompute" and x not in rebuilt
+                    ]
             reruns[k] = sorted(here)
             # sharded parameters are gathered only for their own unit's backward: a rerun of an
             # op that reads them runs in that unit's backward, or it reads freed memory
             here_unit = g.ops[j].unit
             for q in reruns[k]:
                 if g.ops[q].param_unit and g.ops[q].param_unit != here_unit:
-                    out.append(Violation(
-                        "recompute", f"recompute: op {g.ops[q].name!r} runs again before the "
-                        f"backward of {g.ops[j].name!r} (unit {here_unit or 'none'!r}), but reads "
-                        f"the parameters of unit {g.ops[q].param_unit!r}, not gathered there",
-                        op=g.ops[q].name))
+                    out.append(
+                        Violation(
+                            "recompute",
+                            f"recompute: op {g.ops[q].name!r} runs again before the "
+                            f"backward of {g.ops[j].name!r} (unit {here_unit or 'none'!r}), but reads "
+                            f"the parameters of unit {g.ops[q].param_unit!r}, not gathered there",
+                            op=g.ops[q].name,
+                        )
+                    )
         for t, slot in rebuild_at.items():
             if slot < n:
-                out.append(Violation("schedule", f"schedule: recompute_at[{names[t]!r}] = {slot} is "
-                                     "in the forward pass", tensor=names[t]))
+                out.append(
+                    Violation(
+                        "schedule",
+                        f"schedule: recompute_at[{names[t]!r}] = {slot} is in the forward pass",
+                        tensor=names[t],
+                    )
+                )
             elif rebuilt.get(t) != slot:
-                out.append(Violation("schedule", f"schedule: recompute_at[{names[t]!r}] = {slot} is "
-                                     f"after its first use at position {rebuilt.get(t)} "
-                                     f"({self._label(rebuilt.get(t, slot))})", tensor=names[t]))
+                out.append(
+                    Violation(
+                        "schedule",
+                        f"schedule: recompute_at[{names[t]!r}] = {slot} is "
+                        f"after its first use at position {rebuilt.get(t)} "
+                        f"({self._label(rebuilt.get(t, slot))})",
+                        tensor=names[t],
+                    )
+                )
             latest = g.tensors[t].rebuilt_before
             if latest is not None and slot > 2 * n - 1 - self.op_of[latest]:
                 # torch's checkpoint reruns the tensor's region before that op's backward: a plan
                 # that holds it later would count less memory than the run holds
-                out.append(Violation("schedule", f"schedule: recompute_at[{names[t]!r}] = {slot} is "
-                                     f"after its latest rebuild position, the backward of op "
-                                     f"{latest!r} (rebuilt_before)", tensor=names[t]))
+                out.append(
+                    Violation(
+                        "schedule",
+                        f"schedule: recompute_at[{names[t]!r}] = {slot} is "
+                        f"after its latest rebuild position, the backward of op "
+                        f"{latest!r} (rebuilt_before)",
+                        tensor=names[t],
+                    )
+                )
         for t in free_after:
             if free_after[t] < self.last_fwd[t]:
-                out.append(Violation("schedule", f"schedule: d2h_free[{names[t]!r}] = {free_after[t]} "
-                                     f"is before its last forward reader at position "
-                                     f"{self.last_fwd[t]}", tensor=names[t]))
+                out.append(
+                    Violation(
+                        "schedule",
+                        f"schedule: d2h_free[{names[t]!r}] = {free_after[t]} "
+                        f"is before its last forward reader at position "
+                        f"{self.last_fwd[t]}",
+                        tensor=names[t],
+                    )
+                )
             if issue_at[t] <= free_after[t]:
-                out.append(Violation("schedule", f"schedule: tensor {names[t]!r} is prefetched at "
-                                     f"position {issue_at[t]}, before it has left (d2h_free "
-                                     f"{free_after[t]})", tensor=names[t]))
+                out.append(
+                    Violation(
+                        "schedule",
+                        f"schedule: tensor {names[t]!r} is prefetched at "
+                        f"position {issue_at[t]}, before it has left (d2h_free "
+                        f"{free_after[t]})",
+                        tensor=names[t],
+                    )
+                )
             if issue_at[t] > first_read[t]:
-                out.append(Violation("schedule", f"schedule: h2d_issue[{names[t]!r}] = {issue_at[t]} "
-                                     f"is after its first use at position {first_read[t]} "
-                                     f"({self._label(first_read[t])})", tensor=names[t]))
+                out.append(
+                    Violation(
+                        "schedule",
+                        f"schedule: h2d_issue[{names[t]!r}] = {issue_at[t]} "
+                        f"is after its first use at position {first_read[t]} "
+                        f"({self._label(first_read[t])})",
+                        tensor=names[t],
+                    )
+                )
         if out:
             return _Walk(out)
         # points: forward ops; before each backward op its reruns in forward order, then the op
@@ -511,10 +659,15 @@ class _Step:
                         found = True
                         break
                 if not found:
-                    walk.violations.append(Violation(
-                        "residency", f"{kind} of op {g.ops[op].name!r} reads tensor "
-                        f"{g.tensors[t].name!r}, which is not on the device",
-                        g.ops[op].name, g.tensors[t].name))
+                    walk.violations.append(
+                        Violation(
+                            "residency",
+                            f"{kind} of op {g.ops[op].name!r} reads tensor "
+                            f"{g.tensors[t].name!r}, which is not on the device",
+                            g.ops[op].name,
+                            g.tensors[t].name,
+                        )
+                    )
 
     # ------------------------------------------------------------------ memory
     def memory(self, walk: _Walk, limit: int | None) -> tuple[int, list[Violation]]:
@@ -555,15 +708,22 @@ class _Step:
             top = max(resident, key=lambda t: (self.nbytes[t], -t), default=None)
             tname = None if top is None else g.tensors[top].name
             name = g.ops[op].name
-            out.append(Violation(
-                "memory", f"{kind} of op {name!r}: {now} bytes on the device, "
-                f"{now - limit} over the budget of {limit} (largest resident tensor {tname!r})",
-                name, tname, now - limit))
+            out.append(
+                Violation(
+                    "memory",
+                    f"{kind} of op {name!r}: {now} bytes on the device, "
+                    f"{now - limit} over the budget of {limit} (largest resident tensor {tname!r})",
+                    name,
+                    tname,
+                    now - limit,
+                )
+            )
         return peak, out
 
     # ------------------------------------------------------------------ time
-    def timeline(self, walk: _Walk, decisions: list[str | None], plan: Plan,
-                 hw: Hardware) -> tuple[float, float, float]:
+    def timeline(
+        self, walk: _Walk, decisions: list[str | None], plan: Plan, hw: Hardware
+    ) -> tuple[float, float, float]:
         """Step time on one compute stream and the D2H / H2D lanes (one transfer at a time each,
         or one link when not full duplex): the ideal time, plus every stall, plus every rerun."""
         g, n = self.graph, self.n

@@ -17,8 +17,9 @@ def keep_all_peak(graph: ActivationGraph, hw: Hardware | str) -> int:
     return int(expand(graph, keep_all_codes(graph), None, hw).memory().max())
 
 
-def offload_floor(graph: ActivationGraph, hw: Hardware | str, mask: np.ndarray | None = None
-                  ) -> int:
+def offload_floor(
+    graph: ActivationGraph, hw: Hardware | str, mask: np.ndarray | None = None
+) -> int:
     """No plan fits less: every saved tensor offloaded, leaving the device right after its last
     forward reader and coming back just before its first backward reader (waiting on the copies
     as long as it takes); keeping or rebuilding a tensor never needs less memory. ``mask``

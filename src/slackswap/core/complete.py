@@ -26,33 +26,58 @@ log = logging.getLogger("slackswap")
 COMPLETED_NOTE = "schedule completed with the step model's defaults (slackswap.complete)"
 
 
-def full_schedule(graph: ActivationGraph, codes: np.ndarray, schedule: Schedule | None,
-                  hw: Hardware, budget_bytes: int) -> Schedule:
+def full_schedule(
+    graph: ActivationGraph,
+    codes: np.ndarray,
+    schedule: Schedule | None,
+    hw: Hardware,
+    budget_bytes: int,
+) -> Schedule:
     """Every position the decisions need: the given ones, the step model's defaults for the rest
     (the defaults yield to ``budget_bytes`` where memory tops it)."""
     return expand(graph, codes, schedule, hw, budget_bytes=budget_bytes).schedule(graph)
 
 
-def close(graph: ActivationGraph, codes: np.ndarray, schedule: Schedule | None, hw: Hardware,
-          budget_bytes: int, info: SolveInfo) -> Plan:
+def close(
+    graph: ActivationGraph,
+    codes: np.ndarray,
+    schedule: Schedule | None,
+    hw: Hardware,
+    budget_bytes: int,
+    info: SolveInfo,
+) -> Plan:
     """A closed plan from a planner's decisions and (possibly partial) schedule."""
     return close_expanded(graph, codes, schedule, hw, budget_bytes, info)[0]
 
 
-def close_expanded(graph: ActivationGraph, codes: np.ndarray, schedule: Schedule | None,
-                   hw: Hardware, budget_bytes: int, info: SolveInfo) -> tuple[Plan, Expansion]:
+def close_expanded(
+    graph: ActivationGraph,
+    codes: np.ndarray,
+    schedule: Schedule | None,
+    hw: Hardware,
+    budget_bytes: int,
+    info: SolveInfo,
+) -> tuple[Plan, Expansion]:
     """``close``, with the step model's expansion of the closed plan (the simulator can run it
     without expanding the step again: on a 50,000-op graph an expansion takes half a second)."""
     exp = expand(graph, codes, schedule, hw, budget_bytes=budget_bytes)
     return close_from(graph, exp, hw, budget_bytes, info), exp
 
 
-def close_from(graph: ActivationGraph, exp: Expansion, hw: Hardware, budget_bytes: int,
-               info: SolveInfo) -> Plan:
+def close_from(
+    graph: ActivationGraph, exp: Expansion, hw: Hardware, budget_bytes: int, info: SolveInfo
+) -> Plan:
     """The closed plan of an expansion: its decisions and every position it holds."""
-    return Plan(graph_name=graph.name, graph_digest=graph.digest, budget_bytes=int(budget_bytes),
-                decisions=codes_to_decisions(graph, exp.codes), schedule=exp.schedule(graph),
-                info=info, hardware=hw, extra={"tensor_bytes": tensor_bytes(graph)})
+    return Plan(
+        graph_name=graph.name,
+        graph_digest=graph.digest,
+        budget_bytes=int(budget_bytes),
+        decisions=codes_to_decisions(graph, exp.codes),
+        schedule=exp.schedule(graph),
+        info=info,
+        hardware=hw,
+        extra={"tensor_bytes": tensor_bytes(graph)},
+    )
 
 
 def tensor_bytes(graph: ActivationGraph) -> dict[str, int]:
@@ -67,8 +92,13 @@ def complete(plan: Plan, graph: ActivationGraph, hw: Hardware | str | None = Non
     hardware included). The
     completed plan records it in ``info.extra["schedule"]``, and the completion is logged."""
     plan.check_graph(graph)
-    hw = hardware(hw if hw is not None else plan.hardware if plan.hardware is not None
-                  else _need_hardware(plan))
+    hw = hardware(
+        hw
+        if hw is not None
+        else plan.hardware
+        if plan.hardware is not None
+        else _need_hardware(plan)
+    )
     if plan.is_complete:
         return plan
     codes = decision_codes(graph, plan)
@@ -76,19 +106,32 @@ def complete(plan: Plan, graph: ActivationGraph, hw: Hardware | str | None = Non
     log.warning("plan for graph %r: %s for hardware %r", plan.graph_name, COMPLETED_NOTE, hw.name)
     info = plan.info.to_dict()
     info["schedule"] = COMPLETED_NOTE
-    return Plan(plan.graph_name, plan.graph_digest, plan.budget_bytes, plan.decisions, schedule,
-                SolveInfo.from_dict(info), {**plan.extra, "tensor_bytes": tensor_bytes(graph)}, hw)
+    return Plan(
+        plan.graph_name,
+        plan.graph_digest,
+        plan.budget_bytes,
+        plan.decisions,
+        schedule,
+        SolveInfo.from_dict(info),
+        {**plan.extra, "tensor_bytes": tensor_bytes(graph)},
+        hw,
+    )
 
 
 def _need_hardware(plan: Plan):
     from .errors import PlanError
 
-    raise PlanError(f"plan for graph {plan.graph_name!r} names no hardware: pass the hardware it "
-                    "is for, complete(plan, graph, hw)")
+    raise PlanError(
+        f"plan for graph {plan.graph_name!r} names no hardware: pass the hardware it "
+        "is for, complete(plan, graph, hw)"
+    )
 
 
-def load_plan(source: str | Path | Mapping[str, Any] | Plan, graph: ActivationGraph | None = None,
-              hardware: Hardware | str | None = None) -> Plan:
+def load_plan(
+    source: str | Path | Mapping[str, Any] | Plan,
+    graph: ActivationGraph | None = None,
+    hardware: Hardware | str | None = None,
+) -> Plan:
     """Load a plan from a path, JSON text or dict. A ``slackswap.plan/1`` plan (no hardware, maybe
     no schedule) is completed on load when ``graph`` is given, for ``hardware`` (default
     a100-80gb-pcie4, what /1 plans were made for unless told otherwise)."""

@@ -27,9 +27,19 @@ MAX_TOTAL_BYTES = 2**53
 MAX_TOTAL_SECONDS = 1e12
 
 _OP_FIELDS = {
-    "name", "forward_s", "backward_s", "inputs", "outputs",
-    "forward_workspace_bytes", "backward_workspace_bytes", "recomputable", "unit", "param_unit",
-    "writes", "rerun_with", "rerun_workspace_bytes",
+    "name",
+    "forward_s",
+    "backward_s",
+    "inputs",
+    "outputs",
+    "forward_workspace_bytes",
+    "backward_workspace_bytes",
+    "recomputable",
+    "unit",
+    "param_unit",
+    "writes",
+    "rerun_with",
+    "rerun_workspace_bytes",
 }
 _TENSOR_FIELDS = {"name", "bytes", "saved_for", "group", "alive_until", "rebuilt_before"}
 _GRAPH_FIELDS = {"format", "name", "ops", "tensors", "optimizer_s", "collectives"}
@@ -116,21 +126,26 @@ def _check_bytes(value: Any, where: str, fieldname: str) -> int:
     if value < 0:
         raise GraphError(f"{where}: {fieldname} must be a non-negative integer, got {value!r}")
     if value > MAX_TOTAL_BYTES:
-        raise GraphError(f"{where}: {fieldname} = {value} is more than the {MAX_TOTAL_BYTES} bytes "
-                         "a step may hold in all")
+        raise GraphError(
+            f"{where}: {fieldname} = {value} is more than the {MAX_TOTAL_BYTES} bytes "
+            "a step may hold in all"
+        )
     return int(value)
 
 
 def _check_unit(value, where: str) -> str:
     if not isinstance(value, str):
-        raise GraphError(f"{where}: unit must be a string (a sharding unit's module path), got "
-                         f"{value!r}")
+        raise GraphError(
+            f"{where}: unit must be a string (a sharding unit's module path), got {value!r}"
+        )
     return value
 
 
 def _check_bool(value: Any, where: str, fieldname: str) -> bool:
     if not isinstance(value, bool):
-        raise GraphError(f"{where}: {fieldname} must be true or false (a JSON boolean), got {value!r}")
+        raise GraphError(
+            f"{where}: {fieldname} must be true or false (a JSON boolean), got {value!r}"
+        )
     return value
 
 
@@ -206,15 +221,19 @@ class ActivationGraph:
                 raise GraphError(f"{where}: writes must be a tuple of tensor names")
             for name in op.writes:
                 if name not in op.inputs:
-                    raise GraphError(f"{where}: writes {name!r} in place but does not read it "
-                                     "(an op writes in place what it reads: list it in inputs)")
+                    raise GraphError(
+                        f"{where}: writes {name!r} in place but does not read it "
+                        "(an op writes in place what it reads: list it in inputs)"
+                    )
             if not isinstance(op.rerun_with, tuple):
                 raise GraphError(f"{where}: rerun_with must be a tuple of op names")
         for op in self.ops:
             for name in op.rerun_with:
                 if name not in op_index or name == op.name:
-                    raise GraphError(f"{_where('op', op.name)}: rerun_with {name!r} is "
-                                     + ("the op itself" if name == op.name else "no op of the graph"))
+                    raise GraphError(
+                        f"{_where('op', op.name)}: rerun_with {name!r} is "
+                        + ("the op itself" if name == op.name else "no op of the graph")
+                    )
         tensor_index: dict[str, int] = {}
         for j, t in enumerate(self.tensors):
             where = _where("tensor", t.name)
@@ -228,8 +247,9 @@ class ActivationGraph:
         names: set[str] = set()
         for c in self.collectives:
             if not isinstance(c, Collective):
-                raise GraphError(f"graph {self.name!r}: collectives must be Collective, got "
-                                 f"{type(c).__name__}")
+                raise GraphError(
+                    f"graph {self.name!r}: collectives must be Collective, got {type(c).__name__}"
+                )
             where = _where("collective", c.name)
             if not isinstance(c.name, str) or not c.name or c.name in names:
                 raise GraphError(f"{where}: name must be a non-empty, unique string")
@@ -281,35 +301,46 @@ class ActivationGraph:
                 if t.alive_until not in op_index:
                     raise GraphError(f"{where}: alive_until names unknown op {t.alive_until!r}")
                 if op_index[t.alive_until] < p:
-                    raise GraphError(f"{where}: alive_until names op {t.alive_until!r}, which runs "
-                                     f"before its producer {self.ops[p].name!r}")
+                    raise GraphError(
+                        f"{where}: alive_until names op {t.alive_until!r}, which runs "
+                        f"before its producer {self.ops[p].name!r}"
+                    )
             if t.rebuilt_before is not None:
                 if t.rebuilt_before not in op_index:
-                    raise GraphError(f"{where}: rebuilt_before names unknown op {t.rebuilt_before!r}")
+                    raise GraphError(
+                        f"{where}: rebuilt_before names unknown op {t.rebuilt_before!r}"
+                    )
                 if not t.saved_for:
                     raise GraphError(f"{where}: rebuilt_before is set, but the tensor is not saved")
                 first = max(op_index[o] for o in t.saved_for)
                 if op_index[t.rebuilt_before] < first:
                     raise GraphError(
                         f"{where}: rebuilt_before names op {t.rebuilt_before!r}, whose backward runs "
-                        f"after the tensor's first backward use (op {self.ops[first].name!r})")
+                        f"after the tensor's first backward use (op {self.ops[first].name!r})"
+                    )
 
     def _check_totals(self) -> None:
         """Sums that every planner and the simulator form must stay exact and finite: refuse,
         naming the tensor or op at which the running total passes the limit."""
-        total = max((max(op.forward_workspace_bytes, op.backward_workspace_bytes) for op in self.ops),
-                    default=0)
+        total = max(
+            (max(op.forward_workspace_bytes, op.backward_workspace_bytes) for op in self.ops),
+            default=0,
+        )
         for t in self.tensors:
             total += int(t.bytes)
             if total > MAX_TOTAL_BYTES:
-                raise GraphError(f"tensor {t.name!r}: the step's bytes pass {MAX_TOTAL_BYTES} with "
-                                 "it (with the largest workspace): sums would not be exact")
+                raise GraphError(
+                    f"tensor {t.name!r}: the step's bytes pass {MAX_TOTAL_BYTES} with "
+                    "it (with the largest workspace): sums would not be exact"
+                )
         seconds = float(self.optimizer_s)
         for op in self.ops:
             seconds += float(op.forward_s) * 2 + float(op.backward_s)  # a rerun runs forward again
             if not seconds <= MAX_TOTAL_SECONDS:
-                raise GraphError(f"op {op.name!r}: the step's time passes {MAX_TOTAL_SECONDS:g} s "
-                                 "with it: times must be seconds, and finite in sum")
+                raise GraphError(
+                    f"op {op.name!r}: the step's time passes {MAX_TOTAL_SECONDS:g} s "
+                    "with it: times must be seconds, and finite in sum"
+                )
 
     # ---------------------------------------------------------------- (de)serialisation
     @classmethod
@@ -332,25 +363,30 @@ class ActivationGraph:
             for key in ("name", "forward_s", "backward_s"):
                 if key not in raw:
                     raise GraphError(f"{where}: missing field {key!r}")
-            ops.append(Op(
-                name=raw["name"],
-                forward_s=_check_time(raw["forward_s"], where, "forward_s"),
-                backward_s=_check_time(raw["backward_s"], where, "backward_s"),
-                inputs=_names(raw.get("inputs", []), where, "inputs"),
-                outputs=_names(raw.get("outputs", []), where, "outputs"),
-                forward_workspace_bytes=_check_bytes(
-                    raw.get("forward_workspace_bytes", 0), where, "forward_workspace_bytes"),
-                backward_workspace_bytes=_check_bytes(
-                    raw.get("backward_workspace_bytes", 0), where, "backward_workspace_bytes"),
-                recomputable=_check_bool(raw.get("recomputable", True), where, "recomputable"),
-                rerun_workspace_bytes=_check_bytes(
-                    raw.get("rerun_workspace_bytes", 0), where, "rerun_workspace_bytes"),
-                unit=_check_unit(raw.get("unit", ""), where),
-                param_unit=_check_unit(raw.get("param_unit", ""), where),
-                writes=_names(raw.get("writes", []), where, "writes"),
-                rerun_with=_names(raw.get("rerun_with", []), where, "rerun_with"),
-                extra={k: v for k, v in raw.items() if k not in _OP_FIELDS},
-            ))
+            ops.append(
+                Op(
+                    name=raw["name"],
+                    forward_s=_check_time(raw["forward_s"], where, "forward_s"),
+                    backward_s=_check_time(raw["backward_s"], where, "backward_s"),
+                    inputs=_names(raw.get("inputs", []), where, "inputs"),
+                    outputs=_names(raw.get("outputs", []), where, "outputs"),
+                    forward_workspace_bytes=_check_bytes(
+                        raw.get("forward_workspace_bytes", 0), where, "forward_workspace_bytes"
+                    ),
+                    backward_workspace_bytes=_check_bytes(
+                        raw.get("backward_workspace_bytes", 0), where, "backward_workspace_bytes"
+                    ),
+                    recomputable=_check_bool(raw.get("recomputable", True), where, "recomputable"),
+                    rerun_workspace_bytes=_check_bytes(
+                        raw.get("rerun_workspace_bytes", 0), where, "rerun_workspace_bytes"
+                    ),
+                    unit=_check_unit(raw.get("unit", ""), where),
+                    param_unit=_check_unit(raw.get("param_unit", ""), where),
+                    writes=_names(raw.get("writes", []), where, "writes"),
+                    rerun_with=_names(raw.get("rerun_with", []), where, "rerun_with"),
+                    extra={k: v for k, v in raw.items() if k not in _OP_FIELDS},
+                )
+            )
         tensors = []
         for j, raw in enumerate(data["tensors"]):
             if not isinstance(raw, Mapping):
@@ -364,20 +400,25 @@ class ActivationGraph:
                 raise GraphError(f"{where}: group must be a string or null, got {group!r}")
             alive_until = raw.get("alive_until")
             if alive_until is not None and not isinstance(alive_until, str):
-                raise GraphError(f"{where}: alive_until must be an op name or null, got {alive_until!r}")
+                raise GraphError(
+                    f"{where}: alive_until must be an op name or null, got {alive_until!r}"
+                )
             rebuilt_before = raw.get("rebuilt_before")
             if rebuilt_before is not None and not isinstance(rebuilt_before, str):
-                raise GraphError(f"{where}: rebuilt_before must be an op name or null, got "
-                                 f"{rebuilt_before!r}")
-            tensors.append(Tensor(
-                name=raw["name"],
-                bytes=_check_bytes(raw["bytes"], where, "bytes"),
-                saved_for=_names(raw.get("saved_for", []), where, "saved_for"),
-                group=group,
-                alive_until=alive_until,
-                rebuilt_before=rebuilt_before,
-                extra={k: v for k, v in raw.items() if k not in _TENSOR_FIELDS},
-            ))
+                raise GraphError(
+                    f"{where}: rebuilt_before must be an op name or null, got {rebuilt_before!r}"
+                )
+            tensors.append(
+                Tensor(
+                    name=raw["name"],
+                    bytes=_check_bytes(raw["bytes"], where, "bytes"),
+                    saved_for=_names(raw.get("saved_for", []), where, "saved_for"),
+                    group=group,
+                    alive_until=alive_until,
+                    rebuilt_before=rebuilt_before,
+                    extra={k: v for k, v in raw.items() if k not in _TENSOR_FIELDS},
+                )
+            )
         raw_collectives = data.get("collectives", [])
         if not isinstance(raw_collectives, list):
             raise GraphError("graph: field 'collectives' must be a list")
@@ -392,10 +433,15 @@ class ActivationGraph:
             unknown = set(raw) - _COLLECTIVE_FIELDS
             if unknown:
                 raise GraphError(f"{where}: unknown field(s) {', '.join(sorted(unknown))}")
-            collectives.append(Collective(
-                name=raw["name"], op=raw["op"], phase=raw["phase"],
-                d2h_bytes=_check_bytes(raw.get("d2h_bytes", 0), where, "d2h_bytes"),
-                h2d_bytes=_check_bytes(raw.get("h2d_bytes", 0), where, "h2d_bytes")))
+            collectives.append(
+                Collective(
+                    name=raw["name"],
+                    op=raw["op"],
+                    phase=raw["phase"],
+                    d2h_bytes=_check_bytes(raw.get("d2h_bytes", 0), where, "d2h_bytes"),
+                    h2d_bytes=_check_bytes(raw.get("h2d_bytes", 0), where, "h2d_bytes"),
+                )
+            )
         return cls(
             name=data["name"],
             ops=tuple(ops),
@@ -409,8 +455,13 @@ class ActivationGraph:
         ops = []
         for op in self.ops:
             d: dict[str, Any] = dict(op.extra)
-            d.update(name=op.name, forward_s=op.forward_s, backward_s=op.backward_s,
-                     inputs=list(op.inputs), outputs=list(op.outputs))
+            d.update(
+                name=op.name,
+                forward_s=op.forward_s,
+                backward_s=op.backward_s,
+                inputs=list(op.inputs),
+                outputs=list(op.outputs),
+            )
             if op.forward_workspace_bytes:
                 d["forward_workspace_bytes"] = op.forward_workspace_bytes
             if op.backward_workspace_bytes:
@@ -440,12 +491,24 @@ class ActivationGraph:
                 d["rebuilt_before"] = t.rebuilt_before
             tensors.append(d)
         out: dict[str, Any] = dict(self.extra)
-        out.update(format=GRAPH_FORMAT, name=self.name, ops=ops, tensors=tensors,
-                   optimizer_s=self.optimizer_s)
+        out.update(
+            format=GRAPH_FORMAT,
+            name=self.name,
+            ops=ops,
+            tensors=tensors,
+            optimizer_s=self.optimizer_s,
+        )
         if self.collectives:
             out["collectives"] = [
-                {"name": c.name, "op": c.op, "phase": c.phase, "d2h_bytes": c.d2h_bytes,
-                 "h2d_bytes": c.h2d_bytes} for c in self.collectives]
+                {
+                    "name": c.name,
+                    "op": c.op,
+                    "phase": c.phase,
+                    "d2h_bytes": c.d2h_bytes,
+                    "h2d_bytes": c.h2d_bytes,
+                }
+                for c in self.collectives
+            ]
         return out
 
     def to_json(self, indent: int | None = None) -> str:
@@ -468,24 +531,39 @@ class ActivationGraph:
 
         core = {
             # unit only where set, so graphs without units keep their digests
-            "ops": [[o.name, *timed(o), list(o.inputs), list(o.outputs),
-                     o.forward_workspace_bytes, o.backward_workspace_bytes, o.recomputable]
-                    + ([o.unit, o.param_unit] if o.unit or o.param_unit else [])
-                    + ([{"writes": list(o.writes)}] if o.writes else [])
-                    + ([{"rerun_with": list(o.rerun_with)}] if o.rerun_with else [])
-                    + ([{"rerun_workspace_bytes": o.rerun_workspace_bytes}]
-                       if o.rerun_workspace_bytes else [])
-                    for o in self.ops],
+            "ops": [
+                [
+                    o.name,
+                    *timed(o),
+                    list(o.inputs),
+                    list(o.outputs),
+                    o.forward_workspace_bytes,
+                    o.backward_workspace_bytes,
+                    o.recomputable,
+                ]
+                + ([o.unit, o.param_unit] if o.unit or o.param_unit else [])
+                + ([{"writes": list(o.writes)}] if o.writes else [])
+                + ([{"rerun_with": list(o.rerun_with)}] if o.rerun_with else [])
+                + (
+                    [{"rerun_workspace_bytes": o.rerun_workspace_bytes}]
+                    if o.rerun_workspace_bytes
+                    else []
+                )
+                for o in self.ops
+            ],
             # alive_until only where set, so graphs without it keep their digests
-            "tensors": [[t.name, t.bytes, list(t.saved_for), t.group]
-                        + ([t.alive_until] if t.alive_until is not None else [])
-                        + ([{"rebuilt_before": t.rebuilt_before}] if t.rebuilt_before else [])
-                        for t in self.tensors],
+            "tensors": [
+                [t.name, t.bytes, list(t.saved_for), t.group]
+                + ([t.alive_until] if t.alive_until is not None else [])
+                + ([{"rebuilt_before": t.rebuilt_before}] if t.rebuilt_before else [])
+                for t in self.tensors
+            ],
             **({"optimizer_s": self.optimizer_s} if times else {}),
         }
         if self.collectives:  # only where present, so graphs without keep their digests
-            core["collectives"] = [[c.name, c.op, c.phase, c.d2h_bytes, c.h2d_bytes]
-                                   for c in self.collectives]
+            core["collectives"] = [
+                [c.name, c.op, c.phase, c.d2h_bytes, c.h2d_bytes] for c in self.collectives
+            ]
         text = json.dumps(core, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(text.encode()).hexdigest()
 
@@ -601,8 +679,13 @@ class ActivationGraph:
     def rebuild_slot(self) -> np.ndarray:
         """Per tensor, the latest position at which it may be rebuilt when recomputed (the
         backward of its ``rebuilt_before`` op), or -1: up to its first use."""
-        return np.array([self.bwd_slot(self.op_index[t.rebuilt_before]) if t.rebuilt_before
-                         else -1 for t in self.tensors], dtype=np.int64)
+        return np.array(
+            [
+                self.bwd_slot(self.op_index[t.rebuilt_before]) if t.rebuilt_before else -1
+                for t in self.tensors
+            ],
+            dtype=np.int64,
+        )
 
     @cached_property
     def first_backward_use(self) -> np.ndarray:
@@ -656,8 +739,9 @@ class ActivationGraph:
     @cached_property
     def can_recompute(self) -> np.ndarray:
         """Whether every op a tensor's rebuild needs may run again, where the rebuild may run."""
-        return np.array([self.recompute_blocker(t) is None for t in range(len(self.tensors))],
-                        dtype=bool)
+        return np.array(
+            [self.recompute_blocker(t) is None for t in range(len(self.tensors))], dtype=bool
+        )
 
     def recompute_blocker(self, t: int) -> str | None:
         """Why tensor ``t`` cannot be rebuilt (an op that may not run again, or one whose
@@ -671,9 +755,11 @@ class ActivationGraph:
                 unit = self.ops[i].param_unit
                 if unit and any(u != unit for u in units):
                     where = sorted(u or "outside any unit" for u in units if u != unit)[0]
-                    return (f"op {self.ops[i].name!r} reads the parameters of sharding unit "
-                            f"{unit!r}, which are not gathered in the backward of {where!r} "
-                            "where the rebuild may run")
+                    return (
+                        f"op {self.ops[i].name!r} reads the parameters of sharding unit "
+                        f"{unit!r}, which are not gathered in the backward of {where!r} "
+                        "where the rebuild may run"
+                    )
         return None
 
     @cached_property
@@ -708,12 +794,18 @@ class ActivationGraph:
         needs: dict[int, set[int]] = {}
         for y in saved:
             needs[y] = {int(x) for x in self.rerun_frontier[y]}
-            needs[y] |= {int(o) for q in self.rerun_ops[y] for o in self.op_outputs[q]
-                         if o != y and self.is_saved[o]}
+            needs[y] |= {
+                int(o)
+                for q in self.rerun_ops[y]
+                for o in self.op_outputs[q]
+                if o != y and self.is_saved[o]
+            }
         blocked = {y for y in saved if not all(self.ops[q].recomputable for q in self.rerun_ops[y])}
         while True:
-            units = [{self.ops[int(first[t])].unit} if first[t] >= 0 else set()
-                     for t in range(len(self.tensors))]
+            units = [
+                {self.ops[int(first[t])].unit} if first[t] >= 0 else set()
+                for t in range(len(self.tensors))
+            ]
             changed = True
             while changed:
                 changed = False
@@ -724,9 +816,15 @@ class ActivationGraph:
                         if not units[y] <= units[x]:
                             units[x] |= units[y]
                             changed = True
-            more = {t for t in saved if t not in blocked and any(
-                self.ops[q].param_unit and any(u != self.ops[q].param_unit for u in units[t])
-                for q in self.rerun_ops[t])}
+            more = {
+                t
+                for t in saved
+                if t not in blocked
+                and any(
+                    self.ops[q].param_unit and any(u != self.ops[q].param_unit for u in units[t])
+                    for q in self.rerun_ops[t]
+                )
+            }
             if not more:
                 return tuple(frozenset(u) for u in units), frozenset(blocked)
             blocked |= more
@@ -781,16 +879,21 @@ class ActivationGraph:
             for i, (ops, frontier) in base.items():
                 more = [base[r] for q in ops for r in rerun_with[q]]
                 if more:
-                    op_closure[i] = (ops.union(*(m[0] for m in more)),
-                                     frontier.union(*(m[1] for m in more)))
+                    op_closure[i] = (
+                        ops.union(*(m[0] for m in more)),
+                        frontier.union(*(m[1] for m in more)),
+                    )
             for i in list(write_closure):
                 ops, frontier = write_closure[i]
                 more = [base[r] for q in ops for r in rerun_with[q]]
                 if more:
-                    write_closure[i] = (ops.union(*(m[0] for m in more)),
-                                        frontier.union(*(m[1] for m in more)))
-        sorted_closure = {i: (tuple(sorted(ops)), tuple(sorted(fr)))
-                          for i, (ops, fr) in op_closure.items()}
+                    write_closure[i] = (
+                        ops.union(*(m[0] for m in more)),
+                        frontier.union(*(m[1] for m in more)),
+                    )
+        sorted_closure = {
+            i: (tuple(sorted(ops)), tuple(sorted(fr))) for i, (ops, fr) in op_closure.items()
+        }
         per_tensor = []
         end = len(self.ops)
         for t, p in enumerate(producer):
@@ -813,8 +916,10 @@ class ActivationGraph:
         return tuple(tuple(index[n] for n in op.rerun_with) for op in self.ops)
 
     def summary(self) -> str:
-        return (f"{self.name}: {self.n_ops} ops, {len(self.tensors)} tensors, "
-                f"{len(self.saved)} saved ({self.tensor_bytes[self.saved].sum() / 2**30:.2f} GiB)")
+        return (
+            f"{self.name}: {self.n_ops} ops, {len(self.tensors)} tensors, "
+            f"{len(self.saved)} saved ({self.tensor_bytes[self.saved].sum() / 2**30:.2f} GiB)"
+        )
 
 
 def load_graph(source: str | Path | Mapping[str, Any] | ActivationGraph) -> ActivationGraph:
@@ -857,8 +962,10 @@ def parse_json(text: str, what: str, error: type[Exception]) -> Any:
         out: dict[str, Any] = {}
         for key, value in pairs:
             if key in out:
-                raise error(f"{what}: key {key!r} is given twice in one object (JSON would keep "
-                            "the last silently)")
+                raise error(
+                    f"{what}: key {key!r} is given twice in one object (JSON would keep "
+                    "the last silently)"
+                )
             out[key] = value
         return out
 

@@ -45,33 +45,50 @@ class Hardware:
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
             raise ValueError(f"hardware: name must be a non-empty string, got {self.name!r}")
-        for name in ("d2h_bytes_per_s", "h2d_bytes_per_s", "latency_s", "peak_flops",
-                     "hbm_bytes_per_s", "gemm_efficiency", "attention_efficiency",
-                     "memory_efficiency"):
+        for name in (
+            "d2h_bytes_per_s",
+            "h2d_bytes_per_s",
+            "latency_s",
+            "peak_flops",
+            "hbm_bytes_per_s",
+            "gemm_efficiency",
+            "attention_efficiency",
+            "memory_efficiency",
+        ):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, numbers.Real) \
-                    or not math.isfinite(value):
-                raise ValueError(f"hardware {self.name!r}: {name} must be a finite number, got {value!r}")
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, numbers.Real)
+                or not math.isfinite(value)
+            ):
+                raise ValueError(
+                    f"hardware {self.name!r}: {name} must be a finite number, got {value!r}"
+                )
             object.__setattr__(self, name, float(value))
         for name in ("d2h_bytes_per_s", "h2d_bytes_per_s", "peak_flops", "hbm_bytes_per_s"):
             value = getattr(self, name)
             if not value > 0:
                 raise ValueError(f"hardware {self.name!r}: {name} must be > 0, got {value!r}")
         if self.latency_s < 0:
-            raise ValueError(f"hardware {self.name!r}: latency_s must be >= 0, got {self.latency_s!r}")
+            raise ValueError(
+                f"hardware {self.name!r}: latency_s must be >= 0, got {self.latency_s!r}"
+            )
         for name in ("gemm_efficiency", "attention_efficiency", "memory_efficiency"):
             value = getattr(self, name)
             if not 0 < value <= 1:
                 raise ValueError(f"hardware {self.name!r}: {name} must be in (0, 1], got {value!r}")
         for name in ("duplex", "collectives_on_link", "host_is_device"):
             if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"hardware {self.name!r}: {name} must be true or false, got "
-                                 f"{getattr(self, name)!r}")
+                raise ValueError(
+                    f"hardware {self.name!r}: {name} must be true or false, got "
+                    f"{getattr(self, name)!r}"
+                )
         for name in ("memory_bytes", "min_swap_bytes"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
-                raise ValueError(f"hardware {self.name!r}: {name} must be a non-negative integer, "
-                                 f"got {value!r}")
+                raise ValueError(
+                    f"hardware {self.name!r}: {name} must be a non-negative integer, got {value!r}"
+                )
             object.__setattr__(self, name, int(value))
 
     def d2h_time(self, nbytes: float) -> float:
@@ -92,8 +109,19 @@ class Hardware:
     @classmethod
     def from_dict(cls, data: dict) -> Hardware:
         known = {k: data[k] for k in cls.__dataclass_fields__ if k in data}
-        missing = [k for k in ("name", "d2h_bytes_per_s", "h2d_bytes_per_s", "latency_s", "duplex",
-                               "peak_flops", "hbm_bytes_per_s") if k not in known]
+        missing = [
+            k
+            for k in (
+                "name",
+                "d2h_bytes_per_s",
+                "h2d_bytes_per_s",
+                "latency_s",
+                "duplex",
+                "peak_flops",
+                "hbm_bytes_per_s",
+            )
+            if k not in known
+        ]
         if missing:
             raise ValueError(f"hardware: missing field(s) {', '.join(missing)}")
         if not isinstance(known.get("sources", {}), dict):
@@ -101,8 +129,10 @@ class Hardware:
         return cls(**known)
 
 
-_MIN_SWAP_SOURCE = ("1024 bytes: torchtune's OffloadActivations offloads only tensors of at least "
-                    "min_offload_size = 1024 bytes (its default)")
+_MIN_SWAP_SOURCE = (
+    "1024 bytes: torchtune's OffloadActivations offloads only tensors of at least "
+    "min_offload_size = 1024 bytes (its default)"
+)
 _A100_SOURCES = {
     "peak_flops": "NVIDIA A100 datasheet: 312 TFLOP/s bf16 dense",
     "gemm_efficiency": "about 0.70 of peak for large GEMMs (MosaicML llm-foundry A100 MFU table)",
@@ -185,16 +215,23 @@ _PRESETS: dict[str, Hardware] = {
         peak_flops=1e11,
         hbm_bytes_per_s=20e9,
         host_is_device=True,
-        sources={"note": "a CPU device: its memory is the host's, so plans keep or recompute "
-                         "(a swap frees nothing); the link figures are a memcpy-class figure"},
+        sources={
+            "note": "a CPU device: its memory is the host's, so plans keep or recompute "
+            "(a swap frees nothing); the link figures are a memcpy-class figure"
+        },
     ),
 }
 # a CPU standing in for a device with a host link: the cpu preset's figures, swaps allowed
 _PRESETS["cpu-emulated-link"] = replace(
-    _PRESETS["cpu"], name="cpu-emulated-link", host_is_device=False,
-    sources={"note": "a CPU standing in for a device with a host link: swaps are host memcpys "
-                     "that free no real memory; for exercising the swap path of the executor on "
-                     "machines without a GPU, not for saving memory"})
+    _PRESETS["cpu"],
+    name="cpu-emulated-link",
+    host_is_device=False,
+    sources={
+        "note": "a CPU standing in for a device with a host link: swaps are host memcpys "
+        "that free no real memory; for exercising the swap path of the executor on "
+        "machines without a GPU, not for saving memory"
+    },
+)
 
 
 def hardware(name: str | Hardware) -> Hardware:

@@ -72,8 +72,9 @@ class Decision(IntEnum):
 
 
 # the codes as plain ints for numpy columns (numpy compares an IntEnum member far more slowly)
-UNSAVED, KEEP, SWAP, RECOMPUTE = (int(d) for d in (Decision.UNSAVED, Decision.KEEP, Decision.SWAP,
-                                                    Decision.RECOMPUTE))
+UNSAVED, KEEP, SWAP, RECOMPUTE = (
+    int(d) for d in (Decision.UNSAVED, Decision.KEEP, Decision.SWAP, Decision.RECOMPUTE)
+)
 
 
 @dataclass(frozen=True)
@@ -106,15 +107,21 @@ class Schedule:
             object.__setattr__(self, name, MappingProxyType(clean))
 
     def to_dict(self) -> dict[str, dict[str, int]]:
-        return {"d2h_free": dict(self.d2h_free), "h2d_issue": dict(self.h2d_issue),
-                "recompute_at": dict(self.recompute_at)}
+        return {
+            "d2h_free": dict(self.d2h_free),
+            "h2d_issue": dict(self.h2d_issue),
+            "recompute_at": dict(self.recompute_at),
+        }
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Schedule:
         if not isinstance(data, Mapping):
             raise PlanError("plan: field 'schedule' must be an object")
-        return cls(d2h_free=data.get("d2h_free", {}), h2d_issue=data.get("h2d_issue", {}),
-                   recompute_at=data.get("recompute_at", {}))
+        return cls(
+            d2h_free=data.get("d2h_free", {}),
+            h2d_issue=data.get("h2d_issue", {}),
+            recompute_at=data.get("recompute_at", {}),
+        )
 
 
 @dataclass(frozen=True)
@@ -138,13 +145,23 @@ class SolveInfo:
             raise PlanError(f"plan: info.solver must be a string, got {self.solver!r}")
         if self.status not in STATUSES:
             raise PlanError(f"plan: info.status must be one of {STATUSES}, got {self.status!r}")
-        for name in ("objective", "bound", "gap", "predicted_step_time_s", "wall_s",
-                     "overhead_gap"):
+        for name in (
+            "objective",
+            "bound",
+            "gap",
+            "predicted_step_time_s",
+            "wall_s",
+            "overhead_gap",
+        ):
             value = getattr(self, name)
             if value is None and name != "wall_s":
                 continue
-            if isinstance(value, bool) or not isinstance(value, numbers.Real) or math.isnan(value) \
-                    or value < 0:
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, numbers.Real)
+                or math.isnan(value)
+                or value < 0
+            ):
                 raise PlanError(f"plan: info.{name} must be a non-negative number, got {value!r}")
             object.__setattr__(self, name, float(value))
         if not isinstance(self.extra, Mapping):
@@ -152,23 +169,42 @@ class SolveInfo:
 
     def to_dict(self) -> dict[str, Any]:
         d = dict(self.extra)
-        d.update(solver=self.solver, status=self.status, objective=self.objective,
-                 bound=self.bound, gap=self.gap, wall_s=self.wall_s,
-                 predicted_step_time_s=self.predicted_step_time_s)
+        d.update(
+            solver=self.solver,
+            status=self.status,
+            objective=self.objective,
+            bound=self.bound,
+            gap=self.gap,
+            wall_s=self.wall_s,
+            predicted_step_time_s=self.predicted_step_time_s,
+        )
         if self.overhead_gap is not None:
             d["overhead_gap"] = self.overhead_gap
         return d
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> SolveInfo:
-        known = ("solver", "status", "objective", "bound", "gap", "wall_s", "predicted_step_time_s",
-                 "overhead_gap")
-        return cls(solver=data.get("solver", "unknown"), status=data.get("status", "feasible"),
-                   objective=data.get("objective"), bound=data.get("bound"), gap=data.get("gap"),
-                   wall_s=data.get("wall_s", 0.0) or 0.0,
-                   predicted_step_time_s=data.get("predicted_step_time_s"),
-                   extra={k: v for k, v in data.items() if k not in known},
-                   overhead_gap=data.get("overhead_gap"))
+        known = (
+            "solver",
+            "status",
+            "objective",
+            "bound",
+            "gap",
+            "wall_s",
+            "predicted_step_time_s",
+            "overhead_gap",
+        )
+        return cls(
+            solver=data.get("solver", "unknown"),
+            status=data.get("status", "feasible"),
+            objective=data.get("objective"),
+            bound=data.get("bound"),
+            gap=data.get("gap"),
+            wall_s=data.get("wall_s", 0.0) or 0.0,
+            predicted_step_time_s=data.get("predicted_step_time_s"),
+            extra={k: v for k, v in data.items() if k not in known},
+            overhead_gap=data.get("overhead_gap"),
+        )
 
 
 @dataclass(frozen=True)
@@ -196,9 +232,14 @@ class Plan:
         for name in ("graph_name", "graph_digest"):
             if not isinstance(getattr(self, name), str):
                 raise PlanError(f"plan: {name} must be a string, got {getattr(self, name)!r}")
-        if isinstance(self.budget_bytes, bool) or not isinstance(self.budget_bytes, numbers.Integral) \
-                or self.budget_bytes < 0:
-            raise PlanError(f"plan: budget_bytes must be a non-negative integer, got {self.budget_bytes!r}")
+        if (
+            isinstance(self.budget_bytes, bool)
+            or not isinstance(self.budget_bytes, numbers.Integral)
+            or self.budget_bytes < 0
+        ):
+            raise PlanError(
+                f"plan: budget_bytes must be a non-negative integer, got {self.budget_bytes!r}"
+            )
         object.__setattr__(self, "budget_bytes", int(self.budget_bytes))
         if not isinstance(self.info, SolveInfo):
             raise PlanError(f"plan: info must be a SolveInfo, got {self.info!r}")
@@ -212,24 +253,30 @@ class Plan:
         s = self.schedule
         if self.hardware is None or s is None:
             return False
-        return all((d != "swap" or (t in s.d2h_free and t in s.h2d_issue))
-                   and (d != "recompute" or t in s.recompute_at)
-                   for t, d in self.decisions.items())
+        return all(
+            (d != "swap" or (t in s.d2h_free and t in s.h2d_issue))
+            and (d != "recompute" or t in s.recompute_at)
+            for t, d in self.decisions.items()
+        )
 
     def check_graph(self, graph) -> None:
         """Raise PlanError unless ``graph`` is the graph this plan was made for (by digest)."""
         if graph.digest != self.graph_digest:
-            raise PlanError(f"plan was made for graph {self.graph_name!r} (digest "
-                            f"{self.graph_digest[:12]}), not for graph {graph.name!r} "
-                            f"(digest {graph.digest[:12]})")
+            raise PlanError(
+                f"plan was made for graph {self.graph_name!r} (digest "
+                f"{self.graph_digest[:12]}), not for graph {graph.name!r} "
+                f"(digest {graph.digest[:12]})"
+            )
 
     def require_complete(self, what: str) -> None:
         """Raise PlanError naming ``what`` refused an open plan, and how to close it."""
         if not self.is_complete:
             lacks = "hardware" if self.hardware is None else "a complete schedule"
-            raise PlanError(f"{what}: plan for graph {self.graph_name!r} has no {lacks}; plans "
-                            "from solve() are complete, a hand-made one is completed once with "
-                            "slackswap.complete(plan, graph, hw)")
+            raise PlanError(
+                f"{what}: plan for graph {self.graph_name!r} has no {lacks}; plans "
+                "from solve() are complete, a hand-made one is completed once with "
+                "slackswap.complete(plan, graph, hw)"
+            )
 
     def count(self, decision: str) -> int:
         return sum(1 for d in self.decisions.values() if d == decision)
@@ -257,25 +304,34 @@ class Plan:
         import importlib
         import warnings
 
-        warnings.warn("Plan.as_checkpoint_policy is deprecated: use "
-                      "slackswap.checkpoint_policy(plan, graph)", DeprecationWarning, stacklevel=2)
-        return importlib.import_module("slackswap.runtime.checkpoint").checkpoint_policy(self, graph)
+        warnings.warn(
+            "Plan.as_checkpoint_policy is deprecated: use slackswap.checkpoint_policy(plan, graph)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return importlib.import_module("slackswap.runtime.checkpoint").checkpoint_policy(
+            self, graph
+        )
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = dict(self.extra)
-        out.update({
-            "format": PLAN_FORMAT,
-            "graph": self.graph_name,
-            "graph_digest": self.graph_digest,
-            "budget_bytes": self.budget_bytes,
-            "decisions": dict(self.decisions),
-        })
+        out.update(
+            {
+                "format": PLAN_FORMAT,
+                "graph": self.graph_name,
+                "graph_digest": self.graph_digest,
+                "budget_bytes": self.budget_bytes,
+                "decisions": dict(self.decisions),
+            }
+        )
         if self.schedule is not None:
             out["schedule"] = self.schedule.to_dict()
         if self.hardware is not None:
             out["hardware"] = self.hardware.to_dict()
-        out["info"] = {k: (None if isinstance(v, float) and not math.isfinite(v) else v)
-                       for k, v in self.info.to_dict().items()}
+        out["info"] = {
+            k: (None if isinstance(v, float) and not math.isfinite(v) else v)
+            for k, v in self.info.to_dict().items()
+        }
         return out
 
     def to_json(self, indent: int | None = None) -> str:
@@ -290,8 +346,10 @@ class Plan:
             raise PlanError("plan: expected a JSON object")
         fmt = data.get("format")
         if fmt not in PLAN_FORMATS:
-            raise PlanError(f"plan: field 'format' must be {PLAN_FORMAT!r} (or the older "
-                            f"{PLAN_FORMATS[0]!r}), got {fmt!r}")
+            raise PlanError(
+                f"plan: field 'format' must be {PLAN_FORMAT!r} (or the older "
+                f"{PLAN_FORMATS[0]!r}), got {fmt!r}"
+            )
         required = ("graph", "graph_digest", "budget_bytes", "decisions")
         if fmt == PLAN_FORMAT:
             required += ("schedule", "hardware")
@@ -304,8 +362,16 @@ class Plan:
         info = data.get("info", {})
         if not isinstance(info, Mapping):
             raise PlanError(f"plan: field 'info' must be an object, got {info!r}")
-        known = {"format", "graph", "graph_digest", "budget_bytes", "decisions", "schedule", "info",
-                 "hardware"}
+        known = {
+            "format",
+            "graph",
+            "graph_digest",
+            "budget_bytes",
+            "decisions",
+            "schedule",
+            "info",
+            "hardware",
+        }
         schedule = data.get("schedule")
         hw = data.get("hardware")
         if hw is not None:
@@ -326,8 +392,10 @@ class Plan:
             hardware=hw,
         )
         if fmt == PLAN_FORMAT and not plan.is_complete:
-            raise PlanError(f"plan: format {PLAN_FORMAT!r} needs a complete schedule (a position "
-                            "for every swap's d2h_free and h2d_issue and every recompute_at)")
+            raise PlanError(
+                f"plan: format {PLAN_FORMAT!r} needs a complete schedule (a position "
+                "for every swap's d2h_free and h2d_issue and every recompute_at)"
+            )
         return plan
 
 
@@ -339,4 +407,6 @@ def read_plan(source: str | Path | Mapping[str, Any]) -> Plan:
         return source
     if isinstance(source, Mapping):
         return Plan.from_dict(source)
-    return Plan.from_dict(parse_json(read_json_source(source, "plan", PlanError), "plan", PlanError))
+    return Plan.from_dict(
+        parse_json(read_json_source(source, "plan", PlanError), "plan", PlanError)
+    )

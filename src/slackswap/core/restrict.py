@@ -29,18 +29,26 @@ def parse_allowed(allowed: Iterable[str] | str | None) -> tuple[str, ...]:
     try:
         chosen = set(allowed)
     except TypeError:
-        raise ValueError(f"allowed: expected decisions among {DECISIONS}, got {allowed!r}") from None
+        raise ValueError(
+            f"allowed: expected decisions among {DECISIONS}, got {allowed!r}"
+        ) from None
     unknown = sorted(str(a) for a in chosen - set(DECISIONS))
     if unknown:
-        raise ValueError(f"allowed: unknown decision(s) {', '.join(map(repr, unknown))}; "
-                         f"choose among {', '.join(DECISIONS)}")
+        raise ValueError(
+            f"allowed: unknown decision(s) {', '.join(map(repr, unknown))}; "
+            f"choose among {', '.join(DECISIONS)}"
+        )
     if not chosen:
         raise ValueError("allowed: at least one of keep, swap, recompute must be allowed")
     return tuple(d for d in DECISIONS if d in chosen)
 
 
-def decision_mask(graph: ActivationGraph, allowed: Iterable[str] | str | None = None,
-                  pins: Mapping[str, str] | None = None, min_swap_bytes: int = 0) -> np.ndarray:
+def decision_mask(
+    graph: ActivationGraph,
+    allowed: Iterable[str] | str | None = None,
+    pins: Mapping[str, str] | None = None,
+    min_swap_bytes: int = 0,
+) -> np.ndarray:
     """(tensors x 3) booleans: may tensor t take decision code c. Recompute only where the graph
     allows a rebuild, and for an RNG group only if every member may; swap only for tensors of at
     least ``min_swap_bytes`` (the hardware's). Raises on a pin that names no saved tensor, an
@@ -54,27 +62,35 @@ def decision_mask(graph: ActivationGraph, allowed: Iterable[str] | str | None = 
     mask[graph.tensor_bytes < min_swap_bytes, SWAP] = False
     if pins is not None:
         if not isinstance(pins, Mapping):
-            raise ValueError(f"pins: expected a mapping of tensor name to decision, got "
-                             f"{type(pins).__name__}")
+            raise ValueError(
+                f"pins: expected a mapping of tensor name to decision, got {type(pins).__name__}"
+            )
         index = graph.tensor_index
         for name, decision in pins.items():
             t = index.get(name)
             if t is None or not graph.is_saved[t]:
-                raise PlanError(f"pins: tensor {name!r} is not a saved tensor of graph "
-                                f"{graph.name!r}")
+                raise PlanError(
+                    f"pins: tensor {name!r} is not a saved tensor of graph {graph.name!r}"
+                )
             if decision not in CODE:
-                raise PlanError(f"pins: tensor {name!r} pinned to {decision!r}; expected one of "
-                                f"{', '.join(DECISIONS)}")
+                raise PlanError(
+                    f"pins: tensor {name!r} pinned to {decision!r}; expected one of "
+                    f"{', '.join(DECISIONS)}"
+                )
             if decision not in kinds:
-                raise PlanError(f"pins: tensor {name!r} pinned to {decision!r}, which allowed="
-                                f"{kinds} forbids")
+                raise PlanError(
+                    f"pins: tensor {name!r} pinned to {decision!r}, which allowed={kinds} forbids"
+                )
             if decision == "swap" and graph.tensor_bytes[t] < min_swap_bytes:
-                raise PlanError(f"pins: tensor {name!r} ({int(graph.tensor_bytes[t])} bytes) is "
-                                f"pinned to swap, but the hardware swaps no tensor under "
-                                f"{min_swap_bytes} bytes (min_swap_bytes)")
+                raise PlanError(
+                    f"pins: tensor {name!r} ({int(graph.tensor_bytes[t])} bytes) is "
+                    f"pinned to swap, but the hardware swaps no tensor under "
+                    f"{min_swap_bytes} bytes (min_swap_bytes)"
+                )
             if decision == "recompute" and not graph.can_recompute[t]:
-                raise PlanError(f"pins: tensor {name!r} cannot be recomputed: "
-                                f"{graph.recompute_blocker(t)}")
+                raise PlanError(
+                    f"pins: tensor {name!r} cannot be recomputed: {graph.recompute_blocker(t)}"
+                )
             row = np.zeros(3, dtype=bool)
             row[CODE[decision]] = True
             mask[t] = row
@@ -83,17 +99,28 @@ def decision_mask(graph: ActivationGraph, allowed: Iterable[str] | str | None = 
         mask[list(members), RECOMPUTE] = together
         stuck = [graph.tensors[m].name for m in members if not mask[m].any()]
         if stuck:
-            raise PlanError(f"pins: tensor {stuck[0]!r} is pinned to recompute, but RNG group "
-                            f"{group!r} cannot be recomputed together")
+            raise PlanError(
+                f"pins: tensor {stuck[0]!r} is pinned to recompute, but RNG group "
+                f"{group!r} cannot be recomputed together"
+            )
     empty = [graph.tensors[int(t)].name for t in saved if not mask[t].any()]
     if empty:
-        raise PlanError(f"allowed={kinds}: tensor {empty[0]!r} has no decision left (it cannot "
-                        "be recomputed" + (f", and it is under the hardware's min_swap_bytes "
-                                           f"({min_swap_bytes})" if min_swap_bytes else "") + ")")
+        raise PlanError(
+            f"allowed={kinds}: tensor {empty[0]!r} has no decision left (it cannot "
+            "be recomputed"
+            + (
+                f", and it is under the hardware's min_swap_bytes ({min_swap_bytes})"
+                if min_swap_bytes
+                else ""
+            )
+            + ")"
+        )
     return mask
 
 
-def first_forbidden(graph: ActivationGraph, codes: np.ndarray, mask: np.ndarray | None) -> str | None:
+def first_forbidden(
+    graph: ActivationGraph, codes: np.ndarray, mask: np.ndarray | None
+) -> str | None:
     """The first saved tensor whose decision the mask forbids, in words, or None."""
     if mask is None:
         return None

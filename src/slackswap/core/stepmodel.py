@@ -35,22 +35,32 @@ def decision_codes(graph: ActivationGraph, decisions: Mapping[str, str] | Plan) 
             raise PlanError(f"plan: tensor {name!r} is not in graph {graph.name!r}")
         t = index[name]
         if not graph.is_saved[t]:
-            raise PlanError(f"plan: tensor {name!r} is not saved for backward; it takes no decision")
+            raise PlanError(
+                f"plan: tensor {name!r} is not saved for backward; it takes no decision"
+            )
         if decision not in DECISIONS:
-            raise PlanError(f"plan: tensor {name!r} has decision {decision!r}; expected one of {DECISIONS}")
+            raise PlanError(
+                f"plan: tensor {name!r} has decision {decision!r}; expected one of {DECISIONS}"
+            )
         codes[t] = DECISIONS.index(decision)
     missing = [graph.tensors[t].name for t in graph.saved if codes[t] == UNSAVED]
     if missing:
         more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
-        raise PlanError(f"plan: no decision for saved tensor(s) {', '.join(map(repr, missing[:3]))}{more}")
+        raise PlanError(
+            f"plan: no decision for saved tensor(s) {', '.join(map(repr, missing[:3]))}{more}"
+        )
     bad = np.flatnonzero((codes == RECOMPUTE) & ~graph.can_recompute)
     if bad.size:
         t = int(bad[0])
-        raise PlanError(f"plan: tensor {graph.tensors[t].name!r} cannot be recomputed: "
-                        f"{graph.recompute_blocker(t)}")
+        raise PlanError(
+            f"plan: tensor {graph.tensors[t].name!r} cannot be recomputed: "
+            f"{graph.recompute_blocker(t)}"
+        )
     for g, members in graph.rng_groups.items():
         if len({bool(codes[t] == RECOMPUTE) for t in members}) > 1:
-            raise PlanError(f"plan: tensors of group {g!r} must be recomputed all together or not at all")
+            raise PlanError(
+                f"plan: tensors of group {g!r} must be recomputed all together or not at all"
+            )
     return codes
 
 
@@ -116,7 +126,6 @@ def interval_memory(exp: Expansion, with_workspace: bool = True) -> np.ndarray:
     return mem
 
 
-
 def _schedule_arrays(graph: ActivationGraph, codes: np.ndarray, schedule: Schedule | None):
     T = len(graph.tensors)
     d2h = np.full(T, -1, dtype=np.int64)
@@ -125,8 +134,11 @@ def _schedule_arrays(graph: ActivationGraph, codes: np.ndarray, schedule: Schedu
     if schedule is None:
         return d2h, h2d, rec
     index = graph.tensor_index
-    for field, arr, code in (("d2h_free", d2h, SWAP), ("h2d_issue", h2d, SWAP),
-                             ("recompute_at", rec, RECOMPUTE)):
+    for field, arr, code in (
+        ("d2h_free", d2h, SWAP),
+        ("h2d_issue", h2d, SWAP),
+        ("recompute_at", rec, RECOMPUTE),
+    ):
         for name, pos in getattr(schedule, field).items():
             if name not in index:
                 raise PlanError(f"schedule: {field} names unknown tensor {name!r}")
@@ -137,8 +149,10 @@ def _schedule_arrays(graph: ActivationGraph, codes: np.ndarray, schedule: Schedu
                     f"{DECISIONS[codes[t]] if codes[t] >= 0 else 'none (not saved)'}"
                 )
             if pos >= graph.n_slots:
-                raise PlanError(f"schedule: {field}[{name!r}] = {pos} is past the step's last position "
-                                f"{graph.n_slots - 1}")
+                raise PlanError(
+                    f"schedule: {field}[{name!r}] = {pos} is past the step's last position "
+                    f"{graph.n_slots - 1}"
+                )
             arr[t] = pos
     return d2h, h2d, rec
 
@@ -162,8 +176,10 @@ def trace_reruns(graph: ActivationGraph, codes: np.ndarray, recompute_at: np.nda
     scheduled: dict[int, list[int]] = {}
     for t in np.flatnonzero(recompute_at >= 0):
         if recompute_at[t] < n:
-            raise PlanError(f"schedule: recompute_at[{graph.tensors[t].name!r}] = {recompute_at[t]} "
-                            "is in the forward pass; rebuilds run before backward ops")
+            raise PlanError(
+                f"schedule: recompute_at[{graph.tensors[t].name!r}] = {recompute_at[t]} "
+                "is in the forward pass; rebuilds run before backward ops"
+            )
         scheduled.setdefault(int(recompute_at[t]), []).append(int(t))
     # a tensor with a latest rebuild position (Tensor.rebuilt_before) and no position of its own
     # is rebuilt there, or earlier where a rebuild that reads it runs first
@@ -228,7 +244,9 @@ def trace_reruns(graph: ActivationGraph, codes: np.ndarray, recompute_at: np.nda
     return reruns, needs_at, first_need, materialized
 
 
-def first_backward_need(graph: ActivationGraph, codes: np.ndarray, schedule: Schedule) -> np.ndarray:
+def first_backward_need(
+    graph: ActivationGraph, codes: np.ndarray, schedule: Schedule
+) -> np.ndarray:
     """Per tensor, the first backward position at which it must be on the device (-1 if never):
     its first reader, or the first rebuild that reads it, under the schedule's rebuild positions."""
     _, _, rec = _schedule_arrays(graph, codes, schedule)
@@ -249,8 +267,15 @@ def nominal_slot_times(graph: ActivationGraph, reruns) -> tuple[np.ndarray, np.n
     return end - dur, end
 
 
-def default_swap_schedule(graph: ActivationGraph, hw: Hardware, codes, first_need, reruns,
-                          d2h: np.ndarray, h2d: np.ndarray) -> None:
+def default_swap_schedule(
+    graph: ActivationGraph,
+    hw: Hardware,
+    codes,
+    first_need,
+    reruns,
+    d2h: np.ndarray,
+    h2d: np.ndarray,
+) -> None:
     """Fill missing swap positions: free a tensor once its offload is done (estimated on the
     no-stall timeline, lane in production order); issue its prefetch as late as still arrives in
     time (lane filled backwards from the uses)."""
@@ -263,8 +288,9 @@ def default_swap_schedule(graph: ActivationGraph, hw: Hardware, codes, first_nee
     producer = graph.producer
     # collectives on the link occupy the lanes from their positions (step-model.md): they are
     # jobs of the same lanes here, with fixed issue times, never given a position themselves
-    comms = [(graph.collective_slot(c), c) for c in graph.collectives] \
-        if hw.collectives_on_link else []
+    comms = (
+        [(graph.collective_slot(c), c) for c in graph.collectives] if hw.collectives_on_link else []
+    )
     n = graph.n_ops
     # D2H lane, FIFO in production order: done_i = max_{j<=i}(issue_j + sum_{k=j..i} p_k)
     order = swapped[np.lexsort((swapped, producer[swapped]))]
@@ -279,7 +305,7 @@ def default_swap_schedule(graph: ActivationGraph, hw: Hardware, codes, first_nee
         csum = np.cumsum(p_all[merged])
         done_all = np.empty_like(csum)
         done_all[merged] = csum + np.maximum.accumulate(issue_all[merged] - (csum - p_all[merged]))
-        done = done_all[:len(order)]
+        done = done_all[: len(order)]
     else:
         csum = np.cumsum(p)
         done = csum + np.maximum.accumulate(issue - (csum - p))
@@ -306,7 +332,7 @@ def default_swap_schedule(graph: ActivationGraph, hw: Hardware, codes, first_nee
         begin_m = -suffix + np.minimum.accumulate((need_m + after)[::-1])[::-1]
         begin_all = np.empty_like(begin_m)
         begin_all[merged] = begin_m
-        begin = begin_all[:len(order)]
+        begin = begin_all[: len(order)]
     else:
         suffix = np.cumsum(p[::-1])[::-1]  # sum_{k>=i} p_k
         after = np.append(suffix[1:], 0.0)  # sum_{k>j} p_k
@@ -330,18 +356,30 @@ def _monotone_issue(graph: ActivationGraph, codes, first_need, h2d, movable) -> 
         latest = max(latest, int(h2d[t]))
 
 
-def expand(graph: ActivationGraph, codes: np.ndarray, schedule: Schedule | None,
-           hw: Hardware, budget_bytes: int | None = None) -> Expansion:
+def expand(
+    graph: ActivationGraph,
+    codes: np.ndarray,
+    schedule: Schedule | None,
+    hw: Hardware,
+    budget_bytes: int | None = None,
+) -> Expansion:
     """Lifetimes of every tensor under a plan. Missing schedule entries take the defaults of the
     step model; with ``budget_bytes`` the default swap positions also yield to the budget
     (free earlier, prefetch later, at the cost of waiting on copies)."""
-    return expand_positions(graph, codes, *_schedule_arrays(graph, codes, schedule), hw,
-                            budget_bytes)
+    return expand_positions(
+        graph, codes, *_schedule_arrays(graph, codes, schedule), hw, budget_bytes
+    )
 
 
-def expand_positions(graph: ActivationGraph, codes: np.ndarray, d2h: np.ndarray,
-                     h2d: np.ndarray, rec: np.ndarray, hw: Hardware,
-                     budget_bytes: int | None = None) -> Expansion:
+def expand_positions(
+    graph: ActivationGraph,
+    codes: np.ndarray,
+    d2h: np.ndarray,
+    h2d: np.ndarray,
+    rec: np.ndarray,
+    hw: Hardware,
+    budget_bytes: int | None = None,
+) -> Expansion:
     """``expand`` with the schedule as per-tensor position arrays (-1: the default), as
     ``_schedule_arrays`` makes them from a Schedule (no names to look up on large graphs)."""
     d2h, h2d, rec = d2h.copy(), h2d.copy(), rec.copy()
@@ -361,14 +399,20 @@ def _check_swap_schedule(graph, codes, first_need, d2h, h2d) -> None:
     for t in np.flatnonzero(codes == SWAP):
         name = graph.tensors[t].name
         if d2h[t] < last_fwd[t]:
-            raise PlanError(f"schedule: d2h_free[{name!r}] = {d2h[t]} is before its last forward "
-                            f"reader at position {last_fwd[t]}")
+            raise PlanError(
+                f"schedule: d2h_free[{name!r}] = {d2h[t]} is before its last forward "
+                f"reader at position {last_fwd[t]}"
+            )
         if h2d[t] <= d2h[t]:
-            raise PlanError(f"schedule: h2d_issue[{name!r}] = {h2d[t]} is not after its d2h_free "
-                            f"position {d2h[t]}")
+            raise PlanError(
+                f"schedule: h2d_issue[{name!r}] = {h2d[t]} is not after its d2h_free "
+                f"position {d2h[t]}"
+            )
         if h2d[t] > first_need[t]:
-            raise PlanError(f"schedule: h2d_issue[{name!r}] = {h2d[t]} is after its first use at "
-                            f"position {first_need[t]} ({_slot_label(graph, int(first_need[t]))})")
+            raise PlanError(
+                f"schedule: h2d_issue[{name!r}] = {h2d[t]} is after its first use at "
+                f"position {first_need[t]} ({_slot_label(graph, int(first_need[t]))})"
+            )
 
 
 def _intervals(graph, codes, reruns, needs_at, first_need, d2h, h2d, materialized) -> Expansion:
@@ -529,6 +573,14 @@ def _yield_to_budget(graph, exp: Expansion, budget: int, given_d2h, given_h2d) -
         _monotone_issue(graph, exp.codes, exp.first_need, h2d, ~given_h2d)
         clash = swapped[d2h[swapped] >= h2d[swapped]]
         d2h[clash] = h2d[clash] - 1
-        exp = _intervals(graph, exp.codes, list(exp.reruns), exp.needs_at, exp.first_need,
-                         d2h, h2d, exp.materialize_at)
+        exp = _intervals(
+            graph,
+            exp.codes,
+            list(exp.reruns),
+            exp.needs_at,
+            exp.first_need,
+            d2h,
+            h2d,
+            exp.materialize_at,
+        )
     return exp

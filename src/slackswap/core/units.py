@@ -13,13 +13,25 @@ import numbers
 import re
 from collections.abc import Callable
 
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
 
 
 def _bad(budget: object) -> ValueError:
-    return ValueError(f"budget: cannot read {budget!r}; use a fraction in (0, 1] (0.5), a "
-                      "percentage (50%), or bytes: an int or a size with a unit (12GiB, 500MB)")
+    return ValueError(
+        f"budget: cannot read {budget!r}; use a fraction in (0, 1] (0.5), a "
+        "percentage (50%), or bytes: an int or a size with a unit (12GiB, 500MB)"
+    )
 
 
 def budget_bytes_from(budget: object, keep_all_peak: Callable[[], int]) -> int:
@@ -53,7 +65,9 @@ def budget_bytes_from(budget: object, keep_all_peak: Callable[[], int]) -> int:
     if isinstance(budget, numbers.Real):
         value = float(budget)
         if not math.isfinite(value) or not 0 < value <= 1:
-            raise ValueError(f"budget: a fraction must be in (0, 1], got {budget!r}; pass bytes "
-                             "as an int or a string like '12GiB'")
+            raise ValueError(
+                f"budget: a fraction must be in (0, 1], got {budget!r}; pass bytes "
+                "as an int or a string like '12GiB'"
+            )
         return int(value * keep_all_peak())
     raise _bad(budget)

@@ -11,8 +11,15 @@ from ..core.plan import KEEP, RECOMPUTE, SWAP, UNSAVED, SolveInfo
 from ..core.stepmodel import keep_all_codes
 from .base import Problem, Solution
 
-__all__ = ["KeepAll", "RecomputeAll", "SwapAll", "keep_all_codes", "rebuild_cost",
-           "recompute_all_codes", "swap_all_codes"]
+__all__ = [
+    "KeepAll",
+    "RecomputeAll",
+    "SwapAll",
+    "keep_all_codes",
+    "rebuild_cost",
+    "recompute_all_codes",
+    "swap_all_codes",
+]
 
 
 def swap_all_codes(graph: ActivationGraph, min_swap_bytes: int = 0) -> np.ndarray:
@@ -28,8 +35,7 @@ def rebuild_cost(graph: ActivationGraph) -> np.ndarray:
     over all (tensor, op) pairs, not a sum per tensor (50,003 ops: 0.1 s, not 0.35)."""
     reruns = graph.rerun_ops
     lengths = np.fromiter((len(ops) for ops in reruns), dtype=np.int64, count=len(reruns))
-    flat = np.fromiter((q for ops in reruns for q in ops), dtype=np.int64,
-                       count=int(lengths.sum()))
+    flat = np.fromiter((q for ops in reruns for q in ops), dtype=np.int64, count=int(lengths.sum()))
     owner = np.repeat(np.arange(len(reruns)), lengths)
     return np.bincount(owner, weights=graph.forward_s[flat], minlength=len(reruns))
 
@@ -91,8 +97,11 @@ class _Baseline:
     def solve(self, problem: Problem, **options) -> Solution:
         start = time.perf_counter()
         codes = self.make(problem.graph)
-        return Solution(codes, None, SolveInfo(solver=self.name, status="baseline",
-                                               wall_s=time.perf_counter() - start))
+        return Solution(
+            codes,
+            None,
+            SolveInfo(solver=self.name, status="baseline", wall_s=time.perf_counter() - start),
+        )
 
 
 class KeepAll(_Baseline):
@@ -112,5 +121,8 @@ class SwapAll(_Baseline):
     def solve(self, problem: Problem, **options) -> Solution:
         start = time.perf_counter()
         codes = swap_all_codes(problem.graph, problem.hardware.min_swap_bytes)
-        return Solution(codes, None, SolveInfo(solver=self.name, status="baseline",
-                                               wall_s=time.perf_counter() - start))
+        return Solution(
+            codes,
+            None,
+            SolveInfo(solver=self.name, status="baseline", wall_s=time.perf_counter() - start),
+        )

@@ -61,14 +61,27 @@ class DepartureBound:
         return None if self.step_time_s is None else self.step_time_s - self.ideal_step_time_s
 
 
-def departure_bound(graph: ActivationGraph, budget, hw: Hardware | str, *,
-                    time_limit_s: float = 10.0, deterministic_time_s: float | None = None,
-                    workers: int = 1, seed: int = 0, incumbent_s: float | None = None,
-                    hint: np.ndarray | None = None, allowed=None, pins=None,
-                    mask: np.ndarray | None = None, max_binaries: int = MAX_BINARIES,
-                    gap: float = 0.0, min_gap_s: float = 0.0, enough_s: float | None = None,
-                    on_start: Callable[[Any], None] | None = None,
-                    work_s: float | None = None) -> DepartureBound:
+def departure_bound(
+    graph: ActivationGraph,
+    budget,
+    hw: Hardware | str,
+    *,
+    time_limit_s: float = 10.0,
+    deterministic_time_s: float | None = None,
+    workers: int = 1,
+    seed: int = 0,
+    incumbent_s: float | None = None,
+    hint: np.ndarray | None = None,
+    allowed=None,
+    pins=None,
+    mask: np.ndarray | None = None,
+    max_binaries: int = MAX_BINARIES,
+    gap: float = 0.0,
+    min_gap_s: float = 0.0,
+    enough_s: float | None = None,
+    on_start: Callable[[Any], None] | None = None,
+    work_s: float | None = None,
+) -> DepartureBound:
     """The departure bound of ``graph`` within ``budget`` on ``hw`` (formulations/departure-bound.md).
 
     ``deterministic_time_s``: CP-SAT's work limit over all its rounds, the same bound on any
@@ -101,33 +114,48 @@ def departure_bound(graph: ActivationGraph, budget, hw: Hardware | str, *,
         mask = decision_mask(graph, allowed, pins, hardware(hw).min_swap_bytes)
     ideal = graph.ideal_step_time_s
     for name, value in (("gap", gap), ("min_gap_s", min_gap_s)):
-        if isinstance(value, bool) or not isinstance(value, numbers.Real) or \
-                not math.isfinite(value) or value < 0:
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, numbers.Real)
+            or not math.isfinite(value)
+            or value < 0
+        ):
             raise ValueError(f"departure_bound: {name} must be a finite number >= 0, got {value!r}")
-    if enough_s is not None and (isinstance(enough_s, bool) or not isinstance(
-            enough_s, numbers.Real) or math.isnan(enough_s)):
+    if enough_s is not None and (
+        isinstance(enough_s, bool) or not isinstance(enough_s, numbers.Real) or math.isnan(enough_s)
+    ):
         raise ValueError(f"departure_bound: enough_s must be a number or None, got {enough_s!r}")
     if hint is not None:
         hint = np.asarray(hint)
         if hint.shape != (len(graph.tensors),):
-            raise ValueError(f"departure_bound: hint must hold one decision code per tensor "
-                             f"({len(graph.tensors)}), got shape {hint.shape}")
+            raise ValueError(
+                f"departure_bound: hint must hold one decision code per tensor "
+                f"({len(graph.tensors)}), got shape {hint.shape}"
+            )
 
     def result(status, bound=None, codes=None, note="", **kw) -> DepartureBound:
-        return DepartureBound(status, bound, ideal, time.perf_counter() - began, codes,
-                              note=note, **kw)
+        return DepartureBound(
+            status, bound, ideal, time.perf_counter() - began, codes, note=note, **kw
+        )
 
     data = _Data(graph, budget_bytes, hw, mask)
     keep_all = keep_all_codes(graph)
     if mask is not None and not mask[graph.saved, KEEP].all():
         keep_all = None  # a tensor may not be kept: keeping everything is no start
     if not data.critical:
-        return result("trivial", ideal, keep_all,
-                      note="keeping every tensor fits the budget at every position")
+        return result(
+            "trivial",
+            ideal,
+            keep_all,
+            note="keeping every tensor fits the budget at every position",
+        )
     if data.binaries(data.critical) > max_binaries:
-        return result("skipped", note=f"{data.binaries(data.critical)} departed_by binaries "
-                      f"(over {max_binaries})", positions=len(data.critical),
-                      binaries=data.binaries(data.critical))
+        return result(
+            "skipped",
+            note=f"{data.binaries(data.critical)} departed_by binaries (over {max_binaries})",
+            positions=len(data.critical),
+            binaries=data.binaries(data.critical),
+        )
     if not data.tu > 0:
         return result("trivial", ideal, keep_all, note="a step of no time")
     cap = 2**40
@@ -149,17 +177,27 @@ def departure_bound(graph: ActivationGraph, budget, hw: Hardware | str, *,
     while True:
         rounds += 1
         whole = not probe and len(positions) == len(data.critical)
-        if build_s_per_binary is not None and time.perf_counter() - began + \
-                build_s_per_binary * data.binaries(sorted(positions)) >= 0.95 * time_limit_s:
+        if (
+            build_s_per_binary is not None
+            and time.perf_counter() - began + build_s_per_binary * data.binaries(sorted(positions))
+            >= 0.95 * time_limit_s
+        ):
             # the next round's model would not be built within the clock cap (a loaded
             # machine): the bound so far, said so, rather than a late answer
-            return result("timeout", best_bound, codes, note=f"{rounds - 1} rounds",
-                          **{**sizes, "clock_stopped": True})
-        if work_left is not None and \
-                work_left <= ROUND_S_PER_BINARY * data.binaries(sorted(positions)):
+            return result(
+                "timeout",
+                best_bound,
+                codes,
+                note=f"{rounds - 1} rounds",
+                **{**sizes, "clock_stopped": True},
+            )
+        if work_left is not None and work_left <= ROUND_S_PER_BINARY * data.binaries(
+            sorted(positions)
+        ):
             # its model alone would pass the work left: the bound so far (its work, not a clock)
-            return result("feasible", best_bound, codes,
-                          note=f"{rounds - 1} rounds, work spent", **sizes)
+            return result(
+                "feasible", best_bound, codes, note=f"{rounds - 1} rounds, work spent", **sizes
+            )
         build_began = time.perf_counter()
         model = _Model(data, sorted(positions))
         model.cp.add(model.overhead <= cap)
@@ -192,18 +230,29 @@ def departure_bound(graph: ActivationGraph, budget, hw: Hardware | str, *,
         spent += solver.deterministic_time
         if work_left is not None:
             work_left -= solver.deterministic_time / DTIME_PER_S
-        clocked = status not in (cp_model.OPTIMAL, cp_model.INFEASIBLE) and \
-            time.perf_counter() - solve_began >= 0.95 * solver.parameters.max_time_in_seconds
+        clocked = (
+            status not in (cp_model.OPTIMAL, cp_model.INFEASIBLE)
+            and time.perf_counter() - solve_began >= 0.95 * solver.parameters.max_time_in_seconds
+        )
         if status == cp_model.MODEL_INVALID:
             raise RuntimeError(f"departure bound: CP-SAT rejected the model: {model.cp.validate()}")
-        sizes = {"positions": len(positions), "binaries": model.binaries, "work": spent,
-                 "clock_stopped": clocked}
+        sizes = {
+            "positions": len(positions),
+            "binaries": model.binaries,
+            "work": spent,
+            "clock_stopped": clocked,
+        }
         if status == cp_model.INFEASIBLE:
             if cap < 2**40:
                 # capped at incumbent_s: no point that fast, so every plan is slower than cap
                 # units (its point has at most ceil(overhead / unit)); not "no plan fits"
-                return result("feasible", ideal + cap * data.tu, codes,
-                              note=f"no plan is as fast as incumbent_s ({rounds} rounds)", **sizes)
+                return result(
+                    "feasible",
+                    ideal + cap * data.tu,
+                    codes,
+                    note=f"no plan is as fast as incumbent_s ({rounds} rounds)",
+                    **sizes,
+                )
             return result("infeasible", note="no plan fits the budget at some position", **sizes)
         # the integer optimum is at most ceil(true overhead / unit): one unit below its bound is
         # below every plan's overhead (and fewer positions only relax: each round's is a bound)
@@ -214,15 +263,21 @@ def departure_bound(graph: ActivationGraph, budget, hw: Hardware | str, *,
         if broken == {}:
             return result("optimal", best_bound, codes, note=f"{rounds} rounds", **sizes)
         if enough_s is not None and best_bound >= enough_s:
-            return result("feasible", best_bound, codes, note=f"enough_s reached ({rounds} rounds)",
-                          **sizes)
-        spent_out = (deterministic_time_s is not None and
-                     spent >= deterministic_time_s * (1 - 1e-9)) or \
-            (work_left is not None and work_left <= 0.01)
+            return result(
+                "feasible", best_bound, codes, note=f"enough_s reached ({rounds} rounds)", **sizes
+            )
+        spent_out = (
+            deterministic_time_s is not None and spent >= deterministic_time_s * (1 - 1e-9)
+        ) or (work_left is not None and work_left <= 0.01)
         if whole or spent_out or clocked or time.perf_counter() - began >= 0.95 * time_limit_s:
             clocked = clocked or not spent_out and not whole
-            return result("timeout" if clocked else "feasible", best_bound, codes,
-                          note=f"{rounds} rounds", **{**sizes, "clock_stopped": clocked})
+            return result(
+                "timeout" if clocked else "feasible",
+                best_bound,
+                codes,
+                note=f"{rounds} rounds",
+                **{**sizes, "clock_stopped": clocked},
+            )
         if probe:  # the first round proper, whatever the probe broke
             probe, positions = False, first
         elif broken is None:  # the round's share ran out: every position, with the work left
@@ -270,7 +325,7 @@ class _Data:
         other = np.zeros(S, dtype=np.int64)
         for t, s_, e_ in zip(base.iv_tensor, base.iv_start, base.iv_end):
             if not graph.is_saved[t]:
-                other[s_:e_ + 1] += int(nbytes[t])
+                other[s_ : e_ + 1] += int(nbytes[t])
         other += base.point_workspace[base.slot_first_point].astype(np.int64)
         self.room = [int(budget_bytes) - int(other[k]) for k in range(S)]
         # saved bytes resident at each position when everything is kept: [producer, last use]
@@ -396,22 +451,32 @@ class _Model:
         # memory_at[k]: resident saved bytes within the room; a tensor is away between its
         # last forward use and first backward use when recomputed, or swapped and departed
         held, away = self._held_away(k)
-        m.add(held - sum(b * self.recompute[t] for b, t in away)
-              - sum(b * departed[t] for b, t in away if t in departed) <= -(-d.room[k] // d.bu))
+        m.add(
+            held
+            - sum(b * self.recompute[t] for b, t in away)
+            - sum(b * departed[t] for b, t in away if t in departed)
+            <= -(-d.room[k] // d.bu)
+        )
 
     def _held_away(self, k: int) -> tuple[int, list[tuple[int, int]]]:
         d = self.data
         resident = [t for t in d.saved if d.prod[t] <= k <= d.last_use[t]]
         held = sum(int(d.nbytes[t]) // d.bu for t in resident)
-        away = [(int(d.nbytes[t]) // d.bu, t) for t in resident
-                if d.last_fwd[t] < k < d.first_use[t]]
+        away = [
+            (int(d.nbytes[t]) // d.bu, t) for t in resident if d.last_fwd[t] < k < d.first_use[t]
+        ]
         return held, away
 
     def decisions(self, solver) -> np.ndarray:
         codes = keep_all_codes(self.data.graph).copy()
         for t in self.swap:
-            codes[t] = SWAP if solver.value(self.swap[t]) else \
-                RECOMPUTE if solver.value(self.recompute[t]) else KEEP
+            codes[t] = (
+                SWAP
+                if solver.value(self.swap[t])
+                else RECOMPUTE
+                if solver.value(self.recompute[t])
+                else KEEP
+            )
         return codes
 
     def add_hint(self, codes: np.ndarray) -> None:
@@ -435,23 +500,31 @@ class _Model:
             elif kind == 2:
                 begins.setdefault(2 * n - 1 - int(op), float(s0))
         done = {int(t): float(e) for _, e, t in sim.d2h_intervals}
-        gone = {(t, k): int(codes[t] == SWAP and done.get(t, np.inf) <= begins.get(k, -np.inf))
-                for t, k in self.departed}
+        gone = {
+            (t, k): int(codes[t] == SWAP and done.get(t, np.inf) <= begins.get(k, -np.inf))
+            for t, k in self.departed
+        }
         for key, var in self.departed.items():
             m.add_hint(var, gone[key])
         for (_, k), (var, tensors) in self.ahead.items():
             m.add_hint(var, int(all(gone[t, k] or codes[t] != SWAP for t in tensors)))
         for (_, k), (var, tensors) in self.busy.items():
             m.add_hint(var, sum(self.copy_units[t] * gone[t, k] for t in tensors))
-        stalls = [max(0, math.ceil((begins.get(k, 0.0) - d.compute_before[k]) / tu) + 1)
-                  for k in range(n)]
+        stalls = [
+            max(0, math.ceil((begins.get(k, 0.0) - d.compute_before[k]) / tu) + 1) for k in range(n)
+        ]
         for k in range(n):
             stalls[k] = max(stalls[k], stalls[k - 1] if k else 0)
             m.add_hint(self.stall[k], stalls[k])
-        reruns = sum(units for q, units in self.rerun_units.items()
-                     if any(codes[t] == RECOMPUTE for t in self.rerun_of[q]))
-        m.add_hint(self.overhead, max(math.ceil((sim.step_time_s - g.ideal_step_time_s) / tu) + 2,
-                                     stalls[-1] + reruns))
+        reruns = sum(
+            units
+            for q, units in self.rerun_units.items()
+            if any(codes[t] == RECOMPUTE for t in self.rerun_of[q])
+        )
+        m.add_hint(
+            self.overhead,
+            max(math.ceil((sim.step_time_s - g.ideal_step_time_s) / tu) + 2, stalls[-1] + reruns),
+        )
 
     def broken_positions(self, solver) -> dict[int, int]:
         """Positions over the budget, not in this model, whose memory row no completion of the
@@ -467,8 +540,10 @@ class _Model:
         recomputed = {t for t in d.saved if solver.value(self.recompute[t])}
         overhead = solver.value(self.overhead)
         stalls = [solver.value(v) for v in self.stall]
-        done_at = {k: {t for t in swapped if (t, k) in self.departed
-                       and solver.value(self.departed[t, k])} for k in self.positions}
+        done_at = {
+            k: {t for t in swapped if (t, k) in self.departed and solver.value(self.departed[t, k])}
+            for k in self.positions
+        }
         modelled = sorted(self.positions)
         broken: dict[int, int] = {}
         previous: set[int] = set()
@@ -486,8 +561,15 @@ class _Model:
                 broken[k] = over
         return broken
 
-    def _copies_done(self, k: int, swapped: list[int], stalls: list[int], overhead: int,
-                     floor: set[int], ceiling: set[int] | None) -> set[int]:
+    def _copies_done(
+        self,
+        k: int,
+        swapped: list[int],
+        stalls: list[int],
+        overhead: int,
+        floor: set[int],
+        ceiling: set[int] | None,
+    ) -> set[int]:
         """Copies done by position k: those of ``floor`` (done at a critical position before,
         so every lane_busy row at k holds for them), then whole producer groups in the lane's
         order while the rows hold, then the largest of the next group that still fit (first in

@@ -63,7 +63,7 @@ def hideable_swaps(graph: ActivationGraph, hw: Hardware, order: np.ndarray) -> n
             if c.d2h_bytes and k < n:
                 slack_d[: k + 1] -= hw.d2h_time(c.d2h_bytes)
             if c.h2d_bytes and k >= n:
-                slack_h[k - n:] -= hw.h2d_time(c.h2d_bytes)
+                slack_h[k - n :] -= hw.h2d_time(c.h2d_bytes)
     chosen = []
     for t in order:
         if nbytes[t] == 0:
@@ -74,8 +74,12 @@ def hideable_swaps(graph: ActivationGraph, hw: Hardware, order: np.ndarray) -> n
         need = int(need_at[t])
         # one element first (the window's minimum is at most it): most tensors fail there once
         # the lanes fill, without a pass over the window
-        if slack_d[q] < pd or slack_h[need] < ph or \
-                slack_d[: q + 1].min() < pd or slack_h[need:].min() < ph:
+        if (
+            slack_d[q] < pd
+            or slack_h[need] < ph
+            or slack_d[: q + 1].min() < pd
+            or slack_h[need:].min() < ph
+        ):
             continue
         slack_d[: q + 1] -= pd
         slack_h[need:] -= ph
@@ -93,10 +97,16 @@ def most_offloaded(graph: ActivationGraph, mask: np.ndarray | None) -> np.ndarra
     return codes
 
 
-def heuristic_codes(graph: ActivationGraph, hw: Hardware, budget: int,
-                    allow_chains: bool = True, mask: np.ndarray | None = None,
-                    bundle_reruns: bool = False, unfit: list | None = None,
-                    single_cover: bool = True) -> tuple[np.ndarray, dict]:
+def heuristic_codes(
+    graph: ActivationGraph,
+    hw: Hardware,
+    budget: int,
+    allow_chains: bool = True,
+    mask: np.ndarray | None = None,
+    bundle_reruns: bool = False,
+    unfit: list | None = None,
+    single_cover: bool = True,
+) -> tuple[np.ndarray, dict]:
     """The heuristic's decisions and a few counters describing how it got there. ``mask``:
     the decisions each tensor may take (core/restrict.py); None: all. ``bundle_reruns``: tensors
     rebuilt by the same reruns are priced and recomputed together (one cost for q, k and v of
@@ -146,6 +156,7 @@ def heuristic_codes(graph: ActivationGraph, hw: Hardware, budget: int,
     for t in saved:
         for f in graph.rerun_frontier[t]:
             readers_of.setdefault(int(f), []).append(int(t))
+
     def members(t: int) -> tuple[int, ...]:
         return graph.group_of(t)
 
@@ -175,8 +186,9 @@ def heuristic_codes(graph: ActivationGraph, hw: Hardware, budget: int,
         mates_of_t = mates[tuple(graph.rerun_ops[t])] if bundle_reruns else ()
         unit: list[int] = []
         for x in [t] + [y for y in mates_of_t if y != t]:
-            if x != t and not (code_list[x] == KEEP and may_recompute[x]
-                               and can_rebuild(x, chains)):
+            if x != t and not (
+                code_list[x] == KEEP and may_recompute[x] and can_rebuild(x, chains)
+            ):
                 continue
             unit.extend(m for m in members(x) if m not in unit)
         return unit
@@ -200,8 +212,12 @@ def heuristic_codes(graph: ActivationGraph, hw: Hardware, budget: int,
         single, single_cost = None, np.inf
         for t in order:
             t = int(t)
-            if np.isfinite(per_byte[t]) and cost[t] < single_cost and can_rebuild(t) and \
-                    freed_at(unit_of(t, False), s) >= excess:
+            if (
+                np.isfinite(per_byte[t])
+                and cost[t] < single_cost
+                and can_rebuild(t)
+                and freed_at(unit_of(t, False), s) >= excess
+            ):
                 single, single_cost = t, float(cost[t])
         undo: list[int] = []  # tensors the greedy pass recomputed here, to take back
         greedy_cost = 0.0
@@ -217,7 +233,7 @@ def heuristic_codes(graph: ActivationGraph, hw: Hardware, budget: int,
                 for m in unit:
                     codes[m] = RECOMPUTE
                     code_list[m] = RECOMPUTE
-                    slot_mem[last_fwd[m] + 1: u_slot[m]] -= nbytes[m]
+                    slot_mem[last_fwd[m] + 1 : u_slot[m]] -= nbytes[m]
                     stats["recomputed"] += 1
                     undo.append(m)
                 moved = True
@@ -232,12 +248,12 @@ def heuristic_codes(graph: ActivationGraph, hw: Hardware, budget: int,
             for m in reversed(undo):
                 codes[m] = KEEP
                 code_list[m] = KEEP
-                slot_mem[last_fwd[m] + 1: u_slot[m]] += nbytes[m]
+                slot_mem[last_fwd[m] + 1 : u_slot[m]] += nbytes[m]
                 stats["recomputed"] -= 1
             for m in unit_of(single, False):
                 codes[m] = RECOMPUTE
                 code_list[m] = RECOMPUTE
-                slot_mem[last_fwd[m] + 1: u_slot[m]] -= nbytes[m]
+                slot_mem[last_fwd[m] + 1 : u_slot[m]] -= nbytes[m]
                 stats["recomputed"] += 1
             stats["single_covers"] = stats.get("single_covers", 0) + 1
             moved = True
@@ -249,7 +265,7 @@ def heuristic_codes(graph: ActivationGraph, hw: Hardware, budget: int,
                     break
                 codes[t] = SWAP
                 code_list[t] = SWAP
-                slot_mem[last_fwd[t] + 1: u_slot[t]] -= nbytes[t]
+                slot_mem[last_fwd[t] + 1 : u_slot[t]] -= nbytes[t]
                 stats["exposed_swaps"] += 1
                 moved = True
         if not moved:
@@ -262,8 +278,14 @@ def heuristic_codes(graph: ActivationGraph, hw: Hardware, budget: int,
     return most_offloaded(graph, mask), stats
 
 
-def fit_to_budget(graph: ActivationGraph, hw: Hardware, budget: int, codes: np.ndarray,
-                  mask: np.ndarray | None = None, stats: dict | None = None) -> bool:
+def fit_to_budget(
+    graph: ActivationGraph,
+    hw: Hardware,
+    budget: int,
+    codes: np.ndarray,
+    mask: np.ndarray | None = None,
+    stats: dict | None = None,
+) -> bool:
     """Repair (step 5), in place: where the plan expanded with the step model's rules still tops
     the budget, resident tensors there are offloaded (rebuilt, where nothing may be swapped),
     largest first. Whether it fits at the end."""
@@ -287,9 +309,14 @@ def fit_to_budget(graph: ActivationGraph, hw: Hardware, budget: int, codes: np.n
             # no swap allowed here (recompute-only): rebuild more of what is resident, largest
             # first, skipping what the op or rerun at this point reads
             reading = set(graph.op_inputs[int(exp.point_op[p])])
-            kept = [int(t) for t in live[np.argsort(-nbytes[live], kind="stable")]
-                    if codes[t] == KEEP and may_recompute[t] and t not in reading
-                    and all(may_recompute[m] and codes[m] == KEEP for m in members(int(t)))]
+            kept = [
+                int(t)
+                for t in live[np.argsort(-nbytes[live], kind="stable")]
+                if codes[t] == KEEP
+                and may_recompute[t]
+                and t not in reading
+                and all(may_recompute[m] and codes[m] == KEEP for m in members(int(t)))
+            ]
             if not kept:
                 break
             for t in kept:
@@ -371,10 +398,15 @@ class SlackSwapHeuristic:
         unfit: list[np.ndarray] = []
         polish = options.get("polish", True)
         # the published rules with polish=False; with it, the single-cover guard too
-        codes, stats = heuristic_codes(g, hw, budget, mask=problem.mask, unfit=unfit,
-                                       single_cover=polish)
+        codes, stats = heuristic_codes(
+            g, hw, budget, mask=problem.mask, unfit=unfit, single_cover=polish
+        )
         # never worse than a baseline that fits (cheap insurance on unusual graphs)
-        baselines = [keep_all_codes(g), recompute_all_codes(g), swap_all_codes(g, hw.min_swap_bytes)]
+        baselines = [
+            keep_all_codes(g),
+            recompute_all_codes(g),
+            swap_all_codes(g, hw.min_swap_bytes),
+        ]
         if problem.mask is not None:
             baselines = [b for b in baselines if first_forbidden(g, b, problem.mask) is None]
         variants = [codes]
@@ -384,8 +416,11 @@ class SlackSwapHeuristic:
         if bundle and g.n_slots <= BUNDLED_UP_TO_SLOTS:
             # the same rules with reruns priced per bundle: far better on some graphs (a
             # 4-layer GPT at 20%: 1.3 ms of overhead, not 7.3), worse on others; the faster wins
-            variants.append(heuristic_codes(g, hw, budget, mask=problem.mask,
-                                            bundle_reruns=True, single_cover=polish)[0])
+            variants.append(
+                heuristic_codes(
+                    g, hw, budget, mask=problem.mask, bundle_reruns=True, single_cover=polish
+                )[0]
+            )
         chosen, simulation = _best_of(g, hw, budget, [*variants, *baselines])
         if chosen is variants[-1] and len(variants) > 1:
             stats["bundled_reruns"] = True
@@ -400,11 +435,17 @@ class SlackSwapHeuristic:
             from ..check.simulate import simulate_decisions
             from .local_search import improve
 
-            evaluations = min(POLISH_EVALUATIONS_PER_TENSOR * len(g.saved) + 8,
-                              POLISH_POSITIONS // max(1, g.n_slots))
+            evaluations = min(
+                POLISH_EVALUATIONS_PER_TENSOR * len(g.saved) + 8,
+                POLISH_POSITIONS // max(1, g.n_slots),
+            )
             start_codes = codes
-            if simulation is None and unfit and evaluations >= 4 and \
-                    options.get("unfit_polish", True):
+            if (
+                simulation is None
+                and unfit
+                and evaluations >= 4
+                and options.get("unfit_polish", True)
+            ):
                 # nothing fits (a recompute-only budget where recomputing everything rebuilds
                 # everything at once): the search starts from whichever plan is less over the
                 # budget, the rules' own or the fallback, with more work, since the alternative
@@ -415,10 +456,21 @@ class SlackSwapHeuristic:
                     stats["polish_from"] = "the rules' plan over the budget"
                 evaluations *= UNFIT_POLISH_FACTOR
             if evaluations >= 4:  # fewer: too large a graph to try a move in the work allowed
-                result = improve(g, hw, budget, start_codes, time_limit_s=float("inf"),
-                                 max_work=evaluations * g.n_slots, mask=problem.mask)
+                result = improve(
+                    g,
+                    hw,
+                    budget,
+                    start_codes,
+                    time_limit_s=float("inf"),
+                    max_work=evaluations * g.n_slots,
+                    mask=problem.mask,
+                )
                 stats["polish_moves"] = result.moves
                 codes, simulation = result.codes, result.sim
         wall = time.perf_counter() - start
-        return Solution(codes, None, SolveInfo(solver=self.name, status="heuristic", wall_s=wall,
-                                               extra=stats), simulation=simulation)
+        return Solution(
+            codes,
+            None,
+            SolveInfo(solver=self.name, status="heuristic", wall_s=wall, extra=stats),
+            simulation=simulation,
+        )

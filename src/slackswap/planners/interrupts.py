@@ -64,8 +64,11 @@ def stop_everything() -> None:
 def interruptible():
     """Make SIGINT stop the native work in flight (module docstring). Nested uses are one."""
     global _active
-    if _active or threading.current_thread() is not threading.main_thread() \
-            or signal.getsignal(signal.SIGINT) in (signal.SIG_IGN, None):
+    if (
+        _active
+        or threading.current_thread() is not threading.main_thread()
+        or signal.getsignal(signal.SIGINT) in (signal.SIG_IGN, None)
+    ):
         yield
         return
     read_fd, write_fd = os.pipe()

@@ -13,8 +13,9 @@ from __future__ import annotations
 import numpy as np
 
 
-def whole_departure_positions(keep_all: np.ndarray, budget: float, n_ops: int,
-                              count: int) -> list[int]:
+def whole_departure_positions(
+    keep_all: np.ndarray, budget: float, n_ops: int, count: int
+) -> list[int]:
     """Forward positions where keeping everything tops the budget: the first, the one most
     over it, and ``count`` more spread between (only forward positions: no rerun runs there, so
     the lane's fluid bytes by a position's start are what can have left by its op)."""
@@ -26,8 +27,24 @@ def whole_departure_positions(keep_all: np.ndarray, budget: float, n_ops: int,
     return sorted(picks)
 
 
-def add_whole_departures(lp, graph, saved, W, G, Qp, dep, arr, Freed, nbytes, dur, bw_d, lat,
-                         cap, positions, sure_ok: bool) -> np.ndarray:
+def add_whole_departures(
+    lp,
+    graph,
+    saved,
+    W,
+    G,
+    Qp,
+    dep,
+    arr,
+    Freed,
+    nbytes,
+    dur,
+    bw_d,
+    lat,
+    cap,
+    positions,
+    sure_ok: bool,
+) -> np.ndarray:
     """Rows for each forward position k in ``positions``; returns the binaries.
 
     Binary ``e[x, k]``, non-increasing along the swapped tensors' production order: every
@@ -41,8 +58,11 @@ def add_whole_departures(lp, graph, saved, W, G, Qp, dep, arr, Freed, nbytes, du
     k has left whatever the plan does: it needs no binary and counts as gone once swapped."""
     P = np.concatenate([[0.0], np.cumsum(dur)])  # compute time before each position
     prod, last_fwd = graph.producer, graph.last_forward_use
-    order = [i for i in sorted(range(len(saved)), key=lambda i: (int(prod[saved[i]]), int(saved[i])))
-             if lp.ub[W[i]] > 0.0]
+    order = [
+        i
+        for i in sorted(range(len(saved)), key=lambda i: (int(prod[saved[i]]), int(saved[i])))
+        if lp.ub[W[i]] > 0.0
+    ]
     queued = np.cumsum([lat + float(nbytes[saved[i]]) / bw_d for i in order])
     binaries: list[int] = []
     for k in positions:

@@ -69,8 +69,11 @@ def _gaps(sim: SimResult) -> dict[int, tuple[int, int]]:
     for t, s_, e_ in zip(tensors.tolist(), starts.tolist(), ends.tolist()):
         first_end[t] = min(first_end.get(t, e_), e_)
         last_start[t] = max(last_start.get(t, s_), s_)
-    return {t: (first_end[t] + 1, last_start[t] - 1) for t in first_end
-            if last_start[t] - 1 >= first_end[t] + 1}
+    return {
+        t: (first_end[t] + 1, last_start[t] - 1)
+        for t in first_end
+        if last_start[t] - 1 >= first_end[t] + 1
+    }
 
 
 def _keeping_fits(sim: SimResult, gaps: dict, t: int, nbytes: int, budget: int) -> bool:
@@ -79,12 +82,18 @@ def _keeping_fits(sim: SimResult, gaps: dict, t: int, nbytes: int, budget: int) 
     if t not in gaps:
         return True
     lo, hi = gaps[t]
-    return int(sim.memory_bytes[lo:hi + 1].max()) + nbytes <= budget
+    return int(sim.memory_bytes[lo : hi + 1].max()) + nbytes <= budget
 
 
-def improve(graph: ActivationGraph, hw: Hardware, budget: int, codes: np.ndarray,
-            time_limit_s: float = 5.0, max_work: int | None = None,
-            mask: np.ndarray | None = None) -> SearchResult:
+def improve(
+    graph: ActivationGraph,
+    hw: Hardware,
+    budget: int,
+    codes: np.ndarray,
+    time_limit_s: float = 5.0,
+    max_work: int | None = None,
+    mask: np.ndarray | None = None,
+) -> SearchResult:
     """Descent from ``codes`` until no single move improves; never worse than the start.
     ``mask``: the decisions each tensor may take (moves to others are never tried).
 
@@ -110,8 +119,9 @@ def improve(graph: ActivationGraph, hw: Hardware, budget: int, codes: np.ndarray
             return None
         if target == RECOMPUTE and not all(can_recompute[m] for m in members):
             return None
-        if target == KEEP and not all(_keeping_fits(best_sim, gaps, m, int(nbytes[m]), budget)
-                                      for m in members):
+        if target == KEEP and not all(
+            _keeping_fits(best_sim, gaps, m, int(nbytes[m]), budget) for m in members
+        ):
             return None
         trial = codes.copy()
         trial[list(members)] = target
@@ -163,8 +173,11 @@ def improve(graph: ActivationGraph, hw: Hardware, budget: int, codes: np.ndarray
                         break
                     for target in tier[int(codes[t])]:
                         tried = attempt(t, target)
-                        if tried is not None and tried[2] < best_key and \
-                                (candidate is None or tried[2] < candidate[2]):
+                        if (
+                            tried is not None
+                            and tried[2] < best_key
+                            and (candidate is None or tried[2] < candidate[2])
+                        ):
                             candidate = tried
                 if candidate is not None:
                     break
@@ -174,6 +187,13 @@ def improve(graph: ActivationGraph, hw: Hardware, budget: int, codes: np.ndarray
         gaps = _gaps(best_sim)
         moves += 1
         unimproved = 0
-    return SearchResult(codes=codes, sim=best_sim, moves=moves, evaluations=evaluations,
-                        wall_s=time.perf_counter() - start, complete=not timed_out,
-                        work=evaluations * per_evaluation, clock_stopped=clock)
+    return SearchResult(
+        codes=codes,
+        sim=best_sim,
+        moves=moves,
+        evaluations=evaluations,
+        wall_s=time.perf_counter() - start,
+        complete=not timed_out,
+        work=evaluations * per_evaluation,
+        clock_stopped=clock,
+    )

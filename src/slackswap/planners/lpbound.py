@@ -68,18 +68,25 @@ class _LP:
     def eq(self, idx, coef, rhs: float) -> None:
         self.rows_eq.append((list(idx), list(coef), float(rhs)))
 
-    def running_sum(self, S: int, starts: dict[int, list[tuple[int, float]]],
-                    ends: dict[int, list[tuple[int, float]]]) -> np.ndarray:
+    def running_sum(
+        self,
+        S: int,
+        starts: dict[int, list[tuple[int, float]]],
+        ends: dict[int, list[tuple[int, float]]],
+    ) -> np.ndarray:
         """Per-position variables V_k = sum of coef*x over intervals covering k (inclusive)."""
         V = self.vars(S, lb=-np.inf)
         for k in range(S):
             idx, coef = [V[k]], [1.0]
             if k:
-                idx.append(V[k - 1]); coef.append(-1.0)  # noqa: E702
+                idx.append(V[k - 1])
+                coef.append(-1.0)  # noqa: E702
             for v, w in starts.get(k, ()):
-                idx.append(v); coef.append(-w)  # noqa: E702
+                idx.append(v)
+                coef.append(-w)  # noqa: E702
             for v, w in ends.get(k - 1, ()):
-                idx.append(v); coef.append(w)  # noqa: E702
+                idx.append(v)
+                coef.append(w)  # noqa: E702
             self.eq(idx, coef, 0.0)
         return V
 
@@ -93,8 +100,12 @@ class _LP:
             b.append(rhs)
         return coo_matrix((data, (ri, ci)), shape=(len(rows), n)).tocsr(), np.array(b)
 
-    def solve(self, time_limit_s: float | None = None, max_iterations: int | None = None,
-              method: str = "highs"):
+    def solve(
+        self,
+        time_limit_s: float | None = None,
+        max_iterations: int | None = None,
+        method: str = "highs",
+    ):
         """The LP (HiGHS through scipy, in this process: an LP solve is robust and fast)."""
         A_ub, b_ub = self._matrix(self.rows_ub, self.n)
         A_eq, b_eq = self._matrix(self.rows_eq, self.n)
@@ -103,16 +114,29 @@ class _LP:
             options["time_limit"] = max(0.01, float(time_limit_s))
         if max_iterations is not None:
             options["maxiter"] = int(max_iterations)
-        res = linprog(np.array(self.c), A_ub=A_ub, b_ub=b_ub, A_eq=A_eq, b_eq=b_eq,
-                      bounds=list(zip(self.lb, self.ub)), method=method, options=options)
+        res = linprog(
+            np.array(self.c),
+            A_ub=A_ub,
+            b_ub=b_ub,
+            A_eq=A_eq,
+            b_eq=b_eq,
+            bounds=list(zip(self.lb, self.ub)),
+            method=method,
+            options=options,
+        )
         # status 1 is either limit: the message says which (HiGHS's "Time limit reached")
         timed_out = int(res.status) == 1 and "time" in str(res.message).lower()
-        return _Result(int(res.status), str(res.message), res.x,
-                       None if res.fun is None else float(res.fun), None, timed_out,
-                       iterations=int(getattr(res, "nit", 0) or 0))
+        return _Result(
+            int(res.status),
+            str(res.message),
+            res.x,
+            None if res.fun is None else float(res.fun),
+            None,
+            timed_out,
+            iterations=int(getattr(res, "nit", 0) or 0),
+        )
 
-    def solve_interior(self, time_limit_s: float | None = None,
-                       max_iterations: int | None = None):
+    def solve_interior(self, time_limit_s: float | None = None, max_iterations: int | None = None):
         """The LP by HiGHS's interior point method without crossover (highspy, in this process):
         the bound needs the optimal value, not a vertex, and crossover took 40% of the time at
         640 layers. The value is HiGHS's within its IPM tolerance (1e-8 of it): it is lowered by
@@ -157,8 +181,9 @@ class _LP:
             # time left, rather than no bound at all
             h.setOptionValue("run_crossover", "on")
             if time_limit_s is not None:
-                h.setOptionValue("time_limit", max(0.01, float(time_limit_s)
-                                                   - (time.perf_counter() - began)))
+                h.setOptionValue(
+                    "time_limit", max(0.01, float(time_limit_s) - (time.perf_counter() - began))
+                )
             h.run()
             status = h.getModelStatus()
         code = codes.get(status, 4)
@@ -173,15 +198,25 @@ class _LP:
         """The model as arrays for a solver in a child process (planners/native.py)."""
         A_ub, b_ub = self._matrix(self.rows_ub, self.n)
         A_eq, b_eq = self._matrix(self.rows_eq, self.n)
-        arrays = {"c": np.array(self.c), "b_ub": b_ub, "b_eq": b_eq, "lb": np.array(self.lb),
-                  "ub_vars": np.array(self.ub)}
+        arrays = {
+            "c": np.array(self.c),
+            "b_ub": b_ub,
+            "b_eq": b_eq,
+            "lb": np.array(self.lb),
+            "ub_vars": np.array(self.ub),
+        }
         for name, A in (("ub", A_ub), ("eq", A_eq)):
-            arrays.update({f"{name}_data": A.data, f"{name}_indices": A.indices,
-                           f"{name}_indptr": A.indptr, f"{name}_shape": np.array(A.shape)})
+            arrays.update(
+                {
+                    f"{name}_data": A.data,
+                    f"{name}_indices": A.indices,
+                    f"{name}_indptr": A.indptr,
+                    f"{name}_shape": np.array(A.shape),
+                }
+            )
         return arrays
 
-    def solve_piqp(self, time_limit_s: float | None = None,
-                   max_iterations: int | None = None):
+    def solve_piqp(self, time_limit_s: float | None = None, max_iterations: int | None = None):
         """The LP by PIQP's interior point method (a direct sparse LDL factorisation) in a child
         process: a crash is an error and the time limit holds. On the long chains of running sums
         it is about 10x faster than HiGHS's IPX at 640 layers (9.7 s against 108 s), whose
@@ -201,22 +236,36 @@ class _LP:
         # its own iteration limit (250) reached on a degenerate LP, or "infeasible" (seen on
         # feasible tiny LPs), is a failure, which HiGHS then answers; only a limit the caller set
         # is a limit
-        code = {"optimal": 0,
-                "work limit": 1 if max_iterations is not None else 4}.get(answer["status"], 4)
+        code = {"optimal": 0, "work limit": 1 if max_iterations is not None else 4}.get(
+            answer["status"], 4
+        )
         if code != 0:
             return _Result(code, f"PIQP: {answer['message']}", None, None, None)
         if not answer["duality_gap_rel"] <= PIQP_GAP:
-            return _Result(4, f"PIQP ended with a relative duality gap of "
-                              f"{answer['duality_gap_rel']:.1e}", None, None, None)
+            return _Result(
+                4,
+                f"PIQP ended with a relative duality gap of {answer['duality_gap_rel']:.1e}",
+                None,
+                None,
+                None,
+            )
         value = min(float(answer["fun"]), float(answer["dual_bound"]))
-        return _Result(0, f"PIQP: {answer['message']}", np.array(answer["x"]),
-                       value - _margin(value), None)
+        return _Result(
+            0, f"PIQP: {answer['message']}", np.array(answer["x"]), value - _margin(value), None
+        )
 
-    def solve_integral(self, integer_vars: np.ndarray, time_limit_s: float, gap: float,
-                       improving_solutions: int | None = None, abs_gap: float | None = None,
-                       kill_after_s: float | None = None, max_nodes: int | None = None,
-                       max_iterations: int | None = None,
-                       highs_options: dict[str, Any] | None = None):
+    def solve_integral(
+        self,
+        integer_vars: np.ndarray,
+        time_limit_s: float,
+        gap: float,
+        improving_solutions: int | None = None,
+        abs_gap: float | None = None,
+        kill_after_s: float | None = None,
+        max_nodes: int | None = None,
+        max_iterations: int | None = None,
+        highs_options: dict[str, Any] | None = None,
+    ):
         """The same model with ``integer_vars`` integral (HiGHS branch and bound), in a child
         process (planners/native.py): a crash is an error, the deadline holds.
         ``improving_solutions`` (improving solutions), ``max_nodes`` (branch-and-bound nodes) and
@@ -244,12 +293,19 @@ class _LP:
         # found a little late is not thrown away
         kill = limit + GRACE_S + 1.0 if kill_after_s is None else max(kill_after_s, limit)
         try:
-            if abs_gap is None and improving_solutions is None and max_nodes is None \
-                    and max_iterations is None and not highs_options:
-                answer = run_in_child("scipy", {"problem": "milp", "options": options}, arrays,
-                                      kill)
+            if (
+                abs_gap is None
+                and improving_solutions is None
+                and max_nodes is None
+                and max_iterations is None
+                and not highs_options
+            ):
+                answer = run_in_child(
+                    "scipy", {"problem": "milp", "options": options}, arrays, kill
+                )
                 answer["status"] = {0: "optimal", 1: "time limit", 2: "infeasible"}.get(
-                    answer["status"], "failed")
+                    answer["status"], "failed"
+                )
             else:
                 answer = run_in_child("highs-mip", {"options": options}, arrays, kill)
         except NativeTimeout:
@@ -257,11 +313,19 @@ class _LP:
         except NativeSolverError as exc:
             return _Result(4, str(exc), None, None, None)
         code = {"optimal": 0, "infeasible": 2, "time limit": 1, "work limit": 1}.get(
-            answer["status"], 4)
+            answer["status"], 4
+        )
         x = None if answer["x"] is None else np.array(answer["x"])
-        return _Result(code, f"{answer['status']}: {answer['message']}", x, answer["fun"],
-                       answer["dual_bound"], answer["status"] == "time limit",
-                       answer.get("nodes"), answer.get("iterations"))
+        return _Result(
+            code,
+            f"{answer['status']}: {answer['message']}",
+            x,
+            answer["fun"],
+            answer["dual_bound"],
+            answer["status"] == "time limit",
+            answer.get("nodes"),
+            answer.get("iterations"),
+        )
 
 
 def _quiet_highs(highspy):
@@ -329,8 +393,9 @@ PULL_VARS_PER_TENSOR = 16  # at most this many chain variables per saved tensor 
 PULL_CELLS = 100_000
 
 
-def _rebuild_pulls(lp: _LP, graph: ActivationGraph, saved, column: dict[int, int], R,
-                   u_slot, nbytes, S: int) -> np.ndarray | None:
+def _rebuild_pulls(
+    lp: _LP, graph: ActivationGraph, saved, column: dict[int, int], R, u_slot, nbytes, S: int
+) -> np.ndarray | None:
     """rebuild_pull[x, chain, z] (lp-bound.md, "Rebuilds pull others along"): a recomputed x is
     rebuilt by its first backward use; its rerun reads its frontier, and a recomputed frontier
     tensor is rebuilt then too (or earlier), as is a recomputed output of any op rerun for it,
@@ -364,7 +429,8 @@ def _rebuild_pulls(lp: _LP, graph: ActivationGraph, saved, column: dict[int, int
                         nxt.append((z, chain + [j]))
                         if ux < uz:  # rebuilt with x, before its own first use
                             covers.setdefault(j, {}).setdefault(ux, []).append(
-                                _and(lp, [R[c] for c in chain + [j]]))
+                                _and(lp, [R[c] for c in chain + [j]])
+                            )
                             chains_left -= 1
                     if chains_left <= 0:
                         break
@@ -405,13 +471,26 @@ def _add(d: dict, k: int, item) -> None:
     d.setdefault(int(k), []).append(item)
 
 
-def lp_bound(graph: ActivationGraph, budget, hw: Hardware | str, *, integral: bool = False,
-             time_limit_s: float | None = None, gap: float = 1e-4, producer_delay: bool = True,
-             improving_solutions: int | None = None, max_iterations: int | None = None,
-             gap_on_step: bool = True, kill_after_s: float | None = None,
-             max_nodes: int | None = None, allowed=None, pins=None,
-             mask: np.ndarray | None = None, whole_departures: int = 0,
-             highs_options: dict[str, Any] | None = None) -> LPBound:
+def lp_bound(
+    graph: ActivationGraph,
+    budget,
+    hw: Hardware | str,
+    *,
+    integral: bool = False,
+    time_limit_s: float | None = None,
+    gap: float = 1e-4,
+    producer_delay: bool = True,
+    improving_solutions: int | None = None,
+    max_iterations: int | None = None,
+    gap_on_step: bool = True,
+    kill_after_s: float | None = None,
+    max_nodes: int | None = None,
+    allowed=None,
+    pins=None,
+    mask: np.ndarray | None = None,
+    whole_departures: int = 0,
+    highs_options: dict[str, Any] | None = None,
+) -> LPBound:
     """Upper bound on the retention of any plan for ``graph`` within ``budget`` on ``hw``.
 
     integral: make the keep/swap/recompute fractions binary and solve the MILP (HiGHS) for at
@@ -441,10 +520,15 @@ def lp_bound(graph: ActivationGraph, budget, hw: Hardware | str, *, integral: bo
     the bound is the trivial one, the ideal step, and ``note`` says why). Never a wrong bound.
     """
     start_clock = time.perf_counter()
-    if isinstance(whole_departures, bool) or not isinstance(whole_departures, int | np.integer) \
-            or whole_departures < 0:
-        raise ValueError(f"lp_bound: whole_departures must be a whole number of positions >= 0, "
-                         f"got {whole_departures!r}")
+    if (
+        isinstance(whole_departures, bool)
+        or not isinstance(whole_departures, int | np.integer)
+        or whole_departures < 0
+    ):
+        raise ValueError(
+            f"lp_bound: whole_departures must be a whole number of positions >= 0, "
+            f"got {whole_departures!r}"
+        )
     if whole_departures and not integral:
         # its rows need integral decisions and binaries: without them it would be ignored
         raise ValueError("lp_bound: whole_departures needs integral=True (its rows are binaries)")
@@ -462,7 +546,9 @@ def lp_bound(graph: ActivationGraph, budget, hw: Hardware | str, *, integral: bo
     # the model (bytes and op times down, lane bandwidth up), so the bound stays a bound
     # (formulations/lp-bound.md, "Scaling").
     saved_bytes = float(graph.tensor_bytes[graph.saved].sum())
-    copy_s = saved_bytes / min(hw.d2h_bytes_per_s, hw.h2d_bytes_per_s) + hw.latency_s * len(graph.saved)
+    copy_s = saved_bytes / min(hw.d2h_bytes_per_s, hw.h2d_bytes_per_s) + hw.latency_s * len(
+        graph.saved
+    )
     bu = max(budget_bytes, int(graph.tensor_bytes.max(initial=0)), 1) / MODEL_SCALE
     # a step of no time or of denormal seconds (2e-313 s): the copies set the unit, and never one
     # so small that a copy's or a collective's seconds overflow to inf in units
@@ -516,9 +602,11 @@ def lp_bound(graph: ActivationGraph, budget, hw: Hardware | str, *, integral: bo
     for k in range(S):
         idx, coef = [balance[k], E[k]], [1.0, -1.0]
         if k:
-            idx.append(balance[k - 1]); coef.append(-1.0)  # noqa: E702
+            idx.append(balance[k - 1])
+            coef.append(-1.0)  # noqa: E702
         for v, w in reruns_at.get(k, ()):
-            idx.append(v); coef.append(w)  # noqa: E702
+            idx.append(v)
+            coef.append(w)  # noqa: E702
         lp.eq(idx, coef, 0.0)
     dur = _relax_small(np.concatenate([graph.forward_s, graph.backward_s[::-1]]) / tu)
     dep = lp.vars(S)
@@ -546,8 +634,11 @@ def lp_bound(graph: ActivationGraph, budget, hw: Hardware | str, *, integral: bo
     # rebuilds pull others along (integral decisions only: for fractions the rows are void;
     # graphs of at most PULL_CELLS positions x saved tensors, where they cost branch and bound
     # little)
-    pulled = _rebuild_pulls(lp, graph, saved, column, R, u_slot, nbytes, S) \
-        if integral and S * m <= PULL_CELLS else None
+    pulled = (
+        _rebuild_pulls(lp, graph, saved, column, R, u_slot, nbytes, S)
+        if integral and S * m <= PULL_CELLS
+        else None
+    )
     bw_d = max(SMALLEST, hw.d2h_bytes_per_s * tu / bu)
     bw_h = max(SMALLEST, hw.h2d_bytes_per_s * tu / bu)
     # everything not saved, and workspaces, as keep-all has them
@@ -556,18 +647,25 @@ def lp_bound(graph: ActivationGraph, budget, hw: Hardware | str, *, integral: bo
     unsaved_mem = np.zeros(S)
     for t, s_, e_ in zip(base.iv_tensor, base.iv_start, base.iv_end):
         if not graph.is_saved[t]:
-            unsaved_mem[s_:e_ + 1] += nbytes[t]  # (already relaxed)
+            unsaved_mem[s_ : e_ + 1] += nbytes[t]  # (already relaxed)
     ws = _relax_small(base.point_workspace[main_points].astype(float) / bu)
     for k in range(S):
         if k == 0:
             lp.le([dep[0]], [1.0], 0.0)
             lp.le([arr[0]], [1.0], 0.0)
         else:
-            lp.le([dep[k], dep[k - 1], sigma[k], E[k - 1]], [1, -1, -bw_d, -bw_d], bw_d * dur[k - 1])
-            lp.le([arr[k], arr[k - 1], sigma[k], E[k - 1]], [1, -1, -bw_h, -bw_h], bw_h * dur[k - 1])
+            lp.le(
+                [dep[k], dep[k - 1], sigma[k], E[k - 1]], [1, -1, -bw_d, -bw_d], bw_d * dur[k - 1]
+            )
+            lp.le(
+                [arr[k], arr[k - 1], sigma[k], E[k - 1]], [1, -1, -bw_h, -bw_h], bw_h * dur[k - 1]
+            )
             if not hw.duplex:
-                lp.le([dep[k], arr[k], dep[k - 1], arr[k - 1], sigma[k], E[k - 1]],
-                      [1, 1, -1, -1, -bw_d, -bw_d], bw_d * dur[k - 1])
+                lp.le(
+                    [dep[k], arr[k], dep[k - 1], arr[k - 1], sigma[k], E[k - 1]],
+                    [1, 1, -1, -1, -bw_d, -bw_d],
+                    bw_d * dur[k - 1],
+                )
             # only what was produced before can leave, and what op k-1 produced only once it
             # ends: by the start of k (after its stall) at most the stall's worth of it
             if not producer_delay:
@@ -591,12 +689,27 @@ def lp_bound(graph: ActivationGraph, budget, hw: Hardware | str, *, integral: bo
         from ..core.stepmodel import interval_memory
         from .lanequeue import add_whole_departures, whole_departure_positions
 
-        picks = whole_departure_positions(interval_memory(base)[main_points], budget_bytes, n,
-                                          whole_departures)
+        picks = whole_departure_positions(
+            interval_memory(base)[main_points], budget_bytes, n, whole_departures
+        )
         queue_binaries = add_whole_departures(
-            lp, graph, saved, W, G, Qp, dep, arr, Freed, nbytes, dur, bw_d, hw.latency_s / tu,
-            budget_bytes / bu - unsaved_mem - ws, picks,
-            sure_ok=hw.duplex and not (hw.collectives_on_link and graph.collectives))
+            lp,
+            graph,
+            saved,
+            W,
+            G,
+            Qp,
+            dep,
+            arr,
+            Freed,
+            nbytes,
+            dur,
+            bw_d,
+            hw.latency_s / tu,
+            budget_bytes / bu - unsaved_mem - ws,
+            picks,
+            sure_ok=hw.duplex and not (hw.collectives_on_link and graph.collectives),
+        )
     # every copy is done within the step: each lane's work (the swapped tensors' copies with
     # their latency, and collectives that share the link) fits in the step's compute, stall and
     # rerun time, plus, with collectives, a final wait (the optimizer waits for the last one).
@@ -614,12 +727,17 @@ def lp_bound(graph: ActivationGraph, budget, hw: Hardware | str, *, integral: bo
     if m and (charged or m * hw.latency_s > LATENCY_ROW_SHARE * graph.ideal_step_time_s):
         if hw.duplex:
             for bw, coll in ((bw_d, coll_d), (bw_h, coll_h)):
-                lp.le(list(W) + clock, [b / bw + lat for b in moved] + [-1.0] * len(clock),
-                      total - coll / bw)
+                lp.le(
+                    list(W) + clock,
+                    [b / bw + lat for b in moved] + [-1.0] * len(clock),
+                    total - coll / bw,
+                )
         else:
-            lp.le(list(W) + clock,
-                  [b / bw_d + b / bw_h + 2 * lat for b in moved] + [-1.0] * len(clock),
-                  total - coll_d / bw_d - coll_h / bw_h)
+            lp.le(
+                list(W) + clock,
+                [b / bw_d + b / bw_h + 2 * lat for b in moved] + [-1.0] * len(clock),
+                total - coll_d / bw_d - coll_h / bw_h,
+            )
     if charged:
         # a collective enters its lane when its position is reached and the lane is serial:
         # the collectives issued at or after position k all fit in the time from k to the end,
@@ -648,25 +766,53 @@ def lp_bound(graph: ActivationGraph, budget, hw: Hardware | str, *, integral: bo
 
     def no_bound(status: str, reason: str, integral_: bool = integral) -> LPBound:
         """Nothing proven: the trivial bound (the ideal step), which every plan respects."""
-        return LPBound(1.0, ideal, ideal, budget_bytes, status, time.perf_counter() - start_clock,
-                       {}, {}, {}, integral=integral_, gap=np.inf, note=reason)
+        return LPBound(
+            1.0,
+            ideal,
+            ideal,
+            budget_bytes,
+            status,
+            time.perf_counter() - start_clock,
+            {},
+            {},
+            {},
+            integral=integral_,
+            gap=np.inf,
+            note=reason,
+        )
 
     def infeasible(reason: str) -> LPBound:
         # HiGHS's "infeasible" is believed only below the smallest feasible budget; above it a
         # plan exists (every tensor offloaded), so the answer is numerical trouble: no bound
         if budget_bytes < min_budget(graph, hw):
-            return LPBound(0.0, np.inf, ideal, budget_bytes, "infeasible",
-                           time.perf_counter() - start_clock, {}, {}, {}, integral=integral)
+            return LPBound(
+                0.0,
+                np.inf,
+                ideal,
+                budget_bytes,
+                "infeasible",
+                time.perf_counter() - start_clock,
+                {},
+                {},
+                {},
+                integral=integral,
+            )
         return no_bound("unsolved", f"HiGHS reported infeasible at a feasible budget ({reason})")
 
     if integral:
         # the gap is on the whole step (ideal + the objective's extra time), not on the extra
         # time alone: HiGHS stops once the absolute gap is that fraction of the ideal step
-        res = lp.solve_integral(np.concatenate([K, W, R, queue_binaries]), time_limit_s, gap,
-                                improving_solutions,
-                                abs_gap=gap * ideal / tu if gap_on_step else None,
-                                kill_after_s=kill_after_s, max_nodes=max_nodes,
-                                max_iterations=max_iterations, highs_options=highs_options)
+        res = lp.solve_integral(
+            np.concatenate([K, W, R, queue_binaries]),
+            time_limit_s,
+            gap,
+            improving_solutions,
+            abs_gap=gap * ideal / tu if gap_on_step else None,
+            kill_after_s=kill_after_s,
+            max_nodes=max_nodes,
+            max_iterations=max_iterations,
+            highs_options=highs_options,
+        )
         wall = time.perf_counter() - start_clock
         if res.status == 2:
             return infeasible(res.message)
@@ -676,10 +822,22 @@ def lp_bound(graph: ActivationGraph, budget, hw: Hardware | str, *, integral: bo
         if res.x is None:  # a limit before any integral point: the bound alone, if any
             bound_units = max(0.0, float(dual)) if dual is not None and np.isfinite(dual) else 0.0
             step = ideal + bound_units * tu
-            return LPBound(min(1.0, ideal / step) if step > 0 else 1.0, step, ideal, budget_bytes,
-                           "timeout", wall, {}, {}, {}, integral=True, gap=np.inf,
-                           nodes=res.nodes, clock_stopped=res.timed_out,
-                           iterations=res.iterations)
+            return LPBound(
+                min(1.0, ideal / step) if step > 0 else 1.0,
+                step,
+                ideal,
+                budget_bytes,
+                "timeout",
+                wall,
+                {},
+                {},
+                {},
+                integral=True,
+                gap=np.inf,
+                nodes=res.nodes,
+                clock_stopped=res.timed_out,
+                iterations=res.iterations,
+            )
         objective = float(res.fun)
         if dual is None or not np.isfinite(dual):
             # optimal means within the relative gap; otherwise no bound is known but the trivial
@@ -693,8 +851,9 @@ def lp_bound(graph: ActivationGraph, budget, hw: Hardware | str, *, integral: bo
         # crossover 56-108 s, dual simplex 352 s; 16 layers: dual simplex 0.16 s)
         if graph.n_slots > IPM_FROM_SLOTS:
             res = lp.solve_piqp(time_limit_s=time_limit_s, max_iterations=max_iterations)
-            left = None if time_limit_s is None else time_limit_s - (
-                time.perf_counter() - start_clock)
+            left = (
+                None if time_limit_s is None else time_limit_s - (time.perf_counter() - start_clock)
+            )
             if res.status == 4 and (left is None or left > 0.1):
                 # PIQP failed (not a limit, not infeasible): HiGHS's IPX in the time left
                 res = lp.solve_interior(time_limit_s=left, max_iterations=max_iterations)
@@ -704,8 +863,10 @@ def lp_bound(graph: ActivationGraph, budget, hw: Hardware | str, *, integral: bo
         if res.status == 2:
             return infeasible(res.message)
         if res.status == 1:
-            return replace(no_bound("timeout", f"LP stopped at its limit: {res.message}"),
-                           clock_stopped=res.timed_out)
+            return replace(
+                no_bound("timeout", f"LP stopped at its limit: {res.message}"),
+                clock_stopped=res.timed_out,
+            )
         if res.status != 0 or res.fun is None or not np.isfinite(res.fun):
             return no_bound("unsolved", f"HiGHS status {res.status}: {res.message}")
         bound_units = max(0.0, float(res.fun))

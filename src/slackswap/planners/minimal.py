@@ -37,8 +37,14 @@ class Minimal:
     kept_back: tuple[int, ...]  # tensors turned back to keep, in the order they were
 
 
-def keep_what_fits(graph: ActivationGraph, hw: Hardware, budget: int, exp: Expansion,
-                   sim: SimResult, keepable: np.ndarray | None = None) -> Minimal | None:
+def keep_what_fits(
+    graph: ActivationGraph,
+    hw: Hardware,
+    budget: int,
+    exp: Expansion,
+    sim: SimResult,
+    keepable: np.ndarray | None = None,
+) -> Minimal | None:
     """The plan of ``exp`` (simulated as ``sim``) with every tensor kept that can be; None when
     nothing changes or the plan does not fit (a plan over budget is not made to look minimal).
     ``keepable``: per tensor, whether keep is allowed (the planner's restriction)."""
@@ -87,12 +93,16 @@ def _positions(exp: Expansion) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The plan's own positions as the arrays ``expand_positions`` takes (-1: none)."""
     codes = exp.codes
     swap, rec = codes == SWAP, codes == RECOMPUTE
-    return (np.where(swap, exp.d2h_free, -1).astype(np.int64),
-            np.where(swap, exp.h2d_issue, -1).astype(np.int64),
-            np.where(rec, exp.materialize_at, -1).astype(np.int64))
+    return (
+        np.where(swap, exp.d2h_free, -1).astype(np.int64),
+        np.where(swap, exp.h2d_issue, -1).astype(np.int64),
+        np.where(rec, exp.materialize_at, -1).astype(np.int64),
+    )
 
 
-def _units(graph: ActivationGraph, codes: np.ndarray, keepable: np.ndarray) -> list[tuple[int, ...]]:
+def _units(
+    graph: ActivationGraph, codes: np.ndarray, keepable: np.ndarray
+) -> list[tuple[int, ...]]:
     """What can turn back to keep, as one move each: a swap alone, a recompute with its RNG
     group (recomputed all together or not at all); largest first, fewer bytes moved on ties."""
     units: dict[tuple[int, ...], int] = {}
@@ -105,8 +115,9 @@ def _units(graph: ActivationGraph, codes: np.ndarray, keepable: np.ndarray) -> l
     return sorted(units, key=lambda u: (-units[u], u))
 
 
-def _may_fit(graph: ActivationGraph, exp: Expansion, memory: np.ndarray, unit: tuple[int, ...],
-             budget: int) -> bool:
+def _may_fit(
+    graph: ActivationGraph, exp: Expansion, memory: np.ndarray, unit: tuple[int, ...], budget: int
+) -> bool:
     """A necessary condition, from memory alone: at every forward and backward point where a
     tensor of ``unit`` is off the device but would be held if kept, the memory there plus its
     bytes stays within the budget (the other tensors' lives are unchanged at those points; only
@@ -119,10 +130,10 @@ def _may_fit(graph: ActivationGraph, exp: Expansion, memory: np.ndarray, unit: t
         held = np.zeros(exp.n_points, dtype=bool)
         for i in mine:
             if not exp.iv_transient[i]:
-                held[exp.iv_start[i]:exp.iv_end[i] + 1] = True
+                held[exp.iv_start[i] : exp.iv_end[i] + 1] = True
         first, last = int(exp.iv_start[mine].min()), int(exp.iv_end[mine].max())
         gap = np.zeros(exp.n_points, dtype=bool)
-        gap[first:last + 1] = True
+        gap[first : last + 1] = True
         gap &= ~held & main
         if gap.any() and int(memory[gap].max()) + int(graph.tensor_bytes[t]) > budget:
             return False

@@ -71,33 +71,57 @@ def most_offloaded(graph: ActivationGraph, mask: np.ndarray | None) -> np.ndarra
     return codes
 
 
-def plan_peak(graph: ActivationGraph, hw: Hardware, codes: np.ndarray,
-              schedule: Schedule | None, budget: int | None = None) -> int:
+def plan_peak(
+    graph: ActivationGraph,
+    hw: Hardware,
+    codes: np.ndarray,
+    schedule: Schedule | None,
+    budget: int | None = None,
+) -> int:
     """The peak of a plan on the step model (its schedule, or the default one yielding to
     ``budget``)."""
     return int(expand(graph, codes, schedule, hw, budget_bytes=budget).memory().max())
 
 
-def min_peak(graph: ActivationGraph, hw: Hardware, mask: np.ndarray | None = None,
-             exact: bool = True, time_limit_s: float = 60.0) -> MinPeak:
+def min_peak(
+    graph: ActivationGraph,
+    hw: Hardware,
+    mask: np.ndarray | None = None,
+    exact: bool = True,
+    time_limit_s: float = 60.0,
+) -> MinPeak:
     """The smallest budget a plan with the decisions ``mask`` allows fits (module docstring).
     ``exact=False`` stops after the bisection. ``time_limit_s`` is a hard cap on the exact
     model's clock; its work is MIN_PEAK_DTIME."""
     began = time.perf_counter()
     floor = offload_floor(graph, hw, mask)
     if not free_choice(graph, mask).size and not _forced_recompute(graph, mask):
-        return MinPeak(floor, floor, True, "offload floor", most_offloaded(graph, mask), None,
-                       time.perf_counter() - began)
+        return MinPeak(
+            floor,
+            floor,
+            True,
+            "offload floor",
+            most_offloaded(graph, mask),
+            None,
+            time.perf_counter() - began,
+        )
     codes, peak = _bisect(graph, hw, mask, floor)
-    best = MinPeak(peak, floor, peak <= floor, "heuristic", codes, None,
-                   time.perf_counter() - began)
-    if exact and best.budget_bytes > floor and \
-            graph.n_slots * len(graph.saved) <= MIN_PEAK_CELLS:
+    best = MinPeak(
+        peak, floor, peak <= floor, "heuristic", codes, None, time.perf_counter() - began
+    )
+    if exact and best.budget_bytes > floor and graph.n_slots * len(graph.saved) <= MIN_PEAK_CELLS:
         found = _exact(graph, hw, mask, floor, best, time_limit_s)
         if found is not None:
             best = found
-    return MinPeak(best.budget_bytes, best.lower_bytes, best.proven, best.method, best.codes,
-                   best.schedule, time.perf_counter() - began)
+    return MinPeak(
+        best.budget_bytes,
+        best.lower_bytes,
+        best.proven,
+        best.method,
+        best.codes,
+        best.schedule,
+        time.perf_counter() - began,
+    )
 
 
 def _forced_recompute(graph: ActivationGraph, mask: np.ndarray | None) -> bool:
@@ -141,8 +165,9 @@ def _bisect(graph: ActivationGraph, hw: Hardware, mask, floor: int) -> tuple[np.
     return best
 
 
-def _exact(graph: ActivationGraph, hw: Hardware, mask, floor: int, start: MinPeak,
-           time_limit_s: float) -> MinPeak | None:
+def _exact(
+    graph: ActivationGraph, hw: Hardware, mask, floor: int, start: MinPeak, time_limit_s: float
+) -> MinPeak | None:
     """The exact planner's model over every position with the budget a variable: minimise it."""
     from ortools.sat.python import cp_model
 
@@ -165,8 +190,9 @@ def _exact(graph: ActivationGraph, hw: Hardware, mask, floor: int, start: MinPea
     exp = expand(graph, start.codes, None, hw, budget_bytes=start.budget_bytes)
     free = {int(t): int(exp.d2h_free[t]) for t in graph.saved if start.codes[t] == SWAP}
     issue = {int(t): int(exp.h2d_issue[t]) for t in graph.saved if start.codes[t] == SWAP}
-    rebuild = {int(t): int(exp.materialize_at[t]) for t in graph.saved
-               if start.codes[t] == RECOMPUTE}
+    rebuild = {
+        int(t): int(exp.materialize_at[t]) for t in graph.saved if start.codes[t] == RECOMPUTE
+    }
     hint = complete_hint(f, start.codes, free, issue, rebuild)
     b = m.var("budget", 0, budget_u)
     for c in m.constraints:
@@ -198,7 +224,14 @@ def _exact(graph: ActivationGraph, hw: Hardware, mask, floor: int, start: MinPea
     # (1e12-byte tensors) a unit's difference is no proof
     if peak >= start.budget_bytes:
         lower = max(lower, start.lower_bytes)
-        return MinPeak(start.budget_bytes, lower, start.budget_bytes <= lower, start.method,
-                       start.codes, start.schedule, 0.0)
+        return MinPeak(
+            start.budget_bytes,
+            lower,
+            start.budget_bytes <= lower,
+            start.method,
+            start.codes,
+            start.schedule,
+            0.0,
+        )
     proven = peak <= lower
     return MinPeak(peak, lower, proven, "exact", codes, schedule, 0.0)

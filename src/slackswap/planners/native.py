@@ -39,8 +39,12 @@ class NativeTimeout(RuntimeError):
     """The native solver ran past its hard deadline and was killed."""
 
 
-def run_in_child(kind: str, payload: dict[str, Any], arrays: dict[str, np.ndarray] | None,
-                 deadline_s: float | None) -> dict[str, Any]:
+def run_in_child(
+    kind: str,
+    payload: dict[str, Any],
+    arrays: dict[str, np.ndarray] | None,
+    deadline_s: float | None,
+) -> dict[str, Any]:
     """Run ``kind`` ("pulp", "scipy", "highs-mip" or "piqp") on ``payload`` (JSON) and ``arrays`` (npz) in a child
     process; its answer (JSON) or NativeSolverError / NativeTimeout. ``deadline_s`` None: no
     deadline (the caller set no time limit)."""
@@ -56,26 +60,36 @@ def run_in_child(kind: str, payload: dict[str, Any], arrays: dict[str, np.ndarra
         # child is done: its end (EOF) tells the worker that this process is gone
         alive_r, alive_w = os.pipe()
         try:
-            proc = subprocess.Popen([sys.executable, "-I", str(WORKER), kind, tmp],
-                                    stdin=alive_r, stdout=subprocess.DEVNULL,
-                                    stderr=subprocess.PIPE, start_new_session=True, env=env)
+            proc = subprocess.Popen(
+                [sys.executable, "-I", str(WORKER), kind, tmp],
+                stdin=alive_r,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+                start_new_session=True,
+                env=env,
+            )
         finally:
             os.close(alive_r)
         try:
             with running_child(proc.pid):
                 _, err = proc.communicate(
-                    timeout=None if deadline_s is None else max(0.05, deadline_s))
+                    timeout=None if deadline_s is None else max(0.05, deadline_s)
+                )
         except subprocess.TimeoutExpired:
             _kill_group(proc)
-            raise NativeTimeout(f"{kind} solver killed at its {deadline_s:.2f} s deadline") from None
+            raise NativeTimeout(
+                f"{kind} solver killed at its {deadline_s:.2f} s deadline"
+            ) from None
         except BaseException:
             _kill_group(proc)
             raise
         finally:
             os.close(alive_w)
         if proc.returncode != 0:
-            raise NativeSolverError(f"{kind} solver {_died(proc.returncode)}: "
-                                    f"{err.decode(errors='replace').strip()[-300:]}")
+            raise NativeSolverError(
+                f"{kind} solver {_died(proc.returncode)}: "
+                f"{err.decode(errors='replace').strip()[-300:]}"
+            )
         try:
             return json.loads(out.read_text())
         except (OSError, ValueError) as exc:

@@ -23,20 +23,34 @@ def solve_pulp(req: dict) -> dict:
     opts = req["options"]
     nodes = opts.get("max_nodes")  # a work limit (with one thread, the same on any machine)
     if req["solver"] == "cbc":
-        solver = pulp.PULP_CBC_CMD(msg=False, timeLimit=max(1, int(round(opts["time_limit_s"]))),
-                                   threads=opts["workers"], warmStart=opts["warm"],
-                                   gapRel=opts["gap"], options=opts.get("cbc_options", []),
-                                   maxNodes=None if nodes is None else int(nodes))
+        solver = pulp.PULP_CBC_CMD(
+            msg=False,
+            timeLimit=max(1, int(round(opts["time_limit_s"]))),
+            threads=opts["workers"],
+            warmStart=opts["warm"],
+            gapRel=opts["gap"],
+            options=opts.get("cbc_options", []),
+            maxNodes=None if nodes is None else int(nodes),
+        )
     else:
         extra = {} if nodes is None else {"mip_max_nodes": int(nodes)}
-        solver = pulp.HiGHS(msg=False, timeLimit=float(opts["time_limit_s"]),
-                            threads=opts["workers"], gapRel=opts["gap"], warmStart=opts["warm"],
-                            random_seed=opts["seed"], output_flag=False, **extra)
+        solver = pulp.HiGHS(
+            msg=False,
+            timeLimit=float(opts["time_limit_s"]),
+            threads=opts["workers"],
+            gapRel=opts["gap"],
+            warmStart=opts["warm"],
+            random_seed=opts["seed"],
+            output_flag=False,
+            **extra,
+        )
     prob.solve(solver)
-    return {"status": pulp.LpStatus.get(prob.status, "Undefined"),
-            "solution": {1: "optimal", 2: "feasible"}.get(getattr(prob, "sol_status", None)),
-            "values": {name: v.varValue for name, v in variables.items()},
-            "objective": pulp.value(prob.objective)}
+    return {
+        "status": pulp.LpStatus.get(prob.status, "Undefined"),
+        "solution": {1: "optimal", 2: "feasible"}.get(getattr(prob, "sol_status", None)),
+        "values": {name: v.varValue for name, v in variables.items()},
+        "objective": pulp.value(prob.objective),
+    }
 
 
 def solve_scipy(req: dict, folder: Path) -> dict:
@@ -47,29 +61,50 @@ def solve_scipy(req: dict, folder: Path) -> dict:
     data = np.load(folder / "in.npz")
 
     def matrix(name):
-        return csr_matrix((data[f"{name}_data"], data[f"{name}_indices"], data[f"{name}_indptr"]),
-                          shape=tuple(data[f"{name}_shape"]))
+        return csr_matrix(
+            (data[f"{name}_data"], data[f"{name}_indices"], data[f"{name}_indptr"]),
+            shape=tuple(data[f"{name}_shape"]),
+        )
 
     A_ub, A_eq = matrix("ub"), matrix("eq")
     opts = req["options"]
     if req["problem"] == "lp":
-        res = linprog(data["c"], A_ub=A_ub, b_ub=data["b_ub"], A_eq=A_eq, b_eq=data["b_eq"],
-                      bounds=np.stack([data["lb"], data["ub_vars"]], axis=1), method="highs",
-                      options={"time_limit": opts["time_limit_s"]})
+        res = linprog(
+            data["c"],
+            A_ub=A_ub,
+            b_ub=data["b_ub"],
+            A_eq=A_eq,
+            b_eq=data["b_eq"],
+            bounds=np.stack([data["lb"], data["ub_vars"]], axis=1),
+            method="highs",
+            options={"time_limit": opts["time_limit_s"]},
+        )
         bound = None
     else:
-        res = milp(data["c"], integrality=data["integrality"],
-                   constraints=[LinearConstraint(A_ub, -np.inf, data["b_ub"]),
-                                LinearConstraint(A_eq, data["b_eq"], data["b_eq"])],
-                   bounds=Bounds(data["lb"], data["ub_vars"]),
-                   options={"time_limit": opts["time_limit_s"], "mip_rel_gap": opts["gap"],
-                            "disp": False,
-                            **({"node_limit": opts["node_limit"]} if "node_limit" in opts else {})})
+        res = milp(
+            data["c"],
+            integrality=data["integrality"],
+            constraints=[
+                LinearConstraint(A_ub, -np.inf, data["b_ub"]),
+                LinearConstraint(A_eq, data["b_eq"], data["b_eq"]),
+            ],
+            bounds=Bounds(data["lb"], data["ub_vars"]),
+            options={
+                "time_limit": opts["time_limit_s"],
+                "mip_rel_gap": opts["gap"],
+                "disp": False,
+                **({"node_limit": opts["node_limit"]} if "node_limit" in opts else {}),
+            },
+        )
         bound = getattr(res, "mip_dual_bound", None)
     x = None if res.x is None else [float(v) for v in res.x]
-    return {"status": int(res.status), "message": str(res.message), "x": x,
-            "fun": None if res.fun is None else float(res.fun),
-            "dual_bound": None if bound is None else float(bound)}
+    return {
+        "status": int(res.status),
+        "message": str(res.message),
+        "x": x,
+        "fun": None if res.fun is None else float(res.fun),
+        "dual_bound": None if bound is None else float(bound),
+    }
 
 
 def solve_highs_mip(req: dict, folder: Path) -> dict:
@@ -82,12 +117,17 @@ def solve_highs_mip(req: dict, folder: Path) -> dict:
 
     # numpy alone (no scipy.sparse: its import is most of this child's start, 0.5 s of 0.7)
     data = np.load(folder / "in.npz")
-    parts = [(data[f"{k}_data"], data[f"{k}_indices"], data[f"{k}_indptr"], data[f"{k}_shape"])
-             for k in ("ub", "eq")]
+    parts = [
+        (data[f"{k}_data"], data[f"{k}_indices"], data[f"{k}_indptr"], data[f"{k}_shape"])
+        for k in ("ub", "eq")
+    ]
     n = int(parts[0][3][1])
-    rows = np.concatenate([np.repeat(np.arange(int(shape[0])) + offset, np.diff(indptr))
-                           for (_, _, indptr, shape), offset
-                           in zip(parts, (0, int(parts[0][3][0])))]).astype(np.int64)
+    rows = np.concatenate(
+        [
+            np.repeat(np.arange(int(shape[0])) + offset, np.diff(indptr))
+            for (_, _, indptr, shape), offset in zip(parts, (0, int(parts[0][3][0])))
+        ]
+    ).astype(np.int64)
     cols = np.concatenate([p[1] for p in parts]).astype(np.int64)
     values = np.concatenate([p[0] for p in parts]).astype(float)
     order = np.lexsort((rows, cols))  # column-major: HiGHS's colwise format
@@ -105,8 +145,10 @@ def solve_highs_mip(req: dict, folder: Path) -> dict:
     lp.a_matrix_.start_ = start.astype(np.int32)
     lp.a_matrix_.index_ = rows[order].astype(np.int32)
     lp.a_matrix_.value_ = values[order]
-    lp.integrality_ = [highspy.HighsVarType.kInteger if v else highspy.HighsVarType.kContinuous
-                       for v in data["integrality"]]
+    lp.integrality_ = [
+        highspy.HighsVarType.kInteger if v else highspy.HighsVarType.kContinuous
+        for v in data["integrality"]
+    ]
     h = highspy.Highs()
     opts = req["options"]
     h.setOptionValue("output_flag", False)
@@ -133,10 +175,15 @@ def solve_highs_mip(req: dict, folder: Path) -> dict:
         limits = {ms.kTimeLimit: "time", ms.kSolutionLimit: "work", ms.kIterationLimit: "work"}
         limits[getattr(ms, "kNodeLimit", ms.kSolutionLimit)] = "work"
         kind = f"{limits[status]} limit" if status in limits else "failed"
-    return {"status": kind, "message": h.modelStatusToString(status), "x": x,
-            "fun": float(info.objective_function_value) if has_x else None,
-            "dual_bound": float(info.mip_dual_bound), "nodes": int(info.mip_node_count),
-            "iterations": int(info.simplex_iteration_count)}
+    return {
+        "status": kind,
+        "message": h.modelStatusToString(status),
+        "x": x,
+        "fun": float(info.objective_function_value) if has_x else None,
+        "dual_bound": float(info.mip_dual_bound),
+        "nodes": int(info.mip_node_count),
+        "iterations": int(info.simplex_iteration_count),
+    }
 
 
 def solve_piqp(req: dict, folder: Path) -> dict:
@@ -151,8 +198,12 @@ def solve_piqp(req: dict, folder: Path) -> dict:
     data = np.load(folder / "in.npz")
 
     def matrix(name):
-        return csc_matrix(csr_matrix((data[f"{name}_data"], data[f"{name}_indices"],
-                                      data[f"{name}_indptr"]), shape=tuple(data[f"{name}_shape"])))
+        return csc_matrix(
+            csr_matrix(
+                (data[f"{name}_data"], data[f"{name}_indices"], data[f"{name}_indptr"]),
+                shape=tuple(data[f"{name}_shape"]),
+            )
+        )
 
     A_ub, A_eq = matrix("ub"), matrix("eq")
     n = A_ub.shape[1]
@@ -161,18 +212,34 @@ def solve_piqp(req: dict, folder: Path) -> dict:
     solver.settings.num_threads = 1
     if "max_iterations" in req["options"]:
         solver.settings.max_iter = int(req["options"]["max_iterations"])
-    solver.setup(csc_matrix((n, n)), data["c"], A_eq, data["b_eq"], A_ub,
-                 np.full(A_ub.shape[0], -np.inf), data["b_ub"], data["lb"], data["ub_vars"])
+    solver.setup(
+        csc_matrix((n, n)),
+        data["c"],
+        A_eq,
+        data["b_eq"],
+        A_ub,
+        np.full(A_ub.shape[0], -np.inf),
+        data["b_ub"],
+        data["lb"],
+        data["ub_vars"],
+    )
     status = solver.solve()
     info = solver.result.info
-    kind = {piqp.Status.PIQP_SOLVED: "optimal", piqp.Status.PIQP_PRIMAL_INFEASIBLE: "infeasible",
-            piqp.Status.PIQP_MAX_ITER_REACHED: "work limit"}.get(status, "failed")
+    kind = {
+        piqp.Status.PIQP_SOLVED: "optimal",
+        piqp.Status.PIQP_PRIMAL_INFEASIBLE: "infeasible",
+        piqp.Status.PIQP_MAX_ITER_REACHED: "work limit",
+    }.get(status, "failed")
     solved = kind == "optimal"
-    return {"status": kind, "message": str(status).split(".")[-1],
-            "x": [float(v) for v in solver.result.x] if solved else None,
-            "fun": float(info.primal_obj) if solved else None,
-            "dual_bound": float(info.dual_obj) if solved else None,
-            "duality_gap_rel": float(info.duality_gap_rel), "iterations": int(info.iter)}
+    return {
+        "status": kind,
+        "message": str(status).split(".")[-1],
+        "x": [float(v) for v in solver.result.x] if solved else None,
+        "fun": float(info.primal_obj) if solved else None,
+        "dual_bound": float(info.dual_obj) if solved else None,
+        "duality_gap_rel": float(info.duality_gap_rel),
+        "iterations": int(info.iter),
+    }
 
 
 # the solvers by kind: native.run_in_child names one; an unknown kind is an error, never a
@@ -188,8 +255,10 @@ SOLVERS = {
 def main() -> int:
     kind, folder = sys.argv[1], Path(sys.argv[2])
     if kind not in SOLVERS:
-        print(f"native worker: unknown solver kind {kind!r}; known: {', '.join(SOLVERS)}",
-              file=sys.stderr)
+        print(
+            f"native worker: unknown solver kind {kind!r}; known: {', '.join(SOLVERS)}",
+            file=sys.stderr,
+        )
         return 2
     solver = os.fork()
     if solver == 0:  # the solver; this process's first one watches the parent

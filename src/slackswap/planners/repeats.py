@@ -67,6 +67,7 @@ def op_signatures(graph: ActivationGraph, region: tuple[int, int] | None = None)
     interned: dict[tuple, int] = {}
     ids = np.empty(graph.n_ops, dtype=np.int64)
     for k, op in enumerate(graph.ops):
+
         def ref(o: int, k: int = k) -> tuple[str, int]:
             return ("relative", o - k) if lo <= o < hi else ("at", o)
 
@@ -81,15 +82,32 @@ def op_signatures(graph: ActivationGraph, region: tuple[int, int] | None = None)
             if region is None:
                 links: tuple = (len(saved_for[t]), tensor.group is None)
             else:
-                mates = () if tensor.group is None else tuple(sorted(
-                    (ref(producer[m]), out_pos[m]) for m in groups.get(tensor.group, ())))
+                mates = (
+                    ()
+                    if tensor.group is None
+                    else tuple(
+                        sorted((ref(producer[m]), out_pos[m]) for m in groups.get(tensor.group, ()))
+                    )
+                )
                 links = (tuple(ref(s) for s in saved_for[t]), tensor.group is None, mates)
-            outputs.append((nbytes[t], links, named(tensor.alive_until),
-                            named(tensor.rebuilt_before)))
-        inputs = len(graph.op_inputs[k]) if region is None else \
-            tuple((ref(producer[t]), out_pos[t]) for t in graph.op_inputs[k])
-        key = (op.recomputable, bool(op.unit), bool(op.param_unit), op.unit == op.param_unit,
-               len(op.inputs), inputs, tuple(outputs), tuple(sorted(collectives.get(k, ()))))
+            outputs.append(
+                (nbytes[t], links, named(tensor.alive_until), named(tensor.rebuilt_before))
+            )
+        inputs = (
+            len(graph.op_inputs[k])
+            if region is None
+            else tuple((ref(producer[t]), out_pos[t]) for t in graph.op_inputs[k])
+        )
+        key = (
+            op.recomputable,
+            bool(op.unit),
+            bool(op.param_unit),
+            op.unit == op.param_unit,
+            len(op.inputs),
+            inputs,
+            tuple(outputs),
+            tuple(sorted(collectives.get(k, ()))),
+        )
         ids[k] = interned.setdefault(key, len(interned))
     return ids
 
@@ -200,8 +218,9 @@ def coarsen(graph: ActivationGraph, repeats: RepeatedBlocks, blocks: int) -> Coa
         new_ops = {}
         for k in kept:
             first = k < cut
-            new_ops[ops[k].name] = replace(ops[k], inputs=tuple(dict.fromkeys(
-                tensor_name(x, first) for x in ops[k].inputs)))
+            new_ops[ops[k].name] = replace(
+                ops[k], inputs=tuple(dict.fromkeys(tensor_name(x, first) for x in ops[k].inputs))
+            )
         new_tensors = []
         for t, tensor in enumerate(graph.tensors):
             q = int(producer[t])
@@ -217,23 +236,31 @@ def coarsen(graph: ActivationGraph, repeats: RepeatedBlocks, blocks: int) -> Coa
                     name = op_name(reader, first)
                 except LookupError:
                     continue  # its copy would be past the end: the kept readers stand for it
-                if name not in saved_for and (name == ops[q].name or
-                                              tensor.name in new_ops[name].inputs):
+                if name not in saved_for and (
+                    name == ops[q].name or tensor.name in new_ops[name].inputs
+                ):
                     saved_for.append(name)
-            new_tensors.append(replace(
-                tensor, saved_for=tuple(saved_for),
-                alive_until=op_name(tensor.alive_until, first),
-                rebuilt_before=op_name(tensor.rebuilt_before, first)))
+            new_tensors.append(
+                replace(
+                    tensor,
+                    saved_for=tuple(saved_for),
+                    alive_until=op_name(tensor.alive_until, first),
+                    rebuilt_before=op_name(tensor.rebuilt_before, first),
+                )
+            )
     except LookupError:
         return None
     collectives = tuple(c for c in graph.collectives if not cut <= op_index[c.op] < resume)
     try:
         coarse = ActivationGraph(
             name=f"{graph.name} ({blocks} of {count} repeated blocks)",
-            ops=tuple(new_ops.values()), tensors=tuple(new_tensors),
+            ops=tuple(new_ops.values()),
+            tensors=tuple(new_tensors),
             optimizer_s=graph.optimizer_s,
-            collectives=tuple(Collective(c.name, c.op, c.phase, c.d2h_bytes, c.h2d_bytes)
-                              for c in collectives))
+            collectives=tuple(
+                Collective(c.name, c.op, c.phase, c.d2h_bytes, c.h2d_bytes) for c in collectives
+            ),
+        )
     except GraphError:
         return None  # the blocks' references do not carry over (the coarse start is optional)
     # block j of count takes the decisions of coarse block floor(j * blocks / count)
@@ -259,8 +286,11 @@ def consistent(graph: ActivationGraph, codes: np.ndarray, mask: np.ndarray | Non
     can_recompute = graph.can_recompute
     for t in graph.saved:
         t = int(t)
-        allowed = [c for c in (KEEP, SWAP, RECOMPUTE)
-                   if (mask is None or mask[t, c]) and (c != RECOMPUTE or can_recompute[t])]
+        allowed = [
+            c
+            for c in (KEEP, SWAP, RECOMPUTE)
+            if (mask is None or mask[t, c]) and (c != RECOMPUTE or can_recompute[t])
+        ]
         if codes[t] not in allowed:
             codes[t] = next((c for c in (SWAP, KEEP, RECOMPUTE) if c in allowed), KEEP)
     for members in graph.rng_groups.values():

@@ -33,15 +33,20 @@ def checkpoint_policy(plan: Plan, graph: ActivationGraph):
             f"checkpoint_policy: plan has {plan.count('swap')} swapped tensor(s), which a policy "
             "of its own cannot run (eager checkpointing has no offload; torch.compile's pass "
             "needs its nodes marked): run the plan with slackswap.checkpointed under "
-            "torch.compile, or with slackswap.apply")
+            "torch.compile, or with slackswap.apply"
+        )
     steps = []
     for i, op in enumerate(graph.ops):
         keeps = [graph.tensors[t].name for t in graph.op_outputs[i] if graph.is_saved[t]]
         # torch caches a saved output where it is made: one written in place later cannot be
         # (Op.writes), so its op reruns with the writers
         written = any(graph.writers[t] for t in graph.op_outputs[i])
-        recompute = not op.recomputable or written or not keeps or any(
-            plan.decisions.get(name) == "recompute" for name in keeps)
+        recompute = (
+            not op.recomputable
+            or written
+            or not keeps
+            or any(plan.decisions.get(name) == "recompute" for name in keeps)
+        )
         steps.append((op_kind(str(op.extra.get("aten", ""))), recompute))
     cursor = {False: 0, True: 0}
 
@@ -105,8 +110,9 @@ def _module_of(op) -> str:
     return str(op.extra.get("module", op.name.split("/")[0] if "/" in op.name else ""))
 
 
-def checkpoint_regions(plan: Plan, graph: ActivationGraph, regions: list[str] | None = None
-                       ) -> dict[str, list[tuple[str, bool, tuple[str, ...]]]]:
+def checkpoint_regions(
+    plan: Plan, graph: ActivationGraph, regions: list[str] | None = None
+) -> dict[str, list[tuple[str, bool, tuple[str, ...]]]]:
     """Per region (module path) that the plan recomputes or swaps something in: its ops in
     order, as (aten name, recompute?, the saved outputs the plan swaps: offloaded by torch's
     pass under torch.compile). ``regions``: the module paths to use instead of
@@ -139,8 +145,12 @@ def _rerun_regardless(graph: ActivationGraph, i: int, weigh_unread: bool = True)
     to hold it twice."""
     op = graph.ops[i]
     outs = graph.op_outputs[i]
-    if not op.recomputable or op.extra.get("rerun_by_checkpoint") or \
-            any(graph.writers[t] for t in outs) or not any(graph.is_saved[t] for t in outs):
+    if (
+        not op.recomputable
+        or op.extra.get("rerun_by_checkpoint")
+        or any(graph.writers[t] for t in outs)
+        or not any(graph.is_saved[t] for t in outs)
+    ):
         return True
     if not weigh_unread:
         return False
@@ -162,8 +172,12 @@ def _region_reruns(graph: ActivationGraph, of_op: list[str]) -> dict[str, list[i
     for i, region in enumerate(of_op):
         # (an op with no output of the graph, a buffer's in-place update, runs shielded and
         # holds nothing)
-        if region in last_save and i <= last_save[region] and len(graph.op_outputs[i]) and \
-                _rerun_regardless(graph, i):
+        if (
+            region in last_save
+            and i <= last_save[region]
+            and len(graph.op_outputs[i])
+            and _rerun_regardless(graph, i)
+        ):
             out.setdefault(region, []).append(i)
     return out
 
@@ -179,13 +193,17 @@ def _same_model(model, graph: ActivationGraph) -> None:
     mine = model_parameters(model)
     for a, b in zip(recorded, mine):
         if list(a) != list(b):
-            raise PlanError(f"checkpointed: the graph was profiled on another model: parameter "
-                            f"{a[0]!r} {a[1]} {a[2]} there, {b[0]!r} {b[1]} {b[2]} here")
+            raise PlanError(
+                f"checkpointed: the graph was profiled on another model: parameter "
+                f"{a[0]!r} {a[1]} {a[2]} there, {b[0]!r} {b[1]} {b[2]} here"
+            )
     if len(recorded) != len(mine):
         extra = mine[len(recorded)][0] if len(mine) > len(recorded) else recorded[len(mine)][0]
-        raise PlanError(f"checkpointed: the graph was profiled on another model: "
-                        f"{len(recorded)} parameters there, {len(mine)} here (first unmatched: "
-                        f"{extra!r})")
+        raise PlanError(
+            f"checkpointed: the graph was profiled on another model: "
+            f"{len(recorded)} parameters there, {len(mine)} here (first unmatched: "
+            f"{extra!r})"
+        )
 
 
 def _shielded_recompute(recompute_context, buffers: set[int], state=()):
@@ -202,12 +220,17 @@ def _shielded_recompute(recompute_context, buffers: set[int], state=()):
 
     class ShieldBuffers(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if any(isinstance(a, torch.Tensor) and a.untyped_storage().data_ptr() in buffers
-                   for a in args):
+            if any(
+                isinstance(a, torch.Tensor) and a.untyped_storage().data_ptr() in buffers
+                for a in args
+            ):
                 with _disable_current_modes():  # the copy is no op of the region
-                    args = tuple(a.clone() if isinstance(a, torch.Tensor)
-                                 and a.untyped_storage().data_ptr() in buffers else a
-                                 for a in args)
+                    args = tuple(
+                        a.clone()
+                        if isinstance(a, torch.Tensor) and a.untyped_storage().data_ptr() in buffers
+                        else a
+                        for a in args
+                    )
             return func(*args, **(kwargs or {}))
 
     stack = contextlib.ExitStack()
@@ -236,6 +259,7 @@ def _op_regions(graph: ActivationGraph, regions: list[str] | None) -> list[str]:
     """Per op, the region ``checkpointed`` wraps it in ("" none): ``region_of``, or the longest of
     ``regions`` containing its module; a region around another is not wrapped (its own ops run
     plainly)."""
+
     def region(path: str) -> str:
         if regions is None:
             return region_of(path)
@@ -274,8 +298,9 @@ def boundary_pins(graph: ActivationGraph, regions: list[str] | None = None) -> d
     return pins
 
 
-def checkpoint_graph(graph: ActivationGraph, regions: list[str] | None = None,
-                     compiled: bool = False) -> ActivationGraph:
+def checkpoint_graph(
+    graph: ActivationGraph, regions: list[str] | None = None, compiled: bool = False
+) -> ActivationGraph:
     """``graph`` as torch's checkpoint runs it under ``checkpointed``, for plans that simulate
     what the exported policy holds (``solve(g, budget, pins=boundary_pins(g))``):
 
@@ -306,8 +331,10 @@ def checkpoint_graph(graph: ActivationGraph, regions: list[str] | None = None,
     from dataclasses import replace
 
     if "checkpoint_graph" in graph.extra:
-        raise ValueError(f"checkpoint_graph: graph {graph.name!r} is one already (its rebuilds and "
-                         "gradients would be counted twice): pass the profiled graph")
+        raise ValueError(
+            f"checkpoint_graph: graph {graph.name!r} is one already (its rebuilds and "
+            "gradients would be counted twice): pass the profiled graph"
+        )
     of_op = _op_regions(graph, regions)
     ops = list(graph.ops)
     saved_under_compile = _drawn(graph) if compiled else set()
@@ -315,10 +342,13 @@ def checkpoint_graph(graph: ActivationGraph, regions: list[str] | None = None,
         # an op whose output is written in place later (Op.writes) is rerun by the checkpoint
         # with its writers whatever a plan says, as one that may not run again is
         written = any(graph.writers[t] for t in graph.op_outputs[i])
-        if of_op[i] and (not op.recomputable or written) and graph.op_outputs[i] and \
-                i not in saved_under_compile:
-            ops[i] = replace(op, recomputable=True,
-                             extra={**op.extra, "rerun_by_checkpoint": True})
+        if (
+            of_op[i]
+            and (not op.recomputable or written)
+            and graph.op_outputs[i]
+            and i not in saved_under_compile
+        ):
+            ops[i] = replace(op, recomputable=True, extra={**op.extra, "rerun_by_checkpoint": True})
         elif i in saved_under_compile and written:
             ops[i] = replace(op, recomputable=False)  # saved by the compiled policy
     if not compiled:
@@ -328,8 +358,9 @@ def checkpoint_graph(graph: ActivationGraph, regions: list[str] | None = None,
         for region, members in _region_reruns(marked_rerun, of_op).items():
             for i, name in enumerate(of_op):
                 if name == region:
-                    ops[i] = replace(ops[i], rerun_with=tuple(
-                        ops[q].name for q in members if q != i))
+                    ops[i] = replace(
+                        ops[i], rerun_with=tuple(ops[q].name for q in members if q != i)
+                    )
     if compiled and graph.extra.get("parameter_gradients") != "made":
         # (a profile with gradients made in the step counts them already)
         held = 0  # parameter gradients made by the backward so far (it runs the ops in reverse)
@@ -338,12 +369,22 @@ def checkpoint_graph(graph: ActivationGraph, regions: list[str] | None = None,
             # those waiting for a parameter's other readers are in the workspace already
             more = held - int(ops[i].extra.get("param_grad_waiting_bytes", 0))
             if more > 0:
-                ops[i] = replace(ops[i], backward_workspace_bytes=ops[i].backward_workspace_bytes
-                                 + more, rerun_workspace_bytes=ops[i].rerun_workspace_bytes + more)
-    marked = replace(graph, ops=tuple(ops),
-                     extra={**graph.extra, "checkpoint_graph": {
-                         "regions": list(regions) if regions is not None else "per block",
-                         "compiled": bool(compiled)}})
+                ops[i] = replace(
+                    ops[i],
+                    backward_workspace_bytes=ops[i].backward_workspace_bytes + more,
+                    rerun_workspace_bytes=ops[i].rerun_workspace_bytes + more,
+                )
+    marked = replace(
+        graph,
+        ops=tuple(ops),
+        extra={
+            **graph.extra,
+            "checkpoint_graph": {
+                "regions": list(regions) if regions is not None else "per block",
+                "compiled": bool(compiled),
+            },
+        },
+    )
     entry: dict[str, int] = {}
     for i, name in enumerate(of_op):
         if name and len(marked.saved_by_op[i]):
@@ -352,8 +393,12 @@ def checkpoint_graph(graph: ActivationGraph, regions: list[str] | None = None,
     for t, tensor in enumerate(marked.tensors):
         region = of_op[int(marked.producer[t])] if marked.producer[t] >= 0 else ""
         readers = marked.saved_for_index[t]
-        if region in entry and marked.is_saved[t] and marked.can_recompute[t] and \
-                all(of_op[q] == region for q in readers):
+        if (
+            region in entry
+            and marked.is_saved[t]
+            and marked.can_recompute[t]
+            and all(of_op[q] == region for q in readers)
+        ):
             tensor = replace(tensor, rebuilt_before=marked.ops[entry[region]].name)
         tensors.append(tensor)
     return replace(marked, tensors=tuple(tensors))
@@ -364,9 +409,11 @@ def _drawn(graph: ActivationGraph) -> set[int]:
     ``empty_like``, then ``bernoulli_``): under torch.compile their results are saved."""
     random = {i for i, op in enumerate(graph.ops) if op.extra.get("random")}
     # an in-place draw (aten.bernoulli_.float: the op's name ends with "_") fills its input
-    in_place = {i for i in random
-                if str(graph.ops[i].extra.get("aten", "")).partition(".")[2].split(".")[0]
-                .endswith("_")}
+    in_place = {
+        i
+        for i in random
+        if str(graph.ops[i].extra.get("aten", "")).partition(".")[2].split(".")[0].endswith("_")
+    }
     filled = {t for i in in_place for t in graph.op_inputs[i]}
     return random | {int(graph.producer[t]) for t in filled if graph.producer[t] >= 0}
 
@@ -440,8 +487,7 @@ class checkpointed:  # noqa: N801 - a context manager used like a function
     HF models with ``use_cache=False`` (HF does so for its own gradient checkpointing).
     """
 
-    def __init__(self, model, plan: Plan, graph: ActivationGraph,
-                 regions: list[str] | None = None):
+    def __init__(self, model, plan: Plan, graph: ActivationGraph, regions: list[str] | None = None):
         from .executor import refuse_what_the_checker_refuses
 
         self.model = model
@@ -453,8 +499,10 @@ class checkpointed:  # noqa: N801 - a context manager used like a function
         modules = dict(model.named_modules())
         missing = [r for r in self.steps if r not in modules]
         if missing:
-            raise ValueError(f"checkpointed: region {missing[0]!r} of the graph is no module of "
-                             "this model (profile the model you run)")
+            raise ValueError(
+                f"checkpointed: region {missing[0]!r} of the graph is no module of "
+                "this model (profile the model you run)"
+            )
         self.modules = {r: modules[r] for r in self.steps}
         self._saved: dict[str, object] = {}
         # swaps run through torch's offloading pass under torch.compile (compiled_offload.py)
@@ -466,8 +514,13 @@ class checkpointed:  # noqa: N801 - a context manager used like a function
             self.offloads = CompiledOffloads(cuda=device is not None and device.type == "cuda")
             # swaps torch's checkpoint cannot offload: in an op it reruns (written in place
             # later, or one that may not run again), or in no region (the model's own ops)
-            offered = {n for ops in self.steps.values() for _, rerun, swaps in ops if not rerun
-                       for n in swaps}
+            offered = {
+                n
+                for ops in self.steps.values()
+                for _, rerun, swaps in ops
+                if not rerun
+                for n in swaps
+            }
             rerun = {n for ops in self.steps.values() for _, r, swaps in ops if r for n in swaps}
             self.offloads.recomputed_instead = rerun
             self.offloads.saved_instead = set(plan.tensors("swap")) - offered - rerun
@@ -478,8 +531,10 @@ class checkpointed:  # noqa: N801 - a context manager used like a function
                     f"checkpointed: of the plan's {plan.count('swap')} swaps, {len(rerun)} are "
                     f"in ops torch's checkpoint reruns (recomputed instead) and "
                     f"{len(self.offloads.saved_instead)} in ops outside every region (saved "
-                    "instead): checkpointed.info['swaps'] names them", RuntimeWarning,
-                    stacklevel=2)
+                    "instead): checkpointed.info['swaps'] names them",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
 
     @property
     def info(self) -> dict:
@@ -487,9 +542,12 @@ class checkpointed:  # noqa: N801 - a context manager used like a function
         pass would not offload it) or "not compiled"; the schedule is torch's."""
         if self.offloads is None:
             return {"swaps": {}}
-        return {"swaps": self.offloads.report(), "compiled_graphs": list(self.offloads.graphs),
-                "schedule": "torch's activation-offloading pass (offload after the producer, "
-                            "reload before the first use), not the plan's"}
+        return {
+            "swaps": self.offloads.report(),
+            "compiled_graphs": list(self.offloads.graphs),
+            "schedule": "torch's activation-offloading pass (offload after the producer, "
+            "reload before the first use), not the plan's",
+        }
 
     def __enter__(self):
 
@@ -499,8 +557,11 @@ class checkpointed:  # noqa: N801 - a context manager used like a function
         state = {t.untyped_storage().data_ptr() for t in buffers}
         if self.offloads is not None:
             self.offloads.__enter__()
-        self._hook = self.model.register_forward_pre_hook(self._check_inputs, with_kwargs=True) \
-            if self.inputs is not None else None
+        self._hook = (
+            self.model.register_forward_pre_hook(self._check_inputs, with_kwargs=True)
+            if self.inputs is not None
+            else None
+        )
         for name, module in self.modules.items():
             forward = module.forward
             self._saved[name] = module.__dict__.get("forward")
@@ -517,14 +578,21 @@ class checkpointed:  # noqa: N801 - a context manager used like a function
                 import torch
 
                 forward_ctx, recompute_ctx = create_selective_checkpoint_contexts(
-                    _region_policy(_steps, _offloads))
+                    _region_policy(_steps, _offloads)
+                )
                 if torch.compiler.is_compiling():
                     return forward_ctx, recompute_ctx
                 return forward_ctx, _shielded_recompute(recompute_ctx, state, buffers)
 
             def wrapped(*args, _forward=forward, _context=context, **kwargs):
-                return checkpoint(_forward, *args, use_reentrant=False, context_fn=_context,
-                                  preserve_rng_state=True, **kwargs)
+                return checkpoint(
+                    _forward,
+                    *args,
+                    use_reentrant=False,
+                    context_fn=_context,
+                    preserve_rng_state=True,
+                    **kwargs,
+                )
 
             module.forward = wrapped
         return self
@@ -538,11 +606,14 @@ class checkpointed:  # noqa: N801 - a context manager used like a function
         recorded = self.inputs
         fits = len(given) == len(recorded) and all(
             dt == rdt and len(shape) == len(rshape) and all(a <= b for a, b in zip(shape, rshape))
-            for (shape, dt), (rshape, rdt) in zip(given, recorded))
+            for (shape, dt), (rshape, rdt) in zip(given, recorded)
+        )
         if not fits:
-            raise PlanError(f"checkpointed: the inputs {given} are not the profiled ones "
-                            f"{recorded} (or smaller): the plan holds what it says only for "
-                            "the step it was made for; profile and plan this shape")
+            raise PlanError(
+                f"checkpointed: the inputs {given} are not the profiled ones "
+                f"{recorded} (or smaller): the plan holds what it says only for "
+                "the step it was made for; profile and plan this shape"
+            )
 
     def __exit__(self, *exc) -> None:
         if self.offloads is not None:

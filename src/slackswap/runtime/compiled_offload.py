@@ -75,7 +75,9 @@ class CompiledOffloads:
                 "region): eager checkpointing cannot offload, so its swaps are saved on the "
                 "device and the step holds more than the plan says; run the plan with "
                 "slackswap.apply, or compile without graph breaks (checkpointed.info['swaps'])",
-                RuntimeWarning, stacklevel=2)
+                RuntimeWarning,
+                stacklevel=2,
+            )
 
     # ------------------------------------------------------------ the partitioner's passes
     def joint_pass(self, previous):
@@ -110,18 +112,24 @@ class CompiledOffloads:
         self.offloaded |= offloaded
         refused = tagged - offloaded - self.offloaded
         self.saved_instead |= refused
-        self.graphs.append({
-            "offloads": sum(n.name.startswith(OFFLOAD_PREFIX) for n in fwd_module.graph.nodes),
-            "reloads": sum(n.name.startswith(RELOAD_PREFIX) for n in bwd_module.graph.nodes)})
+        self.graphs.append(
+            {
+                "offloads": sum(n.name.startswith(OFFLOAD_PREFIX) for n in fwd_module.graph.nodes),
+                "reloads": sum(n.name.startswith(RELOAD_PREFIX) for n in bwd_module.graph.nodes),
+            }
+        )
         if refused:
-            shown = ", ".join(sorted(refused)[:4]) + (f" and {len(refused) - 4} more"
-                                                      if len(refused) > 4 else "")
+            shown = ", ".join(sorted(refused)[:4]) + (
+                f" and {len(refused) - 4} more" if len(refused) > 4 else ""
+            )
             warnings.warn(
                 f"checkpointed: torch's offloading pass would not offload {len(refused)} of the "
                 f"plan's swaps ({shown}: a view, a getitem of a multi-output op or a "
                 "non-contiguous tensor); they are saved on the device instead, so the step holds "
-                "more than the plan says (checkpointed.info['swaps'])", RuntimeWarning,
-                stacklevel=2)
+                "more than the plan says (checkpointed.info['swaps'])",
+                RuntimeWarning,
+                stacklevel=2,
+            )
 
     # ------------------------------------------------------------ the context
     def __enter__(self) -> CompiledOffloads:
@@ -129,12 +137,15 @@ class CompiledOffloads:
         import torch._functorch.config as functorch_config
 
         stack = contextlib.ExitStack()
-        stack.enter_context(functorch_config.patch(
-            enable_activation_offloading=True,
-            joint_custom_pass=self.joint_pass(functorch_config.joint_custom_pass),
-            activation_offload_separate_stream=self.cuda,
-            activation_offload_sink_wait=self.cuda,
-            activation_reload_prefetch=self.cuda))
+        stack.enter_context(
+            functorch_config.patch(
+                enable_activation_offloading=True,
+                joint_custom_pass=self.joint_pass(functorch_config.joint_custom_pass),
+                activation_offload_separate_stream=self.cuda,
+                activation_offload_sink_wait=self.cuda,
+                activation_reload_prefetch=self.cuda,
+            )
+        )
         original = pass_module.enable_activation_offloading
         pass_module.enable_activation_offloading = self.wrap(original)
         stack.callback(setattr, pass_module, "enable_activation_offloading", original)
@@ -154,7 +165,13 @@ class CompiledOffloads:
         that ran eagerly saved its swaps ("saved")."""
         out = {}
         for name in sorted(self.requested):
-            out[name] = ("offloaded" if name in self.offloaded else
-                         "recomputed" if name in self.recomputed_instead else
-                         "saved" if name in self.saved_instead else "not compiled")
+            out[name] = (
+                "offloaded"
+                if name in self.offloaded
+                else "recomputed"
+                if name in self.recomputed_instead
+                else "saved"
+                if name in self.saved_instead
+                else "not compiled"
+            )
         return out

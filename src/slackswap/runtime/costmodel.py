@@ -28,26 +28,74 @@ LAUNCH_S = 5e-6
 
 # fused attention kernels: forward 4*b*h*s_q*s_k*d FLOPs (two matrix products); backward 2.5x the
 # forward (FlashAttention-2; shared/reference.md), the ratio torch's own formulas use
-ATTENTION_FORWARD = {"_scaled_dot_product_flash_attention_for_cpu",
-                     "_scaled_dot_product_fused_attention_overrideable"}
-ATTENTION_BACKWARD = {"_scaled_dot_product_flash_attention_for_cpu_backward",
-                      "_scaled_dot_product_fused_attention_overrideable_backward"}
-ATTENTION_IN_REGISTRY = {"_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
-                         "_scaled_dot_product_cudnn_attention", "_flash_attention_forward",
-                         "_efficient_attention_forward", "_scaled_dot_product_flash_attention_backward",
-                         "_scaled_dot_product_efficient_attention_backward",
-                         "_scaled_dot_product_cudnn_attention_backward", "_flash_attention_backward",
-                         "_efficient_attention_backward"}
+ATTENTION_FORWARD = {
+    "_scaled_dot_product_flash_attention_for_cpu",
+    "_scaled_dot_product_fused_attention_overrideable",
+}
+ATTENTION_BACKWARD = {
+    "_scaled_dot_product_flash_attention_for_cpu_backward",
+    "_scaled_dot_product_fused_attention_overrideable_backward",
+}
+ATTENTION_IN_REGISTRY = {
+    "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_cudnn_attention",
+    "_flash_attention_forward",
+    "_efficient_attention_forward",
+    "_scaled_dot_product_flash_attention_backward",
+    "_scaled_dot_product_efficient_attention_backward",
+    "_scaled_dot_product_cudnn_attention_backward",
+    "_flash_attention_backward",
+    "_efficient_attention_backward",
+}
 BACKWARD_OVER_FORWARD = 2.5
 
 # ops that make no kernel: views, aliases and metadata
-NO_KERNEL = {"view", "_unsafe_view", "reshape", "t", "transpose", "permute", "expand", "unsqueeze",
-             "squeeze", "detach", "alias", "as_strided", "slice", "select", "split",
-             "split_with_sizes", "unbind", "chunk", "narrow", "view_as", "expand_as", "unflatten",
-             "flatten", "_reshape_alias", "lift_fresh", "empty", "empty_like", "empty_strided",
-             "new_empty", "new_empty_strided", "sym_size", "sym_stride", "sym_numel", "dim",
-             "is_same_size", "_to_copy_noop", "_has_compatible_shallow_copy_type", "numel",
-             "_local_scalar_dense", "diagonal", "real", "view_as_real", "view_as_complex"}
+NO_KERNEL = {
+    "view",
+    "_unsafe_view",
+    "reshape",
+    "t",
+    "transpose",
+    "permute",
+    "expand",
+    "unsqueeze",
+    "squeeze",
+    "detach",
+    "alias",
+    "as_strided",
+    "slice",
+    "select",
+    "split",
+    "split_with_sizes",
+    "unbind",
+    "chunk",
+    "narrow",
+    "view_as",
+    "expand_as",
+    "unflatten",
+    "flatten",
+    "_reshape_alias",
+    "lift_fresh",
+    "empty",
+    "empty_like",
+    "empty_strided",
+    "new_empty",
+    "new_empty_strided",
+    "sym_size",
+    "sym_stride",
+    "sym_numel",
+    "dim",
+    "is_same_size",
+    "_to_copy_noop",
+    "_has_compatible_shallow_copy_type",
+    "numel",
+    "_local_scalar_dense",
+    "diagonal",
+    "real",
+    "view_as_real",
+    "view_as_complex",
+}
 
 
 @dataclass(frozen=True)
@@ -83,12 +131,18 @@ class CostModel:
 
     def describe(self) -> dict:
         hw = self.hardware
-        return {"model": "roofline", "hardware": hw.name, "peak_flops": hw.peak_flops,
-                "hbm_bytes_per_s": hw.hbm_bytes_per_s, "gemm_efficiency": hw.gemm_efficiency,
-                "attention_efficiency": hw.attention_efficiency,
-                "memory_efficiency": hw.memory_efficiency, "launch_s": self.launch_s,
-                "flops": "torch.utils.flop_counter formulas; fused attention 4bhs_qs_kd forward, "
-                         f"{BACKWARD_OVER_FORWARD}x backward"}
+        return {
+            "model": "roofline",
+            "hardware": hw.name,
+            "peak_flops": hw.peak_flops,
+            "hbm_bytes_per_s": hw.hbm_bytes_per_s,
+            "gemm_efficiency": hw.gemm_efficiency,
+            "attention_efficiency": hw.attention_efficiency,
+            "memory_efficiency": hw.memory_efficiency,
+            "launch_s": self.launch_s,
+            "flops": "torch.utils.flop_counter formulas; fused attention 4bhs_qs_kd forward, "
+            f"{BACKWARD_OVER_FORWARD}x backward",
+        }
 
     def cost(self, func, args, kwargs, out) -> OpCost:
         name = func.overloadpacket.__name__ if hasattr(func, "overloadpacket") else str(func)
@@ -107,8 +161,9 @@ class CostModel:
             efficiency = 1.0
         compute = flops / (hw.peak_flops * efficiency) if flops else 0.0
         memory = moved / (hw.hbm_bytes_per_s * hw.memory_efficiency)
-        return OpCost(flops, moved, max(compute, memory) + self.launch_s,
-                      kind if flops else "memory")
+        return OpCost(
+            flops, moved, max(compute, memory) + self.launch_s, kind if flops else "memory"
+        )
 
     @staticmethod
     def flops(func, name: str, args, kwargs, out) -> tuple[float, str]:

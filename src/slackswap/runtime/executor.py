@@ -46,7 +46,9 @@ class RunStats:
     """What the executor did in the steps run under it (accumulated; peak is the maximum)."""
 
     steps: int = 0
-    peak_activation_bytes: int = 0  # the tensors it tracks (not gradients): SimResult.tensor_peak_bytes
+    peak_activation_bytes: int = (
+        0  # the tensors it tracks (not gradients): SimResult.tensor_peak_bytes
+    )
     swapped_out_bytes: int = 0
     swapped_in_bytes: int = 0
     recomputed_bytes: int = 0
@@ -137,8 +139,9 @@ def refuse_what_the_checker_refuses(plan: Plan, graph: ActivationGraph | None, w
         for name, free in plan.schedule.d2h_free.items():
             issue = plan.schedule.h2d_issue.get(name)
             if issue is not None and issue <= free:
-                faults.append(f"schedule: h2d_issue[{name!r}] = {issue} is not after its "
-                              f"d2h_free {free}")
+                faults.append(
+                    f"schedule: h2d_issue[{name!r}] = {issue} is not after its d2h_free {free}"
+                )
         if faults:
             raise PlanError(f"{who}: the plan breaks its own rules: {faults[0]}")
         return
@@ -153,23 +156,34 @@ def refuse_what_the_checker_refuses(plan: Plan, graph: ActivationGraph | None, w
     checked = verdict[1]
     if not checked.ok:
         more = len(checked.violations) - 1
-        raise PlanError(f"{who}: the checker refuses this plan: {checked.violations[0]}"
-                        + (f" (and {more} more)" if more else ""))
+        raise PlanError(
+            f"{who}: the checker refuses this plan: {checked.violations[0]}"
+            + (f" (and {more} more)" if more else "")
+        )
 
 
 class Run:
     """The context ``apply`` returns; ``stats`` holds what the steps did."""
 
-    def __init__(self, plan: Plan, model: torch.nn.Module, graph: ActivationGraph | None,
-                 prefetch_ahead: int = 2, smaller_inputs: bool = False):
+    def __init__(
+        self,
+        plan: Plan,
+        model: torch.nn.Module,
+        graph: ActivationGraph | None,
+        prefetch_ahead: int = 2,
+        smaller_inputs: bool = False,
+    ):
         if graph is not None:
             plan.check_graph(graph)
-        if "checkpoint_graph" in plan.extra or (graph is not None and
-                                                "checkpoint_graph" in graph.extra):
-            raise PlanError("apply: this plan is for a graph made by slackswap.checkpoint_graph "
-                            "(torch's checkpoint reruns what it rebuilds, dropout masks drawn in "
-                            "place included): run it with slackswap.checkpointed, or plan the "
-                            "profiled graph itself for apply")
+        if "checkpoint_graph" in plan.extra or (
+            graph is not None and "checkpoint_graph" in graph.extra
+        ):
+            raise PlanError(
+                "apply: this plan is for a graph made by slackswap.checkpoint_graph "
+                "(torch's checkpoint reruns what it rebuilds, dropout masks drawn in "
+                "place included): run it with slackswap.checkpointed, or plan the "
+                "profiled graph itself for apply"
+            )
         plan.require_complete("apply")
         refuse_what_the_checker_refuses(plan, graph, "apply")
         self.plan = plan
@@ -208,17 +222,24 @@ class Run:
             # the graph gives every offloaded storage's size: one pinned slab for what an
             # earlier plan on this graph left no buffer for (a context per step, or the loop's
             # next plan, allocates nothing)
-            self.pool.reserve_missing({name: int(graph.tensors[graph.tensor_index[name]].bytes)
-                                       for name, d in plan.decisions.items()
-                                       if d == "swap" and name in graph.tensor_index})
+            self.pool.reserve_missing(
+                {
+                    name: int(graph.tensors[graph.tensor_index[name]].bytes)
+                    for name, d in plan.decisions.items()
+                    if d == "swap" and name in graph.tensor_index
+                }
+            )
         self._live = LiveStorages()  # device storages by storage key
         self._planned_bytes = dict(plan.extra.get("tensor_bytes", {}))
         # a plan made at a larger input shape runs a smaller one: every saved tensor no larger
         # than planned, the same ops, so no point of the step holds more than planned
         self._smaller_inputs = bool(smaller_inputs)
         self._rebuild_depth = 0
-        self._device_index = (device.index if device.index is not None else
-                              torch.cuda.current_device()) if self.cuda else -1
+        self._device_index = (
+            (device.index if device.index is not None else torch.cuda.current_device())
+            if self.cuda
+            else -1
+        )
         self._step: _Step | None = None
         self._last_log = RunLog()  # the log of a step no longer held
         self._stack: contextlib.ExitStack | None = None
@@ -254,16 +275,24 @@ class Run:
         hw = self.plan.hardware
         if self.cuda:
             here = torch.cuda.get_device_name(self.device)
-            tokens = [tok for tok in ("a100", "h100", "h200", "l4", "l40", "v100", "a10")
-                      if tok in hw.name.lower()]
-            differs = hw.name.startswith("cpu") or (tokens and not any(tok in here.lower() for tok in tokens))
+            tokens = [
+                tok
+                for tok in ("a100", "h100", "h200", "l4", "l40", "v100", "a10")
+                if tok in hw.name.lower()
+            ]
+            differs = hw.name.startswith("cpu") or (
+                tokens and not any(tok in here.lower() for tok in tokens)
+            )
         else:
             here = "cpu"
             differs = not hw.name.startswith("cpu")
         if differs:
-            warnings.warn(f"plan was made for hardware {hw.name!r} but runs on {here!r} "
-                          f"({self.device}): its copy and rebuild positions were timed for the "
-                          "former", stacklevel=3)
+            warnings.warn(
+                f"plan was made for hardware {hw.name!r} but runs on {here!r} "
+                f"({self.device}): its copy and rebuild positions were timed for the "
+                "former",
+                stacklevel=3,
+            )
 
     @property
     def log(self) -> RunLog:
@@ -302,8 +331,10 @@ class Run:
                 self._release_due(step, op - 1)
             if step.pending_hooks:
                 self._hook_nodes(step)
-            if step.issue_cursor < len(positions.issue_order) and \
-                    positions.issue_order[step.issue_cursor] <= op:
+            if (
+                step.issue_cursor < len(positions.issue_order)
+                and positions.issue_order[step.issue_cursor] <= op
+            ):
                 self._issue_due(step, op)
             step.seq_to_op.setdefault(torch._C._autograd._get_sequence_nr() - 1, op)
         return op
@@ -329,8 +360,11 @@ class Run:
         order = positions.issue_order
         while step.issue_cursor < len(order) and order[step.issue_cursor] <= q:
             for name in positions.issue_at[order[step.issue_cursor]]:
-                if name in step.host and name not in step.device_copy \
-                        and step.handles_left.get(name, 0) > 0:
+                if (
+                    name in step.host
+                    and name not in step.device_copy
+                    and step.handles_left.get(name, 0) > 0
+                ):
                     step.device_copy[name] = self._bring_back(step, name)
             step.issue_cursor += 1
 
@@ -348,8 +382,11 @@ class Run:
             # a rebuild runs at its position when the backward reaches it; where that node does
             # not run (its output is off the loss's path), at the tensor's first use if any
             for name in positions.rebuild_at.get(q, ()):
-                if name in step.packed and name not in step.device_copy \
-                        and step.handles_left.get(name, 0) > 0:
+                if (
+                    name in step.packed
+                    and name not in step.device_copy
+                    and step.handles_left.get(name, 0) > 0
+                ):
                     self._materialize(step, name)
 
     # ------------------------------------------------------------ memory tracking
@@ -369,7 +406,9 @@ class Run:
         # module paths first, so the model's own pre-hook has pushed its name when a step begins
         self._paths = ModulePaths(self.model)
         self._stack.callback(self._paths.remove)
-        self._stack.enter_context(torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack))
+        self._stack.enter_context(
+            torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        )
         self._stack.enter_context(ForwardHook(self))
         self._stack.enter_context(EndForwardOnBackward(self))
         return self
@@ -441,8 +480,10 @@ class Run:
             missing = sorted(set(self.plan.decisions) - step.packed)
             if missing and self.graph is None:
                 more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
-                raise PlanError(f"plan tensor(s) {', '.join(map(repr, missing[:3]))}{more} were not "
-                                "saved in this step: the plan was made for another model or input shape")
+                raise PlanError(
+                    f"plan tensor(s) {', '.join(map(repr, missing[:3]))}{more} were not "
+                    "saved in this step: the plan was made for another model or input shape"
+                )
             self._checked = True
 
     # ------------------------------------------------------------ hooks
@@ -460,9 +501,11 @@ class Run:
             return t
         decision = self.plan.decisions.get(name)
         if decision is None:
-            raise PlanError(f"tensor {name!r} (shape {tuple(t.shape)}, {t.dtype}) is saved by this "
-                            f"model but is not in plan for graph {self.plan.graph_name!r}: the plan "
-                            "was made for another model or input shape")
+            raise PlanError(
+                f"tensor {name!r} (shape {tuple(t.shape)}, {t.dtype}) is saved by this "
+                f"model but is not in plan for graph {self.plan.graph_name!r}: the plan "
+                "was made for another model or input shape"
+            )
         if name not in step.verified:
             self._check_tensor(name, t)
             step.verified.add(name)
@@ -501,10 +544,14 @@ class Run:
             raise PlanError(
                 f"apply: save {k} of this step comes at {where}, where the checked step of the "
                 f"same input shapes saved "
-                + (f"at op {order[k][0]} of module {order[k][2]!r}" if k < len(order)
-                   else "no more tensors")
+                + (
+                    f"at op {order[k][0]} of module {order[k][2]!r}"
+                    if k < len(order)
+                    else "no more tensors"
+                )
                 + ": the model's forward depends on its data; run it under ss.planned (which "
-                "profiles such steps again) or without a plan")
+                "profiles such steps again) or without a plan"
+            )
         return order[k][1]
 
     def _check_tensor(self, name: str, t: torch.Tensor) -> None:
@@ -523,13 +570,18 @@ class Run:
         else:
             planned = self._planned_bytes.get(name)
             shape = None
-        if planned is not None and planned != nbytes and not (self._smaller_inputs
-                                                              and nbytes <= planned):
+        if (
+            planned is not None
+            and planned != nbytes
+            and not (self._smaller_inputs and nbytes <= planned)
+        ):
             seen = f"shape {tuple(t.shape)}, {nbytes} bytes"
             was = f"{planned} bytes" + (f", shape {tuple(shape)}" if shape is not None else "")
-            raise PlanError(f"tensor {name!r} is {seen} here but the plan was made for {was}: "
-                            "the plan is for another input shape or model size; profile and plan "
-                            "this one")
+            raise PlanError(
+                f"tensor {name!r} is {seen} here but the plan was made for {was}: "
+                "the plan is for another input shape or model size; profile and plan "
+                "this one"
+            )
 
     def _unpack(self, handle):
         if not isinstance(handle, _Handle):
@@ -551,11 +603,19 @@ class Run:
                 op = step.seq_to_op.get(node._sequence_nr())
                 if op is not None:
                     self._at_backward(step, self._positions.backward_position(op))
-        if name in step.dirty or (handle.ref is not None and handle.ref() is not None
-                                  and handle.ref()._version != handle.version) or \
-                (handle.tensor is not None and handle.tensor._version != handle.version):
-            raise RuntimeError(f"tensor {name!r} saved for backward was modified in place after it "
-                               "was saved; gradients would be wrong (use an out-of-place op)")
+        if (
+            name in step.dirty
+            or (
+                handle.ref is not None
+                and handle.ref() is not None
+                and handle.ref()._version != handle.version
+            )
+            or (handle.tensor is not None and handle.tensor._version != handle.version)
+        ):
+            raise RuntimeError(
+                f"tensor {name!r} saved for backward was modified in place after it "
+                "was saved; gradients would be wrong (use an out-of-place op)"
+            )
         if handle.kind == "keep":
             out = handle.tensor
         else:
@@ -580,17 +640,20 @@ class Run:
         if self._issue_at is not None and name in self._need_at:
             now = self._need_at[name] + 1
             for nxt in step.swap_order:
-                if self._issue_at.get(nxt, 1 << 30) <= now and nxt not in step.device_copy \
-                        and step.handles_left.get(nxt, 0) > 0:
+                if (
+                    self._issue_at.get(nxt, 1 << 30) <= now
+                    and nxt not in step.device_copy
+                    and step.handles_left.get(nxt, 0) > 0
+                ):
                     step.device_copy[nxt] = self._bring_back(step, nxt)
             return
         if self.prefetch_ahead <= 0:
             return
         if name in step.swap_order:
             i = step.swap_order.index(name)
-            upcoming = step.swap_order[max(0, i - self.prefetch_ahead):i][::-1]
+            upcoming = step.swap_order[max(0, i - self.prefetch_ahead) : i][::-1]
         else:
-            upcoming = step.swap_order[-self.prefetch_ahead:][::-1]
+            upcoming = step.swap_order[-self.prefetch_ahead :][::-1]
         for nxt in upcoming:
             if nxt not in step.device_copy and step.handles_left.get(nxt, 0) > 0:
                 step.device_copy[nxt] = self._bring_back(step, nxt)
@@ -643,7 +706,9 @@ class Run:
             finally:
                 self._rebuild_depth -= 1
             if self._rebuild_depth == 0:
-                self.stats.recompute_s += (time.perf_counter() - start) - (self.stats.wait_s - waited)
+                self.stats.recompute_s += (time.perf_counter() - start) - (
+                    self.stats.wait_s - waited
+                )
             self.stats.recomputed_bytes += storage.nbytes()
         step.device_copy[name] = storage
         return storage
@@ -689,8 +754,10 @@ class Run:
         """Tensor ``name`` made again: its producer, then every op that wrote it in place."""
         rec = step.recipes.get(name)
         if rec is None:
-            raise RuntimeError(f"tensor {name!r} cannot be rebuilt: no recipe recorded for the "
-                               "op that made it (plan it as keep or swap)")
+            raise RuntimeError(
+                f"tensor {name!r} cannot be rebuilt: no recipe recorded for the "
+                "op that made it (plan it as keep or swap)"
+            )
         tensors = self._run_recipe(step, rec, transients, {})
         for t, out_name in zip(tensors, rec.out_names, strict=False):
             if out_name == name:
@@ -705,6 +772,7 @@ class Run:
     def _run_recipe(self, step: _Step, rec, transients: dict, fresh: dict) -> list:
         """One recorded op run again (its RNG state as it first ran), under no_grad; ``fresh``:
         storages a rebuild has just made, read in place of the step's own."""
+
         def resolve(ref: Ref) -> torch.Tensor:
             storage = fresh.get(ref.name)
             if storage is None:
@@ -712,7 +780,8 @@ class Run:
                     raise RuntimeError(
                         f"rebuilding with op {rec.op!r} would read tensor {ref.name!r} as it is "
                         "now, but the op read it before it was written in place: plan what the "
-                        "op makes as keep or swap")
+                        "op makes as keep or swap"
+                    )
                 storage = self._storage_of(step, ref.name, transients)
             return ref.view.on(storage, self.device)
 
@@ -818,16 +887,22 @@ class _SkimTracer(_StepTracer):
                 raise PlanError(
                     f"apply: op {op} of this step is {func}, where the checked step of the same "
                     f"input shapes ran {skeleton.func}: the model's forward depends on its data; "
-                    "run it under ss.planned (which profiles such steps again) or without a plan")
+                    "run it under ss.planned (which profiles such steps again) or without a plan"
+                )
             rng = None
             if skeleton.random:
-                rng = (torch.get_rng_state(),
-                       torch.cuda.get_rng_state(run.device) if run.cuda else None)
+                rng = (
+                    torch.get_rng_state(),
+                    torch.cuda.get_rng_state(run.device) if run.cuda else None,
+                )
             out = func(*args, **kwargs)
             skeleton.again(args, kwargs, rng, op).file(step)
         if op in positions.hooked_ops:
-            tensors = [out] if isinstance(out, torch.Tensor) else collect_tensors(
-                out if isinstance(out, (list, tuple)) else [], [])
+            tensors = (
+                [out]
+                if isinstance(out, torch.Tensor)
+                else collect_tensors(out if isinstance(out, (list, tuple)) else [], [])
+            )
             step.pending_hooks.append((op, [weakref.ref(t) for t in tensors]))
         return out
 
@@ -865,12 +940,18 @@ class _Skeleton:
 
     def again(self, args, kwargs, rng, op: int) -> _Skeleton:
         """The same op in a skimmed step: its recipes on this step's tensors."""
+
         def redo(rec: Recipe | None) -> Recipe | None:
             if rec is None:
                 return None
-            return Recipe(rec.op, rec.func, _retemplate(rec.args, args, op),
-                          {k: _retemplate(v, kwargs.get(k), op) for k, v in rec.kwargs.items()},
-                          rec.out_names, rng if rec.rng is not None else None)
+            return Recipe(
+                rec.op,
+                rec.func,
+                _retemplate(rec.args, args, op),
+                {k: _retemplate(v, kwargs.get(k), op) for k, v in rec.kwargs.items()},
+                rec.out_names,
+                rng if rec.rng is not None else None,
+            )
 
         return _Skeleton(self.func, redo(self.recipe), self.made, redo(self.rewrite), self.writes)
 
@@ -896,10 +977,12 @@ def _retemplate(checked, now, op: int):
 
 
 def _left_checked_step(op: int) -> PlanError:
-    return PlanError(f"apply: the arguments of op {op} of this step differ from those of the "
-                     "checked step of the same input shapes: the model's forward depends on its "
-                     "data; run it under ss.planned (which profiles such steps again) or "
-                     "without a plan")
+    return PlanError(
+        f"apply: the arguments of op {op} of this step differ from those of the "
+        "checked step of the same input shapes: the model's forward depends on its "
+        "data; run it under ss.planned (which profiles such steps again) or "
+        "without a plan"
+    )
 
 
 class _RecordingTracer(_StepTracer):
@@ -927,8 +1010,10 @@ class _RecordingTracer(_StepTracer):
         recorded = self.recipes and (self.run.recipe_ops is None or op in self.run.recipe_ops)
         rng = None
         if random and recorded:
-            rng = (torch.get_rng_state(),
-                   torch.cuda.get_rng_state(self.run.device) if self.run.cuda else None)
+            rng = (
+                torch.get_rng_state(),
+                torch.cuda.get_rng_state(self.run.device) if self.run.cuda else None,
+            )
         out = func(*args, **kwargs)
         module = self.paths.current
         out_tensors, stored, made, writes = self.name_outputs(out, in_keys, inplace, module, None)
@@ -948,23 +1033,40 @@ class _RecordingTracer(_StepTracer):
             for key, _ in stored:
                 name = self.by_storage.get(key)
                 out_names.append(name if name in made else None)
-            made_recipe = Recipe(f"{module}/{aten}", func, template(args, self, step.written),
-                                 {k: template(v, self, step.written) for k, v in kwargs.items()},
-                                 out_names, rng)
+            made_recipe = Recipe(
+                f"{module}/{aten}",
+                func,
+                template(args, self, step.written),
+                {k: template(v, self, step.written) for k, v in kwargs.items()},
+                out_names,
+                rng,
+            )
         if recorded and writes:
             # written in place: rebuilt by its producer, then by this op again (in order)
-            rewrite = Recipe(f"{module}/{aten}", func, template(args, self, step.written),
-                             {k: template(v, self, step.written) for k, v in kwargs.items()}, [], rng)
-        skeleton = _Skeleton(func, made_recipe, tuple(made) if made_recipe else (), rewrite,
-                             tuple(writes))
+            rewrite = Recipe(
+                f"{module}/{aten}",
+                func,
+                template(args, self, step.written),
+                {k: template(v, self, step.written) for k, v in kwargs.items()},
+                [],
+                rng,
+            )
+        skeleton = _Skeleton(
+            func, made_recipe, tuple(made) if made_recipe else (), rewrite, tuple(writes)
+        )
         skeleton.file(step)
         if step.skeletons is not None:
             step.skeletons[op] = skeleton
         return out
 
 
-def apply(plan: Plan, model: torch.nn.Module, graph: ActivationGraph | None = None, *,
-          smaller_inputs: bool = False) -> Run:
+def apply(
+    plan: Plan,
+    model: torch.nn.Module,
+    graph: ActivationGraph | None = None,
+    *,
+    smaller_inputs: bool = False,
+) -> Run:
     """Context manager running training steps of ``model`` under ``plan``.
 
     ``graph`` (optional) is the graph the plan was made for: its digest is checked against the
@@ -978,8 +1080,10 @@ def apply(plan: Plan, model: torch.nn.Module, graph: ActivationGraph | None = No
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"apply: model must be a torch.nn.Module, got {type(model).__name__}")
     if hasattr(model, "_orig_mod") and type(model).__name__ == "OptimizedModule":
-        raise PlanError("apply: the model is torch.compile'd; the executor runs eager models. "
-                        "Either apply the plan to model._orig_mod and call that, or keep the "
-                        "compiled model and run it inside slackswap.checkpointed(model._orig_mod, "
-                        "plan, graph) (plans with keep and recompute only)")
+        raise PlanError(
+            "apply: the model is torch.compile'd; the executor runs eager models. "
+            "Either apply the plan to model._orig_mod and call that, or keep the "
+            "compiled model and run it inside slackswap.checkpointed(model._orig_mod, "
+            "plan, graph) (plans with keep and recompute only)"
+        )
     return Run(plan, model, graph, smaller_inputs=smaller_inputs)

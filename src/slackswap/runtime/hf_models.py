@@ -35,8 +35,12 @@ def hf_config(family: str, overrides: dict[str, Any] | None = None):
     return config
 
 
-def meta_model(family: str, overrides: dict[str, Any] | None = None, dtype: str = "bfloat16",
-               attention: str = "sdpa"):
+def meta_model(
+    family: str,
+    overrides: dict[str, Any] | None = None,
+    dtype: str = "bfloat16",
+    attention: str = "sdpa",
+):
     """(model in training mode on the meta device, its config)."""
     import torch
     import transformers
@@ -60,7 +64,9 @@ def training_batch(config, seq: int, batch: int):
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
     limit = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
     if limit is not None and seq > limit:
-        raise ValueError(f"seq {seq} is longer than the config's {limit} positions "
-                         "(set max_position_embeddings / n_positions in --hf-config)")
+        raise ValueError(
+            f"seq {seq} is longer than the config's {limit} positions "
+            "(set max_position_embeddings / n_positions in --hf-config)"
+        )
     ids = torch.zeros((batch, seq), dtype=torch.long)
     return {"input_ids": ids, "labels": ids}, (lambda out: out.loss)

@@ -29,8 +29,9 @@ class CpuLanes:
     def release(self, offloaded: Any) -> None:
         """Before the device memory goes back: the copy is done."""
 
-    def prefetch(self, buf: torch.UntypedStorage, nbytes: int,
-                 offloaded: Any) -> tuple[torch.UntypedStorage, Any]:
+    def prefetch(
+        self, buf: torch.UntypedStorage, nbytes: int, offloaded: Any
+    ) -> tuple[torch.UntypedStorage, Any]:
         dev = torch.empty(nbytes, dtype=torch.uint8).untyped_storage()
         dev.copy_(buf[:nbytes])
         return dev, None
@@ -70,8 +71,9 @@ class CudaLanes:
         # caching allocator hands a freed block to the compute stream's next allocation at once
         torch.cuda.current_stream(self.device).wait_event(offloaded)
 
-    def prefetch(self, buf: torch.UntypedStorage, nbytes: int,
-                 offloaded: Any) -> tuple[torch.UntypedStorage, Any]:
+    def prefetch(
+        self, buf: torch.UntypedStorage, nbytes: int, offloaded: Any
+    ) -> tuple[torch.UntypedStorage, Any]:
         compute = torch.cuda.current_stream(self.device)
         # the landing buffer is the compute stream's (freed there after its last use, so the
         # allocator reuses it for compute without another cudaMalloc)

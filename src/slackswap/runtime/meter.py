@@ -24,9 +24,21 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 
 class _MallInfo2(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_size_t) for name in (
-        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks",
-        "fordblks", "keepcost")]
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in (
+            "arena",
+            "ordblks",
+            "smblks",
+            "hblks",
+            "hblkhd",
+            "usmblks",
+            "fsmblks",
+            "uordblks",
+            "fordblks",
+            "keepcost",
+        )
+    ]
 
 
 _LIBC = None
@@ -39,8 +51,10 @@ def _heap_in_use() -> int:
         path = ctypes.util.find_library("c")
         lib = ctypes.CDLL(path) if path else None
         if lib is None or not hasattr(lib, "mallinfo2"):
-            raise RuntimeError("measuring CPU memory needs glibc's mallinfo2 (Linux, glibc >= "
-                               "2.33); measure on CUDA instead")
+            raise RuntimeError(
+                "measuring CPU memory needs glibc's mallinfo2 (Linux, glibc >= "
+                "2.33); measure on CUDA instead"
+            )
         lib.mallinfo2.restype = _MallInfo2
         _LIBC = lib
     info = _LIBC.mallinfo2()
@@ -129,7 +143,8 @@ class StepMeter:
             self._thread.join()
         if self.cuda:
             torch.cuda.synchronize(self.device)
-            self.peak_bytes = max(self.peak_bytes,
-                                  int(torch.cuda.max_memory_allocated(self.device)) - self._base)
+            self.peak_bytes = max(
+                self.peak_bytes, int(torch.cuda.max_memory_allocated(self.device)) - self._base
+            )
         else:
             self._sample()

@@ -47,7 +47,7 @@ class HostPool:
         self.total += total
         offset = 0
         for name, nbytes in sizes.items():
-            self.free.setdefault(name, []).append(slab[offset:offset + nbytes])
+            self.free.setdefault(name, []).append(slab[offset : offset + nbytes])
             self.sized[name] = max(self.sized.get(name, 0), nbytes)
             offset += nbytes
 

@@ -44,8 +44,11 @@ class RunLog:
     def schedule(self) -> Schedule:
         """The positions where the step released each swapped tensor's device memory, issued
         its prefetch, and rebuilt each recomputed tensor (its outermost rebuild)."""
-        return Schedule(d2h_free=self.positions("release"), h2d_issue=self.positions("prefetch"),
-                        recompute_at=self.positions("rebuild"))
+        return Schedule(
+            d2h_free=self.positions("release"),
+            h2d_issue=self.positions("prefetch"),
+            recompute_at=self.positions("rebuild"),
+        )
 
     def replay(self, graph: ActivationGraph, plan: Plan):
         """The step as it ran, through the simulator's rules: the plan's decisions on the logged
@@ -83,11 +86,14 @@ class PlanPositions:
             rebuild[q].append(name)
         # a release after a backward position happens at the start of the next one
         backward = set(issue) | set(rebuild) | {q + 1 for q in s.d2h_free.values() if q >= n}
-        return cls(n_ops=n, release_after=dict(s.d2h_free),
-                   issue_at={q: tuple(v) for q, v in issue.items()},
-                   rebuild_at={q: tuple(v) for q, v in rebuild.items()},
-                   hooked_ops=frozenset(2 * n - 1 - q for q in backward if n <= q < 2 * n),
-                   issue_order=tuple(sorted(issue)))
+        return cls(
+            n_ops=n,
+            release_after=dict(s.d2h_free),
+            issue_at={q: tuple(v) for q, v in issue.items()},
+            rebuild_at={q: tuple(v) for q, v in rebuild.items()},
+            hooked_ops=frozenset(2 * n - 1 - q for q in backward if n <= q < 2 * n),
+            issue_order=tuple(sorted(issue)),
+        )
 
     def backward_position(self, op: int) -> int:
         return 2 * self.n_ops - 1 - op

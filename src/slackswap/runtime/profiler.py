@@ -47,8 +47,10 @@ def _call(model, inputs):
         return model(*inputs)
     if isinstance(inputs, dict):
         return model(**inputs)
-    raise ProfileError(f"inputs must be a tensor, a tuple (positional arguments) or a dict "
-                       f"(keyword arguments), got {type(inputs).__name__}")
+    raise ProfileError(
+        f"inputs must be a tensor, a tuple (positional arguments) or a dict "
+        f"(keyword arguments), got {type(inputs).__name__}"
+    )
 
 
 def _to(inputs, device):
@@ -65,8 +67,16 @@ def _to(inputs, device):
     return inputs
 
 
-def run_traced_step(model, inputs, loss_fn, sync=None, keep_calls=False,
-                    untouched: Untouched | None = None, cost=None, forward=None):
+def run_traced_step(
+    model,
+    inputs,
+    loss_fn,
+    sync=None,
+    keep_calls=False,
+    untouched: Untouched | None = None,
+    cost=None,
+    forward=None,
+):
     """One forward + backward under the tracer; returns the StepTrace. ``untouched``: what the
     step writes that plain training owns (gradients of every leaf backward reaches, state the
     forward writes) is recorded there first, to be put back (Untouched.restore). ``cost``: a
@@ -79,12 +89,20 @@ def run_traced_step(model, inputs, loss_fn, sync=None, keep_calls=False,
     paths = ModulePaths(model)
     # on a GPU, times come from CUDA events (no synchronisation per op)
     clock = GpuClock() if sync is not None and cost is None else None
-    tracer = Tracer(model, paths, keep_calls=keep_calls, sync=sync, observe_lifetimes=True,
-                    # a fake step has no values to compare: state writes are known by the
-                    # ops' schemas and trace.UNMARKED_WRITERS alone
-                    clock=clock, watch_state=cost is None,
-                    originals=None if untouched is None else untouched.state, cost=cost,
-                    fake=cost is not None)
+    tracer = Tracer(
+        model,
+        paths,
+        keep_calls=keep_calls,
+        sync=sync,
+        observe_lifetimes=True,
+        # a fake step has no values to compare: state writes are known by the
+        # ops' schemas and trace.UNMARKED_WRITERS alone
+        clock=clock,
+        watch_state=cost is None,
+        originals=None if untouched is None else untouched.state,
+        cost=cost,
+        fake=cost is not None,
+    )
     saved: list[tuple[int, str]] = []
 
     def pack(t):
@@ -110,13 +128,15 @@ def run_traced_step(model, inputs, loss_fn, sync=None, keep_calls=False,
             except ProfileError:
                 raise
             except Exception as exc:
-                raise _user_failure(f"the model failed to run on the inputs: "
-                                    f"{type(exc).__name__}: {exc}", exc) from exc
+                raise _user_failure(
+                    f"the model failed to run on the inputs: {type(exc).__name__}: {exc}", exc
+                ) from exc
             try:
                 loss = loss_fn(out)
             except Exception as exc:
-                raise _user_failure(f"loss_fn failed on the model's output: "
-                                    f"{type(exc).__name__}: {exc}", exc) from exc
+                raise _user_failure(
+                    f"loss_fn failed on the model's output: {type(exc).__name__}: {exc}", exc
+                ) from exc
     finally:
         paths.remove()
         if collecting:
@@ -125,8 +145,10 @@ def run_traced_step(model, inputs, loss_fn, sync=None, keep_calls=False,
         shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
         raise ProfileError(f"loss_fn must return a scalar tensor, got {shape}")
     if not loss.requires_grad:
-        raise ProfileError("the loss does not require grad: the model's output has no autograd "
-                           "history (all parameters frozen, or run under torch.no_grad?)")
+        raise ProfileError(
+            "the loss does not require grad: the model's output has no autograd "
+            "history (all parameters frozen, or run under torch.no_grad?)"
+        )
     trace = tracer.trace
     trace.saved = saved
     if untouched is not None:
@@ -137,13 +159,17 @@ def run_traced_step(model, inputs, loss_fn, sync=None, keep_calls=False,
     return trace
 
 
-def graph_from_traces(traces, graph_name: str, extra: dict[str, Any] | None = None) -> ActivationGraph:
+def graph_from_traces(
+    traces, graph_name: str, extra: dict[str, Any] | None = None
+) -> ActivationGraph:
     """Median times over the traces; structure from the first (they must all agree)."""
     first = traces[0]
     for other in traces[1:]:
         if [o.name for o in other.ops] != [o.name for o in first.ops]:
-            raise ProfileError("the model ran different ops in different steps; slackswap plans "
-                               "steps whose op sequence repeats (data-dependent control flow?)")
+            raise ProfileError(
+                "the model ran different ops in different steps; slackswap plans "
+                "steps whose op sequence repeats (data-dependent control flow?)"
+            )
     seq_to_op: dict[int, int] = {}
     for i, rec in enumerate(first.ops):
         seq_to_op.setdefault(rec.seq, i)
@@ -155,7 +181,9 @@ def graph_from_traces(traces, graph_name: str, extra: dict[str, Any] | None = No
         if i is None or tensor not in reads[i]:
             # saved by a node whose op did not read or produce it (a view chain): the latest
             # op that read it before that node stands in
-            candidates = [j for j in range(len(first.ops)) if tensor in reads[j] and (i is None or j <= i)]
+            candidates = [
+                j for j in range(len(first.ops)) if tensor in reads[j] and (i is None or j <= i)
+            ]
             if not candidates:
                 unattributed += 1
                 continue
@@ -180,32 +208,48 @@ def graph_from_traces(traces, graph_name: str, extra: dict[str, Any] | None = No
     for i, rec in enumerate(first.ops):
         for n in rec.writes:
             written_at.setdefault(n, []).append(i)
-    stale = {i for i, rec in enumerate(first.ops)
-             if any(w > i for n in rec.inputs if n not in rec.writes
-                    for w in written_at.get(n, ()))}
+    stale = {
+        i
+        for i, rec in enumerate(first.ops)
+        if any(w > i for n in rec.inputs if n not in rec.writes for w in written_at.get(n, ()))
+    }
     ops = []
     for i, rec in enumerate(first.ops):
         fwd = statistics.median(t.ops[i].forward_s for t in traces)
-        bwd_samples = [t.backward_s.get(t.ops[i].seq, 0.0) if mp.get(t.ops[i].seq) == i else 0.0
-                       for t, mp in zip(traces, seq_maps)]
+        bwd_samples = [
+            t.backward_s.get(t.ops[i].seq, 0.0) if mp.get(t.ops[i].seq) == i else 0.0
+            for t, mp in zip(traces, seq_maps)
+        ]
         # a node off the loss's path never runs: what it saved is never read back
-        ran = any(mp.get(t.ops[i].seq) == i and t.ops[i].seq in t.backward_s
-                  for t, mp in zip(traces, seq_maps))
-        ops.append(Op(
-            name=rec.name, forward_s=float(fwd), backward_s=float(statistics.median(bwd_samples)),
-            inputs=tuple(rec.inputs), outputs=tuple(rec.outputs),
-            backward_workspace_bytes=grad_bytes[i], rerun_workspace_bytes=entry_grads[i],
-            # a tensor written in place after it was made is rebuilt by its producer, then its
-            # writers (Op.writes); an op that writes anything else may not run again
-            recomputable=not rec.mutates and i not in stale, unit=rec.unit,
-            writes=tuple(dict.fromkeys(n for n in rec.writes if n in first.tensors)),
-            param_unit=rec.param_unit,
-            extra={"aten": rec.aten, "module": rec.module,
-                   **({"random": True} if rec.random else {}),
-                   **({} if ran else {"backward_ran": False}),
-                   **({"param_grad_bytes": param_grads[i]} if param_grads[i] else {}),
-                   **({"param_grad_waiting_bytes": param_waiting[i]} if param_waiting[i]
-                      else {})}))
+        ran = any(
+            mp.get(t.ops[i].seq) == i and t.ops[i].seq in t.backward_s
+            for t, mp in zip(traces, seq_maps)
+        )
+        ops.append(
+            Op(
+                name=rec.name,
+                forward_s=float(fwd),
+                backward_s=float(statistics.median(bwd_samples)),
+                inputs=tuple(rec.inputs),
+                outputs=tuple(rec.outputs),
+                backward_workspace_bytes=grad_bytes[i],
+                rerun_workspace_bytes=entry_grads[i],
+                # a tensor written in place after it was made is rebuilt by its producer, then its
+                # writers (Op.writes); an op that writes anything else may not run again
+                recomputable=not rec.mutates and i not in stale,
+                unit=rec.unit,
+                writes=tuple(dict.fromkeys(n for n in rec.writes if n in first.tensors)),
+                param_unit=rec.param_unit,
+                extra={
+                    "aten": rec.aten,
+                    "module": rec.module,
+                    **({"random": True} if rec.random else {}),
+                    **({} if ran else {"backward_ran": False}),
+                    **({"param_grad_bytes": param_grads[i]} if param_grads[i] else {}),
+                    **({"param_grad_waiting_bytes": param_waiting[i]} if param_waiting[i] else {}),
+                },
+            )
+        )
     random_saved: dict[int, list[str]] = {}
     for name, rec in first.tensors.items():
         if first.ops[rec.producer].random and saved_for[name]:
@@ -225,14 +269,23 @@ def graph_from_traces(traces, graph_name: str, extra: dict[str, Any] | None = No
         group = None
         if first.ops[rec.producer].random and len(random_saved.get(rec.producer, [])) > 1:
             group = f"rng:{first.ops[rec.producer].name}"
-        tensors.append(Tensor(name=name, bytes=rec.bytes, saved_for=tuple(saved_for[name]),
-                              group=group, alive_until=alive_until, extra={"shape": list(rec.shape), "dtype": rec.dtype}))
+        tensors.append(
+            Tensor(
+                name=name,
+                bytes=rec.bytes,
+                saved_for=tuple(saved_for[name]),
+                group=group,
+                alive_until=alive_until,
+                extra={"shape": list(rec.shape), "dtype": rec.dtype},
+            )
+        )
     info = dict(extra or {})
     if unattributed:
         info["unattributed_saves"] = unattributed
     try:
-        return ActivationGraph(name=graph_name, ops=tuple(ops), tensors=tuple(tensors),
-                               optimizer_s=0.0, extra=info)
+        return ActivationGraph(
+            name=graph_name, ops=tuple(ops), tensors=tuple(tensors), optimizer_s=0.0, extra=info
+        )
     except GraphError as exc:
         raise ProfileError(f"the traced step does not form a valid graph: {exc}") from exc
 
@@ -249,8 +302,11 @@ def backward_gradient_bytes(traces, seq_maps, n_ops: int) -> list[int]:
         for seq in trace.backward_order:
             current = mapping.get(seq, current)
             if current is not None:
-                out[current] = max(out[current], int(trace.backward_grad_bytes.get(seq, 0))
-                                   + int(trace.backward_transient_bytes.get(seq, 0)))
+                out[current] = max(
+                    out[current],
+                    int(trace.backward_grad_bytes.get(seq, 0))
+                    + int(trace.backward_transient_bytes.get(seq, 0)),
+                )
     return out
 
 
@@ -300,7 +356,10 @@ def group_by_module(graph: ActivationGraph) -> ActivationGraph:
     runs: list[list[int]] = []
     for i, op in enumerate(graph.ops):
         module = op.extra.get("module", op.name)
-        if runs and graph.ops[runs[-1][0]].extra.get("module", graph.ops[runs[-1][0]].name) == module:
+        if (
+            runs
+            and graph.ops[runs[-1][0]].extra.get("module", graph.ops[runs[-1][0]].name) == module
+        ):
             runs[-1].append(i)
         else:
             runs.append([i])
@@ -321,42 +380,97 @@ def group_by_module(graph: ActivationGraph) -> ActivationGraph:
                     inputs.append(x)
         for i in members:
             new_name[graph.ops[i].name] = name
-        ops.append(Op(
-            name=name, forward_s=float(sum(graph.ops[i].forward_s for i in members)),
-            backward_s=float(sum(graph.ops[i].backward_s for i in members)),
-            inputs=tuple(inputs), outputs=tuple(outputs),
-            forward_workspace_bytes=max(graph.ops[i].forward_workspace_bytes for i in members),
-            backward_workspace_bytes=max(graph.ops[i].backward_workspace_bytes for i in members),
-            rerun_workspace_bytes=max(graph.ops[i].rerun_workspace_bytes for i in members),
-            recomputable=all(graph.ops[i].recomputable for i in members),
-            writes=tuple(dict.fromkeys(x for i in members for x in graph.ops[i].writes
-                                       if x not in made)),
-            unit=graph.ops[members[0]].unit,
-            param_unit=next((graph.ops[i].param_unit for i in members if graph.ops[i].param_unit), ""),
-            extra={"module": module, "aten_ops": len(members),
-                   **({"random": True} if any(graph.ops[i].extra.get("random") for i in members) else {}),
-                   **({"param_grad_bytes": param_grads} if (param_grads := sum(
-                       int(graph.ops[i].extra.get("param_grad_bytes", 0)) for i in members)) else {}),
-                   **({"param_grad_waiting_bytes": waiting} if (waiting := max(
-                       int(graph.ops[i].extra.get("param_grad_waiting_bytes", 0))
-                       for i in members)) else {})}))
+        ops.append(
+            Op(
+                name=name,
+                forward_s=float(sum(graph.ops[i].forward_s for i in members)),
+                backward_s=float(sum(graph.ops[i].backward_s for i in members)),
+                inputs=tuple(inputs),
+                outputs=tuple(outputs),
+                forward_workspace_bytes=max(graph.ops[i].forward_workspace_bytes for i in members),
+                backward_workspace_bytes=max(
+                    graph.ops[i].backward_workspace_bytes for i in members
+                ),
+                rerun_workspace_bytes=max(graph.ops[i].rerun_workspace_bytes for i in members),
+                recomputable=all(graph.ops[i].recomputable for i in members),
+                writes=tuple(
+                    dict.fromkeys(x for i in members for x in graph.ops[i].writes if x not in made)
+                ),
+                unit=graph.ops[members[0]].unit,
+                param_unit=next(
+                    (graph.ops[i].param_unit for i in members if graph.ops[i].param_unit), ""
+                ),
+                extra={
+                    "module": module,
+                    "aten_ops": len(members),
+                    **(
+                        {"random": True}
+                        if any(graph.ops[i].extra.get("random") for i in members)
+                        else {}
+                    ),
+                    **(
+                        {"param_grad_bytes": param_grads}
+                        if (
+                            param_grads := sum(
+                                int(graph.ops[i].extra.get("param_grad_bytes", 0)) for i in members
+                            )
+                        )
+                        else {}
+                    ),
+                    **(
+                        {"param_grad_waiting_bytes": waiting}
+                        if (
+                            waiting := max(
+                                int(graph.ops[i].extra.get("param_grad_waiting_bytes", 0))
+                                for i in members
+                            )
+                        )
+                        else {}
+                    ),
+                },
+            )
+        )
     tensors = []
     for t in graph.tensors:
         saved = []
         for op_name in t.saved_for:
             if new_name[op_name] not in saved:
                 saved.append(new_name[op_name])
-        tensors.append(Tensor(name=t.name, bytes=t.bytes, saved_for=tuple(saved), group=t.group,
-                              extra=dict(t.extra)))
-    return ActivationGraph(name=f"{graph.name}/modules", ops=tuple(ops), tensors=tuple(tensors),
-                           optimizer_s=graph.optimizer_s, extra={**graph.extra, "grouped_by": "module"})
+        tensors.append(
+            Tensor(
+                name=t.name,
+                bytes=t.bytes,
+                saved_for=tuple(saved),
+                group=t.group,
+                extra=dict(t.extra),
+            )
+        )
+    return ActivationGraph(
+        name=f"{graph.name}/modules",
+        ops=tuple(ops),
+        tensors=tuple(tensors),
+        optimizer_s=graph.optimizer_s,
+        extra={**graph.extra, "grouped_by": "module"},
+    )
 
 
-def profile(model, inputs, loss_fn: Callable, device=None, warmup: int = 1, repeat: int = 3,
-            name: str | None = None, group_by_module: bool = False,
-            calibrate: bool = True, gradients: str = "held", *, fake: bool = False,
-            hardware: Hardware | str | None = None, optimizer: str = "adamw",
-            forward: Callable | None = None) -> ActivationGraph:
+def profile(
+    model,
+    inputs,
+    loss_fn: Callable,
+    device=None,
+    warmup: int = 1,
+    repeat: int = 3,
+    name: str | None = None,
+    group_by_module: bool = False,
+    calibrate: bool = True,
+    gradients: str = "held",
+    *,
+    fake: bool = False,
+    hardware: Hardware | str | None = None,
+    optimizer: str = "adamw",
+    forward: Callable | None = None,
+) -> ActivationGraph:
     """Profile ``warmup + repeat`` training steps of ``model`` and return its activation graph.
 
     inputs: a tensor, a tuple (positional arguments) or a dict (keyword arguments).
@@ -396,14 +510,27 @@ def profile(model, inputs, loss_fn: Callable, device=None, warmup: int = 1, repe
     if not isinstance(fake, bool):
         raise ProfileError(f"fake must be True or False, got {fake!r}")
     if optimizer not in OPTIMIZER_STATE_BYTES:
-        raise ProfileError(f"optimizer must be one of {sorted(OPTIMIZER_STATE_BYTES)}, got "
-                           f"{optimizer!r}")
+        raise ProfileError(
+            f"optimizer must be one of {sorted(OPTIMIZER_STATE_BYTES)}, got {optimizer!r}"
+        )
     if fake:
         if hardware is None:
-            raise ProfileError("profile(fake=True) needs hardware=...: a fake step runs no kernel, "
-                               "its op times come from the cost model for that device")
-        return _profile_fake(model, inputs, loss_fn, device, name, group_by_module, gradients,
-                             hardware, optimizer, forward)
+            raise ProfileError(
+                "profile(fake=True) needs hardware=...: a fake step runs no kernel, "
+                "its op times come from the cost model for that device"
+            )
+        return _profile_fake(
+            model,
+            inputs,
+            loss_fn,
+            device,
+            name,
+            group_by_module,
+            gradients,
+            hardware,
+            optimizer,
+            forward,
+        )
 
     if not isinstance(model, torch.nn.Module):
         raise ProfileError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -420,7 +547,11 @@ def profile(model, inputs, loss_fn: Callable, device=None, warmup: int = 1, repe
     if device is not None:
         model = model.to(device)
         inputs = _to(inputs, device)
-    dev = device if device is not None else next((p.device for p in model.parameters()), torch.device("cpu"))
+    dev = (
+        device
+        if device is not None
+        else next((p.device for p in model.parameters()), torch.device("cpu"))
+    )
     dev = torch.device(dev)
     sync = torch.cuda.synchronize if dev.type == "cuda" else None
     traces = []
@@ -428,8 +559,9 @@ def profile(model, inputs, loss_fn: Callable, device=None, warmup: int = 1, repe
     plain = None
     try:
         for step in range(warmup + repeat):
-            trace = run_traced_step(model, inputs, loss_fn, sync=sync, untouched=untouched,
-                                    forward=forward)
+            trace = run_traced_step(
+                model, inputs, loss_fn, sync=sync, untouched=untouched, forward=forward
+            )
             if step >= warmup:
                 traces.append(trace)
         if calibrate:
@@ -439,12 +571,19 @@ def profile(model, inputs, loss_fn: Callable, device=None, warmup: int = 1, repe
     # the device and link the graph was profiled on (measured on CUDA): solve() plans for it
     # unless told otherwise
     link = calibrate_link(dev) if dev.type == "cuda" else _preset("cpu")
-    graph = graph_from_traces(traces, name or type(model).__name__,
-                              {"source": "slackswap.profile", "device": str(dev),
-                               "torch": torch.__version__, "repeat": repeat,
-                               "hardware": link.to_dict(),
-                               "parameters": model_parameters(model),
-                               "inputs": input_shapes(inputs)})
+    graph = graph_from_traces(
+        traces,
+        name or type(model).__name__,
+        {
+            "source": "slackswap.profile",
+            "device": str(dev),
+            "torch": torch.__version__,
+            "repeat": repeat,
+            "hardware": link.to_dict(),
+            "parameters": model_parameters(model),
+            "inputs": input_shapes(inputs),
+        },
+    )
     if plain is not None:
         graph = scaled_to_plain(graph, *plain)
     collectives = fsdp_collectives(model, graph)
@@ -481,8 +620,13 @@ def model_state(model, optimizer: str) -> dict[str, Any]:
             grads += nbytes
             elements += int(p.numel())
     state = elements * OPTIMIZER_STATE_BYTES[optimizer]
-    return {"parameter_bytes": params, "gradient_bytes": grads, "optimizer": optimizer,
-            "optimizer_state_bytes": state, "total_bytes": params + grads + state}
+    return {
+        "parameter_bytes": params,
+        "gradient_bytes": grads,
+        "optimizer": optimizer,
+        "optimizer_state_bytes": state,
+        "total_bytes": params + grads + state,
+    }
 
 
 def _with_model_state(graph: ActivationGraph, model, optimizer: str) -> ActivationGraph:
@@ -491,8 +635,9 @@ def _with_model_state(graph: ActivationGraph, model, optimizer: str) -> Activati
     return replace(graph, extra={**graph.extra, "model_state": model_state(model, optimizer)})
 
 
-def _profile_fake(model, inputs, loss_fn, device, name, group_by_module, gradients,
-                  hw, optimizer, forward=None) -> ActivationGraph:
+def _profile_fake(
+    model, inputs, loss_fn, device, name, group_by_module, gradients, hw, optimizer, forward=None
+) -> ActivationGraph:
     """One step under FakeTensorMode, timed by the cost model (runtime/fake.py)."""
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -509,23 +654,36 @@ def _profile_fake(model, inputs, loss_fn, device, name, group_by_module, gradien
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     # faked for a GPU, attention runs as the GPU's fused kernel; for the CPU, as the CPU runs it
     fused = not hw.host_is_device
-    with fake_model(model, mode, dev), torch.random.fork_rng(devices=[]), \
-            (fused_attention() if fused else contextlib.nullcontext()):
+    with (
+        fake_model(model, mode, dev),
+        torch.random.fork_rng(devices=[]),
+        fused_attention() if fused else contextlib.nullcontext(),
+    ):
         args = fake_inputs(inputs, mode, dev)
         untouched = Untouched()
         try:
             with mode:
-                trace = run_traced_step(model, args, loss_fn, untouched=untouched, cost=cost,
-                                        forward=forward)
+                trace = run_traced_step(
+                    model, args, loss_fn, untouched=untouched, cost=cost, forward=forward
+                )
         finally:
             untouched.restore()
-    graph = graph_from_traces([trace], name or type(model).__name__,
-                              {"source": "slackswap.profile", "fake": True, "device": str(dev),
-                               "torch": torch.__version__, "repeat": 1,
-                               "hardware": hw.to_dict(), "times": cost.describe(),
-                               "attention": "fused" if fused else "as the device runs it",
-                               "parameters": model_parameters(model),
-                               "inputs": input_shapes(inputs)})
+    graph = graph_from_traces(
+        [trace],
+        name or type(model).__name__,
+        {
+            "source": "slackswap.profile",
+            "fake": True,
+            "device": str(dev),
+            "torch": torch.__version__,
+            "repeat": 1,
+            "hardware": hw.to_dict(),
+            "times": cost.describe(),
+            "attention": "fused" if fused else "as the device runs it",
+            "parameters": model_parameters(model),
+            "inputs": input_shapes(inputs),
+        },
+    )
     graph = with_parameter_gradients(graph, gradients)
     graph = _with_model_state(graph, model, optimizer)
     return _group(graph) if group_by_module else graph
@@ -547,20 +705,24 @@ def with_parameter_gradients(graph: ActivationGraph, gradients: str) -> Activati
             before = held  # made before this op's backward: alive for a rebuild there too
             held += int(ops[i].extra.get("param_grad_bytes", 0))
             if held:
-                ops[i] = replace(ops[i], backward_workspace_bytes=ops[i].backward_workspace_bytes
-                                 + held, rerun_workspace_bytes=ops[i].rerun_workspace_bytes
-                                 + before)
+                ops[i] = replace(
+                    ops[i],
+                    backward_workspace_bytes=ops[i].backward_workspace_bytes + held,
+                    rerun_workspace_bytes=ops[i].rerun_workspace_bytes + before,
+                )
     else:
         for i, op in enumerate(ops):
             waiting = int(op.extra.get("param_grad_waiting_bytes", 0))
             if waiting:
-                ops[i] = replace(op, backward_workspace_bytes=op.backward_workspace_bytes + waiting,
-                                 rerun_workspace_bytes=op.rerun_workspace_bytes + waiting)
+                ops[i] = replace(
+                    op,
+                    backward_workspace_bytes=op.backward_workspace_bytes + waiting,
+                    rerun_workspace_bytes=op.rerun_workspace_bytes + waiting,
+                )
     return replace(graph, ops=tuple(ops), extra={**graph.extra, "parameter_gradients": gradients})
 
 
-def plain_phase_times(model, inputs, loss_fn, sync, repeat: int,
-                      call=None) -> tuple[float, float]:
+def plain_phase_times(model, inputs, loss_fn, sync, repeat: int, call=None) -> tuple[float, float]:
     """The medians of ``repeat`` plain steps' forward (loss included) and backward times, as
     training runs them: no tracer, no hooks. The gradients they add and the state they write are
     put back by the caller (Untouched), as the traced steps' are."""
@@ -594,18 +756,26 @@ def scaled_to_plain(graph: ActivationGraph, forward_s: float, backward_s: float)
     traced_b = sum(o.backward_s for o in graph.ops)
     kf = forward_s / traced_f if traced_f > 0 else 1.0
     kb = backward_s / traced_b if traced_b > 0 else 1.0
-    ops = tuple(replace(o, forward_s=o.forward_s * kf, backward_s=o.backward_s * kb)
-                for o in graph.ops)
-    timing = {"scaled_to_plain": True, "forward_traced_s": traced_f, "forward_plain_s": forward_s,
-              "backward_traced_s": traced_b, "backward_plain_s": backward_s}
+    ops = tuple(
+        replace(o, forward_s=o.forward_s * kf, backward_s=o.backward_s * kb) for o in graph.ops
+    )
+    timing = {
+        "scaled_to_plain": True,
+        "forward_traced_s": traced_f,
+        "forward_plain_s": forward_s,
+        "backward_traced_s": traced_b,
+        "backward_plain_s": backward_s,
+    }
     return replace(graph, ops=ops, extra={**graph.extra, "timing": timing})
 
 
 def model_parameters(model) -> list[list]:
     """The model's parameters as [name, shape, dtype]: what a plan's runner compares with the
     model it runs (another width, a block added)."""
-    return [[name, list(p.shape), str(p.dtype).replace("torch.", "")]
-            for name, p in model.named_parameters()]
+    return [
+        [name, list(p.shape), str(p.dtype).replace("torch.", "")]
+        for name, p in model.named_parameters()
+    ]
 
 
 def input_shapes(inputs) -> list[list]:
@@ -676,14 +846,15 @@ def fsdp_collectives(model, graph: ActivationGraph) -> tuple:
     from torch.distributed.fsdp import FSDPModule
 
     # by module object: a submodule may be called "model" too (Hugging Face's LlamaModel)
-    found = [(name or "model", m) for name, m in model.named_modules()
-             if isinstance(m, FSDPModule)]
+    found = [(name or "model", m) for name, m in model.named_modules() if isinstance(m, FSDPModule)]
     out = []
     for unit, module in found:
-        inner = {id(p) for _, m in found if m is not module
-                 for p in m.parameters() if _nested(m, module)}
-        nbytes = sum(p.numel() * p.element_size() for p in module.parameters()
-                     if id(p) not in inner)
+        inner = {
+            id(p) for _, m in found if m is not module for p in m.parameters() if _nested(m, module)
+        }
+        nbytes = sum(
+            p.numel() * p.element_size() for p in module.parameters() if id(p) not in inner
+        )
         try:
             state = module._get_fsdp_state()
             group = state._fsdp_param_group
@@ -695,8 +866,7 @@ def fsdp_collectives(model, graph: ActivationGraph) -> tuple:
         moved = int(nbytes * (world - 1) / world)
         if moved <= 0:
             continue
-        inside = [i for i, op in enumerate(graph.ops)
-                  if _within(op.extra.get("module", ""), unit)]
+        inside = [i for i, op in enumerate(graph.ops) if _within(op.extra.get("module", ""), unit)]
         if not inside:
             continue
         first, last = graph.ops[inside[0]].name, graph.ops[inside[-1]].name
@@ -744,13 +914,25 @@ def link_figures(t: LinkTimings) -> dict[str, Any]:
     half-duplex host (together as long as one after the other) gets its solo bandwidths on one
     link. The fixed cost of a copy (``latency_s``) is the intercept of time = latency + bytes /
     bandwidth through the small and medium batches, the larger of the two directions'."""
-    for name in ("d2h_s", "h2d_s", "both_s", "d2h_small_s", "d2h_medium_s", "h2d_small_s",
-                 "h2d_medium_s"):
+    for name in (
+        "d2h_s",
+        "h2d_s",
+        "both_s",
+        "d2h_small_s",
+        "d2h_medium_s",
+        "h2d_small_s",
+        "h2d_medium_s",
+    ):
         value = getattr(t, name)
-        if isinstance(value, bool) or not isinstance(value, (int, float)) \
-                or not math.isfinite(value) or value <= 0:
-            raise ValueError(f"calibrate_link: timing {name} must be a positive number, "
-                             f"got {value!r}")
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, (int, float))
+            or not math.isfinite(value)
+            or value <= 0
+        ):
+            raise ValueError(
+                f"calibrate_link: timing {name} must be a positive number, got {value!r}"
+            )
     if not 0 < t.small_bytes < t.medium_bytes:
         raise ValueError("calibrate_link: small_bytes must be positive and below medium_bytes")
     duplex = t.both_s < DUPLEX_OVERLAP * (t.d2h_s + t.h2d_s)
@@ -765,10 +947,16 @@ def link_figures(t: LinkTimings) -> dict[str, Any]:
             slope = 1.0 / fallback_bw
         return max(0.0, small_s - t.small_bytes * slope)
 
-    latency = max(fixed_cost(t.d2h_small_s, t.d2h_medium_s, t.nbytes / t.d2h_s),
-                  fixed_cost(t.h2d_small_s, t.h2d_medium_s, t.nbytes / t.h2d_s))
-    return {"d2h_bytes_per_s": d2h_bw, "h2d_bytes_per_s": h2d_bw, "latency_s": latency,
-            "duplex": bool(duplex)}
+    latency = max(
+        fixed_cost(t.d2h_small_s, t.d2h_medium_s, t.nbytes / t.d2h_s),
+        fixed_cost(t.h2d_small_s, t.h2d_medium_s, t.nbytes / t.h2d_s),
+    )
+    return {
+        "d2h_bytes_per_s": d2h_bw,
+        "h2d_bytes_per_s": h2d_bw,
+        "latency_s": latency,
+        "duplex": bool(duplex),
+    }
 
 
 # the two directions together in under this share of their sum: they overlapped (full duplex)
@@ -784,7 +972,9 @@ def calibrate_link(device=None, nbytes: int = 256 * 2**20, repeat: int = 5) -> H
     """
     import torch
 
-    if not torch.cuda.is_available() or (device is not None and torch.device(device).type != "cuda"):
+    if not torch.cuda.is_available() or (
+        device is not None and torch.device(device).type != "cuda"
+    ):
         return hardware("cpu")
     dev = torch.device(device or "cuda")
     host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
@@ -807,30 +997,46 @@ def calibrate_link(device=None, nbytes: int = 256 * 2**20, repeat: int = 5) -> H
     def d2h(size=nbytes, copies=1):
         with torch.cuda.stream(d2h_stream):
             for i in range(copies):
-                host[i * size % (nbytes - size + 1):][:size].copy_(gpu[:size], non_blocking=True)
+                host[i * size % (nbytes - size + 1) :][:size].copy_(gpu[:size], non_blocking=True)
 
     def h2d(size=nbytes, copies=1):
         with torch.cuda.stream(h2d_stream):
             for i in range(copies):
-                gpu2[:size].copy_(host2[i * size % (nbytes - size + 1):][:size], non_blocking=True)
+                gpu2[:size].copy_(host2[i * size % (nbytes - size + 1) :][:size], non_blocking=True)
 
     def both():
         d2h()
         h2d()
 
     timings = LinkTimings(
-        nbytes=nbytes, d2h_s=timed(d2h), h2d_s=timed(h2d), both_s=timed(both),
-        small_bytes=small, medium_bytes=medium,
+        nbytes=nbytes,
+        d2h_s=timed(d2h),
+        h2d_s=timed(h2d),
+        both_s=timed(both),
+        small_bytes=small,
+        medium_bytes=medium,
         d2h_small_s=timed(lambda: d2h(small, batch), batch),
         d2h_medium_s=timed(lambda: d2h(medium, batch), batch),
         h2d_small_s=timed(lambda: h2d(small, batch), batch),
-        h2d_medium_s=timed(lambda: h2d(medium, batch), batch))
+        h2d_medium_s=timed(lambda: h2d(medium, batch), batch),
+    )
     name = torch.cuda.get_device_name(dev)
     props = torch.cuda.get_device_properties(dev)
-    base = hardware("h200-sxm-pcie5") if "H200" in name else hardware("h100-sxm-pcie5") \
-        if "H100" in name else hardware("a100-80gb-pcie4")
-    return base.with_link(name=f"measured:{name}", memory_bytes=int(props.total_memory),
-                          **link_figures(timings),
-                          sources={**base.sources, "link": "measured by slackswap.calibrate_link: "
-                                   "a large copy each way alone and both at once, and batches "
-                                   "of 64 KiB and 4 MiB copies for the fixed cost per copy"})
+    base = (
+        hardware("h200-sxm-pcie5")
+        if "H200" in name
+        else hardware("h100-sxm-pcie5")
+        if "H100" in name
+        else hardware("a100-80gb-pcie4")
+    )
+    return base.with_link(
+        name=f"measured:{name}",
+        memory_bytes=int(props.total_memory),
+        **link_figures(timings),
+        sources={
+            **base.sources,
+            "link": "measured by slackswap.calibrate_link: "
+            "a large copy each way alone and both at once, and batches "
+            "of 64 KiB and 4 MiB copies for the fixed cost per copy",
+        },
+    )

@@ -57,7 +57,8 @@ class External:
             raise RuntimeError(
                 f"a tensor of shape {tuple(self.tensor.shape)} that a recomputed op reads (an input "
                 "of the model, or a parameter) was modified in place between forward and "
-                "backward; rebuilding from it would give wrong gradients")
+                "backward; rebuilding from it would give wrong gradients"
+            )
         return self.tensor
 
 

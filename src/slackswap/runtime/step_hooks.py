@@ -63,8 +63,10 @@ class ForwardHook:
             if step is not None:
                 step.finished = True
 
-        self.handles = [self.run.model.register_forward_pre_hook(pre, with_kwargs=True),
-                        self.run.model.register_forward_hook(post)]
+        self.handles = [
+            self.run.model.register_forward_pre_hook(pre, with_kwargs=True),
+            self.run.model.register_forward_hook(post),
+        ]
         return self
 
     def __exit__(self, *exc):
@@ -75,14 +77,18 @@ class ForwardHook:
 def input_signature(args, kwargs) -> tuple:
     """The shapes, dtypes and devices of a call's tensor arguments (one level deep), and its
     other arguments' types: what decides the saved tensors' sizes for a given model."""
+
     def one(a):
         if isinstance(a, torch.Tensor):
             return (tuple(a.shape), a.dtype, a.device, a.requires_grad)
         if isinstance(a, (list, tuple)):
             return tuple(one(x) for x in a)
         return a if isinstance(a, (int, float, bool, str, type(None))) else type(a)
-    return (tuple(one(a) for a in args),
-            tuple(sorted((k, one(v)) for k, v in (kwargs or {}).items())))
+
+    return (
+        tuple(one(a) for a in args),
+        tuple(sorted((k, one(v)) for k, v in (kwargs or {}).items())),
+    )
 
 
 class EndForwardOnBackward:

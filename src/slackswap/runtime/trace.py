@@ -66,8 +66,14 @@ class UnitOf:
         if unit is None:
             unit = ""
             if self.units and path != "step":
-                unit = next((u for u in self.units if u == "model" or path == u
-                             or path.startswith(u + ".")), "")
+                unit = next(
+                    (
+                        u
+                        for u in self.units
+                        if u == "model" or path == u or path.startswith(u + ".")
+                    ),
+                    "",
+                )
             self.known[path] = unit
         return unit
 
@@ -114,8 +120,12 @@ UNMARKED_WRITERS = {"native_batch_norm", "cudnn_batch_norm", "miopen_batch_norm"
 
 def writes_unmarked(aten: str, args) -> bool:
     """Whether a call of one of UNMARKED_WRITERS updates running statistics."""
-    return aten in UNMARKED_WRITERS and len(args) > 5 and bool(args[5]) and \
-        (args[3] is not None or args[4] is not None)
+    return (
+        aten in UNMARKED_WRITERS
+        and len(args) > 5
+        and bool(args[5])
+        and (args[3] is not None or args[4] is not None)
+    )
 
 
 def mutates_state(func) -> bool:
@@ -125,8 +135,10 @@ def mutates_state(func) -> bool:
     known = _MUTATES.get(func)
     if known is None:
         schema = getattr(func, "_schema", None)
-        known = bool(schema is not None and any(
-            a.alias_info is not None and a.alias_info.is_write for a in schema.arguments))
+        known = bool(
+            schema is not None
+            and any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments)
+        )
         _MUTATES[func] = known
     return known
 
@@ -283,8 +295,11 @@ class ModulePaths:
         self.stack: list[str] = []
         self._inner_ran: list[bool] = []  # per stack entry: a submodule's forward has begun
         self.handles = []
-        self.ddp_paths = {name or "model" for name, module in model.named_modules()
-                          if isinstance(module, torch.nn.parallel.DistributedDataParallel)}
+        self.ddp_paths = {
+            name or "model"
+            for name, module in model.named_modules()
+            if isinstance(module, torch.nn.parallel.DistributedDataParallel)
+        }
         for name, module in model.named_modules():
             self.handles.append(module.register_forward_pre_hook(self._enter(name or "model")))
             # always_call: the path is popped even when the module's forward raises
@@ -296,6 +311,7 @@ class ModulePaths:
                 self._inner_ran[-1] = True
             self.stack.append(name)
             self._inner_ran.append(False)
+
         return hook
 
     def _leave(self):
@@ -303,6 +319,7 @@ class ModulePaths:
             if self.stack:
                 self.stack.pop()
                 self._inner_ran.pop()
+
         return hook
 
     def reset(self, name: str = "model") -> None:
@@ -316,8 +333,12 @@ class ModulePaths:
         wraps: its buffer broadcast (flattened into a buffer that gloo's or NCCL's worker thread
         may hold a moment after the broadcast returns, so it dies at no fixed op) and its bucket
         rebuild. That is the wrapper's traffic on buffers and parameters, not the model's."""
-        return bool(self.ddp_paths) and bool(self.stack) and self.stack[-1] in self.ddp_paths \
+        return (
+            bool(self.ddp_paths)
+            and bool(self.stack)
+            and self.stack[-1] in self.ddp_paths
             and not self._inner_ran[-1]
+        )
 
     @property
     def current(self) -> str:
@@ -332,10 +353,19 @@ class ModulePaths:
 class Tracer(TorchDispatchMode):
     """Records every aten op of a forward pass and which storages it reads and writes."""
 
-    def __init__(self, model: torch.nn.Module, paths: ModulePaths, keep_calls: bool = False,
-                 sync=None, observe_lifetimes: bool = False, clock: GpuClock | None = None,
-                 watch_state: bool = False, originals: dict | None = None, cost=None,
-                 fake: bool = False):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        paths: ModulePaths,
+        keep_calls: bool = False,
+        sync=None,
+        observe_lifetimes: bool = False,
+        clock: GpuClock | None = None,
+        watch_state: bool = False,
+        originals: dict | None = None,
+        cost=None,
+        fake: bool = False,
+    ):
         super().__init__()
         self.clock = clock
         # a fake step (profile(fake=True)): op times from ``cost(func, args, kwargs, out)``, and
@@ -430,12 +460,14 @@ class Tracer(TorchDispatchMode):
         aten = op_info(func)[0]
         if aten == "_record_function_enter_new":
             if opened:
-                internal = bool(args) and isinstance(args[0], str) and \
-                    args[0].startswith(INTERNAL_SPANS)
+                internal = (
+                    bool(args) and isinstance(args[0], str) and args[0].startswith(INTERNAL_SPANS)
+                )
                 self._spans.append(internal)
                 self.internal_depth += internal
             return self.internal_depth > 0 or (
-                bool(args) and isinstance(args[0], str) and args[0].startswith(INTERNAL_SPANS))
+                bool(args) and isinstance(args[0], str) and args[0].startswith(INTERNAL_SPANS)
+            )
         if aten == "_record_function_exit":
             internal = self.internal_depth > 0
             if self._spans:
@@ -467,8 +499,11 @@ class Tracer(TorchDispatchMode):
         """An untraced op (a wrapper's own work) made ``out``: a storage it allocated may sit
         where a freed activation was, and that activation's name is not its name. Outputs that
         alias an argument (views, the identity functions FSDP wraps module inputs in) keep it."""
-        tensors = [out] if isinstance(out, torch.Tensor) else collect_tensors(
-            out if isinstance(out, (list, tuple)) else [], [])
+        tensors = (
+            [out]
+            if isinstance(out, torch.Tensor)
+            else collect_tensors(out if isinstance(out, (list, tuple)) else [], [])
+        )
         if not tensors:
             return
         try:
@@ -547,8 +582,12 @@ class Tracer(TorchDispatchMode):
                 self._fake_keys[name] = key
             if producer is not None:
                 self.trace.tensors[name] = TensorRecord(
-                    name=name, bytes=int(storage.nbytes()), shape=tuple(t.shape),
-                    dtype=str(t.dtype).replace("torch.", ""), producer=producer)
+                    name=name,
+                    bytes=int(storage.nbytes()),
+                    shape=tuple(t.shape),
+                    dtype=str(t.dtype).replace("torch.", ""),
+                    producer=producer,
+                )
             outputs.append(name)
         return out_tensors, stored, outputs, writes
 
@@ -556,7 +595,9 @@ class Tracer(TorchDispatchMode):
         kwargs = kwargs or {}
         if torch._C._current_autograd_node() is not None:
             return func(*args, **kwargs)  # backward ops are not part of the forward trace
-        if self.fake and getattr(func, "namespace", "") == "prim":  # a fake tensor's metadata queries
+        if (
+            self.fake and getattr(func, "namespace", "") == "prim"
+        ):  # a fake tensor's metadata queries
             return func(*args, **kwargs)
         skipped, out = self.wrapper_work(func, args, kwargs)
         if skipped:
@@ -597,14 +638,16 @@ class Tracer(TorchDispatchMode):
             targets = collect_tensors(written_arguments(func, args, kwargs), [])
             graph_write = bool(targets) and all(
                 self.tensor_name(t) is not None and storage_key(t) not in self.external
-                for t in targets)
+                for t in targets
+            )
         module = self.paths.current
         if self.fake and aten == "lift_fresh":
             # a constant made in the step (torch.tensor(...)) entering the fake mode: the real
             # op returns its argument, which the trace does not name; nor is its fake named
             in_keys = in_keys | {storage_key(t) for t in collect_tensors([out], [])}
-        out_tensors, stored, outputs, writes = self.name_outputs(out, in_keys, inplace, module,
-                                                                 len(self.trace.ops))
+        out_tensors, stored, outputs, writes = self.name_outputs(
+            out, in_keys, inplace, module, len(self.trace.ops)
+        )
         if self.observe_lifetimes:
             for t, (key, _) in zip(out_tensors, stored):
                 name = self.by_storage.get(key)
@@ -612,14 +655,26 @@ class Tracer(TorchDispatchMode):
                     self.held.add(t, name)
         op_name = f"{module}/{aten}#{self.op_counters[module]}"
         self.op_counters[module] += 1
-        self.trace.ops.append(OpRecord(
-            name=op_name, aten=full, module=module, inputs=inputs, outputs=outputs, seq=seq,
-            forward_s=elapsed, random=random, inplace=inplace, writes=writes,
-            mutates=(inplace or wrote_state or mutates_state(func)) and not graph_write,
-            unit=self.unit_of(module),
-            param_unit=self.unit_of(module) if self.reads_parameters(in_tensors) else "",
-            func=func if self.keep_calls else None,
-            args=args if self.keep_calls else None, kwargs=kwargs if self.keep_calls else None))
+        self.trace.ops.append(
+            OpRecord(
+                name=op_name,
+                aten=full,
+                module=module,
+                inputs=inputs,
+                outputs=outputs,
+                seq=seq,
+                forward_s=elapsed,
+                random=random,
+                inplace=inplace,
+                writes=writes,
+                mutates=(inplace or wrote_state or mutates_state(func)) and not graph_write,
+                unit=self.unit_of(module),
+                param_unit=self.unit_of(module) if self.reads_parameters(in_tensors) else "",
+                func=func if self.keep_calls else None,
+                args=args if self.keep_calls else None,
+                kwargs=kwargs if self.keep_calls else None,
+            )
+        )
         if clock is not None and self.cost is None:
             clock.spans.append((began, ended, self.trace.ops[-1], None))
         return out
@@ -646,8 +701,11 @@ class GradientLedger:
 
     @staticmethod
     def _storages(grads) -> dict[tuple[int, int], int]:
-        return {storage_key(g): int(g.untyped_storage().nbytes()) for g in grads
-                if isinstance(g, torch.Tensor) and g.numel()}
+        return {
+            storage_key(g): int(g.untyped_storage().nbytes())
+            for g in grads
+            if isinstance(g, torch.Tensor) and g.numel()
+        }
 
     def began(self, seq: int) -> None:
         """A node's backward is about to run: the gradients waiting now (its own incoming ones
@@ -655,16 +713,21 @@ class GradientLedger:
         alive = sum(int(entry[0].untyped_storage().nbytes()) for entry in self.alive.values())
         if alive:
             self.trace.backward_entry_grad_bytes[seq] = max(
-                self.trace.backward_entry_grad_bytes.get(seq, 0), alive)
+                self.trace.backward_entry_grad_bytes.get(seq, 0), alive
+            )
 
     def ran(self, node, seq: int, grad_inputs, grad_outputs) -> None:
         mine = self.waiting.pop(id(node), [])
-        now = {key: entry[0].untyped_storage().nbytes() for key, entry in self.alive.items()
-               if key not in mine}
+        now = {
+            key: entry[0].untyped_storage().nbytes()
+            for key, entry in self.alive.items()
+            if key not in mine
+        }
         now.update(self._storages(grad_outputs))
         now.update(self._storages(grad_inputs))
-        self.trace.backward_grad_bytes[seq] = max(self.trace.backward_grad_bytes.get(seq, 0),
-                                                  int(sum(now.values())))
+        self.trace.backward_grad_bytes[seq] = max(
+            self.trace.backward_grad_bytes.get(seq, 0), int(sum(now.values()))
+        )
         self.trace.backward_order.append(seq)
         if type(node).__name__ == "AccumulateGrad":
             # (one of the parameter gradients the node before made, counted there)
@@ -675,7 +738,8 @@ class GradientLedger:
             waiting = sum(nbytes for k, (nbytes, _) in self.param_waiting.items() if k not in now)
         if waiting:
             self.trace.param_grad_waiting_bytes[seq] = max(
-                self.trace.param_grad_waiting_bytes.get(seq, 0), waiting)
+                self.trace.param_grad_waiting_bytes.get(seq, 0), waiting
+            )
         for key in mine:
             entry = self.alive.get(key)
             if entry is not None:
@@ -720,7 +784,8 @@ class BackwardTransients(TorchDispatchMode):
         above = max(0, self.high - self.live.total)
         if above:
             self.trace.backward_transient_bytes[seq] = max(
-                self.trace.backward_transient_bytes.get(seq, 0), above)
+                self.trace.backward_transient_bytes.get(seq, 0), above
+            )
         self.seq = None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -729,10 +794,14 @@ class BackwardTransients(TorchDispatchMode):
         if self.seq is None or getattr(func, "namespace", "") == "prim":
             return out
         if self.cost is not None:
-            self.trace.backward_s[self.seq] = self.trace.backward_s.get(self.seq, 0.0) + \
-                self.cost(func, args, kwargs, out)
-        ins = {storage_key(t) for t in collect_tensors(list(args) + list(kwargs.values()), [])
-               if t.layout == torch.strided}
+            self.trace.backward_s[self.seq] = self.trace.backward_s.get(self.seq, 0.0) + self.cost(
+                func, args, kwargs, out
+            )
+        ins = {
+            storage_key(t)
+            for t in collect_tensors(list(args) + list(kwargs.values()), [])
+            if t.layout == torch.strided
+        }
         for t in collect_tensors(out if isinstance(out, (list, tuple)) else [out], []):
             if t.layout != torch.strided:
                 continue
@@ -750,8 +819,9 @@ class BackwardTransients(TorchDispatchMode):
 _NO_SEQUENCE_NR = 2**64 - 1  # an autograd node without a sequence number (AccumulateGrad)
 
 
-def time_backward(loss: torch.Tensor, trace: StepTrace, sync=None,
-                  clock: GpuClock | None = None, cost=None) -> None:
+def time_backward(
+    loss: torch.Tensor, trace: StepTrace, sync=None, clock: GpuClock | None = None, cost=None
+) -> None:
     """Backward time of every autograd node, by its sequence number (pre- and post-hooks); with a
     ``clock``, on the GPU's timeline (resolved by ``clock.resolve``). Also the activation
     gradients alive while each node runs (GradientLedger)."""
@@ -797,7 +867,9 @@ def time_backward(loss: torch.Tensor, trace: StepTrace, sync=None,
             if sync:
                 sync()
             if seq in starts:
-                trace.backward_s[seq] = trace.backward_s.get(seq, 0.0) + time.perf_counter() - starts[seq]
+                trace.backward_s[seq] = (
+                    trace.backward_s.get(seq, 0.0) + time.perf_counter() - starts[seq]
+                )
 
         handles.append(node.register_prehook(pre))
         handles.append(node.register_hook(post))

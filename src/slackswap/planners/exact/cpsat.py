@@ -77,16 +77,26 @@ class CpSatBackend(ExactBackend):
             return False
         return True
 
-    def run(self, f: Formulation, time_limit_s: float, seed: int, workers: int,
-            options: dict[str, Any], fixed: dict[int, int] | None = None):
+    def run(
+        self,
+        f: Formulation,
+        time_limit_s: float,
+        seed: int,
+        workers: int,
+        options: dict[str, Any],
+        fixed: dict[int, int] | None = None,
+    ):
         from ortools.sat.python import cp_model
 
         deadline = time.perf_counter() + float(time_limit_s)
         if time_limit_s < BUILD_S_PER_NONZERO * f.model.size()["nonzeros"]:
             return "timeout", None, None, None  # building the model alone would pass the limit
         dtime = options.get("deterministic_time_s")
-        if dtime is not None and dtime < MIN_ROUND_DTIME and \
-                f.model.size()["nonzeros"] >= PROBING_OFF_FROM_NONZEROS:
+        if (
+            dtime is not None
+            and dtime < MIN_ROUND_DTIME
+            and f.model.size()["nonzeros"] >= PROBING_OFF_FROM_NONZEROS
+        ):
             return "timeout", None, None, None  # its work ends in presolve: no search to run
         gap_limit = float(options.get("gap", 1e-3))
         hint = dict(options.get("complete_hint") or f.model.hint)
@@ -105,7 +115,8 @@ class CpSatBackend(ExactBackend):
         solver = cp_model.CpSolver()
         # work, not the clock, ends the search (deterministic time); the clock is the hard cap
         solver.parameters.max_time_in_seconds = max(
-            0.05, deadline - time.perf_counter() - STOP_S_PER_NONZERO * f.model.size()["nonzeros"])
+            0.05, deadline - time.perf_counter() - STOP_S_PER_NONZERO * f.model.size()["nonzeros"]
+        )
         if dtime is not None:
             solver.parameters.max_deterministic_time = max(0.01, float(dtime))
             solver.parameters.interleave_search = interleave
@@ -131,4 +142,9 @@ class CpSatBackend(ExactBackend):
         obj, bound = solver.objective_value, solver.best_objective_bound
         gap = abs(obj - bound) / max(1.0, abs(obj))
         name = "optimal" if status == cp_model.OPTIMAL or gap <= gap_limit else "timeout"
-        return name, (lambda v: int(fixed[v]) if fixed and v in fixed else solver.value(x[v])), obj, bound
+        return (
+            name,
+            (lambda v: int(fixed[v]) if fixed and v in fixed else solver.value(x[v])),
+            obj,
+            bound,
+        )

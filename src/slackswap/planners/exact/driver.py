@@ -62,8 +62,11 @@ def lp_fixings(f: Formulation, lp, threshold: float = 0.999, agree_with=None) ->
     fixed: dict[int, int] = {}
     for t in f.keep:
         name = g.tensors[t].name
-        values = {KEEP: lp.keep.get(name, 0.0), SWAP: lp.swap.get(name, 0.0),
-                  RECOMPUTE: lp.recompute.get(name, 0.0)}
+        values = {
+            KEEP: lp.keep.get(name, 0.0),
+            SWAP: lp.swap.get(name, 0.0),
+            RECOMPUTE: lp.recompute.get(name, 0.0),
+        }
         best = max(values, key=values.get)
         if values[best] < threshold:
             continue
@@ -93,41 +96,107 @@ class ExactBackend:
     # integers solved exactly (CP-SAT), not in floating point with tolerances (HiGHS, CBC): the
     # model may then use a finer time unit (formulations/milp.md, "Scaling and rounding")
     exact_arithmetic = False
-    options = frozenset({"seed", "workers", "warm_start", "full", "strategy", "polish", "gap",
-                         "coarse", "log", "linearization_level", "deterministic", "departure",
-                         "anytime", "work_s"})
+    options = frozenset(
+        {
+            "seed",
+            "workers",
+            "warm_start",
+            "full",
+            "strategy",
+            "polish",
+            "gap",
+            "coarse",
+            "log",
+            "linearization_level",
+            "deterministic",
+            "departure",
+            "anytime",
+            "work_s",
+        }
+    )
 
     def is_available(self) -> bool:
         return True
 
-    def run(self, f: Formulation, time_limit_s: float, seed: int, workers: int,
-            options: dict[str, Any], fixed: dict[int, int] | None = None):
+    def run(
+        self,
+        f: Formulation,
+        time_limit_s: float,
+        seed: int,
+        workers: int,
+        options: dict[str, Any],
+        fixed: dict[int, int] | None = None,
+    ):
         raise NotImplementedError
 
-    def solve(self, problem: Problem, time_limit_s: float | None = None, seed: int = 0,
-              workers: int = 2, warm_start: bool = True, full: bool | None = None,
-              strategy: str = "auto", polish: bool = True, deterministic: bool | None = None,
-              coarse: bool = True, departure: bool = True, anytime: bool = False,
-              work_s: float | None = None, **options: Any) -> Solution:
+    def solve(
+        self,
+        problem: Problem,
+        time_limit_s: float | None = None,
+        seed: int = 0,
+        workers: int = 2,
+        warm_start: bool = True,
+        full: bool | None = None,
+        strategy: str = "auto",
+        polish: bool = True,
+        deterministic: bool | None = None,
+        coarse: bool = True,
+        departure: bool = True,
+        anytime: bool = False,
+        work_s: float | None = None,
+        **options: Any,
+    ) -> Solution:
         """The best plan found within the work allowed (``work_s``, default the time limit;
         limits.py) and the time limit (a hard cap). By default a plan whose search the clock
         stopped anywhere is "timeout", whatever it proved: another machine, or this one idle,
         could return another plan (``extra["clock_stopped"]`` names the phases)."""
-        solution = self._search(problem, time_limit_s, seed, workers, warm_start, full, strategy,
-                                polish, deterministic, coarse, departure, anytime, work_s,
-                                **options)
+        solution = self._search(
+            problem,
+            time_limit_s,
+            seed,
+            workers,
+            warm_start,
+            full,
+            strategy,
+            polish,
+            deterministic,
+            coarse,
+            departure,
+            anytime,
+            work_s,
+            **options,
+        )
         extra = solution.info.extra
-        if not extra.get("anytime") and extra.get("clock_stopped") \
-                and solution.info.status != "timeout":
-            info = replace(solution.info, status="timeout",
-                           extra={**extra, "status_before_clock": solution.info.status})
+        if (
+            not extra.get("anytime")
+            and extra.get("clock_stopped")
+            and solution.info.status != "timeout"
+        ):
+            info = replace(
+                solution.info,
+                status="timeout",
+                extra={**extra, "status_before_clock": solution.info.status},
+            )
             solution = replace(solution, info=info)
         return solution
 
-    def _search(self, problem: Problem, time_limit_s: float | None, seed: int, workers: int,
-                warm_start: bool, full: bool | None, strategy: str, polish: bool,
-                deterministic: bool | None, coarse: bool, departure: bool, anytime: bool,
-                work_s: float | None, **options: Any) -> Solution:
+    def _search(
+        self,
+        problem: Problem,
+        time_limit_s: float | None,
+        seed: int,
+        workers: int,
+        warm_start: bool,
+        full: bool | None,
+        strategy: str,
+        polish: bool,
+        deterministic: bool | None,
+        coarse: bool,
+        departure: bool,
+        anytime: bool,
+        work_s: float | None,
+        **options: Any,
+    ) -> Solution:
         from ..lpbound import IPM_FROM_SLOTS, lp_bound
         from .decode import decode
         from .warmstart import heuristic_start
@@ -144,8 +213,9 @@ class ExactBackend:
         clock_from = start if problem.began is None else min(start, problem.began)
         deadline = clock_from + limit - CLOSE_S_PER_SLOT * problem.graph.n_slots
         clock = Clock(deadline)
-        work = WorkLimits.for_work(limit if work_s is None else float(work_s), anytime=anytime,
-                                   time_limit_s=limit)
+        work = WorkLimits.for_work(
+            limit if work_s is None else float(work_s), anytime=anytime, time_limit_s=limit
+        )
 
         def left() -> float:
             return deadline - time.perf_counter()
@@ -158,8 +228,11 @@ class ExactBackend:
         ideal = g.ideal_step_time_s
 
         def within(step: float, bound: float | None, target: float = OVERHEAD_TARGET) -> bool:
-            return bound is not None and np.isfinite(step) and \
-                step - bound <= proof_tolerance_s(step, ideal, target)
+            return (
+                bound is not None
+                and np.isfinite(step)
+                and step - bound <= proof_tolerance_s(step, ideal, target)
+            )
 
         # the heuristic's plan first: a short limit on a loaded machine still returns at least
         # the plan of solve(solver="heuristic"); the LP bound gets its work (anytime: the time
@@ -172,19 +245,45 @@ class ExactBackend:
             if not run_lp and clock.passed():
                 clock.stop("lp_bound")
         if run_lp:
-            lp = lp_bound(g, budget, hw, mask=problem.mask,
-                          max_iterations=work.lp_iterations if g.n_slots <= IPM_FROM_SLOTS else None,
-                          time_limit_s=max(0.01, (LP_SHARE if anytime else 1.0) * left()))
+            lp = lp_bound(
+                g,
+                budget,
+                hw,
+                mask=problem.mask,
+                max_iterations=work.lp_iterations if g.n_slots <= IPM_FROM_SLOTS else None,
+                time_limit_s=max(0.01, (LP_SHARE if anytime else 1.0) * left()),
+            )
         else:  # no time (anytime) or work to build it: no bound, and no proof
-            lp = _skipped_bound(g, budget, "no time left to build the LP bound" if anytime
-                                else "the LP bound's model is too large for the work allowed")
+            lp = _skipped_bound(
+                g,
+                budget,
+                "no time left to build the LP bound"
+                if anytime
+                else "the LP bound's model is too large for the work allowed",
+            )
         lp_s = lp.step_time_s if lp.status == "optimal" else None
-        ws = build_warm_start(problem, polish=polish and warm_start, bound_s=lp_s, gap=gap_target,
-                              work=work, clock=clock, lp=lp, heuristic=heuristic,
-                              solve_coarse=None if not coarse else lambda small, lim, wk: self.solve(
-                                  small, time_limit_s=lim, work_s=wk, seed=seed, workers=workers,
-                                  anytime=anytime, departure=departure),
-                              departure=departure)
+        ws = build_warm_start(
+            problem,
+            polish=polish and warm_start,
+            bound_s=lp_s,
+            gap=gap_target,
+            work=work,
+            clock=clock,
+            lp=lp,
+            heuristic=heuristic,
+            solve_coarse=None
+            if not coarse
+            else lambda small, lim, wk: self.solve(
+                small,
+                time_limit_s=lim,
+                work_s=wk,
+                seed=seed,
+                workers=workers,
+                anytime=anytime,
+                departure=departure,
+            ),
+            departure=departure,
+        )
         heuristic_time = ws.heuristic_sim.step_time_s if ws.heuristic_sim.fits else float("inf")
         warm_time = ws.step_time_s
         bounds = [b for b in (lp_s, ws.bound_s) if b is not None]
@@ -192,9 +291,14 @@ class ExactBackend:
         hint = ws.hint if warm_start else None
         extra = {"free": ws.free, "issue": ws.issue, "rebuild": ws.rebuild} if warm_start else None
         base_extra: dict[str, Any] = {
-            "lp_bound_s": lp.wall_s, "lp_bound_status": lp.status,
-            "heuristic_step_time_s": heuristic_time, "work_limits": work.as_dict(),
-            "warm_start": ws.source, "warm_start_step_time_s": warm_time, **ws.notes}
+            "lp_bound_s": lp.wall_s,
+            "lp_bound_status": lp.status,
+            "heuristic_step_time_s": heuristic_time,
+            "work_limits": work.as_dict(),
+            "warm_start": ws.source,
+            "warm_start_step_time_s": warm_time,
+            **ws.notes,
+        }
         # the phases the wall clock ended (or skipped) rather than their work limits: empty means
         # the same input gives this plan and proof on any machine (milp.md, "Solving")
         clock_stopped = clock.stopped
@@ -208,8 +312,11 @@ class ExactBackend:
 
         # the backends stop on a gap relative to their objective (the step): the target in
         # those terms, at the warm start's step
-        step_gap = proof_tolerance_s(warm_time, ideal, gap_target) / warm_time \
-            if np.isfinite(warm_time) and warm_time > 0 else min(gap_target, STEP_FLOOR)
+        step_gap = (
+            proof_tolerance_s(warm_time, ideal, gap_target) / warm_time
+            if np.isfinite(warm_time) and warm_time > 0
+            else min(gap_target, STEP_FLOOR)
+        )
         options = {**options, "gap": step_gap}
 
         def proven(bound) -> bool:
@@ -218,31 +325,66 @@ class ExactBackend:
         if warm_start and proven(bound_s):
             # the warm start is already within the target of a valid bound: nothing to search
             gap = max(0.0, (warm_time - bound_s) / warm_time)
-            info = SolveInfo(solver=self.name,
-                             status="optimal" if within(warm_time, bound_s) else "feasible",
-                             objective=warm_time, bound=min(bound_s, warm_time), gap=gap,
-                             wall_s=time.perf_counter() - start, predicted_step_time_s=warm_time,
-                             extra={"strategy": "warm start proven by the bound", **base_extra})
+            info = SolveInfo(
+                solver=self.name,
+                status="optimal" if within(warm_time, bound_s) else "feasible",
+                objective=warm_time,
+                bound=min(bound_s, warm_time),
+                gap=gap,
+                wall_s=time.perf_counter() - start,
+                predicted_step_time_s=warm_time,
+                extra={"strategy": "warm start proven by the bound", **base_extra},
+            )
             return Solution(ws.codes, None, info, simulation=ws.sim)
         if hw.collectives_on_link and g.collectives and not hw.duplex and np.isfinite(warm_time):
-            return self._fallback(ws, bound_s, warm_time, "feasible", start, {
-                **base_extra, "reason": "the MILP does not model collectives on a half-duplex "
-                "link; the warm start's plan"}, within)
+            return self._fallback(
+                ws,
+                bound_s,
+                warm_time,
+                "feasible",
+                start,
+                {
+                    **base_extra,
+                    "reason": "the MILP does not model collectives on a half-duplex "
+                    "link; the warm start's plan",
+                },
+                within,
+            )
         if anytime:
             skip_milp = left() < MIN_SEARCH_S + 2 * FORMULATE_S_PER_SLOT * g.n_slots
         else:
             skip_milp = clock.passed(MIN_SEARCH_S)
             if not work.builds(g.n_slots) and np.isfinite(warm_time):
-                return self._fallback(ws, bound_s, warm_time, "feasible", start, {
-                    **base_extra, "reason": "the MILP's model is too large for the work allowed"},
-                    within)
+                return self._fallback(
+                    ws,
+                    bound_s,
+                    warm_time,
+                    "feasible",
+                    start,
+                    {**base_extra, "reason": "the MILP's model is too large for the work allowed"},
+                    within,
+                )
         if skip_milp and np.isfinite(warm_time):
             clock_stopped.append("milp_skipped")
-            return self._fallback(ws, bound_s, warm_time, "timeout", start, {
-                **base_extra, "reason": "no time left for the MILP"}, within)
-        f = formulate(g, hw, budget, full=full, hint=hint, extra_candidates=extra,
-                      fine_time=self.exact_arithmetic,
-                      mask=problem.mask)
+            return self._fallback(
+                ws,
+                bound_s,
+                warm_time,
+                "timeout",
+                start,
+                {**base_extra, "reason": "no time left for the MILP"},
+                within,
+            )
+        f = formulate(
+            g,
+            hw,
+            budget,
+            full=full,
+            hint=hint,
+            extra_candidates=extra,
+            fine_time=self.exact_arithmetic,
+            mask=problem.mask,
+        )
         if warm_start:
             from .hint import complete_hint
 
@@ -250,8 +392,11 @@ class ExactBackend:
             if full_hint:
                 options = {**options, "complete_hint": full_hint}
         size = f.model.size()
-        info_extra: dict[str, Any] = {"model": size, "build_s": time.perf_counter() - start,
-                                      **base_extra}
+        info_extra: dict[str, Any] = {
+            "model": size,
+            "build_s": time.perf_counter() - start,
+            **base_extra,
+        }
         if strategy == "auto":
             strategy = "whole" if size["binaries"] <= WHOLE_MODEL_BINARIES else "lp-guided"
         info_extra["strategy"] = strategy
@@ -272,17 +417,21 @@ class ExactBackend:
 
         # the MILP's work: in the default mode its rounds (two when LP-guided) share it
         rounds_share = 1 if anytime or strategy == "whole" else 2
-        options = {**options, "deterministic_time_s": work.cpsat_dtime(
-            work.milp_s / rounds_share, size["nonzeros"]),
-            "max_nodes": work.milp_nodes(work.milp_s / rounds_share)}
+        options = {
+            **options,
+            "deterministic_time_s": work.cpsat_dtime(work.milp_s / rounds_share, size["nonzeros"]),
+            "max_nodes": work.milp_nodes(work.milp_s / rounds_share),
+        }
         clock_runs = clock_stopped  # the same list, in info_extra too
 
         def run(remaining: float, fixed=None, form: Formulation = f, opts=None):
             """The backend on the model; notes when the clock, not its work limit, stopped it."""
             began = time.perf_counter()
             answer = self.run(form, remaining, seed, workers, opts or options, fixed=fixed)
-            if answer[0] not in ("optimal", "infeasible") and \
-                    time.perf_counter() - began >= 0.95 * remaining:
+            if (
+                answer[0] not in ("optimal", "infeasible")
+                and time.perf_counter() - began >= 0.95 * remaining
+            ):
                 clock_runs.append(f"{self.name}_round_{len(clock_runs) + 1}")
             elif answer[0] == "timeout":
                 # its work limit ended the search, not the clock: "timeout" would say the time
@@ -298,7 +447,9 @@ class ExactBackend:
             # the best of the valid bounds: the relaxations' and, for a model over every
             # schedule, the MILP's own (less its rounding)
             incumbent = min(warm_time, best[0]) if best is not None else warm_time
-            milp_bound = None if bound is None else f.proven_bound_s(bound, incumbent, self.exact_arithmetic)
+            milp_bound = (
+                None if bound is None else f.proven_bound_s(bound, incumbent, self.exact_arithmetic)
+            )
             if milp_bound is not None:
                 info_extra["milp_bound_s"] = milp_bound
             candidates = [b for b in (milp_bound, bound_s) if b is not None]
@@ -318,7 +469,8 @@ class ExactBackend:
                 fixed = lp_fixings(f, lp, threshold, agree) if lp.status == "optimal" else {}
                 st, value, obj, _ = run(remaining, fixed=fixed)
                 info_extra.setdefault("rounds", []).append(
-                    {"threshold": threshold, "fixed_tensors": len(fixed) // 3, "status": st})
+                    {"threshold": threshold, "fixed_tensors": len(fixed) // 3, "status": st}
+                )
                 if value is not None:
                     consider(value, obj)
                 if best is not None and within(best[0], bound_s, gap_target):
@@ -337,7 +489,9 @@ class ExactBackend:
             if proof is not None:
                 info_extra["proof_round"] = proof
                 if proof.get("bound_s") is not None:
-                    bound_s = proof["bound_s"] if bound_s is None else max(bound_s, proof["bound_s"])
+                    bound_s = (
+                        proof["bound_s"] if bound_s is None else max(bound_s, proof["bound_s"])
+                    )
                 if best is not None and within(best[0], bound_s):
                     status = "optimal"
                 elif best is None and within(warm_time, bound_s):
@@ -354,35 +508,54 @@ class ExactBackend:
             # per op and copy (milp.md, "Scaling"), is kept as the objective
             predicted, codes, schedule, objective = best
             bound = None if bound_s is None else min(bound_s, predicted)
-            gap = None if bound is None else (
-                max(0.0, (predicted - bound) / predicted) if predicted > 0 else 0.0)
+            gap = (
+                None
+                if bound is None
+                else (max(0.0, (predicted - bound) / predicted) if predicted > 0 else 0.0)
+            )
             if status == "optimal" and not within(predicted, bound):
                 # "optimal" is a proof against a valid bound, not the model's word: a model over
                 # windows, or with rounded-up sizes, is a restriction of the problem
                 status = "feasible"
             elif status not in ("optimal", "timeout"):
                 status = "feasible"
-            info = SolveInfo(solver=self.name, status=status, objective=objective, bound=bound,
-                             gap=gap, wall_s=wall, predicted_step_time_s=predicted, extra=info_extra)
+            info = SolveInfo(
+                solver=self.name,
+                status=status,
+                objective=objective,
+                bound=bound,
+                gap=gap,
+                wall_s=wall,
+                predicted_step_time_s=predicted,
+                extra=info_extra,
+            )
             return Solution(codes, schedule, info)
         # no solution, or none better than the warm start: the warm start's plan, said so
-        info_extra.update(fallback=ws.source, reason="no solution within the time limit"
-                          if best is None else "solver's best was not better than the warm start")
+        info_extra.update(
+            fallback=ws.source,
+            reason="no solution within the time limit"
+            if best is None
+            else "solver's best was not better than the warm start",
+        )
         if status == "infeasible" and np.isfinite(warm_time):
             # the warm start fits, so a plan exists: the backend's "infeasible" is its own
             # failure (tolerances, presolve); the warm start is returned under an honest status
-            info_extra["backend_failure"] = (f"{self.name} reported the model infeasible, but the "
-                                             "warm start is a valid plan")
+            info_extra["backend_failure"] = (
+                f"{self.name} reported the model infeasible, but the warm start is a valid plan"
+            )
             log.warning("%s: %s", self.name, info_extra["backend_failure"])
         elif status == "infeasible":
             # nothing fits: with restricted decisions (keep and recompute only) the budget can be
             # below the smallest feasible one, which solve() computes with swaps allowed
-            info_extra["reason"] = (f"{self.name} proved the model infeasible and no start fits: "
-                                    "no plan within this budget with these decisions")
+            info_extra["reason"] = (
+                f"{self.name} proved the model infeasible and no start fits: "
+                "no plan within this budget with these decisions"
+            )
         return self._fallback(ws, bound_s, warm_time, status, start, info_extra, within)
 
-    def _proof_round(self, problem: Problem, ws, best, left, work: WorkLimits, options, run,
-                     consider) -> dict[str, Any] | None:
+    def _proof_round(
+        self, problem: Problem, ws, best, left, work: WorkLimits, options, run, consider
+    ) -> dict[str, Any] | None:
         """The model over every schedule position (formulations/milp.md, "The proof round"),
         hinted with the best plan so far, for the time left; None when it is too large or no
         time is left. Its bound, less its rounding, joins the proof; a better plan it finds is
@@ -399,23 +572,36 @@ class ExactBackend:
         if best is not None:
             codes, schedule = best[1], best[2]
             index = g.tensor_index
-            hint = (codes, {index[k]: v for k, v in schedule.d2h_free.items()},
-                    {index[k]: v for k, v in schedule.h2d_issue.items()},
-                    {index[k]: v for k, v in schedule.recompute_at.items()})
+            hint = (
+                codes,
+                {index[k]: v for k, v in schedule.d2h_free.items()},
+                {index[k]: v for k, v in schedule.h2d_issue.items()},
+                {index[k]: v for k, v in schedule.recompute_at.items()},
+            )
             incumbent = min(best[0], ws.step_time_s)
         else:
             hint, incumbent = ws.hint, ws.step_time_s
         # without the lane-capacity cuts: the proof comes from search here, and their running
         # sums slow it (VGG16 at 80%: closed in 7.7 s without them, 15.4 s with)
-        pf = formulate(g, hw, problem.budget_bytes, full=True, hint=hint, mask=problem.mask,
-                       cuts=False, fine_time=self.exact_arithmetic)
+        pf = formulate(
+            g,
+            hw,
+            problem.budget_bytes,
+            full=True,
+            hint=hint,
+            mask=problem.mask,
+            cuts=False,
+            fine_time=self.exact_arithmetic,
+        )
         size = pf.model.size()
         if size["nonzeros"] > PROOF_NONZEROS:
             return {"skipped": f"{size['nonzeros']} nonzeros"}
         # its work: CP-SAT's deterministic time, fixed by the work allowed alone
-        opts = {**options, "deterministic_time_s": work.cpsat_dtime(work.proof_s,
-                                                                    size["nonzeros"]),
-                "max_nodes": work.milp_nodes(work.proof_s)}
+        opts = {
+            **options,
+            "deterministic_time_s": work.cpsat_dtime(work.proof_s, size["nonzeros"]),
+            "max_nodes": work.milp_nodes(work.proof_s),
+        }
         completed = complete_hint(pf, *hint)
         if completed:
             opts["complete_hint"] = completed
@@ -427,14 +613,21 @@ class ExactBackend:
             fitted = consider(value, obj, pf)  # its simulated step time, if it fits
             if fitted is not None:
                 incumbent = min(incumbent, fitted)
-        proven = None if bound is None else pf.proven_bound_s(bound, incumbent, self.exact_arithmetic)
-        return {"model": size, "status": status, "bound_s": proven,
-                "wall_s": time.perf_counter() - began,
-                "clock_stopped": status not in ("optimal", "infeasible")
-                and time.perf_counter() - began >= 0.95 * max(remaining, 0.0)}
+        proven = (
+            None if bound is None else pf.proven_bound_s(bound, incumbent, self.exact_arithmetic)
+        )
+        return {
+            "model": size,
+            "status": status,
+            "bound_s": proven,
+            "wall_s": time.perf_counter() - began,
+            "clock_stopped": status not in ("optimal", "infeasible")
+            and time.perf_counter() - began >= 0.95 * max(remaining, 0.0),
+        }
 
-    def _fallback(self, ws, bound_s, warm_time, status: str, start: float, extra,
-                  within) -> Solution:
+    def _fallback(
+        self, ws, bound_s, warm_time, status: str, start: float, extra, within
+    ) -> Solution:
         """The warm start's plan, under the status that is true of it."""
         gap = None
         if bound_s is not None and np.isfinite(warm_time):
@@ -446,7 +639,14 @@ class ExactBackend:
             final = "timeout"  # the time limit stopped the search
         else:
             final = "feasible"  # the search ended without proving the warm start optimal
-        info = SolveInfo(solver=self.name, status=final, objective=warm_time, bound=bound_s,
-                         gap=gap, wall_s=time.perf_counter() - start,
-                         predicted_step_time_s=warm_time, extra=extra)
+        info = SolveInfo(
+            solver=self.name,
+            status=final,
+            objective=warm_time,
+            bound=bound_s,
+            gap=gap,
+            wall_s=time.perf_counter() - start,
+            predicted_step_time_s=warm_time,
+            extra=extra,
+        )
         return Solution(ws.codes, None, info, simulation=ws.sim)

@@ -84,8 +84,9 @@ class Formulation:
     def seconds(self, objective_units: float) -> float:
         return objective_units * self.scaling.time_unit + self.objective_offset_s
 
-    def proven_bound_s(self, bound_units: float, incumbent_s: float | None = None,
-                       exact_arithmetic: bool = True) -> float | None:
+    def proven_bound_s(
+        self, bound_units: float, incumbent_s: float | None = None, exact_arithmetic: bool = True
+    ) -> float | None:
         """A lower bound on the simulated step time of every plan, from the solver's bound, or
         None. Only a model with every candidate position bounds every schedule. Each op, copy
         and rerun on the critical path is rounded up by under one time unit (Section
@@ -145,8 +146,7 @@ class Formulation:
         return fixed + every + 1.0
 
 
-def _candidates(graph: ActivationGraph, hw: Hardware, full: bool, extra=None,
-                window: int = 6):
+def _candidates(graph: ActivationGraph, hw: Hardware, full: bool, extra=None, window: int = 6):
     """F(x), G(x), Rc(x) for every saved tensor (Section "Candidates")."""
     n = graph.n_ops
     saved = [int(t) for t in graph.saved]
@@ -169,8 +169,12 @@ def _candidates(graph: ActivationGraph, hw: Hardware, full: bool, extra=None,
         for y in saved:
             for r in list(rc[y]):
                 for x in frontier[y] + coproduced[y]:
-                    if can_r[x] and r < latest[x] and (full or latest[x] - r <= window) \
-                            and r not in rc[x]:
+                    if (
+                        can_r[x]
+                        and r < latest[x]
+                        and (full or latest[x] - r <= window)
+                        and r not in rc[x]
+                    ):
                         rc[x].add(r)
                         changed = True
     if extra is not None:
@@ -213,9 +217,18 @@ def _candidates(graph: ActivationGraph, hw: Hardware, full: bool, extra=None,
     return F, G, {t: sorted(v) for t, v in rc.items()}, frontier, coproduced, u, lb
 
 
-def formulate(graph: ActivationGraph, hw: Hardware, budget_bytes: int, *, full: bool | None = None,
-              hint=None, extra_candidates=None, cuts: bool = True, mask=None,
-              fine_time: bool = False) -> Formulation:
+def formulate(
+    graph: ActivationGraph,
+    hw: Hardware,
+    budget_bytes: int,
+    *,
+    full: bool | None = None,
+    hint=None,
+    extra_candidates=None,
+    cuts: bool = True,
+    mask=None,
+    fine_time: bool = False,
+) -> Formulation:
     """The MILP for ``graph`` under ``budget_bytes``. ``full``: every candidate position (exact
     over all schedules; default for graphs of at most 16 ops), else windows (Section "Candidates").
     ``hint``: (codes, free, issue, rebuild) of a known plan, added to the candidates and hinted.
@@ -227,13 +240,15 @@ def formulate(graph: ActivationGraph, hw: Hardware, budget_bytes: int, *, full: 
         full = n <= 16 or S * len(graph.saved) <= FULL_CELLS
     copies = sum(hw.d2h_time(b) + hw.h2d_time(b) for b in graph.tensor_bytes[graph.saved])
     if hw.collectives_on_link:
-        copies += sum(hw.d2h_time(c.d2h_bytes) + hw.h2d_time(c.h2d_bytes)
-                      for c in graph.collectives)
+        copies += sum(
+            hw.d2h_time(c.d2h_bytes) + hw.h2d_time(c.h2d_bytes) for c in graph.collectives
+        )
     span = graph.ideal_step_time_s + copies
     # the largest unit that divides every size exactly: memory sums are then exact, and only the
     # budget is rounded (down)
-    sizes = np.concatenate([graph.tensor_bytes, graph.forward_ws, graph.backward_ws,
-                            graph.rerun_ws])
+    sizes = np.concatenate(
+        [graph.tensor_bytes, graph.forward_ws, graph.backward_ws, graph.rerun_ws]
+    )
     unit = max(1, int(np.gcd.reduce(sizes[sizes > 0])) if (sizes > 0).any() else 1)
     # at most BYTE_RANGE units for the largest of the budget and the sizes, so that every
     # backend sees coefficients of like magnitude. Sizes are then rounded: over windows up (the
@@ -244,8 +259,12 @@ def formulate(graph: ActivationGraph, hw: Hardware, budget_bytes: int, *, full: 
     exact = largest // unit <= BYTE_RANGE
     if not exact:
         unit = -(-largest // BYTE_RANGE)
-    sc = Scaling(byte_unit=unit, time_unit=max(span, 1e-12) / (TIME_RANGE_FULL if full and fine_time else TIME_RANGE), exact_bytes=exact,
-                 relaxed_bytes=bool(full) and not exact)
+    sc = Scaling(
+        byte_unit=unit,
+        time_unit=max(span, 1e-12) / (TIME_RANGE_FULL if full and fine_time else TIME_RANGE),
+        exact_bytes=exact,
+        relaxed_bytes=bool(full) and not exact,
+    )
     nbytes = sc.bytes_of(graph.tensor_bytes)
     budget_u = sc.budget_of(budget_bytes)
     fwd_u = sc.time_up(graph.forward_s)
@@ -256,8 +275,9 @@ def formulate(graph: ActivationGraph, hw: Hardware, budget_bytes: int, *, full: 
     F, G, RC, frontier, coproduced, u, lb = _candidates(graph, hw, full, extra_candidates)
     saved = [int(t) for t in graph.saved]
     m = Model()
-    f = Formulation(m, graph, hw, budget_bytes, sc, objective_offset_s=graph.optimizer_s,
-                    full=bool(full))
+    f = Formulation(
+        m, graph, hw, budget_bytes, sc, objective_offset_s=graph.optimizer_s, full=bool(full)
+    )
 
     # --- decisions: keep / swap / recompute, exactly one (one_decision)
     for t in saved:
@@ -274,13 +294,30 @@ def formulate(graph: ActivationGraph, hw: Hardware, budget_bytes: int, *, full: 
         f.issue_at[t] = {k: m.binary(f"issue_at[{name},{k}]") for k in G[t]}
         f.rebuild_at[t] = {k: m.binary(f"rebuild_at[{name},{k}]") for k in RC[t]}
         # swap_schedule: one free position and one issue position per offloaded tensor
-        m.eq(f"swap_free_once[{name}]", [(v, 1) for v in f.free_after[t].values()] + [(f.swap[t], -1)], 0)
-        m.eq(f"swap_issue_once[{name}]", [(v, 1) for v in f.issue_at[t].values()] + [(f.swap[t], -1)], 0)
+        m.eq(
+            f"swap_free_once[{name}]",
+            [(v, 1) for v in f.free_after[t].values()] + [(f.swap[t], -1)],
+            0,
+        )
+        m.eq(
+            f"swap_issue_once[{name}]",
+            [(v, 1) for v in f.issue_at[t].values()] + [(f.swap[t], -1)],
+            0,
+        )
         # issue_after_free: sum g*issue - sum f*free >= swap
-        m.ge(f"issue_after_free[{name}]", [(v, k) for k, v in f.issue_at[t].items()]
-             + [(v, -k) for k, v in f.free_after[t].items()] + [(f.swap[t], -1)], 0)
+        m.ge(
+            f"issue_after_free[{name}]",
+            [(v, k) for k, v in f.issue_at[t].items()]
+            + [(v, -k) for k, v in f.free_after[t].items()]
+            + [(f.swap[t], -1)],
+            0,
+        )
         # rebuild_once
-        m.eq(f"rebuild_once[{name}]", [(v, 1) for v in f.rebuild_at[t].values()] + [(f.recompute[t], -1)], 0)
+        m.eq(
+            f"rebuild_once[{name}]",
+            [(v, 1) for v in f.rebuild_at[t].values()] + [(f.recompute[t], -1)],
+            0,
+        )
     # random_groups: recomputed together or not at all
     for g, members in graph.rng_groups.items():
         for a, b in zip(members, members[1:]):
@@ -293,10 +330,13 @@ def formulate(graph: ActivationGraph, hw: Hardware, budget_bytes: int, *, full: 
                 key = (int(q), r)
                 if key not in f.rerun:
                     f.rerun[key] = m.binary(f"rerun[{graph.ops[q].name},{r}]")
-                m.le(f"rerun_cover[{graph.tensors[y].name},{graph.ops[q].name},{r}]",
-                     [(v, 1), (f.rerun[key], -1)], 0)
+                m.le(
+                    f"rerun_cover[{graph.tensors[y].name},{graph.ops[q].name},{r}]",
+                    [(v, 1), (f.rerun[key], -1)],
+                    0,
+                )
     reruns_at: dict[int, list[int]] = {}
-    for (q, r) in f.rerun:
+    for q, r in f.rerun:
         reruns_at.setdefault(r, []).append(q)
 
     # life_extension: a rebuild at r reads its frontier x there; if x's own last use came
@@ -314,13 +354,19 @@ def formulate(graph: ActivationGraph, hw: Hardware, budget_bytes: int, *, full: 
                     if (x, k) not in table:
                         kind = "life_extension" if k < r else "life_extension_rerun"
                         table[(x, k)] = m.binary(f"{kind}[{xname},{k}]")
-                    m.ge(f"life_extension[{graph.tensors[y].name},{xname},{k}]",
-                         [(table[(x, k)], 1), (v, -1)], 0)
+                    m.ge(
+                        f"life_extension[{graph.tensors[y].name},{xname},{k}]",
+                        [(table[(x, k)], 1), (v, -1)],
+                        0,
+                    )
     for (x, k), w in ext_full.items():
         if (x, k) not in ext_rerun:
             ext_rerun[(x, k)] = m.binary(f"life_extension_rerun[{graph.tensors[x].name},{k}]")
-        m.ge(f"life_extension_covers_reruns[{graph.tensors[x].name},{k}]",
-             [(ext_rerun[(x, k)], 1), (w, -1)], 0)
+        m.ge(
+            f"life_extension_covers_reruns[{graph.tensors[x].name},{k}]",
+            [(ext_rerun[(x, k)], 1), (w, -1)],
+            0,
+        )
     ext_main_at: dict[int, list[tuple[int, int]]] = {}
     ext_rerun_at: dict[int, list[tuple[int, int]]] = {}
     for (x, k), w in ext_full.items():
@@ -336,9 +382,12 @@ def formulate(graph: ActivationGraph, hw: Hardware, budget_bytes: int, *, full: 
                 xname = graph.tensors[x].name
                 # rebuild_inputs_resident: kept (alive at r, by life_extension if needed),
                 # offloaded (prefetched by r), or rebuilt by r
-                m.le(f"rebuild_inputs_resident[{yname},{xname},{r}]",
-                     [(v, 1), (f.keep[x], -1), (f.swap[x], -1)]
-                     + [(w, -1) for k, w in f.rebuild_at[x].items() if k <= r], 0)
+                m.le(
+                    f"rebuild_inputs_resident[{yname},{xname},{r}]",
+                    [(v, 1), (f.keep[x], -1), (f.swap[x], -1)]
+                    + [(w, -1) for k, w in f.rebuild_at[x].items() if k <= r],
+                    0,
+                )
                 # prefetch_before_rebuild: an offloaded input is issued by r
                 late = [(w, 1) for k, w in f.issue_at[x].items() if k > r]
                 if late:
@@ -346,8 +395,11 @@ def formulate(graph: ActivationGraph, hw: Hardware, budget_bytes: int, *, full: 
             for x in coproduced[y]:
                 later = [(w, 1) for k, w in f.rebuild_at[x].items() if k > r]
                 if later:
-                    m.le(f"coproduced_rebuilt_with[{yname},{graph.tensors[x].name},{r}]",
-                         later + [(v, 1)], 1)
+                    m.le(
+                        f"coproduced_rebuilt_with[{yname},{graph.tensors[x].name},{r}]",
+                        later + [(v, 1)],
+                        1,
+                    )
 
     # --- memory: running sum of lives (memory_running_sum), then the budget per position
     starts: dict[int, list[tuple[int, int]]] = {}
@@ -374,7 +426,7 @@ def formulate(graph: ActivationGraph, hw: Hardware, budget_bytes: int, *, full: 
         ends.setdefault(lb[t], []).append((f.swap[t], int(b)))
     constant = np.zeros(S, dtype=np.int64)
     for t in np.flatnonzero(~graph.is_saved):
-        constant[prod[t]: last_fwd[t] + 1] += nbytes[t]
+        constant[prod[t] : last_fwd[t] + 1] += nbytes[t]
     total = int(nbytes[graph.saved].sum()) + 1
     out_bytes = [int(nbytes[list(outs)].sum()) if outs else 0 for outs in graph.op_outputs]
     fwd_ws = sc.bytes_of(graph.forward_ws)
@@ -385,7 +437,9 @@ def formulate(graph: ActivationGraph, hw: Hardware, budget_bytes: int, *, full: 
         for k, w in f.rebuild_at[t].items():
             rebuilt_here.setdefault(k, []).append(((w, -int(nbytes[t])), t))
     # memory_running_sum: resident[k] = resident[k-1] + lives starting at k - lives ended at k-1
-    f.resident = _running_sum(m, "resident", S, starts, ends, total, constraint="memory_running_sum")
+    f.resident = _running_sum(
+        m, "resident", S, starts, ends, total, constraint="memory_running_sum"
+    )
     for k in range(S):
         v = f.resident[k]
         cap = budget_u - int(constant[k])
@@ -416,26 +470,42 @@ def formulate(graph: ActivationGraph, hw: Hardware, budget_bytes: int, *, full: 
                         continue
                     y = m.var(f"transient[{graph.tensors[o].name},{graph.ops[q].name},{k}]", 0, 1)
                     for q2 in readers:
-                        m.ge(f"transient_alive[{graph.tensors[o].name},{graph.ops[q].name},{k}]",
-                             [(y, 1), (f.rerun[(q2, k)], -1)], 0)
+                        m.ge(
+                            f"transient_alive[{graph.tensors[o].name},{graph.ops[q].name},{k}]",
+                            [(y, 1), (f.rerun[(q2, k)], -1)],
+                            0,
+                        )
                     terms.append((y, int(nbytes[o])))
             # the rerun op's workspace and the gradients waiting for the backward op at k
             terms.append((z, int(sc.bytes_of(int(graph.forward_ws[q]) + int(rerun_ws[j])))))
             m.le(f"memory_budget_rerun[{graph.ops[q].name},{k}]", terms, cap)
 
     # --- time: compute stream (compute_order), lanes (d2h_lane, h2d_lane), waits
-    rerun_time = {k: [(f.rerun[(q, k)], int(fwd_u[q])) for q in reruns_at.get(k, ())] for k in range(S)}
-    horizon = int(base_dur.sum() + sum(fwd_u[q] for q, _ in f.rerun)
-                  + sum(d2h_u.values()) + sum(h2d_u.values()))
+    rerun_time = {
+        k: [(f.rerun[(q, k)], int(fwd_u[q])) for q in reruns_at.get(k, ())] for k in range(S)
+    }
+    horizon = int(
+        base_dur.sum()
+        + sum(fwd_u[q] for q, _ in f.rerun)
+        + sum(d2h_u.values())
+        + sum(h2d_u.values())
+    )
     if hw.collectives_on_link:
-        horizon += int(sum(sc.time_up(hw.d2h_time(c.d2h_bytes) + hw.h2d_time(c.h2d_bytes))
-                           for c in graph.collectives))
+        horizon += int(
+            sum(
+                sc.time_up(hw.d2h_time(c.d2h_bytes) + hw.h2d_time(c.h2d_bytes))
+                for c in graph.collectives
+            )
+        )
     T_ub = 2 * horizon + 1000
     for k in range(S):
         f.start.append(m.var(f"start[{k}]", 0, T_ub))
     for k in range(1, S):
-        m.ge(f"compute_order[{k}]", [(f.start[k], 1), (f.start[k - 1], -1)]
-             + [(z, -c) for z, c in rerun_time[k - 1]], int(base_dur[k - 1]))
+        m.ge(
+            f"compute_order[{k}]",
+            [(f.start[k], 1), (f.start[k - 1], -1)] + [(z, -c) for z, c in rerun_time[k - 1]],
+            int(base_dur[k - 1]),
+        )
 
     def arrive(k):
         """terms and constant of the time position k is reached (before any wait)."""
@@ -448,22 +518,30 @@ def formulate(graph: ActivationGraph, hw: Hardware, budget_bytes: int, *, full: 
     # when their position is reached, in each lane's FIFO chain (Section "Collectives")
     charged = bool(hw.collectives_on_link and graph.collectives)
     f.collectives_charged = charged
-    comms = [(graph.collective_slot(c), j, c) for j, c in enumerate(graph.collectives)] \
-        if charged else []
+    comms = (
+        [(graph.collective_slot(c), j, c) for j, c in enumerate(graph.collectives)]
+        if charged
+        else []
+    )
 
     def collective_job(lane: str, k: int, c, nbytes_c: int, prev_var):
         p_c = int(sc.time_up(hw.d2h_time(nbytes_c) if lane == "d2h" else hw.h2d_time(nbytes_c)))
         L = m.var(f"collective_{lane}[{c.name}]", 0, T_ub)
         terms, const = arrive(k)
-        m.ge(f"collective_{lane}_release[{c.name}]", [(L, 1)] + [(v, -q) for v, q in terms],
-             const + p_c)
+        m.ge(
+            f"collective_{lane}_release[{c.name}]",
+            [(L, 1)] + [(v, -q) for v, q in terms],
+            const + p_c,
+        )
         if prev_var is not None:
             m.ge(f"collective_{lane}_fifo[{c.name}]", [(L, 1), (prev_var, -1)], p_c)
         return L
 
-    d2h_items = sorted([((prod[t], 1, t), t, None) for t in d2h_order]
-                       + [((k, 0, j), None, c) for k, j, c in comms if c.d2h_bytes],
-                       key=lambda item: item[0])
+    d2h_items = sorted(
+        [((prod[t], 1, t), t, None) for t in d2h_order]
+        + [((k, 0, j), None, c) for k, j, c in comms if c.d2h_bytes],
+        key=lambda item: item[0],
+    )
     lane_d: dict[int, int] = {}
     prev = None
     for _, t, c in d2h_items:
@@ -477,20 +555,32 @@ def formulate(graph: ActivationGraph, hw: Hardware, budget_bytes: int, *, full: 
         p = d2h_u[t]
         if prev is not None:
             m.ge(f"d2h_lane_fifo[{name}]", [(L, 1), (prev, -1), (f.swap[t], -p)], 0)
-        m.ge(f"d2h_release[{name}]", [(L, 1), (f.start[prod[t]], -1), (f.swap[t], -p)], int(fwd_u[prod[t]]))
+        m.ge(
+            f"d2h_release[{name}]",
+            [(L, 1), (f.start[prod[t]], -1), (f.swap[t], -p)],
+            int(fwd_u[prod[t]]),
+        )
         for k, w in f.free_after[t].items():
             m.ge(f"d2h_before_free[{name},{k}]", [(f.start[k + 1], 1), (L, -1)], 0, enforce=(w,))
         prev = L
     last_d2h = prev
     h2d_order = sorted(saved, key=lambda t: (u[t], t))
     f.d2h_order, f.h2d_order = d2h_order, h2d_order
-    f.units = {"fwd": fwd_u, "base_dur": base_dur, "d2h": d2h_u, "h2d": h2d_u, "u": u,
-               "frontier": frontier}
+    f.units = {
+        "fwd": fwd_u,
+        "base_dur": base_dur,
+        "d2h": d2h_u,
+        "h2d": h2d_u,
+        "u": u,
+        "frontier": frontier,
+    }
     lane_h: dict[int, int] = {}
     prev_l = prev_j = None
-    h2d_items = sorted([((u[t], 1, t), t, None) for t in h2d_order]
-                       + [((k, 0, j), None, c) for k, j, c in comms if c.h2d_bytes],
-                       key=lambda item: item[0])
+    h2d_items = sorted(
+        [((u[t], 1, t), t, None) for t in h2d_order]
+        + [((k, 0, j), None, c) for k, j, c in comms if c.h2d_bytes],
+        key=lambda item: item[0],
+    )
     for _, t, c in h2d_items:
         if c is not None:
             prev_l = collective_job("h2d", graph.collective_slot(c), c, c.h2d_bytes, prev_l)
@@ -506,12 +596,20 @@ def formulate(graph: ActivationGraph, hw: Hardware, budget_bytes: int, *, full: 
             m.ge(f"h2d_lane_fifo[{name}]", [(L, 1), (prev_l, -1), (f.swap[t], -p)], 0)
         if prev_j is not None:
             m.ge(f"h2d_issue_order[{name}]", [(J, 1), (prev_j, -1)], 0)
-        m.eq(f"issue_position[{name}]", [(J, 1)] + [(w, -k) for k, w in f.issue_at[t].items()], 0,
-             enforce=(f.swap[t],))
+        m.eq(
+            f"issue_position[{name}]",
+            [(J, 1)] + [(w, -k) for k, w in f.issue_at[t].items()],
+            0,
+            enforce=(f.swap[t],),
+        )
         for k, w in f.issue_at[t].items():
             terms, const = arrive(k)
-            m.ge(f"h2d_release[{name},{k}]", [(L, 1)] + [(v, -c) for v, c in terms], const + p,
-                 enforce=(w,))
+            m.ge(
+                f"h2d_release[{name},{k}]",
+                [(L, 1)] + [(v, -c) for v, c in terms],
+                const + p,
+                enforce=(w,),
+            )
         m.ge(f"h2d_after_d2h[{name}]", [(L, 1), (lane_d[t], -1)], p, enforce=(f.swap[t],))
         if not hw.duplex:
             m.ge(f"shared_link[{name}]", [(L, 1), (last_d2h, -1)], p, enforce=(f.swap[t],))
@@ -523,8 +621,12 @@ def formulate(graph: ActivationGraph, hw: Hardware, budget_bytes: int, *, full: 
             for x in frontier[y]:
                 if r < u[x]:
                     Lx = lane_h[x]
-                    m.ge(f"prefetch_arrives_for_rebuild[{graph.tensors[y].name},{graph.tensors[x].name},{r}]",
-                         [(f.start[r], 1), (Lx, -1)], 0, enforce=(v, f.swap[x]))
+                    m.ge(
+                        f"prefetch_arrives_for_rebuild[{graph.tensors[y].name},{graph.tensors[x].name},{r}]",
+                        [(f.start[r], 1), (Lx, -1)],
+                        0,
+                        enforce=(v, f.swap[x]),
+                    )
 
     if cuts and not charged:  # the cuts count activation copies alone on the lanes
         _lane_capacity_cuts(f, nbytes, budget_u, constant, fwd_ws, bwd_ws, u, lb)
@@ -535,8 +637,11 @@ def formulate(graph: ActivationGraph, hw: Hardware, budget_bytes: int, *, full: 
     m.objective_offset = int(base_dur[S - 1])
     if charged:
         end = m.var("step_end", 0, T_ub)
-        m.ge("step_end_compute", [(end, 1), (f.start[S - 1], -1)]
-             + [(v, -q) for v, q in rerun_time[S - 1]], int(base_dur[S - 1]))
+        m.ge(
+            "step_end_compute",
+            [(end, 1), (f.start[S - 1], -1)] + [(v, -q) for v, q in rerun_time[S - 1]],
+            int(base_dur[S - 1]),
+        )
         for lane_end in (prev, prev_l):
             if lane_end is not None:
                 m.ge("step_end_lanes", [(end, 1), (lane_end, -1)], 0)
@@ -562,9 +667,9 @@ def _apply_hint(f: Formulation, hint) -> None:
             m.hint[w] = int(codes[t] == 2 and rebuild.get(t) == k)
 
 
-
-def _running_sum(m: Model, name: str, S: int, starts, ends, ub: int,
-                 constraint: str | None = None) -> list[int]:
+def _running_sum(
+    m: Model, name: str, S: int, starts, ends, ub: int, constraint: str | None = None
+) -> list[int]:
     """Variables V_k = sum of coef*x over the intervals covering position k."""
     out: list[int] = []
     for k in range(S):
@@ -619,19 +724,38 @@ def _lane_capacity_cuts(f: Formulation, nbytes, budget_u, constant, fwd_ws, bwd_
     big = total * kappa
     dep = [m.var(f"cut_departed[{k}]", 0, big) for k in range(S)]
     arr = [m.var(f"cut_arrived[{k}]", 0, big) for k in range(S)]
-    f.units["cut"] = {"dep": dep, "arr": arr, "produced": produced, "needed": needed,
-                      "bw_d": bw_d, "bw_h": bw_h, "kappa": kappa}
+    f.units["cut"] = {
+        "dep": dep,
+        "arr": arr,
+        "produced": produced,
+        "needed": needed,
+        "bw_d": bw_d,
+        "bw_h": bw_h,
+        "kappa": kappa,
+    }
     for k in range(S):
         if k == 0:
             m.le("cut_departed_start", [(dep[0], 1)], 0)
             m.le("cut_arrived_start", [(arr[0], 1)], 0)
         else:
             step = [(f.start[k], 1), (f.start[k - 1], -1)]
-            m.le(f"cut_d2h_rate[{k}]", [(dep[k], 1), (dep[k - 1], -1)] + [(v, -bw_d * c) for v, c in step], 0)
-            m.le(f"cut_h2d_rate[{k}]", [(arr[k], 1), (arr[k - 1], -1)] + [(v, -bw_h * c) for v, c in step], 0)
+            m.le(
+                f"cut_d2h_rate[{k}]",
+                [(dep[k], 1), (dep[k - 1], -1)] + [(v, -bw_d * c) for v, c in step],
+                0,
+            )
+            m.le(
+                f"cut_h2d_rate[{k}]",
+                [(arr[k], 1), (arr[k - 1], -1)] + [(v, -bw_h * c) for v, c in step],
+                0,
+            )
             if not hw.duplex:
-                m.le(f"cut_link_rate[{k}]", [(dep[k], 1), (arr[k], 1), (dep[k - 1], -1), (arr[k - 1], -1)]
-                     + [(v, -bw_d * c) for v, c in step], 0)
+                m.le(
+                    f"cut_link_rate[{k}]",
+                    [(dep[k], 1), (arr[k], 1), (dep[k - 1], -1), (arr[k - 1], -1)]
+                    + [(v, -bw_d * c) for v, c in step],
+                    0,
+                )
             m.le(f"cut_departed_produced[{k}]", [(dep[k], 1), (produced[k - 1], -kappa)], 0)
         m.le(f"cut_arrived_departed[{k}]", [(arr[k], 1), (dep[k], -1)], 0)
         m.ge(f"cut_arrived_needed[{k}]", [(arr[k], 1), (needed[k], -kappa)], 0)

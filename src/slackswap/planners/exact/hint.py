@@ -14,7 +14,9 @@ from ...core.stepmodel import trace_reruns
 from .formulate import Formulation
 
 
-def complete_hint(f: Formulation, codes: np.ndarray, free: dict, issue: dict, rebuild: dict) -> dict[int, int]:
+def complete_hint(
+    f: Formulation, codes: np.ndarray, free: dict, issue: dict, rebuild: dict
+) -> dict[int, int]:
     g, m = f.graph, f.model
     n, S = g.n_ops, g.n_slots
     val: dict[int, int] = {}
@@ -87,7 +89,11 @@ def complete_hint(f: Formulation, codes: np.ndarray, free: dict, issue: dict, re
         val[f.start[k]] = start[k]
     carry = 0
     for t in f.d2h_order:
-        carry = d2h[t] if codes[t] == SWAP else max(carry, int(start[g.producer[t]] + fwd[g.producer[t]]))
+        carry = (
+            d2h[t]
+            if codes[t] == SWAP
+            else max(carry, int(start[g.producer[t]] + fwd[g.producer[t]]))
+        )
         val[f.d2h_done[t]] = carry
     carry = 0
     order = 0

@@ -89,30 +89,45 @@ class WorkLimits:
     coarse_work_s: float  # the coarse copy's solve
 
     @classmethod
-    def for_work(cls, work_s: float, anytime: bool = False,
-                 time_limit_s: float | None = None) -> WorkLimits:
+    def for_work(
+        cls, work_s: float, anytime: bool = False, time_limit_s: float | None = None
+    ) -> WorkLimits:
         """Deterministic limits for ``work_s``; with ``anytime``, today's clock shares of
         ``time_limit_s`` (default ``work_s``) where a phase has no work limit."""
         limit = work_s if time_limit_s is None else time_limit_s
         departure = min(DEPARTURE_DTIME_SHARE * work_s, DEPARTURE_DTIME_MAX)
         if anytime:
             search_s = min(15.0, 0.45 * limit)
-            return cls(work_s=work_s, anytime=True, relax_nodes=None, relax_cells=10**12,
-                       relax_cap_s=min(5.0, 0.15 * limit) + 0.7, search_cap_s=2.0 * search_s,
-                       search_work=int(100_000 * search_s), lp_iterations=None,
-                       milp_s=0.6 * limit, proof_s=limit,
-                       departure_deterministic_s=min(0.2 * limit, DEPARTURE_DTIME_MAX),
-                       departure_s=float("inf"),
-                       coarse_work_s=COARSE_SHARE * limit)
-        return cls(work_s=work_s, anytime=False,
-                   relax_nodes=max(1, int(RELAX_NODES_PER_S * RELAX_SHARE * work_s)),
-                   relax_cells=int(RELAX_CELLS_PER_S * RELAX_SHARE * work_s),
-                   relax_cap_s=float("inf"), search_cap_s=None,
-                   search_work=int(SEARCH_POSITIONS_PER_S * SEARCH_SHARE * work_s),
-                   lp_iterations=max(1000, int(LP_ITERATIONS_PER_S * LP_SHARE * work_s)),
-                   milp_s=MILP_SHARE * work_s, proof_s=PROOF_SHARE * work_s,
-                   departure_deterministic_s=departure,
-                   departure_s=DEPARTURE_SHARE * work_s, coarse_work_s=COARSE_SHARE * work_s)
+            return cls(
+                work_s=work_s,
+                anytime=True,
+                relax_nodes=None,
+                relax_cells=10**12,
+                relax_cap_s=min(5.0, 0.15 * limit) + 0.7,
+                search_cap_s=2.0 * search_s,
+                search_work=int(100_000 * search_s),
+                lp_iterations=None,
+                milp_s=0.6 * limit,
+                proof_s=limit,
+                departure_deterministic_s=min(0.2 * limit, DEPARTURE_DTIME_MAX),
+                departure_s=float("inf"),
+                coarse_work_s=COARSE_SHARE * limit,
+            )
+        return cls(
+            work_s=work_s,
+            anytime=False,
+            relax_nodes=max(1, int(RELAX_NODES_PER_S * RELAX_SHARE * work_s)),
+            relax_cells=int(RELAX_CELLS_PER_S * RELAX_SHARE * work_s),
+            relax_cap_s=float("inf"),
+            search_cap_s=None,
+            search_work=int(SEARCH_POSITIONS_PER_S * SEARCH_SHARE * work_s),
+            lp_iterations=max(1000, int(LP_ITERATIONS_PER_S * LP_SHARE * work_s)),
+            milp_s=MILP_SHARE * work_s,
+            proof_s=PROOF_SHARE * work_s,
+            departure_deterministic_s=departure,
+            departure_s=DEPARTURE_SHARE * work_s,
+            coarse_work_s=COARSE_SHARE * work_s,
+        )
 
     def builds(self, n_slots: int) -> bool:
         """Whether the MILP over ``n_slots`` positions is worth building: its build alone,

@@ -56,8 +56,15 @@ class Model:
         for v, c in terms:
             merged[v] = merged.get(v, 0) + int(c)
         clean = [(v, c) for v, c in merged.items() if c]
-        self.constraints.append(Constraint(name, clean, None if lo is None else int(lo),
-                                           None if hi is None else int(hi), tuple(enforce)))
+        self.constraints.append(
+            Constraint(
+                name,
+                clean,
+                None if lo is None else int(lo),
+                None if hi is None else int(hi),
+                tuple(enforce),
+            )
+        )
 
     def le(self, name, terms, hi, enforce=()) -> None:
         self.add(name, terms, None, hi, enforce)
@@ -98,6 +105,9 @@ class Model:
 
     def size(self) -> dict[str, int]:
         binaries = sum(1 for v in self.vars if v.lb == 0 and v.ub == 1)
-        return {"variables": len(self.vars), "binaries": binaries,
-                "constraints": len(self.constraints),
-                "nonzeros": sum(len(c.terms) for c in self.constraints)}
+        return {
+            "variables": len(self.vars),
+            "binaries": binaries,
+            "constraints": len(self.constraints),
+            "nonzeros": sum(len(c.terms) for c in self.constraints),
+        }

@@ -69,8 +69,15 @@ class _PulpBackend(ExactBackend):
             return bool(pulp.PULP_CBC_CMD(msg=False).available())
         return bool(pulp.HiGHS(msg=False).available())
 
-    def run(self, f: Formulation, time_limit_s: float, seed: int, workers: int,
-            options: dict[str, Any], fixed: dict[int, int] | None = None):
+    def run(
+        self,
+        f: Formulation,
+        time_limit_s: float,
+        seed: int,
+        workers: int,
+        options: dict[str, Any],
+        fixed: dict[int, int] | None = None,
+    ):
         import warnings
 
         import pulp
@@ -87,12 +94,20 @@ class _PulpBackend(ExactBackend):
             data = prob.to_dict()
         gap = float(options.get("gap", 1e-3))
         nodes = options.get("max_nodes")
-        request = {"problem": data, "solver": self.solver, "options": {
-            "time_limit_s": float(time_limit_s),
-            # with a node limit, one thread: the same search on any machine
-            "workers": 1 if nodes is not None else int(workers), "seed": int(seed),
-            "warm": bool(f.model.hint), "gap": gap, "max_nodes": nodes,
-            "cbc_options": [f"randomCbcSeed {seed + 1}", *self.cbc_options]}}
+        request = {
+            "problem": data,
+            "solver": self.solver,
+            "options": {
+                "time_limit_s": float(time_limit_s),
+                # with a node limit, one thread: the same search on any machine
+                "workers": 1 if nodes is not None else int(workers),
+                "seed": int(seed),
+                "warm": bool(f.model.hint),
+                "gap": gap,
+                "max_nodes": nodes,
+                "cbc_options": [f"randomCbcSeed {seed + 1}", *self.cbc_options],
+            },
+        }
         try:
             left = time_limit_s - (time.perf_counter() - start)
             if left < CHILD_START_S:

@@ -25,8 +25,11 @@ def _scip_model(f: Formulation, fixed: dict[int, int] | None):
     x = []
     for v in m.vars:
         lb, ub = (fixed[v.index], fixed[v.index]) if v.index in fixed else (v.lb, v.ub)
-        x.append(solver.IntVar(lb, ub, f"v{v.index}") if v.lp_integral
-                 else solver.NumVar(lb, ub, f"v{v.index}"))
+        x.append(
+            solver.IntVar(lb, ub, f"v{v.index}")
+            if v.lp_integral
+            else solver.NumVar(lb, ub, f"v{v.index}")
+        )
     infinity = solver.infinity()
     for c in m.constraints:
         lo_b, hi_b = m.bounds_of(c.terms)
@@ -69,8 +72,15 @@ class ScipBackend(ExactBackend):
             return False
         return pywraplp.Solver.CreateSolver("SCIP") is not None
 
-    def run(self, f: Formulation, time_limit_s: float, seed: int, workers: int,
-            options: dict[str, Any], fixed: dict[int, int] | None = None):
+    def run(
+        self,
+        f: Formulation,
+        time_limit_s: float,
+        seed: int,
+        workers: int,
+        options: dict[str, Any],
+        fixed: dict[int, int] | None = None,
+    ):
         from ortools.linear_solver import pywraplp
 
         deadline = time.perf_counter() + float(time_limit_s)
@@ -97,5 +107,9 @@ class ScipBackend(ExactBackend):
         obj = solver.Objective().Value()
         bound = solver.Objective().BestBound()
         optimal = status == pywraplp.Solver.OPTIMAL
-        return ("optimal" if optimal else "timeout"), (lambda v: values[v]), obj, \
-            (bound if optimal else None)
+        return (
+            ("optimal" if optimal else "timeout"),
+            (lambda v: values[v]),
+            obj,
+            (bound if optimal else None),
+        )

@@ -56,16 +56,24 @@ class WarmStart:
         return self.codes, self.free, self.issue, self.rebuild
 
 
-def _warm(problem: Problem, codes: np.ndarray, sim: SimResult, source: str, heuristic_codes,
-          heuristic_sim, bound_s=None) -> WarmStart:
+def _warm(
+    problem: Problem,
+    codes: np.ndarray,
+    sim: SimResult,
+    source: str,
+    heuristic_codes,
+    heuristic_sim,
+    bound_s=None,
+) -> WarmStart:
     """A warm start from decisions and their simulation (whose expansion holds the default
     schedule, yielding to the budget, that the plan was simulated with)."""
     g, exp = problem.graph, sim.expansion
     free = {int(t): int(exp.d2h_free[t]) for t in g.saved if codes[t] == SWAP}
     issue = {int(t): int(exp.h2d_issue[t]) for t in g.saved if codes[t] == SWAP}
     rebuild = {int(t): int(exp.materialize_at[t]) for t in g.saved if codes[t] == RECOMPUTE}
-    return WarmStart(codes, free, issue, rebuild, sim, source, heuristic_codes, heuristic_sim,
-                     bound_s)
+    return WarmStart(
+        codes, free, issue, rebuild, sim, source, heuristic_codes, heuristic_sim, bound_s
+    )
 
 
 def _restricted(problem: Problem, kinds: tuple[str, ...]) -> np.ndarray | None:
@@ -136,8 +144,13 @@ COARSE_MAX_OPS = 650
 COARSE_MIN_BLOCKS = 4
 COARSE_RATIO = 4
 COARSE_MIN_S = 5.0
-NOT_RELAXATIONS = ("heuristic", "rounded LP", "coarse plan", "departure bound",
-                   "departure bound from the best plan")
+NOT_RELAXATIONS = (
+    "heuristic",
+    "rounded LP",
+    "coarse plan",
+    "departure bound",
+    "departure bound from the best plan",
+)
 # the departure bound (planners/departures.py) is built for graphs of at most this many
 # positions x saved tensors, and started with at least this much time left; its clock cap is
 # this share of the time left (its work limit, set by the caller, usually ends it first)
@@ -156,8 +169,9 @@ DEPARTURE_CLOSING_SHARE_OF_WORK = 0.5
 DEPARTURE_GAP_SHARE = 0.8
 
 
-def heuristic_start(problem: Problem, deadline: float | None = None
-                    ) -> tuple[np.ndarray, SimResult]:
+def heuristic_start(
+    problem: Problem, deadline: float | None = None
+) -> tuple[np.ndarray, SimResult]:
     """The heuristic's plan as solve(solver="heuristic") makes it (its polish bounded by work,
     at most 20,000 simulated positions, and its bundled pricing) whenever the time left covers
     them, and its simulation. The exact planner makes it first, before its LP bound, so that a
@@ -170,14 +184,26 @@ def heuristic_start(problem: Problem, deadline: float | None = None
     # without the polish, the bundled pricing alone unless the time left would not cover it:
     # then the published rules alone, so the limit holds
     bundle = main_polish or left_now > HEURISTIC_BUNDLE_S_PER_SLOT * g.n_slots
-    codes = SlackSwapHeuristic().solve(problem, polish=main_polish, bundle_reruns=bundle,
-                                       unfit_polish=left_now > HEURISTIC_UNFIT_POLISH_S).codes
+    codes = (
+        SlackSwapHeuristic()
+        .solve(
+            problem,
+            polish=main_polish,
+            bundle_reruns=bundle,
+            unfit_polish=left_now > HEURISTIC_UNFIT_POLISH_S,
+        )
+        .codes
+    )
     return codes, simulate_decisions(g, codes, hw, budget)
 
 
-def coarse_start(problem: Problem, solve_coarse: Callable[[Problem, float], Any],
-                 limit_s: float, notes: dict[str, Any], clocked: bool = False
-                 ) -> np.ndarray | None:
+def coarse_start(
+    problem: Problem,
+    solve_coarse: Callable[[Problem, float], Any],
+    limit_s: float,
+    notes: dict[str, Any],
+    clocked: bool = False,
+) -> np.ndarray | None:
     """A large graph of repeated blocks (repeats.py): the plan of the same step with fewer
     blocks, solved by ``solve_coarse`` (a Solution) within ``limit_s``, stretched back and
     repaired to the budget; None where the graph is small or has no long repeat
@@ -196,8 +222,10 @@ def coarse_start(problem: Problem, solve_coarse: Callable[[Problem, float], Any]
     if repeats is None:
         notes["coarse"] = {"status": "no repeated blocks"}
         return None
-    blocks = min(int(min(COARSE_OPS_PER_S * limit_s, COARSE_MAX_OPS)) // repeats.period,
-                 repeats.count // COARSE_RATIO)
+    blocks = min(
+        int(min(COARSE_OPS_PER_S * limit_s, COARSE_MAX_OPS)) // repeats.period,
+        repeats.count // COARSE_RATIO,
+    )
     if blocks < COARSE_MIN_BLOCKS:
         notes["coarse"] = {"status": "too few repeated blocks", "of": repeats.count}
         return None
@@ -223,9 +251,15 @@ def coarse_start(problem: Problem, solve_coarse: Callable[[Problem, float], Any]
         return None
     codes = consistent(g, coarse.stretch(solution.codes), problem.mask)
     fits = fit_to_budget(g, hw, budget, codes, problem.mask)
-    note = {"blocks": blocks, "of": repeats.count, "period": repeats.period,
-            "coarse_budget": coarse_budget, "fits": fits, "wall_s": time.perf_counter() - began,
-            "clock_stopped": clocked or bool(solution.info.extra.get("clock_stopped"))}
+    note = {
+        "blocks": blocks,
+        "of": repeats.count,
+        "period": repeats.period,
+        "coarse_budget": coarse_budget,
+        "fits": fits,
+        "wall_s": time.perf_counter() - began,
+        "clock_stopped": clocked or bool(solution.info.extra.get("clock_stopped")),
+    }
     notes["coarse"] = note
     if not fits or first_forbidden(g, codes, problem.mask) is not None:
         note["status"] = "not used"
@@ -278,12 +312,19 @@ class _Background:
             self._thread.join()
 
 
-def warm_start(problem: Problem, polish: bool = True, bound_s: float | None = None,
-               gap: float = OVERHEAD_TARGET, *, work: WorkLimits | None = None,
-               clock: Clock | None = None, lp=None,
-               heuristic: tuple[np.ndarray, SimResult] | None = None,
-               solve_coarse: Callable[[Problem, float, float], Any] | None = None,
-               departure: bool = True) -> WarmStart:
+def warm_start(
+    problem: Problem,
+    polish: bool = True,
+    bound_s: float | None = None,
+    gap: float = OVERHEAD_TARGET,
+    *,
+    work: WorkLimits | None = None,
+    clock: Clock | None = None,
+    lp=None,
+    heuristic: tuple[np.ndarray, SimResult] | None = None,
+    solve_coarse: Callable[[Problem, float, float], Any] | None = None,
+    departure: bool = True,
+) -> WarmStart:
     """The heuristic's plan, improved (``polish``) by local search from the decisions of the
     integral relaxation, of its looser form, of it with 2% slower lanes, and of the heuristic,
     whichever simulates fastest. Each further start is tried only while the plan is not yet
@@ -310,8 +351,11 @@ def warm_start(problem: Problem, polish: bool = True, bound_s: float | None = No
     # the heuristic's plan (heuristic_start: the very plan of solve(solver="heuristic"), in
     # anytime mode whenever the time left covers it); the restricted problems' runs below polish
     # (anytime: only with more time left); the searches below go further anyway
-    h_codes, h_sim = heuristic if heuristic is not None else heuristic_start(
-        problem, deadline if anytime else None)
+    h_codes, h_sim = (
+        heuristic
+        if heuristic is not None
+        else heuristic_start(problem, deadline if anytime else None)
+    )
     left_now = clock.left() if anytime else float("inf")
     heuristic_polish = left_now > HEURISTIC_POLISH_S
     # their bundled pricing (a second run of the rules) too, unless (anytime) the time left
@@ -320,13 +364,18 @@ def warm_start(problem: Problem, polish: bool = True, bound_s: float | None = No
     best = _warm(problem, h_codes, h_sim, "heuristic", h_codes, h_sim)
     # more decisions must never give a worse plan: the heuristic's plans of the restricted
     # problems (recompute-only, offload-only) are starts too, at the cost of two heuristic runs
-    for label, kinds in (("recompute-only heuristic", ("keep", "recompute")),
-                         ("offload-only heuristic", ("keep", "swap"))):
+    for label, kinds in (
+        ("recompute-only heuristic", ("keep", "recompute")),
+        ("offload-only heuristic", ("keep", "swap")),
+    ):
         mask = _restricted(problem, kinds)
         if mask is None:
             continue
-        codes = SlackSwapHeuristic().solve(replace(problem, mask=mask), polish=heuristic_polish,
-                                           bundle_reruns=bundle).codes
+        codes = (
+            SlackSwapHeuristic()
+            .solve(replace(problem, mask=mask), polish=heuristic_polish, bundle_reruns=bundle)
+            .codes
+        )
         sim = simulate_decisions(g, codes, hw, budget)
         if _better(sim, best.sim):
             best = _warm(problem, codes, sim, label, h_codes, h_sim)
@@ -336,9 +385,12 @@ def warm_start(problem: Problem, polish: bool = True, bound_s: float | None = No
 
     def proven() -> bool:
         known = [b for b in (bound_s, best.bound_s) if b is not None]
-        return bool(known) and best.sim.fits and \
-            best.step_time_s - max(known) <= proof_tolerance_s(best.step_time_s,
-                                                               g.ideal_step_time_s, gap)
+        return (
+            bool(known)
+            and best.sim.fits
+            and best.step_time_s - max(known)
+            <= proof_tolerance_s(best.step_time_s, g.ideal_step_time_s, gap)
+        )
 
     if not polish or proven():
         return best
@@ -349,26 +401,53 @@ def warm_start(problem: Problem, polish: bool = True, bound_s: float | None = No
     def relaxed_codes(label: str, lanes: float = 1.0, tight: bool = True) -> np.ndarray | None:
         if not anytime and g.n_slots * len(g.saved) > work.relax_cells:
             # its root node alone would pass the work allowed (decided by size, not the clock)
-            notes[label] = {"status": "skipped", "reason": "model too large for the work",
-                            "clock_stopped": False}
+            notes[label] = {
+                "status": "skipped",
+                "reason": "model too large for the work",
+                "clock_stopped": False,
+            }
             return None
         if left() <= (RELAXATION_MIN_S + 2 * 4e-4 * g.n_slots if anytime else 0.1):
             notes[label] = {"status": "skipped", "reason": "deadline", "clock_stopped": True}
             return None
-        planning_hw = hw if lanes == 1.0 else hw.with_link(
-            d2h_bytes_per_s=hw.d2h_bytes_per_s * lanes, h2d_bytes_per_s=hw.h2d_bytes_per_s * lanes)
+        planning_hw = (
+            hw
+            if lanes == 1.0
+            else hw.with_link(
+                d2h_bytes_per_s=hw.d2h_bytes_per_s * lanes,
+                h2d_bytes_per_s=hw.h2d_bytes_per_s * lanes,
+            )
+        )
         cap = max(0.1, min(work.relax_cap_s, 0.6 * left())) if anytime else max(0.1, left())
-        relaxation = lp_bound(g, budget, planning_hw, integral=True, mask=problem.mask,
-                              time_limit_s=cap, gap=RELAXATION_GAP, max_nodes=work.relax_nodes,
-                              highs_options=None if anytime else RELAXATION_HIGHS,
-                              producer_delay=tight, gap_on_step=False,
-                              kill_after_s=None if deadline is None else max(
-                                  0.1, left() - (1.0 if anytime else 0.0)))
-        notes[label] = {"status": relaxation.status, "wall_s": relaxation.wall_s,
-                        "retention": relaxation.retention, "lanes": lanes, "tight": tight,
-                        "nodes": relaxation.nodes, "clock_stopped": relaxation.clock_stopped}
-        if lanes == 1.0 and tight and relaxation.status in ("optimal", "timeout") \
-                and np.isfinite(relaxation.step_time_s):
+        relaxation = lp_bound(
+            g,
+            budget,
+            planning_hw,
+            integral=True,
+            mask=problem.mask,
+            time_limit_s=cap,
+            gap=RELAXATION_GAP,
+            max_nodes=work.relax_nodes,
+            highs_options=None if anytime else RELAXATION_HIGHS,
+            producer_delay=tight,
+            gap_on_step=False,
+            kill_after_s=None if deadline is None else max(0.1, left() - (1.0 if anytime else 0.0)),
+        )
+        notes[label] = {
+            "status": relaxation.status,
+            "wall_s": relaxation.wall_s,
+            "retention": relaxation.retention,
+            "lanes": lanes,
+            "tight": tight,
+            "nodes": relaxation.nodes,
+            "clock_stopped": relaxation.clock_stopped,
+        }
+        if (
+            lanes == 1.0
+            and tight
+            and relaxation.status in ("optimal", "timeout")
+            and np.isfinite(relaxation.step_time_s)
+        ):
             raise_bound(relaxation.step_time_s)  # the real lanes: a valid bound
         return _integral_codes(problem, relaxation) if relaxation.keep else None
 
@@ -379,16 +458,21 @@ def warm_start(problem: Problem, polish: bool = True, bound_s: float | None = No
     # its rounds stop within a share of the proof tolerance: the plan from its point then needs
     # only the rest (formulations/departure-bound.md, "Solving it"); none when the search is to
     # the end (gap 0)
-    departure_gap = {"gap": DEPARTURE_GAP_SHARE * gap, "min_gap_s": DEPARTURE_GAP_SHARE
-                     * STEP_FLOOR * g.ideal_step_time_s if gap > 0 else 0.0}
+    departure_gap = {
+        "gap": DEPARTURE_GAP_SHARE * gap,
+        "min_gap_s": DEPARTURE_GAP_SHARE * STEP_FLOOR * g.ideal_step_time_s if gap > 0 else 0.0,
+    }
     # with no tensor allowed to swap there is no copy lane for it to see: the LP bound and the
     # integral relaxation cover that case (recompute-only CNN rows: 20 of 21 proven without it)
     swappable = problem.mask is None or bool(problem.mask[g.saved, SWAP].any())
     departure_work_s = work.departure_deterministic_s if departure else None
     if departure_work_s is not None and swappable and g.n_slots * len(g.saved) <= DEPARTURE_CELLS:
         if left() <= (DEPARTURE_MIN_S if anytime else 0.05):
-            notes["departure_bound"] = {"status": "skipped", "reason": "deadline",
-                                        "clock_stopped": True}
+            notes["departure_bound"] = {
+                "status": "skipped",
+                "reason": "deadline",
+                "clock_stopped": True,
+            }
         else:
             # on the second core (CP-SAT releases the GIL) while the integral relaxations run in
             # their child processes; its answer is taken at a fixed place among the starts (after
@@ -398,15 +482,31 @@ def warm_start(problem: Problem, polish: bool = True, bound_s: float | None = No
             fits = best.sim.fits
             incumbent, hint = (best.step_time_s, best.codes) if fits else (None, None)
             # a bound this close under the plan proves it with the rest of the tolerance to spare
-            enough = None if not fits else best.step_time_s - DEPARTURE_GAP_SHARE * \
-                proof_tolerance_s(best.step_time_s, g.ideal_step_time_s, gap)
+            enough = (
+                None
+                if not fits
+                else best.step_time_s
+                - DEPARTURE_GAP_SHARE
+                * proof_tolerance_s(best.step_time_s, g.ideal_step_time_s, gap)
+            )
             cap_s = DEPARTURE_CLOCK_SHARE * left() if anytime else left()
             background = _Background()
-            background.start(lambda on_start: departure_bound(
-                g, budget, hw, mask=problem.mask, incumbent_s=incumbent, hint=hint,
-                deterministic_time_s=departure_work_s, time_limit_s=cap_s, on_start=on_start,
-                enough_s=enough, work_s=None if anytime else work.departure_s,
-                **departure_gap))
+            background.start(
+                lambda on_start: departure_bound(
+                    g,
+                    budget,
+                    hw,
+                    mask=problem.mask,
+                    incumbent_s=incumbent,
+                    hint=hint,
+                    deterministic_time_s=departure_work_s,
+                    time_limit_s=cap_s,
+                    on_start=on_start,
+                    enough_s=enough,
+                    work_s=None if anytime else work.departure_s,
+                    **departure_gap,
+                )
+            )
 
     first_departure: list = []  # the first run's answer, once taken
 
@@ -424,23 +524,37 @@ def warm_start(problem: Problem, polish: bool = True, bound_s: float | None = No
     def take_departure(found, label: str) -> np.ndarray | None:
         """A departure bound's answer: its bound joins the proof, its decisions are a start."""
         notes[label] = {
-            "status": found.status, "wall_s": found.wall_s, "step_time_s": found.step_time_s,
-            "positions": found.positions, "binaries": found.binaries, "work": found.work,
-            "clock_stopped": found.clock_stopped, **({"note": found.note} if found.note else {})}
-        beaten = found.step_time_s is not None and best.sim.fits and \
-            found.step_time_s > best.step_time_s * (1 + 1e-9)
+            "status": found.status,
+            "wall_s": found.wall_s,
+            "step_time_s": found.step_time_s,
+            "positions": found.positions,
+            "binaries": found.binaries,
+            "work": found.work,
+            "clock_stopped": found.clock_stopped,
+            **({"note": found.note} if found.note else {}),
+        }
+        beaten = (
+            found.step_time_s is not None
+            and best.sim.fits
+            and found.step_time_s > best.step_time_s * (1 + 1e-9)
+        )
         if (found.status == "infeasible" or beaten) and best.sim.fits:
             # a plan fits and is this fast: the relaxation cannot say otherwise; a fault of the
             # bound, not a proof
-            log.warning("departure bound: %s although a plan fits at %.9g s; bound ignored",
-                        found.status if not beaten else f"bound {found.step_time_s:.9g} s",
-                        best.step_time_s)
+            log.warning(
+                "departure bound: %s although a plan fits at %.9g s; bound ignored",
+                found.status if not beaten else f"bound {found.step_time_s:.9g} s",
+                best.step_time_s,
+            )
             return None
         if found.step_time_s is not None and found.status != "skipped":
             raise_bound(found.step_time_s)
         codes = found.codes
-        if codes is not None and problem.mask is not None and \
-                not problem.mask[g.saved, codes[g.saved]].all():
+        if (
+            codes is not None
+            and problem.mask is not None
+            and not problem.mask[g.saved, codes[g.saved]].all()
+        ):
             # never a start outside the allowed decisions (its rows forbid them: a fault)
             log.warning("departure bound: decisions outside the allowed ones; start dropped")
             return None
@@ -461,19 +575,27 @@ def warm_start(problem: Problem, polish: bool = True, bound_s: float | None = No
         if first not in ("feasible", "timeout") and not stopped_in_gap:
             return None
         if left() <= (DEPARTURE_MIN_S if anytime else 0.05):
-            notes["departure_bound_from_best"] = {"status": "skipped", "reason": "deadline",
-                                                  "clock_stopped": True}
+            notes["departure_bound_from_best"] = {
+                "status": "skipped",
+                "reason": "deadline",
+                "clock_stopped": True,
+            }
             return None
         from ..departures import departure_bound
 
         tolerance = proof_tolerance_s(best.step_time_s, g.ideal_step_time_s, gap)
         found = departure_bound(
-            g, budget, hw, mask=problem.mask, hint=best.codes,
+            g,
+            budget,
+            hw,
+            mask=problem.mask,
+            hint=best.codes,
             incumbent_s=best.step_time_s - DEPARTURE_CLOSING_SHARE * tolerance,
             deterministic_time_s=DEPARTURE_CLOSING_WORK * departure_work_s,
             time_limit_s=DEPARTURE_CLOCK_SHARE * left() if anytime else left(),
             work_s=None if anytime else DEPARTURE_CLOSING_SHARE_OF_WORK * work.departure_s,
-            **departure_gap)
+            **departure_gap,
+        )
         return take_departure(found, "departure_bound_from_best")
 
     def coarse_codes() -> np.ndarray | None:
@@ -486,20 +608,30 @@ def warm_start(problem: Problem, polish: bool = True, bound_s: float | None = No
             limit, clocked = 0.6 * left(), True
         if limit < COARSE_MIN_S:
             if clocked:
-                notes["coarse"] = {"status": "skipped", "reason": "deadline",
-                                   "clock_stopped": True}
+                notes["coarse"] = {"status": "skipped", "reason": "deadline", "clock_stopped": True}
             return None
-        return coarse_start(problem, lambda small, lim: solve_coarse(
-            small, lim if anytime else max(0.1, 0.9 * left()), limit), limit, notes, clocked)
+        return coarse_start(
+            problem,
+            lambda small, lim: solve_coarse(
+                small, lim if anytime else max(0.1, 0.9 * left()), limit
+            ),
+            limit,
+            notes,
+            clocked,
+        )
 
-    starts = (("coarse plan", coarse_codes),
-              ("integral LP", lambda: relaxed_codes("integral_lp")),
-              ("looser integral LP", lambda: relaxed_codes("integral_lp_loose", tight=False)),
-              ("integral LP with lane headroom",
-               lambda: relaxed_codes("integral_lp_headroom", lanes=LANE_HEADROOM)),
-              ("departure bound", departure_codes),
-              ("heuristic", lambda: h_codes),
-              ("departure bound from the best plan", closing_departure_codes))
+    starts = (
+        ("coarse plan", coarse_codes),
+        ("integral LP", lambda: relaxed_codes("integral_lp")),
+        ("looser integral LP", lambda: relaxed_codes("integral_lp_loose", tight=False)),
+        (
+            "integral LP with lane headroom",
+            lambda: relaxed_codes("integral_lp_headroom", lanes=LANE_HEADROOM),
+        ),
+        ("departure bound", departure_codes),
+        ("heuristic", lambda: h_codes),
+        ("departure bound from the best plan", closing_departure_codes),
+    )
     if not anytime:
         # by default two relaxations: a third root node (no work limit bounds it; ResNet50 at
         # 50%: 2 s each) put the closing departure run past a 10 s cap
@@ -508,8 +640,9 @@ def warm_start(problem: Problem, polish: bool = True, bound_s: float | None = No
     for label, make in starts:
         if (work_left is not None and work_left <= 0) or proven():
             break
-        if left() <= (0.2 if anytime else 0.05) or \
-                (search_cap_s is not None and searched >= search_cap_s):
+        if left() <= (0.2 if anytime else 0.05) or (
+            search_cap_s is not None and searched >= search_cap_s
+        ):
             notes[f"skipped_from_{label.replace(' ', '_')}"] = {"clock_stopped": True}
             break
         if relaxations_fail and label not in NOT_RELAXATIONS:
@@ -522,20 +655,38 @@ def warm_start(problem: Problem, polish: bool = True, bound_s: float | None = No
             continue
         cap = left() if search_cap_s is None else min(left(), search_cap_s - searched)
         # the coarse plan's search gets half the work: the relaxations' starts may still do better
-        allowed_work = work_left if work_left is None or label != "coarse plan" \
-            else work_left // 2
-        result = improve(g, hw, budget, codes, time_limit_s=max(0.0, cap), max_work=allowed_work,
-                         mask=problem.mask)
+        allowed_work = work_left if work_left is None or label != "coarse plan" else work_left // 2
+        result = improve(
+            g,
+            hw,
+            budget,
+            codes,
+            time_limit_s=max(0.0, cap),
+            max_work=allowed_work,
+            mask=problem.mask,
+        )
         searched += result.wall_s
         if work_left is not None:
             work_left -= result.work
         notes[f"local_search_from_{label.replace(' ', '_')}"] = {
-            "retention": result.sim.retention, "fits": result.sim.fits, "moves": result.moves,
-            "evaluations": result.evaluations, "wall_s": result.wall_s, "complete": result.complete,
-            "clock_stopped": result.clock_stopped}
+            "retention": result.sim.retention,
+            "fits": result.sim.fits,
+            "moves": result.moves,
+            "evaluations": result.evaluations,
+            "wall_s": result.wall_s,
+            "complete": result.complete,
+            "clock_stopped": result.clock_stopped,
+        }
         if _better(result.sim, best.sim):
-            best = _warm(problem, result.codes, result.sim, f"{label} + local search", h_codes,
-                         h_sim, best.bound_s)
+            best = _warm(
+                problem,
+                result.codes,
+                result.sim,
+                f"{label} + local search",
+                h_codes,
+                h_sim,
+                best.bound_s,
+            )
     if background is not None and not background.taken:
         background.stop()  # the starts ended first (a proof, the work, the clock): not waited for
         notes["departure_bound"] = {"status": "stopped", "clock_stopped": False}
