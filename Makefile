@@ -24,6 +24,7 @@ test-fast: $(STAMP)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks examples
 	$(VENV)/bin/ruff format --check src tests benchmarks examples
+	$(VENV)/bin/mypy
 
 bench: $(STAMP)
 	$(PY) benchmarks/paper_table.py --budgets 0.3,0.4,0.5,0.6 --time-limit 30 --json benchmarks/results/paper_table.json --results

@@ -16,6 +16,8 @@ gradient).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from .core.graph import ActivationGraph, Op, Tensor
 from .core.hardware import Hardware, hardware
 
@@ -110,7 +112,7 @@ class _Net:
         fwd: tuple[float, float],
         bwd: tuple[float, float],
         kind: str,
-        saves: list[str] = (),
+        saves: Sequence[str] = (),
     ) -> None:
         self.ops.append(
             Op(

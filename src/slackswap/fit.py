@@ -74,7 +74,7 @@ class FitReport:
             ),
             ("ideal step (nothing moved)", f"{1e3 * self.ideal_step_s:.1f} ms"),
         ]
-        if self.plan is not None:
+        if self.plan is not None and self.step_s is not None and self.retention is not None:
             counts = ", ".join(f"{self.plan.count(d)} {d}" for d in ("keep", "swap", "recompute"))
             rows += [
                 ("plan", f"{self.plan.info.solver}, {self.plan.info.status}: {counts}"),

@@ -336,7 +336,7 @@ class PlannedLoop:
             except PlanError as exc:
                 if run.stats.backward_started:
                     raise  # not the forward's: the plan itself failed, never retried silently
-                mismatch = exc
+                mismatch: PlanError | None = exc
             else:
                 mismatch = None
         run._drop_step()

@@ -53,13 +53,14 @@ def process_tree(root: int) -> list[int]:
 def _signal_tree(root: int, sig: int) -> list[int]:
     """Send ``sig`` to ``root`` and, level by level, to what is under it (a stopped parent
     starts no new child meanwhile). Returns the processes signalled."""
-    sent, frontier = [], [root]
+    sent: list[int] = []
+    frontier = [root]
     while frontier:
         for pid in frontier:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(pid, sig)
                 sent.append(pid)
-        under = []
+        under: list[int] = []
         for pid in frontier:
             under.extend(p for p in process_tree(pid) if p != pid and p not in sent)
         frontier = list(dict.fromkeys(under))
@@ -168,7 +169,7 @@ class Refinements:
             json.dumps(
                 {
                     "budget_bytes": plan.budget_bytes,
-                    "hardware": plan.hardware.to_dict(),
+                    "hardware": plan.hardware.to_dict() if plan.hardware else None,
                     "solver": self.solver,
                     "time_limit_s": self.time_limit_s,
                     "options": options,

@@ -6,7 +6,7 @@ wrote the tensor in place (formulations/step-model.md, "Decisions")."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -25,7 +25,8 @@ class View:
 
     @classmethod
     def of(cls, t: torch.Tensor) -> View:
-        return cls(t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype, t.requires_grad)
+        offset = cast(int, t.storage_offset())  # an int for the real tensors the executor sees
+        return cls(offset, tuple(t.shape), tuple(t.stride()), t.dtype, t.requires_grad)
 
     def on(self, storage: torch.UntypedStorage, device) -> torch.Tensor:
         out = torch.empty(0, dtype=self.dtype, device=device)
