@@ -619,11 +619,8 @@ def compare(
                 n for n in solvers if getattr(get_planner(n), "honours_restrictions", False)
             )
     for name in solvers:
-        mine = (
-            options
-            if accepted[name] is None
-            else {k: v for k, v in options.items() if k in accepted[name]}
-        )
+        takes = accepted[name]
+        mine = options if takes is None else {k: v for k, v in options.items() if k in takes}
         try:
             plan = solve(
                 graph,

@@ -198,6 +198,7 @@ def _exact(
     for c in m.constraints:
         if c.name.startswith("memory_budget"):
             c.terms.append((b, -1))
+            assert c.hi is not None  # every memory row has an upper bound
             c.hi = c.hi - budget_u
     m.objective = [(b, 1)]
     m.objective_offset = 0

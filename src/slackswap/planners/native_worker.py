@@ -47,7 +47,7 @@ def solve_pulp(req: dict) -> dict:
     prob.solve(solver)
     return {
         "status": pulp.LpStatus.get(prob.status, "Undefined"),
-        "solution": {1: "optimal", 2: "feasible"}.get(getattr(prob, "sol_status", None)),
+        "solution": {1: "optimal", 2: "feasible"}.get(getattr(prob, "sol_status", 0)),
         "values": {name: v.varValue for name, v in variables.items()},
         "objective": pulp.value(prob.objective),
     }

@@ -78,6 +78,8 @@ class PlanPositions:
     def of(cls, plan: Plan, graph: ActivationGraph) -> PlanPositions:
         n = graph.n_ops
         s = plan.schedule
+        if s is None:
+            raise ValueError(f"PlanPositions: plan for {plan.graph_name!r} has no schedule")
         issue: dict[int, list[str]] = defaultdict(list)
         for name, q in s.h2d_issue.items():
             issue[q].append(name)

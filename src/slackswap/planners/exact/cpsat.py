@@ -36,6 +36,7 @@ def _build(f: Formulation, fixed: dict[int, int] | None = None):
         elif c.lo is not None:
             ct = model.add(expr >= c.lo)
         else:
+            assert c.hi is not None  # a constraint bounds one side at least
             ct = model.add(expr <= c.hi)
         if lits:
             ct.only_enforce_if(lits)

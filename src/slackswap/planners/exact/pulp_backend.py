@@ -23,10 +23,10 @@ def _pulp_problem(f: Formulation, fixed: dict[int, int] | None = None):
     prob = pulp.LpProblem("slackswap", pulp.LpMinimize)
     x = []
     fixed = fixed or {}
-    for v in m.vars:
-        lb, ub = (fixed[v.index], fixed[v.index]) if v.index in fixed else (v.lb, v.ub)
-        cat = pulp.LpInteger if v.lp_integral else pulp.LpContinuous
-        x.append(pulp.LpVariable(f"v{v.index}", lowBound=lb, upBound=ub, cat=cat))
+    for var in m.vars:
+        lb, ub = (fixed[var.index], fixed[var.index]) if var.index in fixed else (var.lb, var.ub)
+        cat = pulp.LpInteger if var.lp_integral else pulp.LpContinuous
+        x.append(pulp.LpVariable(f"v{var.index}", lowBound=lb, upBound=ub, cat=cat))
     for i, c in enumerate(m.constraints):
         expr = pulp.lpSum(coef * x[v] for v, coef in c.terms)
         lo_b, hi_b = m.bounds_of(c.terms)

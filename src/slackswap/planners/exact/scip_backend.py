@@ -36,24 +36,24 @@ def _scip_model(f: Formulation, fixed: dict[int, int] | None):
         k = len(c.enforce)
         # with k enforcement literals each side is relaxed by M * (k - sum(literals)), M from the
         # variables' bounds: the literals move to the left with coefficient -+M
-        sides = []
+        sides: list[tuple[float, float, int, str]] = []
         if c.hi is not None:
             big = max(0, hi_b - c.hi) if k else 0
             sides.append((-infinity, c.hi + big * k, big, "_hi"))
         if c.lo is not None:
             big = max(0, c.lo - lo_b) if k else 0
             sides.append((c.lo - big * k, infinity, -big, "_lo"))
-        if not k and len(sides) == 2:
+        if not k and c.lo is not None and c.hi is not None:
             sides = [(c.lo, c.hi, 0, "")]
         for lo, hi, big, suffix in sides:
             row = solver.RowConstraint(lo, hi, c.name + suffix)
-            for v, coef in c.terms:
-                row.SetCoefficient(x[v], coef)
+            for j, coef in c.terms:
+                row.SetCoefficient(x[j], coef)
             for e in c.enforce:
                 row.SetCoefficient(x[e], big)
     objective = solver.Objective()
-    for v, coef in m.objective:
-        objective.SetCoefficient(x[v], coef)
+    for j, coef in m.objective:
+        objective.SetCoefficient(x[j], coef)
     objective.SetOffset(m.objective_offset)
     objective.SetMinimization()
     hint = m.hint if all(m.hint.get(v, val) == val for v, val in fixed.items()) else {}
