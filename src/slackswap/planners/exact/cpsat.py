@@ -13,6 +13,7 @@ from typing import Any
 from ..interrupts import solve_cpsat
 from .driver import ExactBackend
 from .formulate import Formulation
+from .result import BackendResult, BackendStatus
 
 
 def _build(f: Formulation, fixed: dict[int, int] | None = None):
@@ -86,19 +87,23 @@ class CpSatBackend(ExactBackend):
         workers: int,
         options: dict[str, Any],
         fixed: dict[int, int] | None = None,
-    ):
+    ) -> BackendResult:
         from ortools.sat.python import cp_model
 
         deadline = time.perf_counter() + float(time_limit_s)
         if time_limit_s < BUILD_S_PER_NONZERO * f.model.size()["nonzeros"]:
-            return "timeout", None, None, None  # building the model alone would pass the limit
+            return BackendResult(
+                BackendStatus.TIMEOUT
+            )  # building the model alone would pass the limit
         dtime = options.get("deterministic_time_s")
         if (
             dtime is not None
             and dtime < MIN_ROUND_DTIME
             and f.model.size()["nonzeros"] >= PROBING_OFF_FROM_NONZEROS
         ):
-            return "timeout", None, None, None  # its work ends in presolve: no search to run
+            return BackendResult(
+                BackendStatus.TIMEOUT
+            )  # its work ends in presolve: no search to run
         gap_limit = float(options.get("gap", 1e-3))
         hint = dict(options.get("complete_hint") or f.model.hint)
         if fixed and any(hint.get(v, val) != val for v, val in fixed.items()):
@@ -137,15 +142,15 @@ class CpSatBackend(ExactBackend):
             solver.parameters.log_search_progress = True
         status = solve_cpsat(solver, model)
         if status == cp_model.INFEASIBLE:
-            return "infeasible", None, None, None
+            return BackendResult(BackendStatus.INFEASIBLE)
         if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-            return "timeout", None, None, None
+            return BackendResult(BackendStatus.TIMEOUT)
         obj, bound = solver.objective_value, solver.best_objective_bound
         gap = abs(obj - bound) / max(1.0, abs(obj))
-        name = "optimal" if status == cp_model.OPTIMAL or gap <= gap_limit else "timeout"
-        return (
-            name,
-            (lambda v: int(fixed[v]) if fixed and v in fixed else solver.value(x[v])),
+        proven = status == cp_model.OPTIMAL or gap <= gap_limit
+        return BackendResult(
+            BackendStatus.OPTIMAL if proven else BackendStatus.TIMEOUT,
+            lambda v: int(fixed[v]) if fixed and v in fixed else solver.value(x[v]),
             obj,
             bound,
         )

@@ -33,6 +33,7 @@ from ...core.stepmodel import expand
 from ..base import Problem, Solution
 from .formulate import Formulation, formulate
 from .limits import DEFAULT_TIME_LIMIT_S, Clock, WorkLimits
+from .result import BackendResult, BackendStatus
 
 log = logging.getLogger("slackswap")
 
@@ -88,8 +89,8 @@ def _skipped_bound(graph, budget: int, why: str):
 
 
 class ExactBackend:
-    """Subclasses implement ``run(formulation, time_limit_s, seed, workers, options, fixed)`` and
-    return (status, value function or None, objective units, bound units)."""
+    """Subclasses implement ``run(formulation, time_limit_s, seed, workers, options, fixed)``,
+    returning a :class:`BackendResult` (result.py)."""
 
     name = "exact"
     honours_restrictions = True  # Problem.mask: fixed in the MILP, the bound and every start
@@ -126,7 +127,7 @@ class ExactBackend:
         workers: int,
         options: dict[str, Any],
         fixed: dict[int, int] | None = None,
-    ):
+    ) -> BackendResult:
         raise NotImplementedError
 
     def solve(
@@ -428,16 +429,17 @@ class ExactBackend:
             """The backend on the model; notes when the clock, not its work limit, stopped it."""
             began = time.perf_counter()
             answer = self.run(form, remaining, seed, workers, opts or options, fixed=fixed)
+            status = answer.status
             if (
-                answer[0] not in ("optimal", "infeasible")
+                status not in (BackendStatus.OPTIMAL, BackendStatus.INFEASIBLE)
                 and time.perf_counter() - began >= 0.95 * remaining
             ):
                 clock_runs.append(f"{self.name}_round_{len(clock_runs) + 1}")
-            elif answer[0] == "timeout":
+            elif status is BackendStatus.TIMEOUT:
                 # its work limit ended the search, not the clock: "timeout" would say the time
                 # limit stopped it (a longer limit, not the same one again, may do better)
-                answer = ("feasible", *answer[1:])
-            return answer
+                status = BackendStatus.FEASIBLE
+            return status.value, answer.value, answer.objective, answer.bound
 
         if strategy == "whole":
             remaining = max(0.05, left())

@@ -10,6 +10,7 @@ from typing import Any
 
 from .driver import ExactBackend
 from .formulate import Formulation
+from .result import BackendResult, BackendStatus
 
 log = logging.getLogger("slackswap")
 BUILD_S_PER_NONZERO = 3e-5  # PuLP model building and serialising (GPT-2 XL: 192,000, 4.8 s)
@@ -77,7 +78,7 @@ class _PulpBackend(ExactBackend):
         workers: int,
         options: dict[str, Any],
         fixed: dict[int, int] | None = None,
-    ):
+    ) -> BackendResult:
         import warnings
 
         import pulp
@@ -85,7 +86,9 @@ class _PulpBackend(ExactBackend):
         from ..native import GRACE_S, NativeSolverError, NativeTimeout, run_in_child
 
         if time_limit_s < CHILD_START_S + BUILD_S_PER_NONZERO * f.model.size()["nonzeros"]:
-            return "timeout", None, None, None  # building and starting it would pass the limit
+            return BackendResult(
+                BackendStatus.TIMEOUT
+            )  # building and starting it would pass the limit
         start = time.perf_counter()
         with warnings.catch_warnings():
             # PuLP 3 warns about its own 4.0 API; the calls used here work in both
@@ -111,27 +114,34 @@ class _PulpBackend(ExactBackend):
         try:
             left = time_limit_s - (time.perf_counter() - start)
             if left < CHILD_START_S:
-                return "timeout", None, None, None
+                return BackendResult(BackendStatus.TIMEOUT)
             request["options"]["time_limit_s"] = left - CHILD_START_S
             answer = run_in_child("pulp", request, None, left + GRACE_S)
         except NativeTimeout:
-            return "timeout", None, None, None  # killed at the deadline: no solution to read
+            return BackendResult(
+                BackendStatus.TIMEOUT
+            )  # killed at the deadline: no solution to read
         except NativeSolverError as exc:
             log.warning("%s: %s", self.name, exc)
-            return "failed", None, None, None
+            return BackendResult(BackendStatus.FAILED)
         status = answer["status"]
         if status == "Infeasible":
-            return "infeasible", None, None, None
+            return BackendResult(BackendStatus.INFEASIBLE)
         # only a solution the solver vouches for: optimal, or integer-feasible at the time limit
         values = [answer["values"].get(v.name) for v in x]
         if answer["solution"] is None or any(v is None for v in values):
-            return "timeout", None, None, None
+            return BackendResult(BackendStatus.TIMEOUT)
         for var, value in zip(x, values):
             var.varValue = value
         obj = pulp.value(prob.objective)  # here: the child's copy of the model drops its constant
         optimal = status == "Optimal" and answer["solution"] == "optimal"
         bound = obj if optimal else None
-        return ("optimal" if optimal else "timeout"), (lambda v: values[v]), obj, bound
+        return BackendResult(
+            BackendStatus.OPTIMAL if optimal else BackendStatus.TIMEOUT,
+            lambda v: values[v],
+            obj,
+            bound,
+        )
 
 
 class CbcBackend(_PulpBackend):
@@ -142,7 +152,7 @@ class CbcBackend(_PulpBackend):
         start = time.perf_counter()
         result = super().run(f, time_limit_s, seed, workers, options, fixed)
         left = time_limit_s - (time.perf_counter() - start)
-        if result[0] == "infeasible" and left > 0.5:
+        if result.status is BackendStatus.INFEASIBLE and left > 0.5:
             # CBC's integer preprocessing wrongly reports some degenerate models infeasible
             # (all times zero, say); confirm without it before believing it
             again = CbcBackend()

@@ -10,6 +10,7 @@ from typing import Any
 
 from .driver import ExactBackend
 from .formulate import Formulation
+from .result import BackendResult, BackendStatus
 
 BUILD_S_PER_NONZERO = 2e-5  # pywraplp model building, one Python call per term
 
@@ -80,12 +81,14 @@ class ScipBackend(ExactBackend):
         workers: int,
         options: dict[str, Any],
         fixed: dict[int, int] | None = None,
-    ):
+    ) -> BackendResult:
         from ortools.linear_solver import pywraplp
 
         deadline = time.perf_counter() + float(time_limit_s)
         if time_limit_s < BUILD_S_PER_NONZERO * f.model.size()["nonzeros"]:
-            return "timeout", None, None, None  # building the model alone would pass the limit
+            return BackendResult(
+                BackendStatus.TIMEOUT
+            )  # building the model alone would pass the limit
         solver, x = _scip_model(f, fixed)
         gap = float(options.get("gap", 1e-3))
         params = [f"randomization/randomseedshift = {int(seed)}", f"limits/gap = {gap}"]
@@ -96,20 +99,20 @@ class ScipBackend(ExactBackend):
         solver.SetNumThreads(1)
         left = deadline - time.perf_counter()
         if left <= 0.05:
-            return "timeout", None, None, None
+            return BackendResult(BackendStatus.TIMEOUT)
         solver.SetTimeLimit(int(1000 * left))
         status = solver.Solve()
         if status == pywraplp.Solver.INFEASIBLE:
-            return "infeasible", None, None, None
+            return BackendResult(BackendStatus.INFEASIBLE)
         if status not in (pywraplp.Solver.OPTIMAL, pywraplp.Solver.FEASIBLE):
-            return "timeout", None, None, None
+            return BackendResult(BackendStatus.TIMEOUT)
         values = [v.solution_value() for v in x]
         obj = solver.Objective().Value()
         bound = solver.Objective().BestBound()
         optimal = status == pywraplp.Solver.OPTIMAL
-        return (
-            ("optimal" if optimal else "timeout"),
-            (lambda v: values[v]),
+        return BackendResult(
+            BackendStatus.OPTIMAL if optimal else BackendStatus.TIMEOUT,
+            lambda v: values[v],
             obj,
-            (bound if optimal else None),
+            bound if optimal else None,
         )
