@@ -63,9 +63,10 @@ def simulate(graph: ActivationGraph, plan: Plan, hw: Hardware | str | None = Non
         raise TypeError(f"simulate: plan must be a slackswap.Plan, got {type(plan).__name__}")
     plan.check_graph(graph)
     plan.require_complete("simulate")
-    hw = hardware(hw) if hw is not None else plan.hardware
-    exp = expand(graph, decision_codes(graph, plan), plan.schedule, hw)
-    return run_timeline(graph, exp, hw, plan.budget_bytes)
+    on = hardware(hw) if hw is not None else plan.hardware
+    assert on is not None  # a complete plan names its hardware
+    exp = expand(graph, decision_codes(graph, plan), plan.schedule, on)
+    return run_timeline(graph, exp, on, plan.budget_bytes)
 
 
 def simulate_decisions(
@@ -101,13 +102,13 @@ def run_timeline(graph: ActivationGraph, exp: Expansion, hw: Hardware, budget: i
     swapped = np.flatnonzero(codes == SWAP)
     free_after: dict[int, list[int]] = {}
     issue_at: dict[int, list[int]] = {}
-    for t in swapped:
-        free_after.setdefault(int(exp.d2h_free[t]), []).append(int(t))
-        issue_at.setdefault(int(exp.h2d_issue[t]), []).append(int(t))
+    for t in swapped.tolist():
+        free_after.setdefault(int(exp.d2h_free[t]), []).append(t)
+        issue_at.setdefault(int(exp.h2d_issue[t]), []).append(t)
     h2d_key = np.array([graph.bwd_slot(int(u)) if u >= 0 else 0 for u in graph.first_backward_use])
     outputs_swapped: dict[int, list[int]] = {}
-    for t in swapped:
-        outputs_swapped.setdefault(int(graph.producer[t]), []).append(int(t))
+    for t in swapped.tolist():
+        outputs_swapped.setdefault(int(graph.producer[t]), []).append(t)
     point_time = np.zeros(exp.n_points)
     compute: list[tuple[float, float, int, int]] = []
     d2h_iv: list[tuple[float, float, int]] = []

@@ -350,7 +350,7 @@ class Plan:
                 f"plan: field 'format' must be {PLAN_FORMAT!r} (or the older "
                 f"{PLAN_FORMATS[0]!r}), got {fmt!r}"
             )
-        required = ("graph", "graph_digest", "budget_bytes", "decisions")
+        required: tuple[str, ...] = ("graph", "graph_digest", "budget_bytes", "decisions")
         if fmt == PLAN_FORMAT:
             required += ("schedule", "hardware")
         for key in required:
@@ -378,7 +378,7 @@ class Plan:
             if not isinstance(hw, Mapping):
                 raise PlanError(f"plan: field 'hardware' must be an object, got {hw!r}")
             try:
-                hw = Hardware.from_dict(hw)
+                hw = Hardware.from_dict(dict(hw))
             except (TypeError, ValueError) as exc:
                 raise PlanError(f"plan: field 'hardware': {exc}") from None
         plan = cls(
@@ -399,7 +399,7 @@ class Plan:
         return plan
 
 
-def read_plan(source: str | Path | Mapping[str, Any]) -> Plan:
+def read_plan(source: str | Path | Mapping[str, Any] | Plan) -> Plan:
     """A plan from a path, JSON text or dict, as written: a ``/1`` plan may be open."""
     from .graph import parse_json, read_json_source
 

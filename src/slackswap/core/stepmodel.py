@@ -126,7 +126,9 @@ def interval_memory(exp: Expansion, with_workspace: bool = True) -> np.ndarray:
     return mem
 
 
-def _schedule_arrays(graph: ActivationGraph, codes: np.ndarray, schedule: Schedule | None):
+def _schedule_arrays(
+    graph: ActivationGraph, codes: np.ndarray, schedule: Schedule | None
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     T = len(graph.tensors)
     d2h = np.full(T, -1, dtype=np.int64)
     h2d = np.full(T, -1, dtype=np.int64)
@@ -174,18 +176,18 @@ def trace_reruns(graph: ActivationGraph, codes: np.ndarray, recompute_at: np.nda
     reruns: list[tuple[int, ...]] = [()] * S
     needs_at: list[tuple[int, ...]] = [()] * S
     scheduled: dict[int, list[int]] = {}
-    for t in np.flatnonzero(recompute_at >= 0):
+    for t in np.flatnonzero(recompute_at >= 0).tolist():
         if recompute_at[t] < n:
             raise PlanError(
                 f"schedule: recompute_at[{graph.tensors[t].name!r}] = {recompute_at[t]} "
                 "is in the forward pass; rebuilds run before backward ops"
             )
-        scheduled.setdefault(int(recompute_at[t]), []).append(int(t))
+        scheduled.setdefault(int(recompute_at[t]), []).append(t)
     # a tensor with a latest rebuild position (Tensor.rebuilt_before) and no position of its own
     # is rebuilt there, or earlier where a rebuild that reads it runs first
     forced = graph.rebuild_slot
-    for t in np.flatnonzero((forced >= 0) & (recompute_at < 0) & (codes == RECOMPUTE)):
-        scheduled.setdefault(int(forced[t]), []).append(int(t))
+    for t in np.flatnonzero((forced >= 0) & (recompute_at < 0) & (codes == RECOMPUTE)).tolist():
+        scheduled.setdefault(int(forced[t]), []).append(t)
     saved_by_op = graph.saved_by_op
     if not scheduled and not (codes == RECOMPUTE).any():
         # nothing reruns (keep and swap only: the budget's keep-all and all-offloaded plans):
@@ -235,7 +237,7 @@ def trace_reruns(graph: ActivationGraph, codes: np.ndarray, recompute_at: np.nda
             needs_at[k] = tuple(sorted(swaps))
     materialized = np.array(made, dtype=np.int64)
     first_need = np.array(need, dtype=np.int64)
-    for t in np.flatnonzero(recompute_at >= 0):
+    for t in np.flatnonzero(recompute_at >= 0).tolist():
         if materialized[t] != recompute_at[t]:
             raise PlanError(
                 f"schedule: recompute_at[{graph.tensors[t].name!r}] = {recompute_at[t]} is after its "

@@ -29,6 +29,7 @@ See formulations/heuristic.md for what it does not see.
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import numpy as np
 
@@ -141,7 +142,12 @@ def heuristic_codes(
     dearest = dearest[may_swap[dearest] & (codes[dearest] == KEEP)]
     swaps = hideable_swaps(graph, hw, dearest)
     codes[swaps] = SWAP
-    stats = {"hidden_swaps": int(swaps.size), "recomputed": 0, "exposed_swaps": 0, "repairs": 0}
+    stats: dict[str, Any] = {
+        "hidden_swaps": int(swaps.size),
+        "recomputed": 0,
+        "exposed_swaps": 0,
+        "repairs": 0,
+    }
 
     exp = expand(graph, codes, None, hw)
     if exp.memory().max() <= budget:
@@ -341,7 +347,7 @@ def fit_to_budget(
 def step_lower_bound(graph: ActivationGraph, hw: Hardware, codes: np.ndarray) -> float:
     """A step time no plan with these decisions beats: the ideal step plus one run of every op
     some recompute reruns, and at least each lane's total copy time."""
-    rerun = set()
+    rerun: set[int] = set()
     for t in np.flatnonzero(codes == RECOMPUTE):
         rerun.update(graph.rerun_ops[int(t)])
     swapped = np.flatnonzero((codes == SWAP) & (graph.tensor_bytes > 0))  # empty: maybe no copy
