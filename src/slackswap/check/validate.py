@@ -605,6 +605,7 @@ class _Step:
         last_read: dict[int, int] = {}
         comes_back: dict[int, int] = {}  # recomputed tensor -> the rerun point that rebuilds it
         intervals: list[tuple[int, int, int]] = []
+        replayed = any(self.also)
         for k in range(n, S):
             made_at: dict[int, int] = {}
             read_last: dict[int, int] = {}
@@ -624,6 +625,11 @@ class _Step:
                         comes_back[t] = p
                     else:
                         made_at[t] = p
+                        read_last[t] = p
+                # a region replayed as its forward ran (its ops name Op.rerun_with) holds the
+                # unsaved tensors its forward still held when this op ran
+                for t in made_at if replayed else ():
+                    if not self.saved[t] and self.also[self.producer[t]] and op <= self.last_fwd[t]:
                         read_last[t] = p
             for t, p in made_at.items():  # rerun by-products live within the position
                 intervals.append((t, p, read_last[t]))

@@ -8,6 +8,7 @@ simulator adds time to it; the validator checks it against the budget with code 
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -459,11 +460,14 @@ def _intervals(graph, codes, reruns, needs_at, first_need, d2h, h2d, materialize
     outputs = graph.op_outputs
     fwd_ws = graph.forward_ws
     rerun_ws = graph.rerun_ws
+    replays = graph.op_rerun_with
+    last_fwd_use = graph.last_forward_use
     for k in np.flatnonzero(n_reruns) + n:
         k = int(k)
         transient_start: dict[int, int] = {}
         transient_end: dict[int, int] = {}
         p = int(slot_first[k])
+        first_p = p
         for q in reruns[k]:
             point_slot[p] = k
             point_op[p] = q
@@ -484,6 +488,12 @@ def _intervals(graph, codes, reruns, needs_at, first_need, d2h, h2d, materialize
                     transient_end[t] = p
             p += 1
         for t, start in transient_start.items():
+            q0 = int(graph.producer[t])
+            if replays[q0] and not saved[t]:
+                # a replayed region (Op.rerun_with) holds its unsaved outputs as its forward did:
+                # until the last op rerun here that ran while the forward still held them
+                last = bisect_right(reruns[k], int(last_fwd_use[t])) - 1
+                transient_end[t] = max(transient_end[t], first_p + last)
             iv_t.append(t)
             iv_s.append(start)
             iv_e.append(transient_end[t])

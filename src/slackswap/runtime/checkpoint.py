@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import warnings
+from typing import NamedTuple
 
 from ..core.errors import PlanError
 from ..core.graph import ActivationGraph
@@ -110,16 +111,25 @@ def _module_of(op) -> str:
     return str(op.extra.get("module", op.name.split("/")[0] if "/" in op.name else ""))
 
 
+class RegionOp(NamedTuple):
+    """One op of a checkpointed region, as its policy treats it."""
+
+    aten: str
+    recompute: bool  # PREFER_RECOMPUTE under torch.compile
+    swaps: tuple[str, ...]  # the saved outputs the plan swaps
+    eager_recompute: bool  # PREFER_RECOMPUTE in eager mode
+
+
 def checkpoint_regions(
     plan: Plan, graph: ActivationGraph, regions: list[str] | None = None
-) -> dict[str, list[tuple[str, bool, tuple[str, ...]]]]:
+) -> dict[str, list[RegionOp]]:
     """Per region (module path) that the plan recomputes or swaps something in: its ops in
-    order, as (aten name, recompute?, the saved outputs the plan swaps: offloaded by torch's
-    pass under torch.compile). ``regions``: the module paths to use instead of
-    ``region_of``'s."""
+    order (``RegionOp``: the aten name, whether the policy reruns it, compiled and eager, and the
+    saved outputs the plan swaps: offloaded by torch's pass under torch.compile). ``regions``:
+    the module paths to use instead of ``region_of``'s."""
     plan.check_graph(graph)
     of_op = _op_regions(graph, regions)  # a region around another runs unwrapped
-    out: dict[str, list[tuple[str, bool, tuple[str, ...]]]] = {}
+    out: dict[str, list[RegionOp]] = {}
     wanted: set[str] = set()
     for i, op in enumerate(graph.ops):
         name = of_op[i]
@@ -129,10 +139,24 @@ def checkpoint_regions(
         rebuilt = any(plan.decisions.get(k) == "recompute" for k in keeps)
         swaps = tuple(k for k in keeps if plan.decisions.get(k) == "swap")
         recompute = rebuilt or _rerun_regardless(graph, i, weigh_unread=not swaps)
+        eager = recompute or _saved_elsewhere_only(graph, i, of_op)
         if rebuilt or swaps:
             wanted.add(name)
-        out.setdefault(name, []).append((str(op.extra.get("aten", "")), recompute, swaps))
+        out.setdefault(name, []).append(
+            RegionOp(str(op.extra.get("aten", "")), recompute, swaps, eager)
+        )
     return {name: ops for name, ops in out.items() if name in wanted}
+
+
+def _saved_elsewhere_only(graph: ActivationGraph, i: int, of_op: list[str]) -> bool:
+    """Whether op ``i``'s saved outputs are read by backward ops outside its region alone (a
+    block's output, saved by the next block's norm). In eager mode the region's checkpoint then
+    has nothing to save for them: the reader outside saves them as usual, while a cached copy
+    (MUST_SAVE) would be held until the region's backward ends, because the checkpoint's
+    recompute stops at the region's last save and never takes it back (0.25 MiB per block on
+    TinyGPT above the plan)."""
+    outs = [t for t in graph.op_outputs[i] if graph.is_saved[t]]
+    return bool(outs) and all(of_op[r] != of_op[i] for t in outs for r in graph.saved_for_index[t])
 
 
 def _rerun_regardless(graph: ActivationGraph, i: int, weigh_unread: bool = True) -> bool:
@@ -176,7 +200,7 @@ def _region_reruns(graph: ActivationGraph, of_op: list[str]) -> dict[str, list[i
             region in last_save
             and i <= last_save[region]
             and len(graph.op_outputs[i])
-            and _rerun_regardless(graph, i)
+            and (_rerun_regardless(graph, i) or _saved_elsewhere_only(graph, i, of_op))
         ):
             out.setdefault(region, []).append(i)
     return out
@@ -418,7 +442,7 @@ def _drawn(graph: ActivationGraph) -> set[int]:
     return random | {int(graph.producer[t]) for t in filled if graph.producer[t] >= 0}
 
 
-def _region_policy(steps: list[tuple[str, bool, tuple[str, ...]]], offloads=None):
+def _region_policy(steps: list[RegionOp], offloads=None):
     """A selective-checkpoint policy for one region: the k-th call of an aten op gets the
     decision of the k-th op of that name in the region's profile (modulo their count: a compiler
     tracing the region again starts over); forward and recompute count separately. An op the
@@ -428,9 +452,9 @@ def _region_policy(steps: list[tuple[str, bool, tuple[str, ...]]], offloads=None
     the tensors' names (``offloads``, compile/offload.py: what torch's pass makes of them)."""
     from torch.utils.checkpoint import CheckpointPolicy
 
-    by_name: dict[str, list[tuple[bool, tuple[str, ...]]]] = {}
-    for name, recompute, swaps in steps:
-        by_name.setdefault(op_kind(name), []).append((recompute, swaps))
+    by_name: dict[str, list[RegionOp]] = {}
+    for step in steps:
+        by_name.setdefault(op_kind(step.aten), []).append(step)
     seen: dict[tuple[bool, str], int] = {}
 
     def policy(ctx, func, *args, **kwargs):
@@ -446,8 +470,9 @@ def _region_policy(steps: list[tuple[str, bool, tuple[str, ...]]], offloads=None
         compiling = torch.compiler.is_compiling()
         if compiling and _is_random(name):
             return CheckpointPolicy.MUST_SAVE
-        recompute, swaps = decisions[k % len(decisions)]
-        if recompute:
+        step = decisions[k % len(decisions)]
+        swaps = step.swaps
+        if step.recompute if compiling else step.eager_recompute:
             return CheckpointPolicy.PREFER_RECOMPUTE
         if swaps and not key[0] and offloads is not None:
             if not compiling:  # eager checkpointing has no offload: saved, and said
@@ -515,13 +540,11 @@ class checkpointed:  # noqa: N801 - a context manager used like a function
             # swaps torch's checkpoint cannot offload: in an op it reruns (written in place
             # later, or one that may not run again), or in no region (the model's own ops)
             offered = {
-                n
-                for ops in self.steps.values()
-                for _, rerun, swaps in ops
-                if not rerun
-                for n in swaps
+                n for ops in self.steps.values() for op in ops if not op.recompute for n in op.swaps
             }
-            rerun = {n for ops in self.steps.values() for _, r, swaps in ops if r for n in swaps}
+            rerun = {
+                n for ops in self.steps.values() for op in ops if op.recompute for n in op.swaps
+            }
             self.offloads.recomputed_instead = rerun
             self.offloads.saved_instead = set(plan.tensors("swap")) - offered - rerun
             self.offloads._outside = set(self.offloads.saved_instead)

@@ -432,6 +432,7 @@ def formulate(
     fwd_ws = sc.bytes_of(graph.forward_ws)
     bwd_ws = sc.bytes_of(graph.backward_ws)
     rerun_ws = graph.rerun_ws
+    replays = graph.op_rerun_with
     rebuilt_here: dict[int, list[tuple[tuple[int, int], int]]] = {}
     for t in saved:
         for k, w in f.rebuild_at[t].items():
@@ -466,7 +467,10 @@ def formulate(
                     if graph.is_saved[o]:
                         continue
                     readers = [q2 for q2 in ops_here[qi:] if o in graph.op_inputs[q2]]
-                    if not readers:
+                    # transient_held: a replayed region (Op.rerun_with) holds it while its
+                    # forward did, at this op's rerun if both rerun
+                    held = bool(replays[q0]) and q <= int(last_fwd[o])
+                    if not readers and not held:
                         continue
                     y = m.var(f"transient[{graph.tensors[o].name},{graph.ops[q].name},{k}]", 0, 1)
                     for q2 in readers:
@@ -474,6 +478,12 @@ def formulate(
                             f"transient_alive[{graph.tensors[o].name},{graph.ops[q].name},{k}]",
                             [(y, 1), (f.rerun[(q2, k)], -1)],
                             0,
+                        )
+                    if held:
+                        m.ge(
+                            f"transient_held[{graph.tensors[o].name},{graph.ops[q].name},{k}]",
+                            [(y, 1), (f.rerun[(q0, k)], -1), (z, -1)],
+                            -1,
                         )
                     terms.append((y, int(nbytes[o])))
             # the rerun op's workspace and the gradients waiting for the backward op at k
