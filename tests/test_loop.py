@@ -211,7 +211,7 @@ def test_data_dependent_routing_is_said_once_and_trains_as_plain():
     for x in data:
         mse(plain(x)).backward()
     with pytest.warns(RuntimeWarning, match="depends on the data|differs from batch") as caught:
-        with ss.planned(looped, mse, 0.9, refine_solver=None) as loop:
+        with ss.planned(looped, mse, 0.95, refine_solver=None) as loop:
             for x in data:
                 loop.step(x)
     assert len([w for w in caught if issubclass(w.category, RuntimeWarning)]) == 1

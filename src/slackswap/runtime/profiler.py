@@ -21,6 +21,7 @@ from typing import Any
 from ..core.errors import GraphError
 from ..core.graph import ActivationGraph, Op, Tensor
 from ..core.hardware import Hardware, hardware
+from .overhead import measured_overhead_bytes, with_overhead
 
 _preset = hardware  # profile() takes a ``hardware`` argument
 
@@ -470,6 +471,7 @@ def profile(
     hardware: Hardware | str | None = None,
     optimizer: str = "adamw",
     forward: Callable | None = None,
+    overhead: bool = True,
 ) -> ActivationGraph:
     """Profile ``warmup + repeat`` training steps of ``model`` and return its activation graph.
 
@@ -504,6 +506,13 @@ def profile(
 
     forward: ``forward(model, inputs)`` in place of calling the model on the inputs (a trainer's
     own loss computation, which calls the model inside it); ``loss_fn`` gets what it returns.
+
+    overhead: measure two plain steps' peaks (``StepMeter``) against the graph's keep-all
+    simulation and count what is above in every op's workspaces (runtime/overhead.py: on the
+    CPU heap, autograd's records of the graph; ``graph.extra["overhead"]``), so that a plan's
+    budget covers what the step holds beside its tensors. False: the graph's tensors and
+    workspaces alone (graphs compared tensor by tensor). Not with FSDP2 (no single device's
+    step to measure) or ``fake``.
     """
     import torch
 
@@ -536,6 +545,8 @@ def profile(
         raise ProfileError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if not isinstance(calibrate, bool):
         raise ProfileError(f"calibrate must be True or False, got {calibrate!r}")
+    if not isinstance(overhead, bool):
+        raise ProfileError(f"overhead must be True or False, got {overhead!r}")
     if gradients not in GRADIENTS:
         raise ProfileError(f"gradients must be one of {GRADIENTS}, got {gradients!r}")
     if hasattr(model, "_orig_mod") and type(model).__name__ == "OptimizedModule":
@@ -566,34 +577,44 @@ def profile(
                 traces.append(trace)
         if calibrate:
             plain = plain_phase_times(model, inputs, loss_fn, sync, repeat, forward)
+        # the device and link the graph was profiled on (measured on CUDA): solve() plans for
+        # it unless told otherwise
+        link = calibrate_link(dev) if dev.type == "cuda" else _preset("cpu")
+        graph = graph_from_traces(
+            traces,
+            name or type(model).__name__,
+            {
+                "source": "slackswap.profile",
+                "device": str(dev),
+                "torch": torch.__version__,
+                "repeat": repeat,
+                "hardware": link.to_dict(),
+                "parameters": model_parameters(model),
+                "inputs": input_shapes(inputs),
+            },
+        )
+        if plain is not None:
+            graph = scaled_to_plain(graph, *plain)
+        collectives = fsdp_collectives(model, graph)
+        # under FSDP2 a unit's gradients are reduce-scattered and freed as its backward ends:
+        # the step holds shards, not whole gradients, so they are left out there
+        gradients = "held" if collectives else gradients
+        graph = with_parameter_gradients(graph, gradients)
+        if collectives:
+            from dataclasses import replace
+
+            graph = replace(graph, collectives=collectives)
+        elif overhead:
+            # what the plain step holds beside the graph's tensors (runtime/overhead.py)
+            graph = with_overhead(
+                graph,
+                *measured_overhead_bytes(
+                    graph,
+                    lambda: _metered_plain_step(model, inputs, loss_fn, dev, gradients, forward),
+                ),
+            )
     finally:
         untouched.restore()
-    # the device and link the graph was profiled on (measured on CUDA): solve() plans for it
-    # unless told otherwise
-    link = calibrate_link(dev) if dev.type == "cuda" else _preset("cpu")
-    graph = graph_from_traces(
-        traces,
-        name or type(model).__name__,
-        {
-            "source": "slackswap.profile",
-            "device": str(dev),
-            "torch": torch.__version__,
-            "repeat": repeat,
-            "hardware": link.to_dict(),
-            "parameters": model_parameters(model),
-            "inputs": input_shapes(inputs),
-        },
-    )
-    if plain is not None:
-        graph = scaled_to_plain(graph, *plain)
-    collectives = fsdp_collectives(model, graph)
-    # under FSDP2 a unit's gradients are reduce-scattered and freed as its backward ends: the
-    # step holds shards, not whole gradients, so they are left out there
-    graph = with_parameter_gradients(graph, "held" if collectives else gradients)
-    if collectives:
-        from dataclasses import replace
-
-        graph = replace(graph, collectives=collectives)
     graph = _with_model_state(graph, model, optimizer)
     return _group(graph) if group_by_module else graph
 
@@ -744,6 +765,28 @@ def plain_phase_times(model, inputs, loss_fn, sync, repeat: int, call=None) -> t
         backward.append(time.perf_counter() - middle)
         del loss
     return statistics.median(forward), statistics.median(backward)
+
+
+def _metered_plain_step(model, inputs, loss_fn, device, gradients: str, call=None) -> int:
+    """One plain step's peak bytes (``StepMeter``, after every op), parameter gradients as the
+    graph counts them: made in the step ("made") or there before it ("held")."""
+    import torch
+
+    from .meter import StepMeter
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    before = [p.grad for p in params]
+    try:
+        for p in params:
+            p.grad = None if gradients == "made" else torch.zeros_like(p)
+        with StepMeter(device) as meter:
+            loss = loss_fn((call or _call)(model, inputs))
+            loss.backward()
+        del loss
+    finally:
+        for p, grad in zip(params, before):
+            p.grad = grad
+    return meter.peak_bytes
 
 
 def scaled_to_plain(graph: ActivationGraph, forward_s: float, backward_s: float) -> ActivationGraph:
