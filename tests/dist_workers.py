@@ -122,7 +122,9 @@ def train(kind: str, wrapping: str, variant: str, rank: int) -> dict:
         }[variant]
         graph = ss.profile(model, batch, loss_fn, warmup=1, repeat=1)
         lo, hi = ss.min_budget(graph, HW), ss.keep_all_peak(graph, HW)
-        budget = hi if variant == "keep-all" else lo + (hi - lo) // 2
+        # keep-all: the agreed graph's own peak (each profile measures what the step holds
+        # beside its tensors afresh, and DDP's buckets are rebuilt after the first backward)
+        budget = 1.0 if variant == "keep-all" else lo + (hi - lo) // 2
         graph, plan = ss.plan_for_ranks(
             model,
             batch,
@@ -133,6 +135,7 @@ def train(kind: str, wrapping: str, variant: str, rank: int) -> dict:
             time_limit_s=5,
             profile_options={"warmup": 1, "repeat": 1},
         )
+        budget = plan.budget_bytes
         if variant == "random":  # closed at the budget it needs, so it is a valid plan
             plan = _random_plan(graph, budget, seed=7)
             budget = ss.simulate(graph, plan, HW).peak_bytes

@@ -49,11 +49,15 @@ class BNBlocks(torch.nn.Module):
         return x.mean((2, 3))
 
 
-def step(model, call, x, sample="ops"):
+def step(model, call, x, sample="ops", held=False):
     """Gradients and the measured (peak, bytes at backward start) of the third of three steps
-    (the first allocates once-only buffers)."""
+    (the first allocates once-only buffers). ``held``: parameter gradients there before each
+    step, as the profile counts them (gradients="held"), else made in it."""
     for _ in range(3):
-        model.zero_grad(set_to_none=True)
+        model.zero_grad(set_to_none=not held)
+        if held:
+            for p in model.parameters():
+                p.grad = torch.zeros_like(p) if p.grad is None else p.grad
         torch.manual_seed(7)
         with StepMeter(sample=sample) as meter:
             loss = loss_fn(call(x))
@@ -85,10 +89,13 @@ def test_the_exported_policy_delivers_the_plans_peak_with_exact_gradients(setup)
     plain, plain_peak, _ = step(model, model, x)
     with checkpointed(model, regional, policy_graph):
         grads, peak, at_backward = step(model, model, x)
+        _, held_peak, _ = step(model, model, x, held=True)
     assert all(torch.equal(a, b) for a, b in zip(plain, grads))  # dropout on: bitwise
-    # the step's peak (activations, gradients, transients) within 10% of the simulated one
-    # (1.03 when written), and far below plain training's
-    assert peak <= 1.1 * simulated and peak < 0.75 * plain_peak
+    # the step's peak (activations, gradients, transients) within the plan's budget, and far
+    # below plain training's: torch's replay of a region holds its tensors as the forward did
+    # (the step model counts it), and an op whose saved outputs only later regions read is
+    # rerun, not cached (its cached copy outlived the region's backward: 0.25 MiB over)
+    assert 0.8 * simulated <= held_peak <= regional.budget_bytes and peak < 0.75 * plain_peak
     assert at_backward < 0.6 * plain_peak
     # the policy around the whole model call rebuilds the whole forward at once in backward:
     # the step peaks where plain training does (why the export uses regions)
@@ -131,7 +138,7 @@ def test_a_compiled_model_runs_the_exported_policy_with_exact_gradients(setup):
     torch._dynamo.reset()
     # random ops saved under compile: the dropout masks are not redrawn, gradients are exact
     assert all(torch.equal(a, b) for a, b in zip(plain, grads))
-    assert peak <= 1.1 * simulated and peak < 0.75 * compiled_peak
+    assert 0.8 * simulated <= peak <= plan.budget_bytes and peak < 0.75 * compiled_peak
 
 
 def test_a_compiled_module_is_profiled_eagerly_and_refused_by_the_executor(setup):
@@ -247,7 +254,7 @@ def test_planned_for_the_checkpoint_graph_the_policy_peaks_where_the_plan_says()
     plan = ss.solve(policy_graph, 0.7, solver="heuristic", pins=ss.boundary_pins(policy_graph))
     assert ss.validate(policy_graph, plan).ok
     simulated = ss.simulate(policy_graph, plan).peak_bytes
-    assert simulated <= peak(policy_graph, plan) <= 1.1 * simulated
+    assert 0.9 * simulated <= peak(policy_graph, plan) <= plan.budget_bytes
     unaware = ss.solve(graph, 0.7, solver="heuristic", pins=ss.boundary_pins(graph))
     assert peak(graph, unaware) > ss.simulate(graph, unaware).peak_bytes
     # the executor would rerun what only the checkpoint can (batch norm's shielded update)
@@ -301,7 +308,7 @@ def test_dropout_masks_drawn_in_place_are_rebuilt_by_the_checkpoint(setup):
     plain, _ = measured(nullcontext)
     grads, peak = measured(lambda: checkpointed(model, plan, policy_graph))
     assert all(torch.equal(a, b) for a, b in zip(plain, grads))
-    assert 0.9 * simulated <= peak <= 1.1 * simulated, (peak, simulated)
+    assert 0.9 * simulated <= peak <= plan.budget_bytes, (peak, simulated, plan.budget_bytes)
 
 
 def test_batch_norm_has_one_name_in_the_profile_and_under_compile():
@@ -318,18 +325,18 @@ def test_batch_norm_has_one_name_in_the_profile_and_under_compile():
 
 
 @pytest.mark.slow
-def test_compiled_the_policy_peaks_where_the_plan_for_the_compiled_graph_says():
+def test_compiled_the_policy_holds_the_plans_budget():
     """Under torch.compile, a BN ResNet (64 channels at 16 x 16: 0.5 MiB per activation, 1.1 MiB
     of parameters): batch norm is traced as _native_batch_norm_legit (the policy matches it to
     the profile's native_batch_norm, else it would be saved), and the compiled backward returns
-    every parameter gradient at its end: checkpoint_graph(compiled=True) counts them. At 60% the
-    measured step peak is within 15% of the simulated one (6.19 MiB against 5.50), gradients
-    equal to eager's. What is above: torch's rerun of a block goes on past the last tensor the
-    plan rebuilds (the residual add after the second batch norm, one activation of 0.5 MiB with
-    that norm's output still alive), which checkpoint_graph does not yet count (docs/
-    known-limits.md). Until the profiler stopped charging every AccumulateGrad's figures before
-    each parameter's (all AccumulateGrad nodes share one sequence number), that over-count
-    hid it: 5.69 against 5.64."""
+    every parameter gradient at its end: checkpoint_graph(compiled=True) counts them. The step
+    stays within the plan's budget at 60% and 80%, measured after every node of the compiled
+    graphs (metered_aot_eager) and by a thread, which also sees the 0.67 MiB oneDNN's
+    convolution backward holds inside the op: the profile counts it (runtime/overhead.py). It
+    measured 12% above its simulated peak (6.19 MiB against 5.50) before the profile counted
+    it. Gradients equal to eager's."""
+    from slackswap.runtime.meter import metered_aot_eager
+
     torch.manual_seed(0)
     model, x = _BNResNet(c=64), torch.randn(8, 3, 16, 16)
     y = torch.randint(0, 10, (8,))
@@ -348,28 +355,36 @@ def test_compiled_the_policy_peaks_where_the_plan_for_the_compiled_graph_says():
         compiled_graph.ops[first].backward_workspace_bytes
         == graph.ops[first].backward_workspace_bytes + param_bytes
     )
-    plan = ss.solve(compiled_graph, 0.6, solver="heuristic", pins=ss.boundary_pins(compiled_graph))
-    simulated = ss.simulate(compiled_graph, plan).peak_bytes
+    # the kernel's own memory is in the profile: what a thread sees above the op boundaries
+    assert graph.extra["overhead"]["bytes"] >= 0.5 * 2**20
 
-    def run(call):
+    def run(call, sample):
         for p in model.parameters():  # parameter gradients exist before: not what plans change
             p.grad = torch.zeros_like(p)
         for _ in range(3):  # the third step: compiled, and the heap's first-use buffers paid
             for p in model.parameters():
                 p.grad.zero_()
-            with StepMeter(sample="thread") as meter:
+            with StepMeter(sample=sample) as meter:
                 ce(call(x)).backward()
         return [p.grad.clone() for p in model.parameters()], meter.peak_bytes
 
-    eager, _ = run(model)
-    with checkpointed(model, plan, compiled_graph):
+    eager, _ = run(model, "ops")
+    for fraction in (0.6, 0.8):
+        pins = ss.boundary_pins(compiled_graph)
+        plan = ss.solve(compiled_graph, fraction, solver="heuristic", pins=pins)
+        simulated = ss.simulate(compiled_graph, plan).peak_bytes
+        with checkpointed(model, plan, compiled_graph):
+            torch._dynamo.reset()
+            compiled = torch.compile(model, backend=metered_aot_eager)
+            grads, by_node = run(compiled, "calls")
+            _, by_thread = run(compiled, "thread")
         torch._dynamo.reset()
-        grads, peak = run(torch.compile(model, backend="aot_eager"))
-    torch._dynamo.reset()
-    assert all(torch.allclose(a, b, rtol=1e-4, atol=1e-6) for a, b in zip(eager, grads))
-    assert 0.9 * simulated <= peak <= 1.15 * simulated, (peak / 2**20, simulated / 2**20)
-    # without the returned gradients the plan would say less than is measured
-    assert peak > 1.1 * (simulated - param_bytes)
+        assert all(torch.allclose(a, b, rtol=1e-4, atol=1e-6) for a, b in zip(eager, grads))
+        budget = plan.budget_bytes
+        assert 0.8 * simulated <= by_node <= budget, (by_node, budget)
+        assert by_thread <= budget, (by_thread, budget)
+        # without the returned gradients the plan would say less than is measured
+        assert by_node > simulated - param_bytes
 
 
 @pytest.mark.parametrize("compiled", [False, True])
@@ -384,7 +399,7 @@ def test_batch_norm_state_is_written_once_when_the_region_breaks_the_compiled_gr
     model = BNBlocks(3, momentum=None)
     x = torch.randn(4, 3, 16, 16)
     graph = ss.checkpoint_graph(
-        ss.profile(model, x, loss_fn, warmup=0, repeat=1), compiled=compiled
+        ss.profile(model, x, loss_fn, warmup=0, repeat=1, overhead=False), compiled=compiled
     )
     plan = ss.solve(graph, 0.8, solver="heuristic", pins=ss.boundary_pins(graph))
     assert plan.count("recompute")

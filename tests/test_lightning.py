@@ -81,35 +81,54 @@ def _fit(callbacks):
     return module
 
 
+def _meter(callback, peaks):
+    """A callback measuring each batch's forward and backward with ``ss.StepMeter`` (after every
+    op, on the heap), the parameter gradients the batch made left out (they are not
+    activations), paired with the budget of the plan it ran under; batches that profiled a new
+    bucket are not plan steps."""
+    pl = _lightning()
+
+    class Meter(pl.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            self.switches = len(callback.loop.switches)
+            self.before = {id(p) for p in pl_module.parameters() if p.grad is not None}
+            self.meter = ss.StepMeter(sample="ops").__enter__()
+
+        def on_after_backward(self, trainer, pl_module):
+            self.meter.__exit__(None, None, None)
+            loop = callback.loop
+            made = sum(
+                p.grad.numel() * p.grad.element_size()
+                for p in pl_module.parameters()
+                if p.grad is not None and id(p) not in self.before
+            )
+            profiled = (
+                len(loop.switches) > self.switches and loop.switches[-1].source == "heuristic"
+            )
+            if loop.last_plan is not None and not profiled:
+                peaks.append((self.meter.peak_bytes - made, loop.last_plan.budget_bytes))
+
+    return Meter()
+
+
 def test_a_planned_fit_ends_with_the_weights_of_a_plain_one():
     plain = _fit([])
     callback = ss.lightning.SlackSwapCallback(budget=0.5, refine_solver=None)
-    peaks = []
-    end_step = None
-
-    def record():  # the executor's tracked peak of each planned batch, against its budget
-        end_step()
-        loop = callback.loop
-        if loop.last_stats is not None and loop.last_plan is not None:
-            peaks.append((loop.last_stats.peak_activation_bytes, loop.last_plan.budget_bytes))
-
-    original_start = callback.on_fit_start
-
-    def on_fit_start(trainer, pl_module):
-        nonlocal end_step
-        original_start(trainer, pl_module)
-        end_step = callback.loop.end_step
-        callback.loop.end_step = record
-
-    callback.on_fit_start = on_fit_start
-    planned = _fit([callback])
+    peaks: list[tuple[int, int]] = []
+    # after slackswap's callback: its batch start (which may profile) is not measured
+    planned = _fit([callback, _meter(callback, peaks)])
     assert callback.planned_batches == 16  # 8 optimizer steps x 2 accumulated batches
     for (name, a), b in zip(plain.named_parameters(), planned.parameters()):
         assert torch.equal(a, b), name  # bit-identical, dropout on, the same seed
     assert len(callback.loop._buckets) == 2
     assert type(planned).training_step is _language_model().training_step  # given back
     assert "training_step" not in vars(planned)
-    assert peaks and all(peak <= budget for peak, budget in peaks), peaks
+    # every batch that ran under a plan, measured with the heap from the batch's start to its
+    # backward's end: within the plan's budget but for what Lightning itself holds in that
+    # window beside the model's step, which no profile of the step sees (measured 0.07-0.26%
+    # above; docs/known-limits.md)
+    assert len(peaks) >= 12, peaks
+    assert all(peak <= 1.005 * budget for peak, budget in peaks), peaks
 
 
 def test_manual_optimization_is_refused():

@@ -203,7 +203,7 @@ def test_data_dependent_routing_is_said_once_and_trains_as_plain():
     plain, looped = TopOne(), TopOne()
     looped.load_state_dict(plain.state_dict())
     g = torch.Generator().manual_seed(1)
-    data = [torch.randn(8, 16, generator=g) + (3 if i % 2 else -3) for i in range(8)]
+    data = [torch.randn(256, 16, generator=g) + (3 if i % 2 else -3) for i in range(8)]
 
     def mse(out):
         return out.square().mean()
@@ -211,7 +211,7 @@ def test_data_dependent_routing_is_said_once_and_trains_as_plain():
     for x in data:
         mse(plain(x)).backward()
     with pytest.warns(RuntimeWarning, match="depends on the data|differs from batch") as caught:
-        with ss.planned(looped, mse, 0.95, refine_solver=None) as loop:
+        with ss.planned(looped, mse, 0.8, refine_solver=None) as loop:
             for x in data:
                 loop.step(x)
     assert len([w for w in caught if issubclass(w.category, RuntimeWarning)]) == 1
@@ -248,7 +248,7 @@ def _alive(pid: int) -> bool:
 def test_refinements_end_with_the_loop_and_with_their_bucket():
     torch.manual_seed(0)
     model = TinyGPT(vocab=50, d=32, layers=2, p=0.0)
-    with ss.planned(model, loss_fn, 0.6, refine_time_limit_s=120, max_plans=1) as loop:
+    with ss.planned(model, loss_fn, 0.8, refine_time_limit_s=120, max_plans=1) as loop:
         loop.step(torch.randint(0, 50, (2, 16)))
         first = loop._refinements.running
         assert first is not None and _alive(first.proc.pid)

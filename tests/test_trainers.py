@@ -143,11 +143,13 @@ def test_a_planned_trainer_ends_with_the_weights_of_a_plain_one(family, tmp_path
     assert logged and all("slackswap_budget_mib" in h and "slackswap_peak_mib" in h for h in logged)
     assert len(planned.loop._buckets) >= 2  # variable lengths: more than one bucket
     assert peaks, "no step ran under a plan it did not profile"
-    # measured with the heap, each step is within 1% of its plan's budget (measured: GPT-2 at
-    # most 1.004, Llama 0.998; what is above is autograd's own graph, which the CPU heap holds
-    # beside the tensors: docs/results.md, "Known limits")
+    # measured with the heap, each step is within its plan's budget: the profile counts what
+    # the step holds beside its tensors, autograd's own graph on the CPU heap (runtime/
+    # overhead.py; GPT-2 measured up to 1.004 of its budget before it did), but for the
+    # Trainer's own objects in the window measured, which no profile of the model's step sees
+    # (measured up to 1144 bytes, 0.009%; docs/known-limits.md)
     for peak, budget in peaks:
-        assert peak <= 1.01 * budget, (peak, budget)
+        assert peak <= 1.005 * budget, (peak, budget)
 
 
 def test_gradient_checkpointing_is_refused_by_name(tmp_path):

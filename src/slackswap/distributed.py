@@ -73,11 +73,18 @@ def agree_on_graph(
     ``error``: this rank could not profile (every rank then raises, naming it)."""
     import torch.distributed as dist
 
+    from .runtime.overhead import with_overhead, without_overhead
+
     world = dist.get_world_size(group)
+    # each rank measured its own overhead (runtime/overhead.py): the largest counts on all
+    overhead = dict(graph.extra.get("overhead", {})) if graph is not None else {}
+    if graph is not None:
+        graph = without_overhead(graph)
     mine = (
         None
         if graph is None
         else {
+            "overhead": [int(overhead.get("bytes", 0)), int(overhead.get("plain_peak_bytes", 0))],
             "structure": _structure(graph),
             "alive_until": [t.alive_until for t in graph.tensors],
             "forward_s": graph.forward_s.tolist(),
@@ -129,7 +136,7 @@ def agree_on_graph(
         "times": "median over ranks",
         "lifetimes": "latest over ranks",
     }
-    return ActivationGraph(
+    agreed = ActivationGraph(
         name=graph.name,
         ops=ops,
         tensors=tuple(tensors),
@@ -137,6 +144,10 @@ def agree_on_graph(
         extra=extra,
         collectives=graph.collectives,
     )
+    if not overhead:  # not measured (FSDP2, a fake profile, overhead=False)
+        return agreed
+    largest = max((item["graph"]["overhead"] for item in gathered), key=lambda o: o[0])
+    return with_overhead(agreed, *largest)
 
 
 def share_plan(graph: ActivationGraph, make_plan, group: Any = None) -> Plan:

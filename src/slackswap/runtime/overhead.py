@@ -5,7 +5,8 @@ On the CPU the meter is the C heap: autograd's own records of the graph (a node 
 entries per op, about 0.1 MiB for a 200-op transformer), the allocator's rounding and the model's
 Python objects sit there beside the tensors. On CUDA the caching allocator rounds every block. No
 op or tensor of the graph carries them. The profiler measures a plain step's peak with
-``StepMeter`` (after every op) against the keep-all simulation of the graph it just made; what is
+``StepMeter`` (after every op, and from a thread, which also sees memory a kernel holds inside one
+op: oneDNN's convolution backward) against the keep-all simulation of the graph it just made; what is
 above is added to every op's forward and backward workspace (a rerun's point takes its op's
 forward workspace): a constant at every point of the step, which is at or above what each point
 holds (formulations/step-model.md, "Workspaces").
@@ -19,15 +20,14 @@ from ..core.budget import keep_all_peak
 from ..core.graph import ActivationGraph
 
 
-def measured_overhead_bytes(
-    graph: ActivationGraph, measure_step, steps: int = 2
-) -> tuple[int, int]:
+def measured_overhead_bytes(graph: ActivationGraph, measure_step) -> tuple[int, int]:
     """(bytes the plain step measures above the graph's keep-all peak, the measured peak).
-    ``measure_step()`` runs one plain step under a meter and returns its peak bytes; the last of
-    ``steps`` counts (the first pays the heap's one-time buffers)."""
-    measured = 0
-    for _ in range(max(1, steps)):
-        measured = int(measure_step())
+    ``measure_step(sample)`` runs one plain step under ``StepMeter(sample=sample)`` and returns
+    its peak bytes. Three steps: the first pays the heap's one-time buffers; then one sampled
+    after every op and one by a thread, which also sees memory a kernel holds inside an op
+    (oneDNN's convolution backward on the CPU; on CUDA the allocator's peak has it anyway)."""
+    measure_step("ops")
+    measured = max(int(measure_step("ops")), int(measure_step("thread")))
     simulated = keep_all_peak(graph, "cpu")  # keep-all's memory does not depend on the link
     return max(0, measured - simulated), measured
 

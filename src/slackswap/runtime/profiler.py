@@ -610,7 +610,9 @@ def profile(
                 graph,
                 *measured_overhead_bytes(
                     graph,
-                    lambda: _metered_plain_step(model, inputs, loss_fn, dev, gradients, forward),
+                    lambda sample: _metered_plain_step(
+                        model, inputs, loss_fn, dev, gradients, forward, sample
+                    ),
                 ),
             )
     finally:
@@ -767,8 +769,10 @@ def plain_phase_times(model, inputs, loss_fn, sync, repeat: int, call=None) -> t
     return statistics.median(forward), statistics.median(backward)
 
 
-def _metered_plain_step(model, inputs, loss_fn, device, gradients: str, call=None) -> int:
-    """One plain step's peak bytes (``StepMeter``, after every op), parameter gradients as the
+def _metered_plain_step(
+    model, inputs, loss_fn, device, gradients: str, call=None, sample: str = "ops"
+) -> int:
+    """One plain step's peak bytes (``StepMeter(sample=sample)``), parameter gradients as the
     graph counts them: made in the step ("made") or there before it ("held")."""
     import torch
 
@@ -779,7 +783,7 @@ def _metered_plain_step(model, inputs, loss_fn, device, gradients: str, call=Non
     try:
         for p in params:
             p.grad = None if gradients == "made" else torch.zeros_like(p)
-        with StepMeter(device) as meter:
+        with StepMeter(device, sample=sample) as meter:
             loss = loss_fn((call or _call)(model, inputs))
             loss.backward()
         del loss
