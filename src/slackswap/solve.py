@@ -457,7 +457,7 @@ BOOLEAN_OPTIONS = (
     "log",
     "anytime",
 )
-STRATEGIES = ("auto", "whole", "lp-guided")  # the exact planners' (planners/exact/driver.py)
+STRATEGIES = ("auto", "whole", "lp-guided")  # the exact planners' (planners/exact/strategy.py)
 
 
 def check_options(options: Mapping[str, Any]) -> None:

@@ -68,6 +68,26 @@ DEPARTURE_SHARE = 0.45
 DEPARTURE_DTIME_SHARE = 0.2
 DEPARTURE_DTIME_MAX = 12.0
 
+# --- the solve strategy's thresholds (strategy.py; formulations/milp.md, "Solving") ---
+# a model of at most this many binaries is solved whole, a larger one LP-guided
+WHOLE_MODEL_BINARIES = 2500
+# the proof round: the model over every position, when a plan is not proven, on graphs of at
+# most this many positions x saved tensors (SegNet: 176 x 65) and nonzeros
+PROOF_CELLS = 12_000
+PROOF_NONZEROS = 400_000
+
+# --- the clock (the hard cap, and the anytime mode's shares of it) ---
+MIN_SEARCH_S = 0.3  # anytime: below this much time left, no MILP is built
+MIN_PROOF_S = 1.0  # anytime: less time left than this, no proof round
+# anytime: the LP bound's share of the time left, and what a phase costs before it can stop on
+# its own, per position (a phase is started only when the time left covers it)
+ANYTIME_LP_SHARE = 0.8
+ANYTIME_LP_S_PER_SLOT = 4e-4  # building the LP bound
+ANYTIME_FORMULATE_S_PER_SLOT = 4e-4  # building the MILP
+# solve()'s closing, checking and simulating after the search, per position: taken off the
+# time limit so that the whole call keeps it
+CLOSE_S_PER_SLOT = 5e-5
+
 
 @dataclass(frozen=True)
 class WorkLimits:
