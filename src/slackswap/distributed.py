@@ -183,6 +183,7 @@ def plan_for_ranks(
     loss_fn,
     budget,
     hardware: Hardware | str | None = None,
+    *,
     solver: str = "heuristic",
     time_limit_s: float | None = None,
     group: Any = None,

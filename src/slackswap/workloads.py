@@ -130,25 +130,15 @@ class _Builder:
             flops / (eff * hw.peak_flops), nbytes / (hw.memory_efficiency * hw.hbm_bytes_per_s)
         )
 
-    def op(
-        self,
-        name,
-        inputs,
-        outputs,
-        fwd_flops,
-        fwd_bytes,
-        bwd_flops,
-        bwd_bytes,
-        kind,
-        eff=None,
-        saves=(),
-    ):
+    def op(self, name, inputs, outputs, forward, backward, kind, *, eff=None, saves=()):
+        """An op whose forward and backward each move ``(flops, bytes)``: its time is the
+        roofline's at ``eff`` (default the GEMM efficiency)."""
         eff = self.hw.gemm_efficiency if eff is None else eff
         self.ops.append(
             Op(
                 name=name,
-                forward_s=self._time(fwd_flops, fwd_bytes, eff),
-                backward_s=self._time(bwd_flops, bwd_bytes, eff),
+                forward_s=self._time(*forward, eff),
+                backward_s=self._time(*backward, eff),
                 inputs=tuple(inputs),
                 outputs=tuple(outputs),
                 extra={"kind": kind},
@@ -161,10 +151,167 @@ class _Builder:
         d = self.c.dtype_bytes
         flops = 2.0 * m * n * k
         nbytes = d * (m * k + k * n + m * n)
-        self.op(name, [inp], outs, flops, nbytes, 2 * flops, 2 * nbytes, "gemm", saves=saves)
+        self.op(name, [inp], outs, (flops, nbytes), (2 * flops, 2 * nbytes), "gemm", saves=saves)
 
     def elementwise(self, name, inputs, outputs, fwd_bytes, bwd_bytes, saves=(), kind="memory"):
-        self.op(name, inputs, outputs, 0.0, fwd_bytes, 0.0, bwd_bytes, kind, saves=saves)
+        self.op(name, inputs, outputs, (0.0, fwd_bytes), (0.0, bwd_bytes), kind, saves=saves)
+
+    # the sizes one layer's tensors are made of
+    @property
+    def sbh(self) -> int:
+        return self.c.seq_len * self.c.micro_batch * self.c.hidden
+
+    @property
+    def sbh_kv(self) -> int:
+        c = self.c
+        kv = c.kv_heads if c.kv_heads is not None else c.heads
+        return self.sbh * kv // c.heads
+
+    @property
+    def sbf(self) -> int:
+        return self.c.seq_len * self.c.micro_batch * self.c.ffn
+
+    @property
+    def tokens(self) -> int:
+        return self.c.seq_len * self.c.micro_batch
+
+    def residual_add(self, name, inputs, out):
+        """``out = sum(inputs)``, through dropout on the first input when the config has it
+        (a mask drawn by an RNG op, saved for backward)."""
+        d, sbh = self.c.dtype_bytes, self.sbh
+        if self.c.dropout > 0:
+            mask = self.tensor(name.replace("add", "drop") + ".mask", sbh)
+            self.elementwise(
+                name.replace("add", "drop") + ".mask_gen", [], [mask], sbh, 0, kind="rng"
+            )
+            traffic = (3 * d + 1) * sbh
+            self.elementwise(
+                name, [inputs[0], mask, *inputs[1:]], [out], traffic, traffic, saves=[mask]
+            )
+        else:
+            self.elementwise(name, inputs, [out], 3 * d * sbh, 3 * d * sbh)
+
+    def qkv(self, p: str, n1: str) -> tuple[str, str, str]:
+        """The query, key and value projections (with rotary embeddings when the config has
+        them)."""
+        c, d, sbh, sbh_kv = self.c, self.c.dtype_bytes, self.sbh, self.sbh_kv
+        kv = c.kv_heads if c.kv_heads is not None else c.heads
+        qkv_out = c.hidden + 2 * c.hidden * kv // c.heads
+        if c.rope:
+            q_raw = self.tensor(p + "q_raw", d * sbh)
+            k_raw = self.tensor(p + "k_raw", d * sbh_kv)
+            v = self.tensor(p + "v", d * sbh_kv)
+            self.gemm(p + "qkv", n1, [q_raw, k_raw, v], self.tokens, qkv_out, c.hidden, saves=[n1])
+            q = self.tensor(p + "q", d * sbh)
+            k = self.tensor(p + "k", d * sbh_kv)
+            traffic = 2 * d * (sbh + sbh_kv)
+            self.elementwise(p + "rope", [q_raw, k_raw], [q, k], traffic, traffic)
+        else:
+            q = self.tensor(p + "q", d * sbh)
+            k = self.tensor(p + "k", d * sbh_kv)
+            v = self.tensor(p + "v", d * sbh_kv)
+            self.gemm(p + "qkv", n1, [q, k, v], self.tokens, qkv_out, c.hidden, saves=[n1])
+        return q, k, v
+
+    def attention(self, p: str, q: str, k: str, v: str) -> str:
+        """Attention's core: one fused kernel (flash), or scores, softmax, dropout and the
+        product with the values as separate ops."""
+        c, d, sbh, sbh_kv = self.c, self.c.dtype_bytes, self.sbh, self.sbh_kv
+        b, s, a = c.micro_batch, c.seq_len, c.heads
+        o = self.tensor(p + "attn.out", d * sbh)
+        att_flops = 4.0 * b * s * s * c.hidden * (0.5 if c.causal else 1.0)
+        if c.attention == "flash":
+            lse = self.tensor(p + "attn.lse", 4 * a * s * b)
+            io = d * (2 * sbh + 2 * sbh_kv)
+            self.op(
+                p + "attention",
+                [q, k, v],
+                [o, lse],
+                (att_flops, io),
+                (2.5 * att_flops, 2 * io),
+                "attention",
+                eff=self.hw.attention_efficiency,
+                saves=[q, k, v, o, lse],
+            )
+            return o
+        ss = a * s * s * b
+        scores = self.tensor(p + "attn.scores", d * ss)
+        traffic = d * (sbh + sbh_kv + ss)
+        qk = (att_flops / 2, traffic), (att_flops, 2 * traffic)
+        self.op(p + "attn.qk", [q, k], [scores], *qk, "gemm", saves=[q, k])
+        probs = self.tensor(p + "attn.probs", d * ss)
+        self.elementwise(p + "attn.softmax", [scores], [probs], 2 * d * ss, 3 * d * ss)
+        self.save(probs, p + "attn.softmax")
+        pv_in = probs
+        if c.dropout > 0:
+            amask = self.tensor(p + "attn.mask", ss)
+            self.elementwise(p + "attn.mask_gen", [], [amask], ss, 0, kind="rng")
+            pd = self.tensor(p + "attn.dropped", d * ss)
+            traffic_drop = (2 * d + 1) * ss
+            self.elementwise(
+                p + "attn.dropout", [probs, amask], [pd], traffic_drop, traffic_drop, saves=[amask]
+            )
+            pv_in = pd
+        traffic = d * (ss + sbh_kv + sbh)
+        pv = (att_flops / 2, traffic), (att_flops, 2 * traffic)
+        self.op(p + "attn.pv", [pv_in, v], [o], *pv, "gemm", saves=[pv_in, v])
+        return o
+
+    def mlp(self, p: str, n2: str) -> str:
+        """The MLP: GELU over one matrix, or SwiGLU over a fused gate and up projection; then the
+        down projection."""
+        c, d, sbf, h, f = self.c, self.c.dtype_bytes, self.sbf, self.c.hidden, self.c.ffn
+        if c.mlp == "gelu":
+            g = self.tensor(p + "fc1.out", d * sbf)
+            self.gemm(p + "fc1", n2, [g], self.tokens, f, h, saves=[n2])
+            act = self.tensor(p + "gelu.out", d * sbf)
+            self.elementwise(p + "gelu", [g], [act], 2 * d * sbf, 3 * d * sbf, saves=[g])
+        else:
+            gate = self.tensor(p + "gate", d * sbf)
+            up = self.tensor(p + "up", d * sbf)
+            self.gemm(p + "fc13", n2, [gate, up], self.tokens, 2 * f, h, saves=[n2])
+            act = self.tensor(p + "swiglu.out", d * sbf)
+            self.elementwise(
+                p + "swiglu", [gate, up], [act], 3 * d * sbf, 5 * d * sbf, saves=[gate, up]
+            )
+        mlp_out = self.tensor(p + "fc2.out", d * self.sbh)
+        self.gemm(p + "fc2", act, [mlp_out], self.tokens, h, f, saves=[act])
+        return mlp_out
+
+    def layer(self, p: str, x: str) -> str:
+        """One decoder layer: norm, attention, residual add, norm, MLP, residual add."""
+        d, sbh, h = self.c.dtype_bytes, self.sbh, self.c.hidden
+        n1 = self.tensor(p + "norm1.out", d * sbh)
+        self.elementwise(p + "norm1", [x], [n1], 2 * d * sbh, 3 * d * sbh, saves=[x])
+        q, k, v = self.qkv(p, n1)
+        o = self.attention(p, q, k, v)
+        attn_proj = self.tensor(p + "attn.proj", d * sbh)
+        self.gemm(p + "out_proj", o, [attn_proj], self.tokens, h, h, saves=[o])
+        h1 = self.tensor(p + "h1", d * sbh)
+        self.residual_add(p + "add1", [attn_proj, x], h1)
+        n2 = self.tensor(p + "norm2.out", d * sbh)
+        self.elementwise(p + "norm2", [h1], [n2], 2 * d * sbh, 3 * d * sbh, saves=[h1])
+        mlp_out = self.mlp(p, n2)
+        x_next = self.tensor(p + "out", d * sbh)
+        self.residual_add(p + "add2", [mlp_out, h1], x_next)
+        return x_next
+
+    def head(self, x: str) -> None:
+        """The final norm, the vocabulary projection when the config has one, and the loss."""
+        c, d, sbh, tokens = self.c, self.c.dtype_bytes, self.sbh, self.tokens
+        nf = self.tensor("final_norm.out", d * sbh)
+        self.elementwise("final_norm", [x], [nf], 2 * d * sbh, 3 * d * sbh, saves=[x])
+        if c.vocab:
+            logits = self.tensor("head.logits", d * tokens * c.vocab)
+            self.gemm("head", nf, [logits], tokens, c.vocab, c.hidden, saves=[nf])
+            loss = self.tensor("loss", 4)
+            traffic = d * tokens * c.vocab
+            self.elementwise(
+                "loss", [logits], [loss], traffic, 2 * traffic, saves=[logits], kind="loss"
+            )
+        else:
+            loss = self.tensor("loss", 4)
+            self.elementwise("loss", [nf], [loss], d * sbh, d * sbh, kind="loss")
 
 
 def transformer_graph(
@@ -174,162 +321,12 @@ def transformer_graph(
     hw = hardware(hw)
     c = config
     B = _Builder(c, hw)
-    d = c.dtype_bytes
-    s, b, h, f, a = c.seq_len, c.micro_batch, c.hidden, c.ffn, c.heads
-    kv = c.kv_heads if c.kv_heads is not None else a
-    sbh = s * b * h
-    sbh_kv = sbh * kv // a
-    sbf = s * b * f
-    tokens = s * b
-    drop = c.dropout > 0
+    d, sbh = c.dtype_bytes, B.sbh
     x = B.tensor("embed.out", d * sbh)
     B.elementwise("embed", ["tokens"], [x], 2 * d * sbh, 2 * d * sbh)
     for layer in range(c.layers):
-        p = f"L{layer}."
-        n1 = B.tensor(p + "norm1.out", d * sbh)
-        B.elementwise(p + "norm1", [x], [n1], 2 * d * sbh, 3 * d * sbh, saves=[x])
-        qkv_out = h + 2 * h * kv // a
-        if c.rope:
-            q_raw = B.tensor(p + "q_raw", d * sbh)
-            k_raw = B.tensor(p + "k_raw", d * sbh_kv)
-            v = B.tensor(p + "v", d * sbh_kv)
-            B.gemm(p + "qkv", n1, [q_raw, k_raw, v], tokens, qkv_out, h, saves=[n1])
-            q = B.tensor(p + "q", d * sbh)
-            k = B.tensor(p + "k", d * sbh_kv)
-            B.elementwise(
-                p + "rope", [q_raw, k_raw], [q, k], 2 * d * (sbh + sbh_kv), 2 * d * (sbh + sbh_kv)
-            )
-        else:
-            q = B.tensor(p + "q", d * sbh)
-            k = B.tensor(p + "k", d * sbh_kv)
-            v = B.tensor(p + "v", d * sbh_kv)
-            B.gemm(p + "qkv", n1, [q, k, v], tokens, qkv_out, h, saves=[n1])
-        o = B.tensor(p + "attn.out", d * sbh)
-        causal = 0.5 if c.causal else 1.0
-        att_flops = 4.0 * b * s * s * h * causal
-        if c.attention == "flash":
-            lse = B.tensor(p + "attn.lse", 4 * a * s * b)
-            io = d * (2 * sbh + 2 * sbh_kv)
-            B.op(
-                p + "attention",
-                [q, k, v],
-                [o, lse],
-                att_flops,
-                io,
-                2.5 * att_flops,
-                2 * io,
-                "attention",
-                eff=hw.attention_efficiency,
-                saves=[q, k, v, o, lse],
-            )
-        else:
-            ss = a * s * s * b
-            scores = B.tensor(p + "attn.scores", d * ss)
-            B.op(
-                p + "attn.qk",
-                [q, k],
-                [scores],
-                att_flops / 2,
-                d * (sbh + sbh_kv + ss),
-                att_flops,
-                2 * d * (sbh + sbh_kv + ss),
-                "gemm",
-                saves=[q, k],
-            )
-            probs = B.tensor(p + "attn.probs", d * ss)
-            B.elementwise(p + "attn.softmax", [scores], [probs], 2 * d * ss, 3 * d * ss)
-            B.save(probs, p + "attn.softmax")
-            pv_in = probs
-            if drop:
-                amask = B.tensor(p + "attn.mask", ss)
-                B.elementwise(p + "attn.mask_gen", [], [amask], ss, 0, kind="rng")
-                pd = B.tensor(p + "attn.dropped", d * ss)
-                B.elementwise(
-                    p + "attn.dropout",
-                    [probs, amask],
-                    [pd],
-                    (2 * d + 1) * ss,
-                    (2 * d + 1) * ss,
-                    saves=[amask],
-                )
-                pv_in = pd
-            B.op(
-                p + "attn.pv",
-                [pv_in, v],
-                [o],
-                att_flops / 2,
-                d * (ss + sbh_kv + sbh),
-                att_flops,
-                2 * d * (ss + sbh_kv + sbh),
-                "gemm",
-                saves=[pv_in, v],
-            )
-        attn_proj = B.tensor(p + "attn.proj", d * sbh)
-        B.gemm(p + "out_proj", o, [attn_proj], tokens, h, h, saves=[o])
-        h1 = B.tensor(p + "h1", d * sbh)
-        if drop:
-            m1 = B.tensor(p + "drop1.mask", sbh)
-            B.elementwise(p + "drop1.mask_gen", [], [m1], sbh, 0, kind="rng")
-            B.elementwise(
-                p + "add1",
-                [attn_proj, m1, x],
-                [h1],
-                (3 * d + 1) * sbh,
-                (3 * d + 1) * sbh,
-                saves=[m1],
-            )
-        else:
-            B.elementwise(p + "add1", [attn_proj, x], [h1], 3 * d * sbh, 3 * d * sbh)
-        n2 = B.tensor(p + "norm2.out", d * sbh)
-        B.elementwise(p + "norm2", [h1], [n2], 2 * d * sbh, 3 * d * sbh, saves=[h1])
-        if c.mlp == "gelu":
-            g = B.tensor(p + "fc1.out", d * sbf)
-            B.gemm(p + "fc1", n2, [g], tokens, f, h, saves=[n2])
-            act = B.tensor(p + "gelu.out", d * sbf)
-            B.elementwise(p + "gelu", [g], [act], 2 * d * sbf, 3 * d * sbf, saves=[g])
-        else:
-            gate = B.tensor(p + "gate", d * sbf)
-            up = B.tensor(p + "up", d * sbf)
-            B.gemm(p + "fc13", n2, [gate, up], tokens, 2 * f, h, saves=[n2])
-            act = B.tensor(p + "swiglu.out", d * sbf)
-            B.elementwise(
-                p + "swiglu", [gate, up], [act], 3 * d * sbf, 5 * d * sbf, saves=[gate, up]
-            )
-        mlp_out = B.tensor(p + "fc2.out", d * sbh)
-        B.gemm(p + "fc2", act, [mlp_out], tokens, h, f, saves=[act])
-        x_next = B.tensor(p + "out", d * sbh)
-        if drop:
-            m2 = B.tensor(p + "drop2.mask", sbh)
-            B.elementwise(p + "drop2.mask_gen", [], [m2], sbh, 0, kind="rng")
-            B.elementwise(
-                p + "add2",
-                [mlp_out, m2, h1],
-                [x_next],
-                (3 * d + 1) * sbh,
-                (3 * d + 1) * sbh,
-                saves=[m2],
-            )
-        else:
-            B.elementwise(p + "add2", [mlp_out, h1], [x_next], 3 * d * sbh, 3 * d * sbh)
-        x = x_next
-    nf = B.tensor("final_norm.out", d * sbh)
-    B.elementwise("final_norm", [x], [nf], 2 * d * sbh, 3 * d * sbh, saves=[x])
-    if c.vocab:
-        logits = B.tensor("head.logits", d * tokens * c.vocab)
-        B.gemm("head", nf, [logits], tokens, c.vocab, h, saves=[nf])
-        loss = B.tensor("loss", 4)
-        B.elementwise(
-            "loss",
-            [logits],
-            [loss],
-            d * tokens * c.vocab,
-            2 * d * tokens * c.vocab,
-            saves=[logits],
-            kind="loss",
-        )
-    else:
-        loss = B.tensor("loss", 4)
-        B.elementwise("loss", [nf], [loss], d * sbh, d * sbh, kind="loss")
+        x = B.layer(f"L{layer}.", x)
+    B.head(x)
     tensors = tuple(Tensor(name=n, bytes=v[0], saved_for=tuple(v[1])) for n, v in B.tensors.items())
     return ActivationGraph(
         name=name or f"transformer-{c.layers}x{c.hidden}",

@@ -10,6 +10,8 @@ memory no plan can free. formulations/lp-bound.md, "Whole departures".
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 
 
@@ -27,23 +29,28 @@ def whole_departure_positions(
     return sorted(picks)
 
 
+class QueueColumns(NamedTuple):
+    """What the queue's rows read of the integral relaxation (lpbound.py): its variables per
+    saved tensor (``W``: swapped) and per position (``G`` kept bytes, ``Qp`` swapped bytes
+    produced, ``dep`` fluid bytes departed, ``arr`` arrived, ``Freed`` freed after arrival), and
+    the constants in the model's units (bytes and durations of the step, the D2H bandwidth,
+    one copy's latency, and each position's capacity)."""
+
+    W: np.ndarray
+    G: np.ndarray
+    Qp: np.ndarray
+    dep: np.ndarray
+    arr: np.ndarray
+    Freed: np.ndarray
+    nbytes: np.ndarray
+    dur: np.ndarray
+    bw_d: float
+    lat: float
+    cap: np.ndarray
+
+
 def add_whole_departures(
-    lp,
-    graph,
-    saved,
-    W,
-    G,
-    Qp,
-    dep,
-    arr,
-    Freed,
-    nbytes,
-    dur,
-    bw_d,
-    lat,
-    cap,
-    positions,
-    sure_ok: bool,
+    lp, graph, saved, columns: QueueColumns, positions, *, sure_ok: bool
 ) -> np.ndarray:
     """Rows for each forward position k in ``positions``; returns the binaries.
 
@@ -56,6 +63,7 @@ def add_whole_departures(
     leave). With ``sure_ok`` (a duplex link that no collective shares) a tensor whose whole
     queue, every swappable tensor up to it, fits in the compute between its producer's end and
     k has left whatever the plan does: it needs no binary and counts as gone once swapped."""
+    W, G, Qp, dep, arr, Freed, nbytes, dur, bw_d, lat, cap = columns
     P = np.concatenate([[0.0], np.cumsum(dur)])  # compute time before each position
     prod, last_fwd = graph.producer, graph.last_forward_use
     order = [

@@ -259,6 +259,7 @@ class _LP:
         integer_vars: np.ndarray,
         time_limit_s: float,
         gap: float,
+        *,
         improving_solutions: int | None = None,
         abs_gap: float | None = None,
         kill_after_s: float | None = None,
@@ -687,15 +688,12 @@ def lp_bound(
     if integral and whole_departures:
         # whole tensors on the D2H lane, at a few forward positions (lanequeue.py)
         from ..core.stepmodel import interval_memory
-        from .lanequeue import add_whole_departures, whole_departure_positions
+        from .lanequeue import QueueColumns, add_whole_departures, whole_departure_positions
 
         picks = whole_departure_positions(
             interval_memory(base)[main_points], budget_bytes, n, whole_departures
         )
-        queue_binaries = add_whole_departures(
-            lp,
-            graph,
-            saved,
+        columns = QueueColumns(
             W,
             G,
             Qp,
@@ -707,6 +705,12 @@ def lp_bound(
             bw_d,
             hw.latency_s / tu,
             budget_bytes / bu - unsaved_mem - ws,
+        )
+        queue_binaries = add_whole_departures(
+            lp,
+            graph,
+            saved,
+            columns,
             picks,
             sure_ok=hw.duplex and not (hw.collectives_on_link and graph.collectives),
         )
@@ -806,7 +810,7 @@ def lp_bound(
             np.concatenate([K, W, R, queue_binaries]),
             time_limit_s,
             gap,
-            improving_solutions,
+            improving_solutions=improving_solutions,
             abs_gap=gap * ideal / tu if gap_on_step else None,
             kill_after_s=kill_after_s,
             max_nodes=max_nodes,
