@@ -32,7 +32,15 @@ LAYER = {
 APPLICATION = 4  # the command line and the demo may drive the runtime (profile, apply)
 RUNTIME = "runtime"
 # the checker's whole world: data types and what a budget means, no model, no planner
-CHECKER_MAY_IMPORT = {"core.graph", "core.plan", "core.hardware", "core.errors", "core.units"}
+# the data types, with the graph's own rules (core/graph_rules.py: checked when a graph is made)
+CHECKER_MAY_IMPORT = {
+    "core.graph",
+    "core.graph_rules",
+    "core.plan",
+    "core.hardware",
+    "core.errors",
+    "core.units",
+}
 # none: the plan's torch policy is the runtime's (ss.checkpoint_policy); Plan.as_checkpoint_policy,
 # its deprecated alias for one release, finds it by name at call time
 ALLOWED_UPWARD: set[tuple[str, str]] = set()

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -18,33 +17,9 @@ from typing import Any
 import numpy as np
 
 from .errors import GraphError
+from .graph_rules import MAX_TOTAL_BYTES, MAX_TOTAL_SECONDS, PHASES  # noqa: F401 - re-exported
 
 GRAPH_FORMAT = "slackswap.graph/1"
-# every byte sum of a step (resident tensors plus a workspace) must stay exact in int64 and in the
-# float64 the solvers see: bytes are refused once their total passes 2**53 (about 9 PB)
-MAX_TOTAL_BYTES = 2**53
-# every time sum of a step must stay finite: times are refused once their total passes 1e12 s
-MAX_TOTAL_SECONDS = 1e12
-
-_OP_FIELDS = {
-    "name",
-    "forward_s",
-    "backward_s",
-    "inputs",
-    "outputs",
-    "forward_workspace_bytes",
-    "backward_workspace_bytes",
-    "recomputable",
-    "unit",
-    "param_unit",
-    "writes",
-    "rerun_with",
-    "rerun_workspace_bytes",
-}
-_TENSOR_FIELDS = {"name", "bytes", "saved_for", "group", "alive_until", "rebuilt_before"}
-_GRAPH_FIELDS = {"format", "name", "ops", "tensors", "optimizer_s", "collectives"}
-_COLLECTIVE_FIELDS = {"name", "op", "phase", "d2h_bytes", "h2d_bytes"}
-PHASES = ("forward", "backward")
 
 
 @dataclass(frozen=True)
@@ -104,60 +79,6 @@ class Tensor:
     extra: Mapping[str, Any] = field(default_factory=dict, compare=False)
 
 
-def _where(kind: str, name: str) -> str:
-    return f"{kind} {name!r}"
-
-
-def _check_time(value: Any, where: str, fieldname: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise GraphError(f"{where}: {fieldname} must be a number, got {value!r}")
-    value = float(value)
-    if math.isnan(value) or math.isinf(value) or value < 0:
-        raise GraphError(f"{where}: {fieldname} must be finite and >= 0, got {value!r}")
-    return value
-
-
-def _check_bytes(value: Any, where: str, fieldname: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        if isinstance(value, float) and math.isfinite(value) and value.is_integer() and value >= 0:
-            value = int(value)
-        else:
-            raise GraphError(f"{where}: {fieldname} must be a non-negative integer, got {value!r}")
-    if value < 0:
-        raise GraphError(f"{where}: {fieldname} must be a non-negative integer, got {value!r}")
-    if value > MAX_TOTAL_BYTES:
-        raise GraphError(
-            f"{where}: {fieldname} = {value} is more than the {MAX_TOTAL_BYTES} bytes "
-            "a step may hold in all"
-        )
-    return int(value)
-
-
-def _check_unit(value, where: str) -> str:
-    if not isinstance(value, str):
-        raise GraphError(
-            f"{where}: unit must be a string (a sharding unit's module path), got {value!r}"
-        )
-    return value
-
-
-def _check_bool(value: Any, where: str, fieldname: str) -> bool:
-    if not isinstance(value, bool):
-        raise GraphError(
-            f"{where}: {fieldname} must be true or false (a JSON boolean), got {value!r}"
-        )
-    return value
-
-
-def _names(value: Any, where: str, fieldname: str) -> tuple[str, ...]:
-    if isinstance(value, str) or not isinstance(value, (list, tuple)):
-        raise GraphError(f"{where}: {fieldname} must be a list of names, got {value!r}")
-    for item in value:
-        if not isinstance(item, str):
-            raise GraphError(f"{where}: {fieldname} must hold names (strings), got {item!r}")
-    return tuple(value)
-
-
 @dataclass(frozen=True)
 class Collective:
     """One collective of the step (an all-gather or reduce-scatter of a sharded unit), issued
@@ -194,322 +115,23 @@ class ActivationGraph:
 
     # ---------------------------------------------------------------- checking
     def _check(self) -> None:
-        if not isinstance(self.name, str) or not self.name:
-            raise GraphError(f"graph: name must be a non-empty string, got {self.name!r}")
-        _check_time(self.optimizer_s, "graph", "optimizer_s")
-        if not self.ops:
-            raise GraphError(f"graph {self.name!r}: it has no ops")
-        op_index: dict[str, int] = {}
-        for i, op in enumerate(self.ops):
-            where = _where("op", op.name)
-            if not isinstance(op.name, str) or not op.name:
-                raise GraphError(f"op #{i}: name must be a non-empty string, got {op.name!r}")
-            if op.name in op_index:
-                raise GraphError(f"{where}: duplicate op name")
-            op_index[op.name] = i
-            _check_time(op.forward_s, where, "forward_s")
-            _check_time(op.backward_s, where, "backward_s")
-            _check_bytes(op.forward_workspace_bytes, where, "forward_workspace_bytes")
-            _check_bytes(op.backward_workspace_bytes, where, "backward_workspace_bytes")
-            _check_bytes(op.rerun_workspace_bytes, where, "rerun_workspace_bytes")
-            _check_bool(op.recomputable, where, "recomputable")
-            _check_unit(op.unit, where)
-            _check_unit(op.param_unit, where)
-            if len(set(op.outputs)) != len(op.outputs):
-                raise GraphError(f"{where}: an output is listed twice")
-            if not isinstance(op.writes, tuple):
-                raise GraphError(f"{where}: writes must be a tuple of tensor names")
-            for name in op.writes:
-                if name not in op.inputs:
-                    raise GraphError(
-                        f"{where}: writes {name!r} in place but does not read it "
-                        "(an op writes in place what it reads: list it in inputs)"
-                    )
-            if not isinstance(op.rerun_with, tuple):
-                raise GraphError(f"{where}: rerun_with must be a tuple of op names")
-        for op in self.ops:
-            for name in op.rerun_with:
-                if name not in op_index or name == op.name:
-                    raise GraphError(
-                        f"{_where('op', op.name)}: rerun_with {name!r} is "
-                        + ("the op itself" if name == op.name else "no op of the graph")
-                    )
-        tensor_index: dict[str, int] = {}
-        for j, t in enumerate(self.tensors):
-            where = _where("tensor", t.name)
-            if not isinstance(t.name, str) or not t.name:
-                raise GraphError(f"tensor #{j}: name must be a non-empty string, got {t.name!r}")
-            if t.name in tensor_index:
-                raise GraphError(f"{where}: duplicate tensor name")
-            tensor_index[t.name] = j
-            _check_bytes(t.bytes, where, "bytes")
-        self._check_totals()
-        names: set[str] = set()
-        for c in self.collectives:
-            if not isinstance(c, Collective):
-                raise GraphError(
-                    f"graph {self.name!r}: collectives must be Collective, got {type(c).__name__}"
-                )
-            where = _where("collective", c.name)
-            if not isinstance(c.name, str) or not c.name or c.name in names:
-                raise GraphError(f"{where}: name must be a non-empty, unique string")
-            names.add(c.name)
-            if c.op not in op_index:
-                raise GraphError(f"{where}: op {c.op!r} is not an op of the graph")
-            if c.phase not in PHASES:
-                raise GraphError(f"{where}: phase must be one of {PHASES}, got {c.phase!r}")
-            _check_bytes(c.d2h_bytes, where, "d2h_bytes")
-            _check_bytes(c.h2d_bytes, where, "h2d_bytes")
-        producer: dict[str, int] = {}
-        for i, op in enumerate(self.ops):
-            for out in op.outputs:
-                if out not in tensor_index:
-                    raise GraphError(
-                        f"op {op.name!r}: output {out!r} is not listed in tensors (its bytes are unknown)"
-                    )
-                if out in producer:
-                    raise GraphError(
-                        f"tensor {out!r}: produced by both op {self.ops[producer[out]].name!r} "
-                        f"and op {op.name!r}"
-                    )
-                producer[out] = i
-        for t in self.tensors:
-            if t.name not in producer:
-                raise GraphError(f"tensor {t.name!r}: no op produces it (unknown producer)")
-        for i, op in enumerate(self.ops):
-            for name in op.inputs:
-                if name in producer and producer[name] >= i:
-                    raise GraphError(
-                        f"op {op.name!r}: reads tensor {name!r} before it is produced "
-                        f"(by op {self.ops[producer[name]].name!r}); the op order has a cycle "
-                        "or is not a forward order"
-                    )
-        for t in self.tensors:
-            where = _where("tensor", t.name)
-            p = producer[t.name]
-            if len(set(t.saved_for)) != len(t.saved_for):
-                raise GraphError(f"{where}: saved_for lists an op twice")
-            for opname in t.saved_for:
-                if opname not in op_index:
-                    raise GraphError(f"{where}: saved_for names unknown op {opname!r}")
-                i = op_index[opname]
-                if i != p and t.name not in self.ops[i].inputs:
-                    raise GraphError(
-                        f"{where}: saved_for names op {opname!r}, which neither produces nor reads it"
-                    )
-            if t.alive_until is not None:
-                if t.alive_until not in op_index:
-                    raise GraphError(f"{where}: alive_until names unknown op {t.alive_until!r}")
-                if op_index[t.alive_until] < p:
-                    raise GraphError(
-                        f"{where}: alive_until names op {t.alive_until!r}, which runs "
-                        f"before its producer {self.ops[p].name!r}"
-                    )
-            if t.rebuilt_before is not None:
-                if t.rebuilt_before not in op_index:
-                    raise GraphError(
-                        f"{where}: rebuilt_before names unknown op {t.rebuilt_before!r}"
-                    )
-                if not t.saved_for:
-                    raise GraphError(f"{where}: rebuilt_before is set, but the tensor is not saved")
-                first = max(op_index[o] for o in t.saved_for)
-                if op_index[t.rebuilt_before] < first:
-                    raise GraphError(
-                        f"{where}: rebuilt_before names op {t.rebuilt_before!r}, whose backward runs "
-                        f"after the tensor's first backward use (op {self.ops[first].name!r})"
-                    )
+        from .graph_rules import check_graph
 
-    def _check_totals(self) -> None:
-        """Sums that every planner and the simulator form must stay exact and finite: refuse,
-        naming the tensor or op at which the running total passes the limit."""
-        total = max(
-            (max(op.forward_workspace_bytes, op.backward_workspace_bytes) for op in self.ops),
-            default=0,
-        )
-        for t in self.tensors:
-            total += int(t.bytes)
-            if total > MAX_TOTAL_BYTES:
-                raise GraphError(
-                    f"tensor {t.name!r}: the step's bytes pass {MAX_TOTAL_BYTES} with "
-                    "it (with the largest workspace): sums would not be exact"
-                )
-        seconds = float(self.optimizer_s)
-        for op in self.ops:
-            seconds += float(op.forward_s) * 2 + float(op.backward_s)  # a rerun runs forward again
-            if not seconds <= MAX_TOTAL_SECONDS:
-                raise GraphError(
-                    f"op {op.name!r}: the step's time passes {MAX_TOTAL_SECONDS:g} s "
-                    "with it: times must be seconds, and finite in sum"
-                )
+        check_graph(self)
 
     # ---------------------------------------------------------------- (de)serialisation
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> ActivationGraph:
-        if not isinstance(data, Mapping):
-            raise GraphError(f"graph: expected a JSON object, got {type(data).__name__}")
-        fmt = data.get("format")
-        if fmt != GRAPH_FORMAT:
-            raise GraphError(f"graph: field 'format' must be {GRAPH_FORMAT!r}, got {fmt!r}")
-        for key in ("name", "ops", "tensors"):
-            if key not in data:
-                raise GraphError(f"graph: missing field {key!r}")
-        if not isinstance(data["ops"], list) or not isinstance(data["tensors"], list):
-            raise GraphError("graph: fields 'ops' and 'tensors' must be lists")
-        ops = []
-        for i, raw in enumerate(data["ops"]):
-            if not isinstance(raw, Mapping):
-                raise GraphError(f"op #{i}: expected an object, got {raw!r}")
-            where = _where("op", raw.get("name", f"#{i}"))
-            for key in ("name", "forward_s", "backward_s"):
-                if key not in raw:
-                    raise GraphError(f"{where}: missing field {key!r}")
-            ops.append(
-                Op(
-                    name=raw["name"],
-                    forward_s=_check_time(raw["forward_s"], where, "forward_s"),
-                    backward_s=_check_time(raw["backward_s"], where, "backward_s"),
-                    inputs=_names(raw.get("inputs", []), where, "inputs"),
-                    outputs=_names(raw.get("outputs", []), where, "outputs"),
-                    forward_workspace_bytes=_check_bytes(
-                        raw.get("forward_workspace_bytes", 0), where, "forward_workspace_bytes"
-                    ),
-                    backward_workspace_bytes=_check_bytes(
-                        raw.get("backward_workspace_bytes", 0), where, "backward_workspace_bytes"
-                    ),
-                    recomputable=_check_bool(raw.get("recomputable", True), where, "recomputable"),
-                    rerun_workspace_bytes=_check_bytes(
-                        raw.get("rerun_workspace_bytes", 0), where, "rerun_workspace_bytes"
-                    ),
-                    unit=_check_unit(raw.get("unit", ""), where),
-                    param_unit=_check_unit(raw.get("param_unit", ""), where),
-                    writes=_names(raw.get("writes", []), where, "writes"),
-                    rerun_with=_names(raw.get("rerun_with", []), where, "rerun_with"),
-                    extra={k: v for k, v in raw.items() if k not in _OP_FIELDS},
-                )
-            )
-        tensors = []
-        for j, raw in enumerate(data["tensors"]):
-            if not isinstance(raw, Mapping):
-                raise GraphError(f"tensor #{j}: expected an object, got {raw!r}")
-            where = _where("tensor", raw.get("name", f"#{j}"))
-            for key in ("name", "bytes"):
-                if key not in raw:
-                    raise GraphError(f"{where}: missing field {key!r}")
-            group = raw.get("group")
-            if group is not None and not isinstance(group, str):
-                raise GraphError(f"{where}: group must be a string or null, got {group!r}")
-            alive_until = raw.get("alive_until")
-            if alive_until is not None and not isinstance(alive_until, str):
-                raise GraphError(
-                    f"{where}: alive_until must be an op name or null, got {alive_until!r}"
-                )
-            rebuilt_before = raw.get("rebuilt_before")
-            if rebuilt_before is not None and not isinstance(rebuilt_before, str):
-                raise GraphError(
-                    f"{where}: rebuilt_before must be an op name or null, got {rebuilt_before!r}"
-                )
-            tensors.append(
-                Tensor(
-                    name=raw["name"],
-                    bytes=_check_bytes(raw["bytes"], where, "bytes"),
-                    saved_for=_names(raw.get("saved_for", []), where, "saved_for"),
-                    group=group,
-                    alive_until=alive_until,
-                    rebuilt_before=rebuilt_before,
-                    extra={k: v for k, v in raw.items() if k not in _TENSOR_FIELDS},
-                )
-            )
-        raw_collectives = data.get("collectives", [])
-        if not isinstance(raw_collectives, list):
-            raise GraphError("graph: field 'collectives' must be a list")
-        collectives = []
-        for j, raw in enumerate(raw_collectives):
-            if not isinstance(raw, Mapping):
-                raise GraphError(f"collective #{j}: expected an object, got {raw!r}")
-            where = _where("collective", raw.get("name", f"#{j}"))
-            for key in ("name", "op", "phase"):
-                if key not in raw:
-                    raise GraphError(f"{where}: missing field {key!r}")
-            unknown = set(raw) - _COLLECTIVE_FIELDS
-            if unknown:
-                raise GraphError(f"{where}: unknown field(s) {', '.join(sorted(unknown))}")
-            collectives.append(
-                Collective(
-                    name=raw["name"],
-                    op=raw["op"],
-                    phase=raw["phase"],
-                    d2h_bytes=_check_bytes(raw.get("d2h_bytes", 0), where, "d2h_bytes"),
-                    h2d_bytes=_check_bytes(raw.get("h2d_bytes", 0), where, "h2d_bytes"),
-                )
-            )
-        return cls(
-            name=data["name"],
-            ops=tuple(ops),
-            tensors=tuple(tensors),
-            optimizer_s=_check_time(data.get("optimizer_s", 0.0), "graph", "optimizer_s"),
-            extra={k: v for k, v in data.items() if k not in _GRAPH_FIELDS},
-            collectives=tuple(collectives),
-        )
+        """A graph from its JSON object (core/graph_json.py)."""
+        from .graph_json import graph_from_dict
+
+        return graph_from_dict(data)
 
     def to_dict(self) -> dict[str, Any]:
-        ops = []
-        for op in self.ops:
-            d: dict[str, Any] = dict(op.extra)
-            d.update(
-                name=op.name,
-                forward_s=op.forward_s,
-                backward_s=op.backward_s,
-                inputs=list(op.inputs),
-                outputs=list(op.outputs),
-            )
-            if op.forward_workspace_bytes:
-                d["forward_workspace_bytes"] = op.forward_workspace_bytes
-            if op.backward_workspace_bytes:
-                d["backward_workspace_bytes"] = op.backward_workspace_bytes
-            if not op.recomputable:
-                d["recomputable"] = False
-            if op.unit:
-                d["unit"] = op.unit
-            if op.param_unit:
-                d["param_unit"] = op.param_unit
-            if op.writes:
-                d["writes"] = list(op.writes)
-            if op.rerun_with:
-                d["rerun_with"] = list(op.rerun_with)
-            if op.rerun_workspace_bytes:
-                d["rerun_workspace_bytes"] = op.rerun_workspace_bytes
-            ops.append(d)
-        tensors = []
-        for t in self.tensors:
-            d = dict(t.extra)
-            d.update(name=t.name, bytes=t.bytes, saved_for=list(t.saved_for))
-            if t.group is not None:
-                d["group"] = t.group
-            if t.alive_until is not None:
-                d["alive_until"] = t.alive_until
-            if t.rebuilt_before is not None:
-                d["rebuilt_before"] = t.rebuilt_before
-            tensors.append(d)
-        out: dict[str, Any] = dict(self.extra)
-        out.update(
-            format=GRAPH_FORMAT,
-            name=self.name,
-            ops=ops,
-            tensors=tensors,
-            optimizer_s=self.optimizer_s,
-        )
-        if self.collectives:
-            out["collectives"] = [
-                {
-                    "name": c.name,
-                    "op": c.op,
-                    "phase": c.phase,
-                    "d2h_bytes": c.d2h_bytes,
-                    "h2d_bytes": c.h2d_bytes,
-                }
-                for c in self.collectives
-            ]
-        return out
+        """The graph's JSON object (core/graph_json.py)."""
+        from .graph_json import graph_to_dict
+
+        return graph_to_dict(self)
 
     def to_json(self, indent: int | None = None) -> str:
         return json.dumps(self.to_dict(), indent=indent)
@@ -785,129 +407,15 @@ class ActivationGraph:
 
     @cached_property
     def _units_and_blocked(self) -> tuple[tuple[frozenset[str], ...], frozenset[int]]:
-        # Blocked tensors are never rebuilt, so they rebuild nothing nested. Start from the ops
-        # that may not run again; block what the propagated units forbid; propagate again from
-        # the tensors still rebuildable; repeat. The blocked set only grows, so it ends, and at
-        # the end every rebuildable tensor is compatible with every unit that can pull it in.
-        first = self.first_backward_use
-        saved = [int(y) for y in self.saved]
-        needs: dict[int, set[int]] = {}
-        for y in saved:
-            needs[y] = {int(x) for x in self.rerun_frontier[y]}
-            needs[y] |= {
-                int(o)
-                for q in self.rerun_ops[y]
-                for o in self.op_outputs[q]
-                if o != y and self.is_saved[o]
-            }
-        blocked = {y for y in saved if not all(self.ops[q].recomputable for q in self.rerun_ops[y])}
-        while True:
-            units = [
-                {self.ops[int(first[t])].unit} if first[t] >= 0 else set()
-                for t in range(len(self.tensors))
-            ]
-            changed = True
-            while changed:
-                changed = False
-                for y in saved:
-                    if y in blocked:
-                        continue
-                    for x in needs[y]:
-                        if not units[y] <= units[x]:
-                            units[x] |= units[y]
-                            changed = True
-            more = {
-                t
-                for t in saved
-                if t not in blocked
-                and any(
-                    self.ops[q].param_unit and any(u != self.ops[q].param_unit for u in units[t])
-                    for q in self.rerun_ops[t]
-                )
-            }
-            if not more:
-                return tuple(frozenset(u) for u in units), frozenset(blocked)
-            blocked |= more
+        from .closures import units_and_blocked
+
+        return units_and_blocked(self)
 
     @cached_property
     def _closures(self) -> tuple[tuple[tuple[int, ...], ...], tuple[tuple[int, ...], ...]]:
-        saved = self.is_saved.tolist()
-        producer = self.producer.tolist()
-        writers = self.writers
-        written = self.op_writes
-        op_closure: dict[int, tuple[frozenset, frozenset]] = {}
-        # the closure of op i's write of tensor t: the op and what its other reads need
-        write_closure: dict[int, tuple[frozenset, frozenset]] = {}
+        from .closures import rerun_closures
 
-        def tensor_closure(t: int, before: int) -> tuple[set, set]:
-            """What rebuilding tensor t as op ``before`` reads it needs: its producer's closure,
-            then the closures of the writes to it made before that op."""
-            ops, frontier = set(op_closure[producer[t]][0]), set(op_closure[producer[t]][1])
-            for w in writers[t]:
-                if w < before:
-                    ops |= write_closure[w][0]
-                    frontier |= write_closure[w][1]
-            return ops, frontier
-
-        # op closures in forward order, so inputs' closures already exist
-        for i, ins in enumerate(self.op_inputs):
-            ops = {i}
-            frontier = set()
-            own = {i}
-            own_frontier: set = set()
-            for t in ins:
-                if saved[t]:
-                    frontier.add(t)
-                    if t not in written[i]:
-                        own_frontier.add(t)
-                else:
-                    sub_ops, sub_front = tensor_closure(t, i)
-                    ops |= sub_ops
-                    frontier |= sub_front
-                    if t not in written[i]:
-                        own |= sub_ops
-                        own_frontier |= sub_front
-            op_closure[i] = (frozenset(ops), frozenset(frontier))
-            if written[i]:
-                write_closure[i] = (frozenset(own), frozenset(own_frontier))
-        # sorted once per op: an op's outputs share its closure, unless written in place
-        rerun_with = self.op_rerun_with
-        if any(rerun_with):
-            # an op that runs again brings the ops it reruns with (Op.rerun_with), each with its
-            # own closure: once over the whole set, so a rebuild runs each op once
-            base = dict(op_closure)
-            for i, (ops, frontier) in base.items():
-                more = [base[r] for q in ops for r in rerun_with[q]]
-                if more:
-                    op_closure[i] = (
-                        ops.union(*(m[0] for m in more)),
-                        frontier.union(*(m[1] for m in more)),
-                    )
-            for i in list(write_closure):
-                ops, frontier = write_closure[i]
-                more = [base[r] for q in ops for r in rerun_with[q]]
-                if more:
-                    write_closure[i] = (
-                        ops.union(*(m[0] for m in more)),
-                        frontier.union(*(m[1] for m in more)),
-                    )
-        sorted_closure = {
-            i: (tuple(sorted(ops)), tuple(sorted(fr))) for i, (ops, fr) in op_closure.items()
-        }
-        per_tensor = []
-        end = len(self.ops)
-        for t, p in enumerate(producer):
-            if writers[t]:
-                ops, frontier = tensor_closure(t, end)
-                frontier.discard(t)
-                per_tensor.append((tuple(sorted(ops)), tuple(sorted(frontier))))
-            elif any(rerun_with) and t in op_closure[p][1]:
-                # an op it reruns with reads it: the rerun makes it first
-                ops, frontier = sorted_closure[p]
-                per_tensor.append((ops, tuple(f for f in frontier if f != t)))
-            else:
-                per_tensor.append(sorted_closure[p])
-        return tuple(c[0] for c in per_tensor), tuple(c[1] for c in per_tensor)
+        return rerun_closures(self)
 
     @cached_property
     def op_rerun_with(self) -> tuple[tuple[int, ...], ...]:
