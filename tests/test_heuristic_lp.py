@@ -239,18 +239,20 @@ def test_the_interior_point_bound_is_the_simplex_bound_lowered(solver, case):
     """Large graphs get their LP bound from PIQP's interior point method, and from HiGHS's IPX
     without crossover when PIQP fails: the same optimum as dual simplex, lowered by IPM_MARGIN
     of itself, never above it (so every plan respects it as it respects the simplex bound)."""
-    from slackswap.planners import lpbound
+    from slackswap.planners import lpbound, lpmodel
 
     g, budget = case
     simplex = ss.lp_bound(g, budget, LINK)
-    saved, piqp = lpbound.IPM_FROM_SLOTS, lpbound._LP.solve_piqp
+    saved, piqp = lpbound.IPM_FROM_SLOTS, lpmodel.LinearModel.solve_piqp
     lpbound.IPM_FROM_SLOTS = 0  # every graph by the interior point method
     if solver == "ipx":  # PIQP fails: the fallback answers
-        lpbound._LP.solve_piqp = lambda self, **_: lpbound._Result(4, "failed", None, None, None)
+        lpmodel.LinearModel.solve_piqp = lambda self, **_: lpmodel.LinearResult(
+            4, "failed", None, None, None
+        )
     try:
         interior = ss.lp_bound(g, budget, LINK)
     finally:
-        lpbound.IPM_FROM_SLOTS, lpbound._LP.solve_piqp = saved, piqp
+        lpbound.IPM_FROM_SLOTS, lpmodel.LinearModel.solve_piqp = saved, piqp
     assert interior.status == simplex.status
     if simplex.status == "optimal":
         extra_simplex = simplex.step_time_s - g.ideal_step_time_s
