@@ -370,7 +370,7 @@ def test_calibration_leaves_gradients_and_state_as_they_were():
 
 
 def test_link_figures_from_timings_hand_worked():
-    from slackswap.runtime.profiler import LinkTimings, link_figures
+    from slackswap.runtime.link import LinkTimings, link_figures
 
     # a 1 GB copy: 40 ms D2H, 50 ms H2D alone; together 55 ms (well under 0.8 x 90 ms: duplex),
     # so each direction kept at least 1 GB / 55 ms = 18.18 GB/s while the other ran. Batches:

@@ -76,7 +76,7 @@ _LAZY = {
     "lp_bound": ("slackswap.planners.lpbound", "lp_bound"),
     "departure_bound": ("slackswap.planners.departures", "departure_bound"),
     "profile": ("slackswap.runtime.profiler", "profile"),
-    "calibrate_link": ("slackswap.runtime.profiler", "calibrate_link"),
+    "calibrate_link": ("slackswap.runtime.link", "calibrate_link"),
     "apply": ("slackswap.runtime.executor", "apply"),
     "plan_for_ranks": ("slackswap.distributed", "plan_for_ranks"),
     "planned": ("slackswap.loop", "planned"),

@@ -1,4 +1,4 @@
-"""Errors raised on bad input. Both subclass ValueError so callers can catch either broadly."""
+"""Errors raised on bad input. All subclass ValueError so callers can catch any broadly."""
 
 from __future__ import annotations
 
@@ -18,3 +18,10 @@ class InfeasibleBudget(ValueError):
 
 class PlanError(GraphError):
     """A plan does not belong to the graph it is used with, or is malformed."""
+
+
+class ProfileError(ValueError):
+    """The model, its inputs or its loss cannot be profiled (the message says why).
+    ``user_error``: the exception the user's model or loss function raised, if that is why."""
+
+    user_error: BaseException | None = None
