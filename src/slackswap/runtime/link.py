@@ -1,4 +1,6 @@
-"""The host link's bandwidths and latency, measured on this machine (calibrate_link): timed pinned copies in each direction, and both at once for a duplex link."""
+"""The host link's bandwidths and latency, measured on this machine (calibrate_link): timed pinned
+copies in each direction, and both at once for a duplex link.
+"""
 
 from __future__ import annotations
 

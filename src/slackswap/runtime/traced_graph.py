@@ -1,4 +1,7 @@
-"""A graph from a traced step: the profiler's traces (ops, autograd nodes, saved tensors) become an ActivationGraph, with each backward op's activation and parameter gradients counted, and optionally ops grouped by module."""
+"""A graph from a traced step: the profiler's traces (ops, autograd nodes, saved tensors) become an
+ActivationGraph, with each backward op's activation and parameter gradients counted, and
+optionally ops grouped by module.
+"""
 
 from __future__ import annotations
 
