@@ -527,7 +527,7 @@ def test_the_keep_all_peak_counts_the_gradients_the_step_makes(name):
     gradients="made"): each backward op holds the parameter gradients made before it, all of
     them by the last one. The simulated keep-all peak is within 3% of StepMeter's measured peak
     (0.998 of it when written): both are at the loss's backward, where logsumexp's formula holds
-    two temporaries of the logits' size beside its result (trace.BackwardTransients)."""
+    two temporaries of the logits' size beside its result (backward_trace.BackwardTransients)."""
     model, inputs, loss_fn = _sized(name)
     # the step model's own count (overhead=False): with the overhead measured against this very
     # meter, the comparison below would hold by construction

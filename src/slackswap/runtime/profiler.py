@@ -79,7 +79,8 @@ def run_traced_step(
     import torch
     from torch.utils._python_dispatch import _disable_current_modes
 
-    from .trace import GpuClock, ModulePaths, Tracer, time_backward
+    from .backward_trace import time_backward
+    from .trace import GpuClock, ModulePaths, Tracer
 
     paths = ModulePaths(model)
     # on a GPU, times come from CUDA events (no synchronisation per op)

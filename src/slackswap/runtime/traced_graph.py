@@ -144,8 +144,8 @@ def graph_from_traces(
 
 
 def backward_gradient_bytes(traces, seq_maps, n_ops: int) -> list[int]:
-    """Per op, the activation gradients alive during its backward (trace.GradientLedger) and
-    the temporaries its backward formula holds above them (trace.BackwardTransients), the
+    """Per op, the activation gradients alive during its backward (backward_trace.GradientLedger) and
+    the temporaries its backward formula holds above them (backward_trace.BackwardTransients), the
     largest over the traces: the op's backward workspace in the step model, so that plans count
     the memory backward adds to the saved tensors. An autograd node with no op of its
     own (a view's) counts for the op whose backward ran last before it."""
@@ -179,7 +179,7 @@ def _per_op_max(traces, seq_maps, n_ops: int, field: str) -> list[int]:
 
 def waiting_parameter_gradient_bytes(traces, seq_maps, n_ops: int) -> list[int]:
     """Per op, the parameter gradients made earlier in the backward that wait in their
-    AccumulateGrad's buffer while its backward runs (trace.GradientLedger: a parameter with
+    AccumulateGrad's buffer while its backward runs (backward_trace.GradientLedger: a parameter with
     readers whose backward has not run yet, as a tied embedding's LM head), the largest over the
     traces, attributed as ``backward_gradient_bytes`` does."""
     return _per_op_max(traces, seq_maps, n_ops, "param_grad_waiting_bytes")
