@@ -32,8 +32,11 @@ LAYER = {
 APPLICATION = 4  # the command line and the demo may drive the runtime (profile, apply)
 RUNTIME = "runtime"
 # the checker's whole world: data types and what a budget means, no model, no planner
-# the data types, with the graph's own rules (core/graph_rules.py: checked when a graph is made)
+# the data types, with the graph's own rules (core/graph_rules.py: checked when a graph is made),
+# and the checker's own parts
 CHECKER_MAY_IMPORT = {
+    "check.walk",
+    "check.timeline",
     "core.graph",
     "core.graph_rules",
     "core.plan",
