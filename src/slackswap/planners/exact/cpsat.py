@@ -12,7 +12,7 @@ from typing import Any
 
 from ..interrupts import solve_cpsat
 from .driver import ExactBackend
-from .formulate import Formulation
+from .formulation import Formulation
 from .result import BackendResult, BackendStatus
 
 

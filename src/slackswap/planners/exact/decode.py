@@ -6,7 +6,7 @@ import numpy as np
 
 from ...core.plan import RECOMPUTE, SWAP, Schedule
 from ...core.stepmodel import keep_all_codes
-from .formulate import Formulation
+from .formulation import Formulation
 
 
 def _chosen(options: dict[int, int], value) -> int:

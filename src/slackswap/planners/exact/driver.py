@@ -10,7 +10,7 @@ from dataclasses import replace
 from typing import Any
 
 from ..base import Problem, Solution
-from .formulate import Formulation
+from .formulation import Formulation
 from .result import BackendResult
 from .strategy import SearchSettings, search
 

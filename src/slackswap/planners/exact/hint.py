@@ -11,7 +11,7 @@ import numpy as np
 
 from ...core.plan import RECOMPUTE, SWAP
 from ...core.stepmodel import trace_reruns
-from .formulate import Formulation
+from .formulation import Formulation
 
 
 def complete_hint(
@@ -174,3 +174,19 @@ def _propagate(m, val: dict[int, int], cut=None) -> None:
                 changed = True
         if not changed:
             break
+
+
+def apply_hint(f: Formulation, hint) -> None:
+    """The values of a known plan (codes, free, issue, rebuild) as the model's hint."""
+    codes, free, issue, rebuild = hint
+    m = f.model
+    for t, v in f.keep.items():
+        m.hint[v] = int(codes[t] == 0)
+        m.hint[f.swap[t]] = int(codes[t] == 1)
+        m.hint[f.recompute[t]] = int(codes[t] == 2)
+        for k, w in f.free_after[t].items():
+            m.hint[w] = int(codes[t] == 1 and free.get(t) == k)
+        for k, w in f.issue_at[t].items():
+            m.hint[w] = int(codes[t] == 1 and issue.get(t) == k)
+        for k, w in f.rebuild_at[t].items():
+            m.hint[w] = int(codes[t] == 2 and rebuild.get(t) == k)

@@ -9,7 +9,7 @@ import time
 from typing import Any
 
 from .driver import ExactBackend
-from .formulate import Formulation
+from .formulation import Formulation
 from .result import BackendResult, BackendStatus
 
 log = logging.getLogger("slackswap")

@@ -9,7 +9,7 @@ import time
 from typing import Any
 
 from .driver import ExactBackend
-from .formulate import Formulation
+from .formulation import Formulation
 from .result import BackendResult, BackendStatus
 
 BUILD_S_PER_NONZERO = 2e-5  # pywraplp model building, one Python call per term

@@ -38,7 +38,8 @@ from ...core.plan import (
 )
 from ...core.stepmodel import expand
 from ..base import Problem, Solution
-from .formulate import Formulation, formulate
+from .formulate import formulate
+from .formulation import Formulation
 from .limits import (
     ANYTIME_FORMULATE_S_PER_SLOT,
     ANYTIME_LP_S_PER_SLOT,

@@ -1,0 +1,83 @@
+"""The MILP's candidate positions per saved tensor (formulations/milp.md, "Candidates"): F(x)
+where an offloaded x may leave, G(x) where its prefetch may be issued, Rc(x) where it may be
+rebuilt; every position over the whole schedule (``full``), else windows around the heuristic's
+choices."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ...core.graph import ActivationGraph
+from ...core.hardware import Hardware
+from ...core.stepmodel import nominal_slot_times
+
+
+def candidates(graph: ActivationGraph, hw: Hardware, full: bool, extra=None, window: int = 6):
+    """F(x), G(x), Rc(x) for every saved tensor (Section "Candidates")."""
+    n = graph.n_ops
+    saved = [int(t) for t in graph.saved]
+    last_fwd = graph.last_forward_use
+    u = {t: graph.bwd_slot(int(graph.first_backward_use[t])) for t in saved}
+    lb = {t: graph.bwd_slot(int(graph.last_backward_use[t])) for t in saved}
+    frontier = {t: [int(f) for f in graph.rerun_frontier[t]] for t in saved}
+    coproduced = {}
+    for t in saved:
+        outs = {int(o) for q in graph.rerun_ops[t] for o in graph.op_outputs[q]}
+        coproduced[t] = [o for o in sorted(outs) if o != t and graph.is_saved[o]]
+    can_r = {t: bool(graph.can_recompute[t]) for t in saved}
+    # Rc: the first use (or the latest rebuild position a graph gives, rebuilt_before), plus
+    # earlier positions where a dependent's rebuild may need x
+    latest = {t: int(graph.rebuild_slot[t]) if graph.rebuild_slot[t] >= 0 else u[t] for t in saved}
+    rc = {t: {latest[t]} if can_r[t] else set() for t in saved}
+    changed = True
+    while changed:
+        changed = False
+        for y in saved:
+            for r in list(rc[y]):
+                for x in frontier[y] + coproduced[y]:
+                    if (
+                        can_r[x]
+                        and r < latest[x]
+                        and (full or latest[x] - r <= window)
+                        and r not in rc[x]
+                    ):
+                        rc[x].add(r)
+                        changed = True
+    if extra is not None:
+        for t, r in extra.get("rebuild", {}).items():
+            if can_r[t] and r <= latest[t]:
+                rc[t].add(int(r))
+    earliest_need = {t: u[t] for t in saved}
+    for y in saved:
+        for r in rc[y]:
+            for x in frontier[y]:
+                earliest_need[x] = min(earliest_need[x], r)
+    F, G = {}, {}
+    start, end = nominal_slot_times(graph, [()] * graph.n_slots)
+    for t in saved:
+        lo, hi = int(last_fwd[t]), u[t] - 1
+        if full:
+            F[t] = list(range(lo, hi + 1))
+            G[t] = list(range(lo + 1, u[t] + 1))
+        else:
+            # leave at the last forward reader (waiting for the copy if needed), or when a copy
+            # started at production on an idle lane would be done
+            done = end[graph.producer[t]] + hw.d2h_time(graph.tensor_bytes[t])
+            k_done = int(np.searchsorted(end, done - 1e-15))
+            F[t] = sorted({lo, min(max(k_done, lo), hi)})
+            # issue just in time for each possible first use, or early enough to arrive in time
+            g = set()
+            for need in {earliest_need[t], u[t]}:
+                g.add(need)
+                begin = start[need] - hw.h2d_time(graph.tensor_bytes[t])
+                k_begin = int(np.searchsorted(start, begin + 1e-15, side="right")) - 1
+                g.add(max(k_begin, lo + 1))
+            G[t] = sorted(x for x in g if lo < x <= u[t])
+        if extra is not None:
+            if t in extra.get("free", {}) and lo <= extra["free"][t] <= hi:
+                F[t] = sorted(set(F[t]) | {int(extra["free"][t])})
+            if t in extra.get("issue", {}) and lo < extra["issue"][t] <= u[t]:
+                G[t] = sorted(set(G[t]) | {int(extra["issue"][t])})
+        if not hw.duplex:
+            G[t] = [g for g in G[t] if g >= n] or [u[t]]
+    return F, G, {t: sorted(v) for t, v in rc.items()}, frontier, coproduced, u, lb
