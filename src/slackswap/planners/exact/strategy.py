@@ -209,7 +209,8 @@ def search(backend: ExactBackend, problem: Problem, settings: SearchSettings) ->
 
 def begin(backend: ExactBackend, problem: Problem, settings: SearchSettings) -> SolveState:
     """The clock, the work limits, the heuristic's plan and the LP bound."""
-    from ..lpbound import IPM_FROM_SLOTS, lp_bound
+    from ..lpbound import lp_bound
+    from ..lpbuilder import IPM_FROM_SLOTS
     from .warmstart import heuristic_start
 
     start = time.perf_counter()
@@ -263,7 +264,7 @@ def begin(backend: ExactBackend, problem: Problem, settings: SearchSettings) -> 
 
 def _skipped_bound(graph, budget: int, why: str):
     """The trivial bound (no plan beats the ideal step), when the LP bound is not built."""
-    from ..lpbound import LPBound
+    from ..lpbuilder import LPBound
 
     ideal = graph.ideal_step_time_s
     return LPBound(1.0, ideal, ideal, budget, "skipped", 0.0, {}, {}, {}, note=why)
