@@ -76,6 +76,58 @@ WHOLE_MODEL_BINARIES = 2500
 PROOF_CELLS = 12_000
 PROOF_NONZEROS = 400_000
 
+# --- the warm start's starts (warmstart.py, start_search.py) ---
+# the second integral relaxation plans with copy lanes this much slower: decisions that leave the
+# lanes some headroom for what the fluid model does not see (whole tensors, in production order)
+LANE_HEADROOM = 0.98
+# each relaxation runs until its decisions are proven within this fraction of the step (a point
+# HiGHS reaches by the same path on any machine); the clock is only a cap
+RELAXATION_GAP = 1e-4
+RELAXATION_CAP_S = 20.0
+# by default the relaxations run without HiGHS's sub-MIP heuristics (RINS, RENS): they were most
+# of the root node's time (SegNet at 50%: 4.1 of 4.9 s) for the same bound and nearly the same
+# decisions on the CNN rows; the root node has no other work limit
+RELAXATION_HIGHS = {"mip_heuristic_run_rins": False, "mip_heuristic_run_rens": False}
+RELAXATION_MIN_S = 1.5  # less time left than this: the relaxation is not started
+HEURISTIC_POLISH_S = 2.0  # less time left than this: the restricted heuristics without polish
+# less time left than this: the heuristic itself without its polish (at most 20,000 simulated
+# positions, about 0.2 s on the reference machine, and the bundled pricing)
+HEURISTIC_MAIN_POLISH_S = 0.4
+# less time left than this: the heuristic's polish does not search on with more work where no
+# candidate fits (heuristic.UNFIT_POLISH_FACTOR: at most about 6.4 s on the reference machine)
+HEURISTIC_UNFIT_POLISH_S = 8.0
+# less time left than this per position: the heuristic runs without its bundled pricing either
+# (three runs and their simulations; BERT-Large, 582 positions: 8 ms each on the reference machine)
+HEURISTIC_BUNDLE_S_PER_SLOT = 1e-4
+
+
+# the coarse start (coarse_start): graphs of fewer ops are searched whole; its coarse graph has
+# about COARSE_OPS_PER_S ops per second of its limit (a 64-layer GPT-style step, 643 ops, gets its
+# plan in 30 s on the reference machine), at most COARSE_MAX_OPS, at least COARSE_MIN_BLOCKS blocks
+# and at most 1 / COARSE_RATIO of the original's
+COARSE_MIN_OPS = 1500
+COARSE_OPS_PER_S = 20
+COARSE_MAX_OPS = 650
+COARSE_MIN_BLOCKS = 4
+COARSE_RATIO = 4
+COARSE_MIN_S = 5.0
+# the departure bound (planners/departures.py) is built for graphs of at most this many
+# positions x saved tensors, and started with at least this much time left; its clock cap is
+# this share of the time left (its work limit, set by the caller, usually ends it first)
+DEPARTURE_CELLS = 100_000
+DEPARTURE_MIN_S = 0.5
+DEPARTURE_CLOCK_SHARE = 0.6
+# the departure bound again from the best plan of the starts, capped this share of the proof
+# tolerance under it: "no point is that fast" closes the proof (formulations/departure-bound.md,
+# "From the best plan")
+DEPARTURE_CLOSING_SHARE = 0.9
+DEPARTURE_CLOSING_WORK = 1.0  # its work, as a share of the first run's
+# by default its whole work (its models' sizes charged) is this share of the first run's: it comes
+# after the relaxations, whose root nodes no work limit bounds (ResNet50 at 50%: 2 s each)
+DEPARTURE_CLOSING_SHARE_OF_WORK = 0.5
+# each departure run stops within this share of the proof tolerance of its bound
+DEPARTURE_GAP_SHARE = 0.8
+
 # --- the clock (the hard cap, and the anytime mode's shares of it) ---
 MIN_SEARCH_S = 0.3  # anytime: below this much time left, no MILP is built
 MIN_PROOF_S = 1.0  # anytime: less time left than this, no proof round
