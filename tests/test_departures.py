@@ -23,7 +23,7 @@ import slackswap as ss
 from slackswap.check.simulate import simulate_decisions
 from slackswap.core.plan import KEEP, RECOMPUTE, SWAP
 from slackswap.core.stepmodel import decision_codes
-from slackswap.planners import departures
+from slackswap.planners import departure_model, departures
 from slackswap.planners.departures import departure_bound
 
 LATENCY_LINK = LINK.with_link(name="test-latency", latency_s=0.05)
@@ -293,7 +293,7 @@ def test_a_gap_stops_its_rounds_early_and_keeps_the_bound_valid():
         unit = (
             2
             * (g.ideal_step_time_s + sum(LINK.d2h_time(int(g.tensor_bytes[t])) for t in g.saved))
-            / departures.TIME_RANGE
+            / departure_model.TIME_RANGE
         )
         assert early.overhead_s <= exact.overhead_s * (1 + 1e-9), seed
         assert early.overhead_s >= (1 - gap) * exact.overhead_s - unit, seed
@@ -317,13 +317,13 @@ def test_a_round_whose_model_would_be_built_past_the_clock_cap_is_not_started(mo
             break
     assert seed is not None
     g = seeded_graph(seed, n_ops=14)
-    build = departures._Model.__init__
+    build = departure_model.DepartureModel.__init__
 
     def slow_build(self, *args, **kwargs):
         time.sleep(0.5)
         build(self, *args, **kwargs)
 
-    monkeypatch.setattr(departures._Model, "__init__", slow_build)
+    monkeypatch.setattr(departure_model.DepartureModel, "__init__", slow_build)
     with first_positions(1):
         capped = departure_bound(g, budget, LINK, deterministic_time_s=5.0, time_limit_s=0.8)
     assert capped.status == "timeout" and capped.clock_stopped and capped.note == "1 rounds"
