@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from slackswap.cli import main
-from slackswap.solve import RESULT_FIELDS
+from slackswap.compare import RESULT_FIELDS
 
 GRAPH = {
     "format": "slackswap.graph/1",

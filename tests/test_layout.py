@@ -16,6 +16,7 @@ LAYER = {
     "check": 1,
     "planners": 2,
     "solve": 3,
+    "compare": 3,
     "fit": 3,
     "workloads": 3,
     "cnn": 3,

@@ -9,6 +9,7 @@ planners, solve; runtime (profiler, executor; torch) depends on core only and lo
 from .check.simulate import SimResult, simulate
 from .check.validate import Validation, Violation, validate
 from .cnn import CNN_SHAPES, cnn_graph
+from .compare import compare, result_row
 from .core.budget import keep_all_peak, parse_budget
 from .core.complete import complete, load_plan
 from .core.errors import GraphError, InfeasibleBudget, PlanError
@@ -18,10 +19,8 @@ from .core.plan import Decision, Plan, Schedule, SolveInfo
 from .fit import FitReport, fit
 from .planners.base import is_available
 from .solve import (
-    compare,
     min_budget,
     register_solver,
-    result_row,
     smallest_budget,
     solve,
     solver_names,

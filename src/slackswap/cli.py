@@ -70,8 +70,8 @@ def cmd_solve(args) -> int:
 
 
 def cmd_compare(args) -> int:
+    from .compare import compare
     from .core.hardware import hardware
-    from .solve import compare
 
     hw = hardware(args.hardware)
     g = _graph(args.graph, hw)
@@ -109,9 +109,10 @@ def cmd_compare(args) -> int:
 
 def _sweep_row(task):
     workload_name, fraction, solver, hw_name, time_limit = task
+    from .compare import infeasible_row, result_row
     from .core.budget import parse_budget
     from .core.hardware import hardware
-    from .solve import infeasible_row, result_row, solve
+    from .solve import solve
 
     hw = hardware(hw_name)
     g = _graph(workload_name, hw)

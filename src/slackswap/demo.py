@@ -9,7 +9,8 @@ from __future__ import annotations
 import sys
 
 from .check.validate import validate
-from .solve import result_row, solve
+from .compare import result_row
+from .solve import solve
 from .workloads import workload
 
 SEED_RETENTION = {"bert-large": 96.3, "gpt2-xl": 97.6, "llama-7b": 99.6}

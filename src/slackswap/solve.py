@@ -1,4 +1,4 @@
-"""solve() and compare(): one entry point for every planner, one result row for every report.
+"""solve(): one entry point for every planner (compare.py sets them side by side).
 
 solve() resolves the budget, refuses one below the smallest feasible budget, runs the planner
 registered under ``solver`` (planners/base.py), closes its plan (complete schedule, hardware:
@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from .check.simulate import SimResult, run_timeline, simulate
+from .check.simulate import SimResult, run_timeline
 from .check.validate import validate
 from .core.budget import offload_floor, parse_budget
 from .core.complete import close_expanded, close_from
@@ -41,13 +41,16 @@ from .planners.minpeak import MinPeak, min_peak
 
 log = logging.getLogger("slackswap")
 
+
+def one_of(names: list[str]) -> str:
+    """``a, b or c``: names for a message."""
+    return ", ".join(names[:-1]) + f" or {names[-1]}" if len(names) > 1 else "".join(names)
+
+
 __all__ = [
     "DEFAULT_SOLVER",
-    "RESULT_FIELDS",
-    "compare",
     "min_budget",
     "register_solver",
-    "result_row",
     "smallest_budget",
     "solve",
     "solver_names",
@@ -142,7 +145,7 @@ def solve(
     if restricted(mask, graph) and asked and not getattr(planner, "honours_restrictions", False):
         raise PlanError(
             f"solve: solver {solver!r} cannot honour allowed="
-            f"{parse_allowed(allowed)} and pins; use {_one_of(honouring_restrictions())}"
+            f"{parse_allowed(allowed)} and pins; use {one_of(honouring_restrictions())}"
         )
     accepted = getattr(planner, "options", None)
     if accepted is not None:
@@ -179,7 +182,7 @@ def solve(
             )
         raise PlanError(
             f"solve: solver {solver!r} does not honour allowed={parse_allowed(allowed)} "
-            f"and pins ({forbidden}); use {_one_of(honouring_restrictions())}"
+            f"and pins ({forbidden}); use {one_of(honouring_restrictions())}"
         )
     simulated = solution.simulation
     if (
@@ -520,122 +523,3 @@ def check_time_limit(time_limit_s: float | None) -> float | None:
             f"time_limit_s must be a finite number of seconds >= 0, got {time_limit_s!r}"
         )
     return float(time_limit_s)
-
-
-# one row schema for compare(), the CLI's sweep and the benchmarks' tables
-RESULT_FIELDS = (
-    "solver",
-    "status",
-    "fits",
-    "retention",
-    "step_time_s",
-    "peak_bytes",
-    "stall_s",
-    "recompute_s",
-    "wall_s",
-    "objective",
-    "bound",
-    "gap",
-    "overhead_gap",
-    "budget_bytes",
-)
-
-
-def result_row(
-    graph: ActivationGraph, plan: Plan, sim: SimResult | None = None, **context: Any
-) -> dict[str, Any]:
-    """One row: the plan's status and proof, and its simulated step on its own schedule.
-    ``context`` (workload, budget fraction, ...) is put first."""
-    sim = simulate(graph, plan) if sim is None else sim
-    row: dict[str, Any] = dict(context)
-    row.update(
-        solver=plan.info.solver,
-        status=plan.info.status,
-        fits=sim.fits,
-        retention=sim.retention,
-        step_time_s=sim.step_time_s,
-        peak_bytes=sim.peak_bytes,
-        stall_s=sim.stall_s,
-        recompute_s=sim.recompute_s,
-        wall_s=plan.info.wall_s,
-        objective=plan.info.objective,
-        bound=plan.info.bound,
-        gap=plan.info.gap,
-        overhead_gap=plan.info.overhead_gap,
-        budget_bytes=plan.budget_bytes,
-    )
-    return row
-
-
-def _one_of(names: list[str]) -> str:
-    return ", ".join(names[:-1]) + f" or {names[-1]}" if len(names) > 1 else "".join(names)
-
-
-def infeasible_row(solver: str, exc: InfeasibleBudget, **context: Any) -> dict[str, Any]:
-    """The row of a planner that found no plan within the budget (same fields, no figures)."""
-    row: dict[str, Any] = dict(context)
-    row.update({k: None for k in RESULT_FIELDS})
-    row.update(
-        solver=solver,
-        status="infeasible",
-        fits=False,
-        wall_s=0.0,
-        error=str(exc),
-        budget_bytes=exc.budget_bytes,
-        min_budget_bytes=exc.min_budget_bytes,
-    )
-    return row
-
-
-def compare(
-    graph: ActivationGraph,
-    budget: float | int | str,
-    hardware: Hardware | str | None = None,
-    solvers: tuple[str, ...] = ("heuristic", "cpsat", "cbc", "highs"),
-    time_limit_s: float | None = None,
-    allowed=None,
-    pins: Mapping[str, str] | None = None,
-    work_s: float | None = None,
-    **options: Any,
-) -> list[dict[str, Any]]:
-    """One row per solver (:func:`result_row`): retention, step time, peak, stall, solve time,
-    status, gap. Each option goes to the solvers that take it; one that none takes is refused.
-    ``allowed`` and ``pins`` go to every solver (see :func:`solve`)."""
-    hw, _ = graph_hardware(graph, hardware)
-    accepted = {name: getattr(get_planner(name), "options", None) for name in solvers}
-    known = set().union(*(a or set(options) for a in accepted.values())) if accepted else set()
-    unknown = sorted(set(options) - known)
-    if unknown:
-        raise ValueError(
-            f"compare: no solver of {', '.join(solvers)} takes option(s) {', '.join(unknown)}"
-        )
-    rows = []
-    if host_allowed(hw, allowed)[1]:  # no host to swap to: the planners that always swap sit out
-        solvers = tuple(n for n in solvers if n != "swap-all")
-    if allowed is not None or pins:  # the planners that cannot honour a restriction sit out
-        mask = restriction_mask(graph, hw, host_allowed(hw, allowed)[0], pins)
-        if restricted(mask, graph):
-            solvers = tuple(
-                n for n in solvers if getattr(get_planner(n), "honours_restrictions", False)
-            )
-    for name in solvers:
-        takes = accepted[name]
-        mine = options if takes is None else {k: v for k, v in options.items() if k in takes}
-        try:
-            plan = solve(
-                graph,
-                budget,
-                hw,
-                solver=name,
-                time_limit_s=time_limit_s,
-                work_s=work_s,
-                strict=False,
-                allowed=allowed,
-                pins=pins,
-                **mine,
-            )
-        except InfeasibleBudget as exc:
-            rows.append(infeasible_row(name, exc))
-            continue
-        rows.append(result_row(graph, plan))
-    return rows
