@@ -10,7 +10,8 @@ torch = pytest.importorskip("torch")
 from models import TinyGPT  # noqa: E402
 
 import slackswap as ss  # noqa: E402
-from slackswap.runtime.checkpoint import checkpointed, region_of  # noqa: E402
+from slackswap.runtime.checkpoint import checkpointed  # noqa: E402
+from slackswap.runtime.checkpoint_regions import region_of  # noqa: E402
 from slackswap.runtime.meter import StepMeter  # noqa: E402
 
 
@@ -116,7 +117,7 @@ def test_the_exported_policy_delivers_the_plans_peak_with_exact_gradients(setup)
 
 @pytest.mark.slow
 def test_a_compiled_model_runs_the_exported_policy_with_exact_gradients(setup):
-    from slackswap.runtime.checkpoint import boundary_pins, checkpoint_graph
+    from slackswap.runtime.checkpoint_regions import boundary_pins, checkpoint_graph
 
     model, x, profiled, _ = setup
     # under torch.compile random draws and the masks they fill are saved, not redrawn: the plan
@@ -312,7 +313,7 @@ def test_dropout_masks_drawn_in_place_are_rebuilt_by_the_checkpoint(setup):
 
 
 def test_batch_norm_has_one_name_in_the_profile_and_under_compile():
-    from slackswap.runtime.checkpoint import op_kind
+    from slackswap.runtime.checkpoint_regions import op_kind
 
     eager = op_kind("aten.native_batch_norm.default")
     for traced in (

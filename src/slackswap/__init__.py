@@ -81,8 +81,8 @@ _LAZY = {
     "planned": ("slackswap.loop", "planned"),
     "checkpoint_policy": ("slackswap.runtime.checkpoint", "checkpoint_policy"),
     "checkpointed": ("slackswap.runtime.checkpoint", "checkpointed"),
-    "boundary_pins": ("slackswap.runtime.checkpoint", "boundary_pins"),
-    "checkpoint_graph": ("slackswap.runtime.checkpoint", "checkpoint_graph"),
+    "boundary_pins": ("slackswap.runtime.checkpoint_regions", "boundary_pins"),
+    "checkpoint_graph": ("slackswap.runtime.checkpoint_regions", "checkpoint_graph"),
     "StepMeter": ("slackswap.runtime.meter", "StepMeter"),
 }
 

@@ -1,0 +1,309 @@
+"""The graph torch's checkpoint runs: the model's blocks as checkpoint regions (region_of,
+checkpoint_regions), what a region's replay reruns beyond the plan (RegionOp), the pins that
+keep a plan to what a region can do (boundary_pins), and the graph a plan for it is made on
+(checkpoint_graph).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from ..core.graph import ActivationGraph
+from ..core.plan import Plan
+
+# one op, several aten names: the eager profile records the kernel the device ran (batch norm as
+# native_batch_norm on CPU, cudnn_batch_norm on CUDA), torch.compile traces its functional form
+_SAME_OP = {
+    "aten._native_batch_norm_legit": "aten.native_batch_norm",
+    "aten._native_batch_norm_legit_functional": "aten.native_batch_norm",
+    "aten._native_batch_norm_legit_no_training": "aten.native_batch_norm",
+    "aten.cudnn_batch_norm": "aten.native_batch_norm",
+    "aten.miopen_batch_norm": "aten.native_batch_norm",
+    "aten._batch_norm_with_update": "aten.native_batch_norm",
+    "aten._batch_norm_with_update_functional": "aten.native_batch_norm",
+}
+
+
+def op_kind(aten_name: str) -> str:
+    """The name a policy matches a call by: ``aten_name`` with the kernels of one op (the
+    profile's and the compiler's) under one name, so that each gets the plan's decision instead
+    of an unknown op's (saved)."""
+    packet, _, overload = aten_name.rpartition(".")
+    if packet in _SAME_OP:
+        return f"{_SAME_OP[packet]}.default"
+    return aten_name
+
+
+def region_of(module_path: str) -> str:
+    """The checkpoint region an op's module belongs to: its path up to and including the first
+    numbered component (``blocks.3``, ``model.layers.7``, ``layer2.1``: one block of a stack),
+    else the module itself (``transformer.wte``, ``head``). "" (the model's own ops) is no region.
+    A region that contains another (``transformer`` around ``transformer.h.0``) is dropped by
+    ``checkpoint_regions``: its own ops run unwrapped."""
+    parts = module_path.split(".") if module_path else []
+    for i, part in enumerate(parts):
+        if part.isdigit():
+            return ".".join(parts[: i + 1])
+    return module_path
+
+
+def _module_of(op) -> str:
+    return str(op.extra.get("module", op.name.split("/")[0] if "/" in op.name else ""))
+
+
+class RegionOp(NamedTuple):
+    """One op of a checkpointed region, as its policy treats it."""
+
+    aten: str
+    recompute: bool  # PREFER_RECOMPUTE under torch.compile
+    swaps: tuple[str, ...]  # the saved outputs the plan swaps
+    eager_recompute: bool  # PREFER_RECOMPUTE in eager mode
+
+
+def checkpoint_regions(
+    plan: Plan, graph: ActivationGraph, regions: list[str] | None = None
+) -> dict[str, list[RegionOp]]:
+    """Per region (module path) that the plan recomputes or swaps something in: its ops in
+    order (``RegionOp``: the aten name, whether the policy reruns it, compiled and eager, and the
+    saved outputs the plan swaps: offloaded by torch's pass under torch.compile). ``regions``:
+    the module paths to use instead of ``region_of``'s."""
+    plan.check_graph(graph)
+    of_op = _op_regions(graph, regions)  # a region around another runs unwrapped
+    out: dict[str, list[RegionOp]] = {}
+    wanted: set[str] = set()
+    for i, op in enumerate(graph.ops):
+        name = of_op[i]
+        if not name:
+            continue
+        keeps = [graph.tensors[t].name for t in graph.op_outputs[i] if graph.is_saved[t]]
+        rebuilt = any(plan.decisions.get(k) == "recompute" for k in keeps)
+        swaps = tuple(k for k in keeps if plan.decisions.get(k) == "swap")
+        recompute = rebuilt or _rerun_regardless(graph, i, weigh_unread=not swaps)
+        eager = recompute or _saved_elsewhere_only(graph, i, of_op)
+        if rebuilt or swaps:
+            wanted.add(name)
+        out.setdefault(name, []).append(
+            RegionOp(str(op.extra.get("aten", "")), recompute, swaps, eager)
+        )
+    return {name: ops for name, ops in out.items() if name in wanted}
+
+
+def _saved_elsewhere_only(graph: ActivationGraph, i: int, of_op: list[str]) -> bool:
+    """Whether op ``i``'s saved outputs are read by backward ops outside its region alone (a
+    block's output, saved by the next block's norm). In eager mode the region's checkpoint then
+    has nothing to save for them: the reader outside saves them as usual, while a cached copy
+    (MUST_SAVE) would be held until the region's backward ends, because the checkpoint's
+    recompute stops at the region's last save and never takes it back (0.25 MiB per block on
+    TinyGPT above the plan)."""
+    outs = [t for t in graph.op_outputs[i] if graph.is_saved[t]]
+    return bool(outs) and all(of_op[r] != of_op[i] for t in outs for r in graph.saved_for_index[t])
+
+
+def _rerun_regardless(graph: ActivationGraph, i: int, weigh_unread: bool = True) -> bool:
+    """Whether the region policy reruns op ``i`` whatever the plan says (PREFER_RECOMPUTE), as
+    checkpoint_policy: views and intermediates backward never reads, ops that may not run again
+    and ops whose outputs are written in place later (a dropout mask drawn in place: rerun with
+    the in-place op, the RNG state restored); and (``weigh_unread``) an op whose outputs backward
+    does not read outweigh the ones it keeps (batch norm's output beside its saved statistics):
+    torch caches every output of a saved op, so it is cheaper to rerun it from its inputs than
+    to hold it twice."""
+    op = graph.ops[i]
+    outs = graph.op_outputs[i]
+    if (
+        not op.recomputable
+        or op.extra.get("rerun_by_checkpoint")
+        or any(graph.writers[t] for t in outs)
+        or not any(graph.is_saved[t] for t in outs)
+    ):
+        return True
+    if not weigh_unread:
+        return False
+    kept = sum(int(graph.tensor_bytes[t]) for t in outs if graph.is_saved[t])
+    unread = sum(int(graph.tensor_bytes[t]) for t in outs if not graph.is_saved[t])
+    return unread > kept
+
+
+def _region_reruns(graph: ActivationGraph, of_op: list[str]) -> dict[str, list[int]]:
+    """Per region, the ops torch's (eager) checkpoint reruns whenever it reruns the region,
+    whatever the plan rebuilds: it runs the region's forward again from its start until the
+    region's last op that saves a tensor has saved it (early stop), computing every op its
+    policy does not cache (``_rerun_regardless``)."""
+    last_save: dict[str, int] = {}
+    for i, region in enumerate(of_op):
+        if region and len(graph.saved_by_op[i]):
+            last_save[region] = i
+    out: dict[str, list[int]] = {}
+    for i, region in enumerate(of_op):
+        # (an op with no output of the graph, a buffer's in-place update, runs shielded and
+        # holds nothing)
+        if (
+            region in last_save
+            and i <= last_save[region]
+            and len(graph.op_outputs[i])
+            and (_rerun_regardless(graph, i) or _saved_elsewhere_only(graph, i, of_op))
+        ):
+            out.setdefault(region, []).append(i)
+    return out
+
+
+def _op_regions(graph: ActivationGraph, regions: list[str] | None) -> list[str]:
+    """Per op, the region ``checkpointed`` wraps it in ("" none): ``region_of``, or the longest of
+    ``regions`` containing its module; a region around another is not wrapped (its own ops run
+    plainly)."""
+
+    def region(path: str) -> str:
+        if regions is None:
+            return region_of(path)
+        inside = [r for r in regions if path == r or path.startswith(r + ".")]
+        return max(inside, key=len) if inside else ""
+
+    of_op = [region(_module_of(op)) for op in graph.ops]
+    names = set(of_op) - {""}
+    nested = {r for r in names if any(o != r and o.startswith(r + ".") for o in names)}
+    return ["" if r in nested else r for r in of_op]
+
+
+def boundary_pins(graph: ActivationGraph, regions: list[str] | None = None) -> dict[str, str]:
+    """Pins that make a plan what ``checkpointed`` can run exactly
+    (``g = checkpoint_graph(graph); ss.solve(g, budget, pins=boundary_pins(g))``): every saved
+    tensor a region reads but does not produce is held by torch's checkpoint as the region's
+    input, and every tensor an op outside any region saves is held by autograd, whatever a plan
+    says: plan them as kept. On a ``checkpoint_graph``, what the checkpoint reruns anyway is
+    pinned to recompute."""
+    of_op = _op_regions(graph, regions)
+    pins: dict[str, str] = {}
+    for i, op in enumerate(graph.ops):  # the checkpoint reruns these whatever a plan says
+        if of_op[i] and op.extra.get("rerun_by_checkpoint"):
+            for t in graph.op_outputs[i]:
+                if graph.is_saved[t] and graph.can_recompute[t]:
+                    pins[graph.tensors[t].name] = "recompute"
+    for i, name in enumerate(of_op):
+        if not name:
+            for t in graph.saved_by_op[i]:
+                pins[graph.tensors[t].name] = "keep"
+            continue
+        for t in graph.op_inputs[i]:
+            producer = int(graph.producer[t])
+            if graph.is_saved[t] and (producer < 0 or of_op[producer] != name):
+                pins[graph.tensors[t].name] = "keep"
+    return pins
+
+
+def checkpoint_graph(
+    graph: ActivationGraph, regions: list[str] | None = None, compiled: bool = False
+) -> ActivationGraph:
+    """``graph`` as torch's checkpoint runs it under ``checkpointed``, for plans that simulate
+    what the exported policy holds (``solve(g, budget, pins=boundary_pins(g))``):
+
+    - backward reruns a region at once, before its first backward op that reads a saved tensor
+      (its entry): every tensor a region makes and saves for its own ops alone is rebuilt by
+      then when a plan recomputes it (``Tensor.rebuilt_before``);
+    - in eager mode (``compiled=False``) the region's ops that a plan may not rerun (a dropout
+      mask drawn in place, batch norm updating its statistics) are rerun by the checkpoint
+      anyway, with the RNG state restored and the buffers shielded: they become rebuildable
+      here (``extra["rerun_by_checkpoint"]``) and ``boundary_pins`` recomputes their saved
+      outputs. Under torch.compile (``compiled=True``) the recompute is functional (batch norm
+      reruns without touching its statistics) and rerun the same way, but random draws and the
+      masks they fill are saved instead (``_region_policy``): those stay as profiled.
+    - in eager mode the checkpoint reruns a region's forward from its start to its last save,
+      every op its policy does not cache, whatever the plan rebuilds there: each op of the
+      region reruns with those (``Op.rerun_with``), so their outputs count while the region is
+      rebuilt. A compiled backward recomputes only what its graph reads.
+    - under torch.compile (``compiled=True``) the compiled backward returns every parameter
+      gradient at its end, where eager autograd adds each into ``.grad`` at once: each op's
+      backward also holds the parameter gradients made so far (the profile's
+      ``extra["param_grad_bytes"]``), counted in its backward workspace (one compiled graph;
+      with graph breaks each graph returns its own earlier: this counts more, never less).
+
+    Plans for this graph are for ``checkpointed`` alone: ``ss.apply`` refuses them (its rebuilds
+    would rerun such an op without the ops that write its output in place). Plans for ``graph``
+    itself assume each tensor is rebuilt just before its first use, which the policy does not do
+    (a BN ResNet at 50%: 51 MiB measured against 40 simulated)."""
+    from dataclasses import replace
+
+    if "checkpoint_graph" in graph.extra:
+        raise ValueError(
+            f"checkpoint_graph: graph {graph.name!r} is one already (its rebuilds and "
+            "gradients would be counted twice): pass the profiled graph"
+        )
+    of_op = _op_regions(graph, regions)
+    ops = list(graph.ops)
+    saved_under_compile = _drawn(graph) if compiled else set()
+    for i, op in enumerate(ops):
+        # an op whose output is written in place later (Op.writes) is rerun by the checkpoint
+        # with its writers whatever a plan says, as one that may not run again is
+        written = any(graph.writers[t] for t in graph.op_outputs[i])
+        if (
+            of_op[i]
+            and (not op.recomputable or written)
+            and graph.op_outputs[i]
+            and i not in saved_under_compile
+        ):
+            ops[i] = replace(op, recomputable=True, extra={**op.extra, "rerun_by_checkpoint": True})
+        elif i in saved_under_compile and written:
+            ops[i] = replace(op, recomputable=False)  # saved by the compiled policy
+    if not compiled:
+        # a rebuild in a region reruns with it what the checkpoint reruns there anyway: their
+        # outputs are alive during the rerun (the residual add after a block's last batch norm)
+        marked_rerun = replace(graph, ops=tuple(ops))
+        for region, members in _region_reruns(marked_rerun, of_op).items():
+            for i, name in enumerate(of_op):
+                if name == region:
+                    ops[i] = replace(
+                        ops[i], rerun_with=tuple(ops[q].name for q in members if q != i)
+                    )
+    if compiled and graph.extra.get("parameter_gradients") != "made":
+        # (a profile with gradients made in the step counts them already)
+        held = 0  # parameter gradients made by the backward so far (it runs the ops in reverse)
+        for i in range(len(ops) - 1, -1, -1):
+            held += int(ops[i].extra.get("param_grad_bytes", 0))
+            # those waiting for a parameter's other readers are in the workspace already
+            more = held - int(ops[i].extra.get("param_grad_waiting_bytes", 0))
+            if more > 0:
+                ops[i] = replace(
+                    ops[i],
+                    backward_workspace_bytes=ops[i].backward_workspace_bytes + more,
+                    rerun_workspace_bytes=ops[i].rerun_workspace_bytes + more,
+                )
+    marked = replace(
+        graph,
+        ops=tuple(ops),
+        extra={
+            **graph.extra,
+            "checkpoint_graph": {
+                "regions": list(regions) if regions is not None else "per block",
+                "compiled": bool(compiled),
+            },
+        },
+    )
+    entry: dict[str, int] = {}
+    for i, name in enumerate(of_op):
+        if name and len(marked.saved_by_op[i]):
+            entry[name] = max(entry.get(name, i), i)
+    tensors = []
+    for t, tensor in enumerate(marked.tensors):
+        region = of_op[int(marked.producer[t])] if marked.producer[t] >= 0 else ""
+        readers = marked.saved_for_index[t]
+        if (
+            region in entry
+            and marked.is_saved[t]
+            and marked.can_recompute[t]
+            and all(of_op[q] == region for q in readers)
+        ):
+            tensor = replace(tensor, rebuilt_before=marked.ops[entry[region]].name)
+        tensors.append(tensor)
+    return replace(marked, tensors=tuple(tensors))
+
+
+def _drawn(graph: ActivationGraph) -> set[int]:
+    """Ops that draw random numbers or make a tensor a random op fills in place (a dropout mask:
+    ``empty_like``, then ``bernoulli_``): under torch.compile their results are saved."""
+    random = {i for i, op in enumerate(graph.ops) if op.extra.get("random")}
+    # an in-place draw (aten.bernoulli_.float: the op's name ends with "_") fills its input
+    in_place = {
+        i
+        for i in random
+        if str(graph.ops[i].extra.get("aten", "")).partition(".")[2].split(".")[0].endswith("_")
+    }
+    filled = {t for i in in_place for t in graph.op_inputs[i]}
+    return random | {int(graph.producer[t]) for t in filled if graph.producer[t] >= 0}
