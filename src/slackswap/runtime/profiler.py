@@ -19,7 +19,9 @@ from typing import Any
 from ..core.errors import ProfileError
 from ..core.graph import ActivationGraph
 from ..core.hardware import Hardware, hardware
+from .fsdp_collectives import fsdp_collectives
 from .link import calibrate_link
+from .model_state import OPTIMIZER_STATE_BYTES, with_model_state
 from .overhead import measured_overhead_bytes, with_overhead
 from .traced_graph import graph_from_traces
 from .traced_graph import group_by_module as _group
@@ -258,6 +260,43 @@ def profile(
     if device is not None:
         model = model.to(device)
         inputs = _to(inputs, device)
+    graph = _measured_graph(
+        model,
+        inputs,
+        loss_fn,
+        device,
+        warmup=warmup,
+        repeat=repeat,
+        name=name,
+        calibrate=calibrate,
+        gradients=gradients,
+        forward=forward,
+        overhead=overhead,
+    )
+    graph = with_model_state(graph, model, optimizer)
+    return _group(graph) if group_by_module else graph
+
+
+def _measured_graph(
+    model,
+    inputs,
+    loss_fn: Callable,
+    device,
+    *,
+    warmup: int,
+    repeat: int,
+    name: str | None,
+    calibrate: bool,
+    gradients: str,
+    forward: Callable | None,
+    overhead: bool,
+) -> ActivationGraph:
+    """The traced steps as a graph: op times scaled to plain steps (``calibrate``), the link
+    measured (CUDA), FSDP2's collectives, parameter gradients as ``gradients`` says, and what the
+    step holds beside its tensors (``overhead``); what the steps wrote that training owns is put
+    back."""
+    import torch
+
     dev = (
         device
         if device is not None
@@ -317,45 +356,10 @@ def profile(
             )
     finally:
         untouched.restore()
-    graph = _with_model_state(graph, model, optimizer)
-    return _group(graph) if group_by_module else graph
+    return graph
 
 
 GRADIENTS = ("made", "held")
-
-# bytes of optimizer state per trainable parameter element: AdamW and Adam keep two fp32
-# moments (exp_avg, exp_avg_sq), SGD with momentum one buffer, plain SGD none
-OPTIMIZER_STATE_BYTES = {"adamw": 8, "adam": 8, "sgd-momentum": 4, "sgd": 0, "none": 0}
-
-
-def model_state(model, optimizer: str) -> dict[str, Any]:
-    """What plain training holds besides activations: the parameters (tied ones once), their
-    gradients, and the named optimizer's state."""
-    seen: set[int] = set()
-    params = grads = elements = 0
-    for p in model.parameters():
-        if id(p) in seen:
-            continue
-        seen.add(id(p))
-        nbytes = int(p.numel()) * p.element_size()
-        params += nbytes
-        if p.requires_grad:
-            grads += nbytes
-            elements += int(p.numel())
-    state = elements * OPTIMIZER_STATE_BYTES[optimizer]
-    return {
-        "parameter_bytes": params,
-        "gradient_bytes": grads,
-        "optimizer": optimizer,
-        "optimizer_state_bytes": state,
-        "total_bytes": params + grads + state,
-    }
-
-
-def _with_model_state(graph: ActivationGraph, model, optimizer: str) -> ActivationGraph:
-    from dataclasses import replace
-
-    return replace(graph, extra={**graph.extra, "model_state": model_state(model, optimizer)})
 
 
 def _profile_fake(
@@ -408,7 +412,7 @@ def _profile_fake(
         },
     )
     graph = with_parameter_gradients(graph, gradients)
-    graph = _with_model_state(graph, model, optimizer)
+    graph = with_model_state(graph, model, optimizer)
     return _group(graph) if group_by_module else graph
 
 
@@ -574,59 +578,3 @@ class Untouched:
                     tensor.copy_(value)
         self.gradients.clear()
         self.state.clear()
-
-
-def fsdp_collectives(model, graph: ActivationGraph) -> tuple:
-    """The FSDP2 traffic of one rank's step, from the model's units and the traced ops
-    (formulations/step-model.md, "Collectives on the copy lanes"; shared/reference.md): for each
-    unit with P bytes of its own parameters over N ranks, an all-gather receiving (N-1)/N * P as
-    its first op is reached, again as its backward starts when it reshards after forward, and a
-    reduce-scatter sending (N-1)/N * P once its backward is done."""
-    from ..core.graph import Collective
-    from .trace import sharding_units
-
-    units = sharding_units(model)
-    if not units:
-        return ()
-    import torch.distributed as dist
-    from torch.distributed.fsdp import FSDPModule
-
-    # by module object: a submodule may be called "model" too (Hugging Face's LlamaModel)
-    found = [(name or "model", m) for name, m in model.named_modules() if isinstance(m, FSDPModule)]
-    out = []
-    for unit, module in found:
-        inner = {
-            id(p) for _, m in found if m is not module for p in m.parameters() if _nested(m, module)
-        }
-        nbytes = sum(
-            p.numel() * p.element_size() for p in module.parameters() if id(p) not in inner
-        )
-        try:
-            state = module._get_fsdp_state()
-            group = state._fsdp_param_group
-            world = group.mesh_info.shard_mesh_size
-            reshard = group.post_forward_mesh_info is not None
-        except (AttributeError, TypeError):  # another torch: FSDP2's defaults
-            world = dist.get_world_size() if dist.is_initialized() else 1
-            reshard = True
-        moved = int(nbytes * (world - 1) / world)
-        if moved <= 0:
-            continue
-        inside = [i for i, op in enumerate(graph.ops) if _within(op.extra.get("module", ""), unit)]
-        if not inside:
-            continue
-        first, last = graph.ops[inside[0]].name, graph.ops[inside[-1]].name
-        out.append(Collective(f"{unit}.all_gather", first, "forward", 0, moved))
-        if reshard:
-            out.append(Collective(f"{unit}.all_gather.backward", last, "backward", 0, moved))
-        out.append(Collective(f"{unit}.reduce_scatter", first, "backward", moved, 0))
-    return tuple(out)
-
-
-def _nested(inner, outer) -> bool:
-    """Whether module ``inner`` sits inside module ``outer``."""
-    return any(m is inner for m in outer.modules())
-
-
-def _within(path: str, unit: str) -> bool:
-    return path != "step" and (unit == "model" or path == unit or path.startswith(unit + "."))
