@@ -117,29 +117,16 @@ def heuristic_codes(
     ``single_cover``: where one unit covers a position's excess alone more cheaply than the
     per-byte greedy set, it is taken instead (False: the published rule alone)."""
     saved = graph.saved
-    nbytes = graph.tensor_bytes
-    cost = rebuild_cost(graph)
-    may_recompute = graph.can_recompute if mask is None else mask[:, RECOMPUTE]
-    may_swap = graph.is_saved if mask is None else mask[:, SWAP]
-    # bundle_reruns: tensors rebuilt by the same reruns (q, k and v of one projection; an op's
-    # several saved outputs) are rebuilt together for one cost: their price per byte is the
-    # bundle's (its recomputable members' bytes), and they are recomputed together
-    mates: dict[tuple[int, ...], list[int]] = {}
-    priced_bytes = nbytes.astype(float)
-    if bundle_reruns:
-        for t in saved:
-            mates.setdefault(tuple(graph.rerun_ops[int(t)]), []).append(int(t))
-        for members_ in mates.values():
-            shared = sum(int(nbytes[m]) for m in members_ if may_recompute[m])
-            priced_bytes[members_] = np.maximum(priced_bytes[members_], shared)
-    per_byte = np.where(may_recompute, cost / np.maximum(priced_bytes, 1), np.inf)
+    cover = _Cover(graph, mask, bundle_reruns)
     codes = keep_all_codes(graph)
     if mask is not None:  # a tensor that may not stay starts where it must go
         for t in saved:
             if not mask[t, KEEP]:
                 codes[t] = SWAP if mask[t, SWAP] else RECOMPUTE
+    # the copies compute can hide, dearest to rebuild first (formulations/heuristic.md)
+    per_byte = cover.per_byte
     dearest = saved[np.argsort(-per_byte[saved], kind="stable")]
-    dearest = dearest[may_swap[dearest] & (codes[dearest] == KEEP)]
+    dearest = dearest[cover.may_swap[dearest] & (codes[dearest] == KEEP)]
     swaps = hideable_swaps(graph, hw, dearest)
     codes[swaps] = SWAP
     stats: dict[str, Any] = {
@@ -148,65 +135,123 @@ def heuristic_codes(
         "exposed_swaps": 0,
         "repairs": 0,
     }
-
     exp = expand(graph, codes, None, hw)
     if exp.memory().max() <= budget:
         return codes, stats
-    # slot-level memory, updated as tensors are recomputed (exact without rebuild chains)
-    mem_points = exp.memory()
-    slot_mem = np.full(graph.n_slots, 0, dtype=np.int64)
-    np.maximum.at(slot_mem, exp.point_slot, mem_points)
-    last_fwd = graph.last_forward_use
-    u_slot = np.array([graph.bwd_slot(int(u)) if u >= 0 else -1 for u in graph.first_backward_use])
-    readers_of: dict[int, list[int]] = {}
-    for t in saved:
-        for f in graph.rerun_frontier[t]:
-            readers_of.setdefault(int(f), []).append(int(t))
+    cover.start(codes, exp, stats)
+    for _ in range(4 * len(saved) + 1):
+        over = cover.slot_mem - budget
+        s = int(np.argmax(over))
+        if over[s] <= 0 or not cover.relieve(s, budget, allow_chains, single_cover):
+            break
+    if fit_to_budget(graph, hw, budget, codes, mask, stats):
+        return codes, stats
+    stats["fallback"] = "swap-all" if mask is None else "most offloaded allowed"
+    if unfit is not None:
+        unfit.append(codes)
+    return most_offloaded(graph, mask), stats
 
-    def members(t: int) -> tuple[int, ...]:
-        return graph.group_of(t)
 
-    # Python lists for the per-tensor tests below (numpy's per-element access costs more than
-    # the test on 50,000-op graphs); ``code_list`` follows every change to ``codes``
-    code_list = codes.tolist()
-    can_list = graph.can_recompute.tolist()
-    frontier = graph.rerun_frontier
+class _Cover:
+    """The heuristic's second phase: where memory still tops the budget, recompute the kept
+    tensors alive there, cheapest rebuild per byte first (a greedy set cover), else swap the
+    largest; position memory kept up to date as tensors move (exact without rebuild chains)."""
 
-    def can_rebuild(t: int, chains: bool = False) -> bool:
-        for m in members(t):
-            if code_list[m] != KEEP or not can_list[m]:
+    def __init__(self, graph: ActivationGraph, mask: np.ndarray | None, bundle_reruns: bool):
+        self.graph, self.mask, self.bundle_reruns = graph, mask, bundle_reruns
+        nbytes = self.nbytes = graph.tensor_bytes
+        cost = self.cost = rebuild_cost(graph)
+        may_recompute = self.may_recompute = (
+            graph.can_recompute if mask is None else mask[:, RECOMPUTE]
+        )
+        self.may_swap = graph.is_saved if mask is None else mask[:, SWAP]
+        # bundle_reruns: tensors rebuilt by the same reruns (q, k and v of one projection; an
+        # op's several saved outputs) are rebuilt together for one cost: their price per byte is
+        # the bundle's (its recomputable members' bytes), and they are recomputed together
+        self.mates: dict[tuple[int, ...], list[int]] = {}
+        priced_bytes = nbytes.astype(float)
+        if bundle_reruns:
+            for t in graph.saved:
+                self.mates.setdefault(tuple(graph.rerun_ops[int(t)]), []).append(int(t))
+            for members_ in self.mates.values():
+                shared = sum(int(nbytes[m]) for m in members_ if may_recompute[m])
+                priced_bytes[members_] = np.maximum(priced_bytes[members_], shared)
+        self.per_byte = np.where(may_recompute, cost / np.maximum(priced_bytes, 1), np.inf)
+
+    def start(self, codes: np.ndarray, exp, stats: dict[str, Any]) -> None:
+        """From ``codes`` (changed in place from here on) and its expansion."""
+        graph = self.graph
+        self.codes, self.stats = codes, stats
+        # slot-level memory, updated as tensors are recomputed (exact without rebuild chains)
+        mem_points = exp.memory()
+        self.slot_mem = np.full(graph.n_slots, 0, dtype=np.int64)
+        np.maximum.at(self.slot_mem, exp.point_slot, mem_points)
+        self.last_fwd = graph.last_forward_use
+        self.u_slot = np.array(
+            [graph.bwd_slot(int(u)) if u >= 0 else -1 for u in graph.first_backward_use]
+        )
+        self.readers_of: dict[int, list[int]] = {}
+        for t in graph.saved:
+            for f in graph.rerun_frontier[t]:
+                self.readers_of.setdefault(int(f), []).append(int(t))
+        # Python lists for the per-tensor tests below (numpy's per-element access costs more
+        # than the test on 50,000-op graphs); ``code_list`` follows every change to ``codes``
+        self.code_list = codes.tolist()
+        self.can_list = graph.can_recompute.tolist()
+
+    def can_rebuild(self, t: int, chains: bool = False) -> bool:
+        code_list, frontier = self.code_list, self.graph.rerun_frontier
+        for m in self.graph.group_of(t):
+            if code_list[m] != KEEP or not self.can_list[m]:
                 return False
             if chains:
                 continue
             for f in frontier[m]:
                 if code_list[f] == RECOMPUTE:
                     return False
-            for r in readers_of.get(m, ()):
+            for r in self.readers_of.get(m, ()):
                 if code_list[r] == RECOMPUTE:
                     return False
         return True
 
-    def unit_of(t: int, chains: bool) -> list[int]:
+    def unit_of(self, t: int, chains: bool) -> list[int]:
         """What recomputing ``t`` recomputes: its group, and with bundle_reruns its bundle's
         kept tensors that may be rebuilt too (their rerun is paid for)."""
-        mates_of_t = mates[tuple(graph.rerun_ops[t])] if bundle_reruns else ()
+        graph = self.graph
+        mates_of_t = self.mates[tuple(graph.rerun_ops[t])] if self.bundle_reruns else ()
         unit: list[int] = []
         for x in [t] + [y for y in mates_of_t if y != t]:
             if x != t and not (
-                code_list[x] == KEEP and may_recompute[x] and can_rebuild(x, chains)
+                self.code_list[x] == KEEP and self.may_recompute[x] and self.can_rebuild(x, chains)
             ):
                 continue
-            unit.extend(m for m in members(x) if m not in unit)
+            unit.extend(m for m in graph.group_of(x) if m not in unit)
         return unit
 
-    def freed_at(unit: list[int], s: int) -> int:
+    def freed_at(self, unit: list[int], s: int) -> int:
+        last_fwd, u_slot, nbytes = self.last_fwd, self.u_slot, self.nbytes
         return int(sum(int(nbytes[m]) for m in unit if last_fwd[m] < s < u_slot[m]))
 
-    for _ in range(4 * len(saved) + 1):
-        over = slot_mem - budget
-        s = int(np.argmax(over))
-        if over[s] <= 0:
-            break
+    def move(self, m: int, code: int, sign: int) -> None:
+        """Tensor ``m`` to ``code``; its bytes leave (sign -1) or return to (+1) the positions
+        between its last forward use and its first backward use."""
+        self.codes[m] = code
+        self.code_list[m] = code
+        self.slot_mem[self.last_fwd[m] + 1 : self.u_slot[m]] += sign * self.nbytes[m]
+
+    def relieve(self, s: int, budget: int, allow_chains: bool, single_cover: bool) -> bool:
+        """Position ``s``, the one most over the budget: recompute its cheapest kept tensors
+        per byte (or the cheapest single unit that covers it alone), else swap its largest.
+        Returns whether anything moved."""
+        graph, codes, stats, slot_mem, mask = (
+            self.graph,
+            self.codes,
+            self.stats,
+            self.slot_mem,
+            self.mask,
+        )
+        saved, per_byte, cost = graph.saved, self.per_byte, self.cost
+        last_fwd, u_slot = self.last_fwd, self.u_slot
         removable = saved[(codes[saved] == KEEP) & (last_fwd[saved] < s) & (u_slot[saved] > s)]
         if mask is not None:
             removable = removable[mask[removable, SWAP] | mask[removable, RECOMPUTE]]
@@ -221,8 +266,8 @@ def heuristic_codes(
             if (
                 np.isfinite(per_byte[t])
                 and cost[t] < single_cost
-                and can_rebuild(t)
-                and freed_at(unit_of(t, False), s) >= excess
+                and self.can_rebuild(t)
+                and self.freed_at(self.unit_of(t, False), s) >= excess
             ):
                 single, single_cost = t, float(cost[t])
         undo: list[int] = []  # tensors the greedy pass recomputed here, to take back
@@ -231,15 +276,13 @@ def heuristic_codes(
             for t in order:
                 if slot_mem[s] <= budget:
                     break
-                if not np.isfinite(per_byte[t]) or not can_rebuild(int(t), chains):
+                if not np.isfinite(per_byte[t]) or not self.can_rebuild(int(t), chains):
                     continue
                 # its bundle's kept tensors come along: their rerun is paid for
-                unit = unit_of(int(t), chains)
+                unit = self.unit_of(int(t), chains)
                 greedy_cost += float(cost[t])
                 for m in unit:
-                    codes[m] = RECOMPUTE
-                    code_list[m] = RECOMPUTE
-                    slot_mem[last_fwd[m] + 1 : u_slot[m]] -= nbytes[m]
+                    self.move(m, RECOMPUTE, -1)
                     stats["recomputed"] += 1
                     undo.append(m)
                 moved = True
@@ -247,41 +290,27 @@ def heuristic_codes(
                 break
         if single_cover and single is not None and single_cost < greedy_cost * (1 - 1e-9):
             # cost per byte is a greedy covering rule: where a little is missing, the cheapest
-            # per byte can be a large tensor whose rerun is dear (an op holding a quarter of
-            # the step) while a small cheap one covers the excess alone. The better of the
-            # greedy set and the best single unit is taken (the covering problem's classic
-            # guard against the greedy's worst case)
+            # per byte can be a large tensor whose rerun is dear while a small cheap one covers
+            # the excess alone. The better of the greedy set and the best single unit is taken
+            # (the covering problem's classic guard against the greedy's worst case)
             for m in reversed(undo):
-                codes[m] = KEEP
-                code_list[m] = KEEP
-                slot_mem[last_fwd[m] + 1 : u_slot[m]] += nbytes[m]
+                self.move(m, KEEP, +1)
                 stats["recomputed"] -= 1
-            for m in unit_of(single, False):
-                codes[m] = RECOMPUTE
-                code_list[m] = RECOMPUTE
-                slot_mem[last_fwd[m] + 1 : u_slot[m]] -= nbytes[m]
+            for m in self.unit_of(single, False):
+                self.move(m, RECOMPUTE, -1)
                 stats["recomputed"] += 1
             stats["single_covers"] = stats.get("single_covers", 0) + 1
             moved = True
         if slot_mem[s] > budget and not moved:
-            for t in removable[np.argsort(-nbytes[removable], kind="stable")]:
-                if not may_swap[t]:
+            for t in removable[np.argsort(-self.nbytes[removable], kind="stable")]:
+                if not self.may_swap[t]:
                     continue
                 if slot_mem[s] <= budget:
                     break
-                codes[t] = SWAP
-                code_list[t] = SWAP
-                slot_mem[last_fwd[t] + 1 : u_slot[t]] -= nbytes[t]
+                self.move(int(t), SWAP, -1)
                 stats["exposed_swaps"] += 1
                 moved = True
-        if not moved:
-            break
-    if fit_to_budget(graph, hw, budget, codes, mask, stats):
-        return codes, stats
-    stats["fallback"] = "swap-all" if mask is None else "most offloaded allowed"
-    if unfit is not None:
-        unfit.append(codes)
-    return most_offloaded(graph, mask), stats
+        return moved
 
 
 def fit_to_budget(
