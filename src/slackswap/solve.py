@@ -141,23 +141,7 @@ def solve(
     asked = (allowed is not None and not implied) or bool(pins)
     if budget_bytes < offload_floor(graph, hw, mask):
         raise _infeasible(graph, hw, mask, budget_bytes, allowed, bool(pins), "")
-    planner = get_planner(solver)
-    if restricted(mask, graph) and asked and not getattr(planner, "honours_restrictions", False):
-        raise PlanError(
-            f"solve: solver {solver!r} cannot honour allowed="
-            f"{parse_allowed(allowed)} and pins; use {one_of(honouring_restrictions())}"
-        )
-    accepted = getattr(planner, "options", None)
-    if accepted is not None:
-        unknown = sorted(set(options) - set(accepted))
-        if unknown:
-            raise ValueError(
-                f"solve: solver {solver!r} takes no option(s) {', '.join(unknown)}; "
-                f"it takes: {', '.join(sorted(accepted)) or 'none'}"
-            )
-    check_options({**options, "work_s": work_s})
-    if work_s is not None and "work_s" in (accepted or ()):
-        options = {**options, "work_s": work_s}  # the planners without work limits ignore it
+    planner, options = _planner_for(solver, graph, mask, asked, allowed, work_s, options)
     if not isinstance(strict, (bool, np.bool_)):
         raise TypeError(f"solve: strict must be True or False, got {strict!r}")
     start = time.perf_counter()
@@ -167,51 +151,9 @@ def solve(
             time_limit_s=time_limit_s,
             **options,
         )
-    forbidden = first_forbidden(graph, solution.codes, mask)
-    if forbidden is not None:
-        if not asked and not implied:
-            raise PlanError(
-                f"solve: solver {solver!r} swaps a tensor under hardware "
-                f"{hw.name!r}'s min_swap_bytes ({hw.min_swap_bytes}): {forbidden}"
-            )
-        if implied:
-            raise PlanError(
-                f"solve: solver {solver!r} swaps ({forbidden}), but hardware "
-                f"{hw.name!r} has no host to swap to (its device memory is host "
-                "memory); use a solver that keeps or recomputes"
-            )
-        raise PlanError(
-            f"solve: solver {solver!r} does not honour allowed={parse_allowed(allowed)} "
-            f"and pins ({forbidden}); use {one_of(honouring_restrictions())}"
-        )
-    simulated = solution.simulation
-    if (
-        solution.schedule is None
-        and simulated is not None
-        and simulated.budget_bytes == budget_bytes
-        and simulated.hardware == hw
-        and np.array_equal(simulated.expansion.codes, solution.codes)
-    ):
-        # the planner's own simulation of these decisions with the default schedule: its
-        # expansion is the closed plan's (no second expansion of the step)
-        expansion = simulated.expansion
-        plan = close_from(graph, expansion, hw, budget_bytes, solution.info)
-    else:
-        simulated = None
-        plan, expansion = close_expanded(
-            graph, solution.codes, solution.schedule, hw, budget_bytes, solution.info
-        )
-    if allowed is not None or pins:
-        plan = replace(
-            plan,
-            extra={**plan.extra, "allowed": list(parse_allowed(allowed)), "pins": dict(pins or {})},
-        )
-    if (
-        "checkpoint_graph" in graph.extra
-    ):  # a plan for ss.checkpointed alone (the executor refuses it)
-        plan = replace(
-            plan, extra={**plan.extra, "checkpoint_graph": graph.extra["checkpoint_graph"]}
-        )
+    _refuse_forbidden(solver, graph, solution.codes, mask, hw, asked, implied, allowed)
+    plan, expansion, simulated = _closed(graph, solution, hw, budget_bytes)
+    plan = _with_extras(plan, graph, allowed, pins)
     if not plan.info.wall_s:
         plan = plan.with_info(wall_s=time.perf_counter() - start)
     # the closed plan's own expansion (expanding its complete schedule again gives the same
@@ -255,6 +197,107 @@ def solve(
             f"{check.violations[0]}",
             min_budget_bytes=smallest_budget_of(graph, hw, mask).budget_bytes,
             budget_bytes=budget_bytes,
+        )
+    return plan
+
+
+def _planner_for(
+    solver: str,
+    graph: ActivationGraph,
+    mask,
+    asked: bool,
+    allowed,
+    work_s: float | None,
+    options: dict[str, Any],
+) -> tuple[Any, dict[str, Any]]:
+    """The planner registered as ``solver`` and the options it gets; refused by name where it
+    cannot honour the caller's restrictions or does not take an option."""
+    planner = get_planner(solver)
+    if restricted(mask, graph) and asked and not getattr(planner, "honours_restrictions", False):
+        raise PlanError(
+            f"solve: solver {solver!r} cannot honour allowed="
+            f"{parse_allowed(allowed)} and pins; use {one_of(honouring_restrictions())}"
+        )
+    accepted = getattr(planner, "options", None)
+    if accepted is not None:
+        unknown = sorted(set(options) - set(accepted))
+        if unknown:
+            raise ValueError(
+                f"solve: solver {solver!r} takes no option(s) {', '.join(unknown)}; "
+                f"it takes: {', '.join(sorted(accepted)) or 'none'}"
+            )
+    check_options({**options, "work_s": work_s})
+    if work_s is not None and "work_s" in (accepted or ()):
+        options = {**options, "work_s": work_s}  # the planners without work limits ignore it
+    return planner, options
+
+
+def _refuse_forbidden(
+    solver: str,
+    graph: ActivationGraph,
+    codes,
+    mask,
+    hw: Hardware,
+    asked: bool,
+    implied: bool,
+    allowed,
+) -> None:
+    """A planner's decision outside the allowed ones is refused, saying whose restriction it
+    breaks (the hardware's minimum swap size, its having no host, or the caller's)."""
+    forbidden = first_forbidden(graph, codes, mask)
+    if forbidden is not None:
+        if not asked and not implied:
+            raise PlanError(
+                f"solve: solver {solver!r} swaps a tensor under hardware "
+                f"{hw.name!r}'s min_swap_bytes ({hw.min_swap_bytes}): {forbidden}"
+            )
+        if implied:
+            raise PlanError(
+                f"solve: solver {solver!r} swaps ({forbidden}), but hardware "
+                f"{hw.name!r} has no host to swap to (its device memory is host "
+                "memory); use a solver that keeps or recomputes"
+            )
+        raise PlanError(
+            f"solve: solver {solver!r} does not honour allowed={parse_allowed(allowed)} "
+            f"and pins ({forbidden}); use {one_of(honouring_restrictions())}"
+        )
+
+
+def _closed(graph: ActivationGraph, solution, hw: Hardware, budget_bytes: int):
+    """The solution closed (complete schedule, hardware: core/complete.py), its expansion, and
+    the planner's own simulation where it is of exactly this plan (else None)."""
+    simulated = solution.simulation
+    if (
+        solution.schedule is None
+        and simulated is not None
+        and simulated.budget_bytes == budget_bytes
+        and simulated.hardware == hw
+        and np.array_equal(simulated.expansion.codes, solution.codes)
+    ):
+        # the planner's own simulation of these decisions with the default schedule: its
+        # expansion is the closed plan's (no second expansion of the step)
+        expansion = simulated.expansion
+        plan = close_from(graph, expansion, hw, budget_bytes, solution.info)
+    else:
+        simulated = None
+        plan, expansion = close_expanded(
+            graph, solution.codes, solution.schedule, hw, budget_bytes, solution.info
+        )
+    return plan, expansion, simulated
+
+
+def _with_extras(plan: Plan, graph: ActivationGraph, allowed, pins) -> Plan:
+    """What the plan records beside its decisions: the restrictions it was made under, and that
+    it is for ``ss.checkpointed`` alone (a plan for a checkpoint graph; the executor refuses
+    it)."""
+    if allowed is not None or pins:
+        plan = replace(
+            plan,
+            extra={**plan.extra, "allowed": list(parse_allowed(allowed)), "pins": dict(pins or {})},
+        )
+    if "checkpoint_graph" in graph.extra:
+        plan = replace(
+            plan, extra={**plan.extra, "checkpoint_graph": graph.extra["checkpoint_graph"]}
         )
     return plan
 
