@@ -430,50 +430,13 @@ class LPBoundBuilder:
         LPBound, never a wrong bound."""
         K, R, W, budget_bytes, gap = self.K, self.R, self.W, self.budget_bytes, self.gap
         gap_on_step, graph, highs_options = self.gap_on_step, self.graph, self.highs_options
-        hw, improving_solutions, integral = self.hw, self.improving_solutions, self.integral
+        improving_solutions, integral = self.improving_solutions, self.integral
         kill_after_s, lp, max_iterations = self.kill_after_s, self.lp, self.max_iterations
         max_nodes, queue_binaries, saved = self.max_nodes, self.queue_binaries, self.saved
         start_clock, time_limit_s, tu = self.start_clock, self.time_limit_s, self.tu
         ideal = graph.ideal_step_time_s
         names = [graph.tensors[t].name for t in saved]
         mip_gap = 0.0
-
-        def no_bound(status: str, reason: str, integral_: bool = integral) -> LPBound:
-            """Nothing proven: the trivial bound (the ideal step), which every plan respects."""
-            return LPBound(
-                1.0,
-                ideal,
-                ideal,
-                budget_bytes,
-                status,
-                time.perf_counter() - start_clock,
-                {},
-                {},
-                {},
-                integral=integral_,
-                gap=np.inf,
-                note=reason,
-            )
-
-        def infeasible(reason: str) -> LPBound:
-            # HiGHS's "infeasible" is believed only below the smallest feasible budget; above it a
-            # plan exists (every tensor offloaded), so the answer is numerical trouble: no bound
-            if budget_bytes < min_budget(graph, hw):
-                return LPBound(
-                    0.0,
-                    np.inf,
-                    ideal,
-                    budget_bytes,
-                    "infeasible",
-                    time.perf_counter() - start_clock,
-                    {},
-                    {},
-                    {},
-                    integral=integral,
-                )
-            return no_bound(
-                "unsolved", f"HiGHS reported infeasible at a feasible budget ({reason})"
-            )
 
         if integral:
             # the gap is on the whole step (ideal + the objective's extra time), not on the extra
@@ -491,9 +454,9 @@ class LPBoundBuilder:
             )
             wall = time.perf_counter() - start_clock
             if res.status == 2:
-                return infeasible(res.message)
+                return self.infeasible(res.message)
             if res.status not in (0, 1):
-                return no_bound("unsolved", f"HiGHS status {res.status}: {res.message}")
+                return self.no_bound("unsolved", f"HiGHS status {res.status}: {res.message}")
             dual = res.mip_dual_bound
             if res.x is None:  # a limit before any integral point: the bound alone, if any
                 bound_units = (
@@ -541,14 +504,14 @@ class LPBoundBuilder:
                 res = lp.solve(time_limit_s=time_limit_s, max_iterations=max_iterations)
             wall = time.perf_counter() - start_clock
             if res.status == 2:
-                return infeasible(res.message)
+                return self.infeasible(res.message)
             if res.status == 1:
                 return replace(
-                    no_bound("timeout", f"LP stopped at its limit: {res.message}"),
+                    self.no_bound("timeout", f"LP stopped at its limit: {res.message}"),
                     clock_stopped=res.timed_out,
                 )
             if res.status != 0 or res.fun is None or not np.isfinite(res.fun):
-                return no_bound("unsolved", f"HiGHS status {res.status}: {res.message}")
+                return self.no_bound("unsolved", f"HiGHS status {res.status}: {res.message}")
             bound_units = max(0.0, float(res.fun))
             status = "optimal"
         x = res.x
@@ -568,4 +531,42 @@ class LPBoundBuilder:
             nodes=res.nodes if integral else None,
             clock_stopped=bool(integral and res.timed_out),
             iterations=res.iterations,
+        )
+
+    def no_bound(self, status: str, reason: str) -> LPBound:
+        """Nothing proven: the trivial bound (the ideal step), which every plan respects."""
+        ideal = self.graph.ideal_step_time_s
+        return LPBound(
+            1.0,
+            ideal,
+            ideal,
+            self.budget_bytes,
+            status,
+            time.perf_counter() - self.start_clock,
+            {},
+            {},
+            {},
+            integral=self.integral,
+            gap=np.inf,
+            note=reason,
+        )
+
+    def infeasible(self, reason: str) -> LPBound:
+        """HiGHS's "infeasible" is believed only below the smallest feasible budget; above it a
+        plan exists (every tensor offloaded), so the answer is numerical trouble: no bound."""
+        if self.budget_bytes < min_budget(self.graph, self.hw):
+            return LPBound(
+                0.0,
+                np.inf,
+                self.graph.ideal_step_time_s,
+                self.budget_bytes,
+                "infeasible",
+                time.perf_counter() - self.start_clock,
+                {},
+                {},
+                {},
+                integral=self.integral,
+            )
+        return self.no_bound(
+            "unsolved", f"HiGHS reported infeasible at a feasible budget ({reason})"
         )
