@@ -73,7 +73,8 @@ def formulate(
     build.rebuild_dependencies()
     build.memory()
     build.compute_order()
-    build.lanes()
+    build.d2h_lane()
+    build.h2d_lane()
     build.objective()
     return build.f
 
@@ -413,13 +414,12 @@ class MilpBuilder:
         self.arrive = arrive
         self.rerun_time = rerun_time
 
-    def lanes(self) -> None:
-        """The D2H and H2D lanes, first in first out, with the collectives that share them
-        (d2h_lane_fifo, d2h_release, h2d_lane_fifo, h2d_release, prefetch_arrives, ...)."""
+    def d2h_lane(self) -> None:
+        """The D2H lane, first in first out in production order, with the collectives that
+        share it (d2h_lane_fifo, d2h_release, d2h_before_free, collective_d2h)."""
         graph, m, f = self.graph, self.m, self.f
-        S, T_ub, arrive, base_dur, d2h_u = self.S, self.T_ub, self.arrive, self.base_dur, self.d2h_u
-        frontier, fwd_u, h2d_u, hw, prod = self.frontier, self.fwd_u, self.h2d_u, self.hw, self.prod
-        saved, sc, u = self.saved, self.sc, self.u
+        T_ub, d2h_u, fwd_u, hw, prod = self.T_ub, self.d2h_u, self.fwd_u, self.hw, self.prod
+        saved = self.saved
         d2h_order = sorted(saved, key=lambda t: (prod[t], t))
         # collectives on the lanes (collective_d2h, collective_h2d): jobs of fixed length, released
         # when their position is reached, in each lane's FIFO chain (Section "Collectives")
@@ -431,19 +431,6 @@ class MilpBuilder:
             else []
         )
 
-        def collective_job(lane: str, k: int, c, nbytes_c: int, prev_var):
-            p_c = int(sc.time_up(hw.d2h_time(nbytes_c) if lane == "d2h" else hw.h2d_time(nbytes_c)))
-            L = m.var(f"collective_{lane}[{c.name}]", 0, T_ub)
-            terms, const = arrive(k)
-            m.ge(
-                f"collective_{lane}_release[{c.name}]",
-                [(L, 1)] + [(v, -q) for v, q in terms],
-                const + p_c,
-            )
-            if prev_var is not None:
-                m.ge(f"collective_{lane}_fifo[{c.name}]", [(L, 1), (prev_var, -1)], p_c)
-            return L
-
         d2h_items = sorted(
             [((prod[t], 1, t), t, None) for t in d2h_order]
             + [((k, 0, j), None, c) for k, j, c in comms if c.d2h_bytes],
@@ -453,7 +440,7 @@ class MilpBuilder:
         prev = None
         for _, t, c in d2h_items:
             if c is not None:
-                prev = collective_job("d2h", graph.collective_slot(c), c, c.d2h_bytes, prev)
+                prev = self.collective_job("d2h", graph.collective_slot(c), c, c.d2h_bytes, prev)
                 continue
             name = graph.tensors[t].name
             L = m.var(f"d2h_done[{name}]", 0, T_ub)
@@ -472,7 +459,24 @@ class MilpBuilder:
                     f"d2h_before_free[{name},{k}]", [(f.start[k + 1], 1), (L, -1)], 0, enforce=(w,)
                 )
             prev = L
-        last_d2h = prev
+        self.charged, self.comms, self.lane_d, self.last_d2h = charged, comms, lane_d, prev
+        self.prev, self.d2h_order = prev, d2h_order
+
+    def h2d_lane(self) -> None:
+        """The H2D lane, first in first out in first-use order (h2d_lane_fifo, h2d_issue_order,
+        issue_position, h2d_release, h2d_after_d2h, shared_link, prefetch_arrives,
+        prefetch_arrives_for_rebuild, collective_h2d)."""
+        graph, m, f = self.graph, self.m, self.f
+        S, T_ub, arrive, base_dur, d2h_u = self.S, self.T_ub, self.arrive, self.base_dur, self.d2h_u
+        frontier, fwd_u, h2d_u, hw = self.frontier, self.fwd_u, self.h2d_u, self.hw
+        saved, u, comms, lane_d, last_d2h = (
+            self.saved,
+            self.u,
+            self.comms,
+            self.lane_d,
+            self.last_d2h,
+        )
+        d2h_order = self.d2h_order
         h2d_order = sorted(saved, key=lambda t: (u[t], t))
         f.d2h_order, f.h2d_order = d2h_order, h2d_order
         f.units = {
@@ -492,7 +496,9 @@ class MilpBuilder:
         )
         for _, t, c in h2d_items:
             if c is not None:
-                prev_l = collective_job("h2d", graph.collective_slot(c), c, c.h2d_bytes, prev_l)
+                prev_l = self.collective_job(
+                    "h2d", graph.collective_slot(c), c, c.h2d_bytes, prev_l
+                )
                 continue
             name = graph.tensors[t].name
             L = m.var(f"h2d_done[{name}]", 0, T_ub)
@@ -538,9 +544,23 @@ class MilpBuilder:
                             0,
                             enforce=(v, f.swap[x]),
                         )
-        self.charged = charged
-        self.prev = prev
         self.prev_l = prev_l
+
+    def collective_job(self, lane: str, k: int, c, nbytes_c: int, prev_var):
+        """A collective on a lane: a job of fixed length, released when its position is
+        reached, after the lane's previous job (collective_d2h, collective_h2d)."""
+        m, sc, hw, T_ub = self.m, self.sc, self.hw, self.T_ub
+        p_c = int(sc.time_up(hw.d2h_time(nbytes_c) if lane == "d2h" else hw.h2d_time(nbytes_c)))
+        L = m.var(f"collective_{lane}[{c.name}]", 0, T_ub)
+        terms, const = self.arrive(k)
+        m.ge(
+            f"collective_{lane}_release[{c.name}]",
+            [(L, 1)] + [(v, -q) for v, q in terms],
+            const + p_c,
+        )
+        if prev_var is not None:
+            m.ge(f"collective_{lane}_fifo[{c.name}]", [(L, 1), (prev_var, -1)], p_c)
+        return L
 
     def objective(self) -> None:
         """The lane-capacity cuts, the objective (the end of the last backward op, or with
