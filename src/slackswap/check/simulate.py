@@ -83,13 +83,10 @@ def lane_start(lane_free_at: float, earliest: float) -> float:
 
 
 def run_timeline(graph: ActivationGraph, exp: Expansion, hw: Hardware, budget: int) -> SimResult:
-    if hw.host_is_device and (exp.codes == SWAP).any():
-        first = graph.tensors[int(np.flatnonzero(exp.codes == SWAP)[0])].name
-        raise PlanError(
-            f"simulate: tensor {first!r} is swapped, but hardware {hw.name!r} has no "
-            "host to swap to (its device memory is host memory): the copy would run "
-            "on the compute thread and free nothing, so it is not simulated"
-        )
+    """The step of an expansion (decisions with their complete schedule) on one compute stream
+    and the copy lanes (formulations/step-model.md): when each point runs, every stall and rerun,
+    each copy's interval, and memory at every point against ``budget``."""
+    _refuse_swaps_without_host(graph, exp, hw)
     n = graph.n_ops
     S = graph.n_slots
     codes = exp.codes
@@ -126,16 +123,7 @@ def run_timeline(graph: ActivationGraph, exp: Expansion, hw: Hardware, budget: i
         arrive = now
         # collectives issued here enter the lanes first (step-model.md, "Collectives")
         for c in collectives_at.get(k, ()):
-            if c.d2h_bytes:
-                lane = d2h_lane if hw.duplex else max(h2d_lane, d2h_lane)
-                d2h_lane = lane_start(lane, arrive) + hw.d2h_time(c.d2h_bytes)
-                if not hw.duplex:
-                    h2d_lane = d2h_lane
-            if c.h2d_bytes:
-                lane = h2d_lane if hw.duplex else max(h2d_lane, d2h_lane)
-                h2d_lane = lane_start(lane, arrive) + hw.h2d_time(c.h2d_bytes)
-                if not hw.duplex:
-                    d2h_lane = h2d_lane
+            d2h_lane, h2d_lane = _collective_on_lanes(c, hw, arrive, d2h_lane, h2d_lane)
         for t in sorted(issue_at.get(k, ()), key=lambda t: (h2d_key[t], t)):
             lane = h2d_lane if hw.duplex else max(h2d_lane, d2h_lane)
             start = lane_start(lane, max(arrive, d2h_done[t]))
@@ -212,6 +200,36 @@ def run_timeline(graph: ActivationGraph, exp: Expansion, hw: Hardware, budget: i
         tensor_peak_bytes=int(tensors_only.max()) if tensors_only.size else 0,
         hardware=hw,
     )
+
+
+def _refuse_swaps_without_host(graph: ActivationGraph, exp: Expansion, hw: Hardware) -> None:
+    """A swap on hardware whose device memory is host memory is not simulated: the copy would
+    run on the compute thread and free nothing."""
+    if hw.host_is_device and (exp.codes == SWAP).any():
+        first = graph.tensors[int(np.flatnonzero(exp.codes == SWAP)[0])].name
+        raise PlanError(
+            f"simulate: tensor {first!r} is swapped, but hardware {hw.name!r} has no "
+            "host to swap to (its device memory is host memory): the copy would run "
+            "on the compute thread and free nothing, so it is not simulated"
+        )
+
+
+def _collective_on_lanes(
+    c, hw: Hardware, arrive: float, d2h_lane: float, h2d_lane: float
+) -> tuple[float, float]:
+    """A collective issued at ``arrive`` enters the lanes (one link when not full duplex);
+    returns when each lane is free again."""
+    if c.d2h_bytes:
+        lane = d2h_lane if hw.duplex else max(h2d_lane, d2h_lane)
+        d2h_lane = lane_start(lane, arrive) + hw.d2h_time(c.d2h_bytes)
+        if not hw.duplex:
+            h2d_lane = d2h_lane
+    if c.h2d_bytes:
+        lane = h2d_lane if hw.duplex else max(h2d_lane, d2h_lane)
+        h2d_lane = lane_start(lane, arrive) + hw.h2d_time(c.h2d_bytes)
+        if not hw.duplex:
+            d2h_lane = h2d_lane
+    return d2h_lane, h2d_lane
 
 
 def memory_violations(
