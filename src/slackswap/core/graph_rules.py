@@ -78,13 +78,21 @@ def check_names(value: Any, where: str, fieldname: str) -> tuple[str, ...]:
 def check_graph(graph: ActivationGraph) -> None:
     """Every rule of formulations/step-model.md a graph alone can break, the op, tensor or
     field named (GraphError)."""
-    from .graph import Collective
-
     if not isinstance(graph.name, str) or not graph.name:
         raise GraphError(f"graph: name must be a non-empty string, got {graph.name!r}")
     check_time(graph.optimizer_s, "graph", "optimizer_s")
     if not graph.ops:
         raise GraphError(f"graph {graph.name!r}: it has no ops")
+    op_index = _check_ops(graph)
+    tensor_index = _check_tensor_names(graph)
+    check_totals(graph)
+    _check_collectives(graph, op_index)
+    producer = _check_producers(graph, tensor_index)
+    _check_saves(graph, op_index, producer)
+
+
+def _check_ops(graph: ActivationGraph) -> dict[str, int]:
+    """Each op's fields, and the ops it reruns with; returns the ops by name."""
     op_index: dict[str, int] = {}
     for i, op in enumerate(graph.ops):
         where = described("op", op.name)
@@ -120,6 +128,11 @@ def check_graph(graph: ActivationGraph) -> None:
                     f"{described('op', op.name)}: rerun_with {name!r} is "
                     + ("the op itself" if name == op.name else "no op of the graph")
                 )
+    return op_index
+
+
+def _check_tensor_names(graph: ActivationGraph) -> dict[str, int]:
+    """Each tensor's name and size; returns the tensors by name."""
     tensor_index: dict[str, int] = {}
     for j, t in enumerate(graph.tensors):
         where = described("tensor", t.name)
@@ -129,7 +142,13 @@ def check_graph(graph: ActivationGraph) -> None:
             raise GraphError(f"{where}: duplicate tensor name")
         tensor_index[t.name] = j
         check_bytes(t.bytes, where, "bytes")
-    check_totals(graph)
+    return tensor_index
+
+
+def _check_collectives(graph: ActivationGraph, op_index: dict[str, int]) -> None:
+    """Each collective: a unique name, an op of the graph, a phase, its bytes."""
+    from .graph import Collective
+
     names: set[str] = set()
     for c in graph.collectives:
         if not isinstance(c, Collective):
@@ -146,6 +165,11 @@ def check_graph(graph: ActivationGraph) -> None:
             raise GraphError(f"{where}: phase must be one of {PHASES}, got {c.phase!r}")
         check_bytes(c.d2h_bytes, where, "d2h_bytes")
         check_bytes(c.h2d_bytes, where, "h2d_bytes")
+
+
+def _check_producers(graph: ActivationGraph, tensor_index: dict[str, int]) -> dict[str, int]:
+    """Each tensor made by exactly one op, and read only after it is made (a forward order);
+    returns each tensor's producer."""
     producer: dict[str, int] = {}
     for i, op in enumerate(graph.ops):
         for out in op.outputs:
@@ -170,6 +194,14 @@ def check_graph(graph: ActivationGraph) -> None:
                     f"(by op {graph.ops[producer[name]].name!r}); the op order has a cycle "
                     "or is not a forward order"
                 )
+    return producer
+
+
+def _check_saves(
+    graph: ActivationGraph, op_index: dict[str, int], producer: dict[str, int]
+) -> None:
+    """Who saves each tensor, and how long it lives and when it must be rebuilt, name ops that
+    can: its producer or readers, no op before its producer."""
     for t in graph.tensors:
         where = described("tensor", t.name)
         p = producer[t.name]
