@@ -12,17 +12,9 @@ from ..core.errors import GraphError, ProfileError
 from ..core.graph import ActivationGraph, Op, Tensor
 
 
-def graph_from_traces(
-    traces, graph_name: str, extra: dict[str, Any] | None = None
-) -> ActivationGraph:
-    """Median times over the traces; structure from the first (they must all agree)."""
-    first = traces[0]
-    for other in traces[1:]:
-        if [o.name for o in other.ops] != [o.name for o in first.ops]:
-            raise ProfileError(
-                "the model ran different ops in different steps; slackswap plans "
-                "steps whose op sequence repeats (data-dependent control flow?)"
-            )
+def _saved_for(first) -> tuple[dict[str, list[str]], int]:
+    """Per tensor, the ops that save it for backward (by the saving node's sequence number), and
+    how many saves no op could be found for."""
     seq_to_op: dict[int, int] = {}
     for i, rec in enumerate(first.ops):
         seq_to_op.setdefault(rec.seq, i)
@@ -44,6 +36,36 @@ def graph_from_traces(
         op_name = first.ops[i].name
         if op_name not in saved_for[tensor]:
             saved_for[tensor].append(op_name)
+    return saved_for, unattributed
+
+
+def _stale_ops(first) -> set[int]:
+    """Ops that may not run again: run again, they would read a tensor written in place after
+    them, its later version (a writer reading what it writes is replayed in order)."""
+    written_at: dict[str, list[int]] = {}
+    for i, rec in enumerate(first.ops):
+        for n in rec.writes:
+            written_at.setdefault(n, []).append(i)
+    stale = {
+        i
+        for i, rec in enumerate(first.ops)
+        if any(w > i for n in rec.inputs if n not in rec.writes for w in written_at.get(n, ()))
+    }
+    return stale
+
+
+def graph_from_traces(
+    traces, graph_name: str, extra: dict[str, Any] | None = None
+) -> ActivationGraph:
+    """Median times over the traces; structure from the first (they must all agree)."""
+    first = traces[0]
+    for other in traces[1:]:
+        if [o.name for o in other.ops] != [o.name for o in first.ops]:
+            raise ProfileError(
+                "the model ran different ops in different steps; slackswap plans "
+                "steps whose op sequence repeats (data-dependent control flow?)"
+            )
+    saved_for, unattributed = _saved_for(first)
     # sequence numbers run on across steps: each trace maps its own
     seq_maps = []
     for t in traces:
@@ -55,17 +77,7 @@ def graph_from_traces(
     param_grads = parameter_gradient_bytes(traces, seq_maps, len(first.ops))
     param_waiting = waiting_parameter_gradient_bytes(traces, seq_maps, len(first.ops))
     entry_grads = _per_op_max(traces, seq_maps, len(first.ops), "backward_entry_grad_bytes")
-    # an op that reads a tensor written in place after it would, run again, read the later
-    # version: it may not run again (a writer reading what it writes is replayed in order)
-    written_at: dict[str, list[int]] = {}
-    for i, rec in enumerate(first.ops):
-        for n in rec.writes:
-            written_at.setdefault(n, []).append(i)
-    stale = {
-        i
-        for i, rec in enumerate(first.ops)
-        if any(w > i for n in rec.inputs if n not in rec.writes for w in written_at.get(n, ()))
-    }
+    stale = _stale_ops(first)
     ops = []
     for i, rec in enumerate(first.ops):
         fwd = statistics.median(t.ops[i].forward_s for t in traces)
