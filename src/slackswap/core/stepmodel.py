@@ -418,6 +418,39 @@ def _check_swap_schedule(graph, codes, first_need, d2h, h2d) -> None:
             )
 
 
+def _lives(
+    graph, codes, last_use, mat_point, d2h, h2d, slot_first
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Every tensor's lives over the points, in tensor order: one (unsaved, keep) or two
+    (recompute: made, then rebuilt; swap: until it has left, then from its prefetch), as
+    (tensor, first point, last point) columns."""
+    n, T = graph.n_ops, len(graph.tensors)
+    producer = graph.producer.astype(np.int64)
+    last_fwd = graph.last_forward_use.astype(np.int64)
+    is_rec, is_swap, is_keep = codes == RECOMPUTE, codes == SWAP, codes == KEEP
+    two = is_rec | is_swap
+    count = 1 + two.astype(np.int64)
+    first = np.cumsum(count) - count
+    lives_t = np.repeat(np.arange(T, dtype=np.int64), count)
+    lives_s = np.empty(len(lives_t), dtype=np.int64)
+    lives_e = np.empty(len(lives_t), dtype=np.int64)
+    lives_s[first] = producer
+    end_first = last_fwd.copy()
+    end_first[is_keep] = last_use[is_keep]
+    sw = np.flatnonzero(is_swap)
+    free_slot = d2h[sw].astype(np.int64)
+    end_first[sw] = free_slot  # freed after a forward position: that op's point
+    late = free_slot >= n  # after a backward position: its last point (reruns come first)
+    end_first[sw[late]] = slot_first[free_slot[late] + 1] - 1
+    lives_e[first] = end_first
+    rec = np.flatnonzero(is_rec)
+    lives_s[first[rec] + 1] = mat_point[rec]
+    lives_e[first[rec] + 1] = last_use[rec]
+    lives_s[first[sw] + 1] = slot_first[h2d[sw]]
+    lives_e[first[sw] + 1] = last_use[sw]
+    return lives_t, lives_s, lives_e
+
+
 def _intervals(graph, codes, reruns, needs_at, first_need, d2h, h2d, materialized) -> Expansion:
     """The points (forward ops, then per backward position its reruns and its backward op) and
     the lives of tensors over them. Numpy over every position and tensor; Python only over the
@@ -498,30 +531,7 @@ def _intervals(graph, codes, reruns, needs_at, first_need, d2h, h2d, materialize
             iv_s.append(start)
             iv_e.append(transient_end[t])
     n_transient = len(iv_t)
-    # every tensor's lives, in tensor order: one (unsaved, keep) or two (recompute, swap)
-    producer = graph.producer.astype(np.int64)
-    last_fwd = graph.last_forward_use.astype(np.int64)
-    is_rec, is_swap, is_keep = codes == RECOMPUTE, codes == SWAP, codes == KEEP
-    two = is_rec | is_swap
-    count = 1 + two.astype(np.int64)
-    first = np.cumsum(count) - count
-    lives_t = np.repeat(np.arange(T, dtype=np.int64), count)
-    lives_s = np.empty(len(lives_t), dtype=np.int64)
-    lives_e = np.empty(len(lives_t), dtype=np.int64)
-    lives_s[first] = producer
-    end_first = last_fwd.copy()
-    end_first[is_keep] = last_use[is_keep]
-    sw = np.flatnonzero(is_swap)
-    free_slot = d2h[sw].astype(np.int64)
-    end_first[sw] = free_slot  # freed after a forward position: that op's point
-    late = free_slot >= n  # after a backward position: its last point (reruns come first)
-    end_first[sw[late]] = slot_first[free_slot[late] + 1] - 1
-    lives_e[first] = end_first
-    rec = np.flatnonzero(is_rec)
-    lives_s[first[rec] + 1] = mat_point[rec]
-    lives_e[first[rec] + 1] = last_use[rec]
-    lives_s[first[sw] + 1] = slot_first[h2d[sw]]
-    lives_e[first[sw] + 1] = last_use[sw]
+    lives_t, lives_s, lives_e = _lives(graph, codes, last_use, mat_point, d2h, h2d, slot_first)
     iv_tensor = np.concatenate([np.array(iv_t, dtype=np.int64), lives_t])
     exp = Expansion(
         codes=codes,
