@@ -349,8 +349,12 @@ class MilpBuilder:
                         held = bool(replays[q0]) and q <= int(last_fwd[o])
                         if not readers and not held:
                             continue
+                        # continuous for an LP-based solver: the rows below press it to 0 or 1
                         y = m.var(
-                            f"transient[{graph.tensors[o].name},{graph.ops[q].name},{k}]", 0, 1
+                            f"transient[{graph.tensors[o].name},{graph.ops[q].name},{k}]",
+                            0,
+                            1,
+                            lp_integral=False,
                         )
                         for q2 in readers:
                             m.ge(

@@ -9,18 +9,14 @@ from dataclasses import dataclass, field
 
 @dataclass
 class Var:
+    """An integer variable. ``lp_integral``: integer for an LP-based solver (CBC, HiGHS, SCIP);
+    CP-SAT keeps every variable integral."""
+
     index: int
     name: str
     lb: int
     ub: int
-
-    @property
-    def lp_integral(self) -> bool:
-        """Integer for an LP-based solver (CBC, HiGHS, SCIP): the decisions' binaries. Times,
-        lanes and memory sums are continuous there, and so are the rerun-transient indicators
-        (``transient[...]``: each is bounded below by the binaries it follows, and the budget
-        rows press it down to them)."""
-        return self.lb == 0 and self.ub == 1 and not self.name.startswith("transient")
+    lp_integral: bool = False
 
 
 @dataclass
@@ -42,10 +38,16 @@ class Model:
     objective_offset: int = 0
     hint: dict[int, int] = field(default_factory=dict)
 
-    def var(self, name: str, lb: int, ub: int) -> int:
+    def var(self, name: str, lb: int, ub: int, *, lp_integral: bool | None = None) -> int:
+        """A new variable in [lb, ub]; returns its index. ``lp_integral`` (default: a binary
+        is, any other is not): whether an LP-based solver keeps it integer. The decisions'
+        binaries are; times, lanes and memory sums are continuous there, and so is an indicator
+        bounded below by the binaries it follows and pressed down to them by the rows it is in
+        (formulations/milp.md, "transient_alive")."""
         if lb > ub:
             raise ValueError(f"variable {name}: empty domain [{lb}, {ub}]")
-        self.vars.append(Var(len(self.vars), name, int(lb), int(ub)))
+        integral = (lb == 0 and ub == 1) if lp_integral is None else lp_integral
+        self.vars.append(Var(len(self.vars), name, int(lb), int(ub), integral))
         return len(self.vars) - 1
 
     def binary(self, name: str) -> int:
