@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..core.errors import PlanError
-from ..core.graph import ActivationGraph
+from ..core.graph import ActivationGraph, Collective
 from ..core.hardware import Hardware, hardware
 from ..core.plan import RECOMPUTE, SWAP, Plan
 from ..core.stepmodel import Expansion, decision_codes, expand, interval_memory
@@ -115,7 +115,7 @@ def run_timeline(graph: ActivationGraph, exp: Expansion, hw: Hardware, budget: i
     now = 0.0
     stall = 0.0
     recompute_s = 0.0
-    collectives_at: dict[int, list] = {}
+    collectives_at: dict[int, list[Collective]] = {}
     if hw.collectives_on_link:
         for c in graph.collectives:
             collectives_at.setdefault(graph.collective_slot(c), []).append(c)
@@ -215,7 +215,7 @@ def _refuse_swaps_without_host(graph: ActivationGraph, exp: Expansion, hw: Hardw
 
 
 def _collective_on_lanes(
-    c, hw: Hardware, arrive: float, d2h_lane: float, h2d_lane: float
+    c: Collective, hw: Hardware, arrive: float, d2h_lane: float, h2d_lane: float
 ) -> tuple[float, float]:
     """A collective issued at ``arrive`` enters the lanes (one link when not full duplex);
     returns when each lane is free again."""

@@ -76,9 +76,9 @@ class StepWalk:
         for i, ins in enumerate(self.reads):
             for t in ins:
                 self.last_fwd[t] = max(self.last_fwd[t], i)
-        for j, t in enumerate(graph.tensors):
-            if t.alive_until is not None:
-                self.last_fwd[j] = max(self.last_fwd[j], self.op_of[t.alive_until])
+        for j, tensor in enumerate(graph.tensors):
+            if tensor.alive_until is not None:
+                self.last_fwd[j] = max(self.last_fwd[j], self.op_of[tensor.alive_until])
         self._closure: dict[int, tuple[frozenset[int], frozenset[int]]] = {}
 
     # ------------------------------------------------------------------ rerun closures
@@ -108,7 +108,8 @@ class StepWalk:
     def rebuild(self, t: int) -> tuple[frozenset[int], frozenset[int]]:
         """Ops that run again to rebuild saved tensor ``t`` (its producer's closure, then every
         write to it with theirs) and the saved tensors they read, ``t`` itself aside."""
-        ops, frontier = set(), set()
+        ops: set[int] = set()
+        frontier: set[int] = set()
         for q in [self.producer[t]] + self.written_by[t]:
             more_ops, more = self.closure(q)
             ops |= more_ops
@@ -482,10 +483,12 @@ class StepWalk:
     def _check_reads(self, walk: Walk, transient: int) -> None:
         """Every read finds its tensor on the device (forward, rerun and backward reads)."""
         g = self.graph
+        points, intervals = walk.points, walk.intervals
+        assert points is not None and intervals is not None  # a walked step has both
         spans: dict[int, list[tuple[int, int]]] = {}
-        for t, a, b in walk.intervals:
+        for t, a, b in intervals:
             spans.setdefault(t, []).append((a, b))
-        for p, (_, op, kind) in enumerate(walk.points):
+        for p, (_, op, kind) in enumerate(points):
             wanted = self.bwd_reads[op] if kind == "backward" else self.reads[op]
             for t in wanted:
                 found = False
@@ -508,11 +511,13 @@ class StepWalk:
     def memory(self, walk: Walk, limit: int | None) -> tuple[int, list[Violation]]:
         """Bytes on the device at every point (live tensors and the running op's workspace)."""
         g = self.graph
-        n_points = len(walk.points)
+        points, intervals = walk.points, walk.intervals
+        assert points is not None and intervals is not None  # a walked step has both
+        n_points = len(points)
         comes = [0] * (n_points + 1)  # bytes that arrive at each point, and leave after it
         goes = [0] * (n_points + 1)
         nbytes = self.nbytes
-        for t, a, b in walk.intervals:
+        for t, a, b in intervals:
             comes[a] += nbytes[t]
             goes[b] += nbytes[t]
         fwd_ws = [int(op.forward_workspace_bytes) for op in g.ops]
@@ -523,12 +528,12 @@ class StepWalk:
         live = 0
         peak = 0
         over: list[tuple[int, int]] = []  # (point, bytes) where the budget is topped
-        for p, (_, op, kind) in enumerate(walk.points):
+        for p, (_, op, kind) in enumerate(points):
             live += comes[p]
             if kind == "backward":
                 now = live + bwd_ws[op]
             elif kind == "rerun":
-                now = live + fwd_ws[op] + rerun_ws[back_op[walk.points[p][0]]]
+                now = live + fwd_ws[op] + rerun_ws[back_op[points[p][0]]]
             else:
                 now = live + fwd_ws[op]
             if now > peak:
@@ -538,8 +543,9 @@ class StepWalk:
             live -= goes[p]
         out: list[Violation] = []
         for p, now in over:
-            _, op, kind = walk.points[p]
-            resident = [t for t, a, b in walk.intervals if a <= p <= b]
+            assert limit is not None  # only a limit is topped
+            _, op, kind = points[p]
+            resident = [t for t, a, b in intervals if a <= p <= b]
             top = max(resident, key=lambda t: (self.nbytes[t], -t), default=None)
             tname = None if top is None else g.tensors[top].name
             name = g.ops[op].name

@@ -69,11 +69,12 @@ def rerun_closures(
     producer = graph.producer.tolist()
     writers = graph.writers
     written = graph.op_writes
-    op_closure: dict[int, tuple[frozenset, frozenset]] = {}
+    Closure = tuple[frozenset[int], frozenset[int]]  # the ops rerun, the saved tensors read
+    op_closure: dict[int, Closure] = {}
     # the closure of op i's write of tensor t: the op and what its other reads need
-    write_closure: dict[int, tuple[frozenset, frozenset]] = {}
+    write_closure: dict[int, Closure] = {}
 
-    def tensor_closure(t: int, before: int) -> tuple[set, set]:
+    def tensor_closure(t: int, before: int) -> tuple[set[int], set[int]]:
         """What rebuilding tensor t as op ``before`` reads it needs: its producer's closure,
         then the closures of the writes to it made before that op."""
         ops, frontier = set(op_closure[producer[t]][0]), set(op_closure[producer[t]][1])
@@ -86,9 +87,9 @@ def rerun_closures(
     # op closures in forward order, so inputs' closures already exist
     for i, ins in enumerate(graph.op_inputs):
         ops = {i}
-        frontier = set()
+        frontier: set[int] = set()
         own = {i}
-        own_frontier: set = set()
+        own_frontier: set[int] = set()
         for t in ins:
             if saved[t]:
                 frontier.add(t)

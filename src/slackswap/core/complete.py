@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 
@@ -118,7 +118,7 @@ def complete(plan: Plan, graph: ActivationGraph, hw: Hardware | str | None = Non
     )
 
 
-def _need_hardware(plan: Plan):
+def _need_hardware(plan: Plan) -> NoReturn:
     from .errors import PlanError
 
     raise PlanError(

@@ -148,7 +148,7 @@ class ActivationGraph:
         return self._content_digest(times=False)
 
     def _content_digest(self, times: bool) -> str:
-        def timed(o: Op) -> list:
+        def timed(o: Op) -> list[float]:
             return [o.forward_s, o.backward_s] if times else []
 
         core = {
@@ -278,9 +278,9 @@ class ActivationGraph:
         for i, ins in enumerate(self.op_inputs):
             for t in ins:
                 last[t] = max(last[t], i)
-        for j, t in enumerate(self.tensors):
-            if t.alive_until is not None:
-                last[j] = max(last[j], self.op_index[t.alive_until])
+        for j, tensor in enumerate(self.tensors):
+            if tensor.alive_until is not None:
+                last[j] = max(last[j], self.op_index[tensor.alive_until])
         return last
 
     @cached_property

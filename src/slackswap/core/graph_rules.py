@@ -28,10 +28,10 @@ def described(kind: str, name: str) -> str:
 def check_time(value: Any, where: str, fieldname: str) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise GraphError(f"{where}: {fieldname} must be a number, got {value!r}")
-    value = float(value)
-    if math.isnan(value) or math.isinf(value) or value < 0:
-        raise GraphError(f"{where}: {fieldname} must be finite and >= 0, got {value!r}")
-    return value
+    seconds = float(value)
+    if math.isnan(seconds) or math.isinf(seconds) or seconds < 0:
+        raise GraphError(f"{where}: {fieldname} must be finite and >= 0, got {seconds!r}")
+    return seconds
 
 
 def check_bytes(value: Any, where: str, fieldname: str) -> int:
@@ -50,7 +50,7 @@ def check_bytes(value: Any, where: str, fieldname: str) -> int:
     return int(value)
 
 
-def check_unit(value, where: str) -> str:
+def check_unit(value: Any, where: str) -> str:
     if not isinstance(value, str):
         raise GraphError(
             f"{where}: unit must be a string (a sharding unit's module path), got {value!r}"

@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 import numbers
 from dataclasses import asdict, dataclass, field, replace
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -40,7 +41,7 @@ class Hardware:
     # tensors smaller than this are never swapped: a copy's fixed cost (launch, host work, an
     # event) buys next to no memory (formulations/step-model.md, "Minimal plans")
     min_swap_bytes: int = 0
-    sources: dict = field(default_factory=dict, compare=False)
+    sources: dict[str, Any] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -99,15 +100,15 @@ class Hardware:
         """Seconds one host-to-device transfer of ``nbytes`` occupies its lane."""
         return self.latency_s + nbytes / self.h2d_bytes_per_s
 
-    def with_link(self, **changes) -> Hardware:
+    def with_link(self, **changes: Any) -> Hardware:
         """A copy with some figures changed (for sensitivity studies)."""
         return replace(self, **changes)
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, data: dict) -> Hardware:
+    def from_dict(cls, data: dict[str, Any]) -> Hardware:
         known = {k: data[k] for k in cls.__dataclass_fields__ if k in data}
         missing = [
             k

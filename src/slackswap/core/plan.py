@@ -15,10 +15,13 @@ from dataclasses import dataclass, field, replace
 from enum import IntEnum
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .errors import PlanError
 from .hardware import Hardware
+
+if TYPE_CHECKING:
+    from .graph import ActivationGraph
 
 PLAN_FORMAT = "slackswap.plan/2"
 PLAN_FORMATS = ("slackswap.plan/1", PLAN_FORMAT)  # /1: no hardware, schedule optional
@@ -259,7 +262,7 @@ class Plan:
             for t, d in self.decisions.items()
         )
 
-    def check_graph(self, graph) -> None:
+    def check_graph(self, graph: ActivationGraph) -> None:
         """Raise PlanError unless ``graph`` is the graph this plan was made for (by digest)."""
         if graph.digest != self.graph_digest:
             raise PlanError(
@@ -293,7 +296,7 @@ class Plan:
         """The decisions alone (an open plan: schedule and hardware dropped)."""
         return replace(self, schedule=None, hardware=None)
 
-    def as_checkpoint_policy(self, graph):
+    def as_checkpoint_policy(self, graph: ActivationGraph) -> Any:
         """A torch selective-checkpoint policy with this plan's recomputes: see
         :func:`slackswap.runtime.checkpoint.checkpoint_policy` (imported lazily: torch stays out
         of the core). For the plan's peak, run the model inside ``slackswap.checkpointed(model,

@@ -9,7 +9,7 @@ simulator adds time to it; the validator checks it against the budget with code 
 from __future__ import annotations
 
 from bisect import bisect_right
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -18,6 +18,9 @@ from .errors import PlanError
 from .graph import ActivationGraph
 from .hardware import Hardware
 from .plan import DECISIONS, KEEP, RECOMPUTE, SWAP, UNSAVED, Plan, Schedule
+
+# per position, the ops rerun there (or the tensors needed there), in forward order
+Reruns = Sequence[Sequence[int]]
 
 
 def keep_all_codes(graph: ActivationGraph) -> np.ndarray:
@@ -167,7 +170,9 @@ def _slot_label(graph: ActivationGraph, slot: int) -> str:
     return f"backward of op {graph.ops[2 * n - 1 - slot].name!r}"
 
 
-def trace_reruns(graph: ActivationGraph, codes: np.ndarray, recompute_at: np.ndarray):
+def trace_reruns(
+    graph: ActivationGraph, codes: np.ndarray, recompute_at: np.ndarray
+) -> tuple[list[tuple[int, ...]], list[tuple[int, ...]], np.ndarray, np.ndarray]:
     """Walk the backward pass: which ops rerun where, and who needs what (rules for recompute)."""
     n = graph.n_ops
     S = graph.n_slots
@@ -256,7 +261,7 @@ def first_backward_need(
     return trace_reruns(graph, codes, rec)[2]
 
 
-def nominal_slot_times(graph: ActivationGraph, reruns) -> tuple[np.ndarray, np.ndarray]:
+def nominal_slot_times(graph: ActivationGraph, reruns: Reruns) -> tuple[np.ndarray, np.ndarray]:
     """Start and end time of every slot if nothing stalls (reruns included)."""
     n = graph.n_ops
     dur = np.empty(graph.n_slots)
@@ -273,9 +278,9 @@ def nominal_slot_times(graph: ActivationGraph, reruns) -> tuple[np.ndarray, np.n
 def default_swap_schedule(
     graph: ActivationGraph,
     hw: Hardware,
-    codes,
-    first_need,
-    reruns,
+    codes: np.ndarray,
+    first_need: np.ndarray,
+    reruns: Reruns,
     d2h: np.ndarray,
     h2d: np.ndarray,
 ) -> None:
@@ -346,7 +351,13 @@ def default_swap_schedule(
     h2d[order[unset]] = g[unset]
 
 
-def _monotone_issue(graph: ActivationGraph, codes, first_need, h2d, movable) -> None:
+def _monotone_issue(
+    graph: ActivationGraph,
+    codes: np.ndarray,
+    first_need: np.ndarray,
+    h2d: np.ndarray,
+    movable: np.ndarray,
+) -> None:
     """Prefetches are issued in the order of their tensors' first backward reader: a movable
     issue position is never before that of a tensor read earlier (it is moved later, never past
     the tensor's first use)."""
@@ -397,7 +408,13 @@ def expand_positions(
     return exp
 
 
-def _check_swap_schedule(graph, codes, first_need, d2h, h2d) -> None:
+def _check_swap_schedule(
+    graph: ActivationGraph,
+    codes: np.ndarray,
+    first_need: np.ndarray,
+    d2h: np.ndarray,
+    h2d: np.ndarray,
+) -> None:
     last_fwd = graph.last_forward_use
     for t in np.flatnonzero(codes == SWAP):
         name = graph.tensors[t].name
@@ -419,7 +436,13 @@ def _check_swap_schedule(graph, codes, first_need, d2h, h2d) -> None:
 
 
 def _lives(
-    graph, codes, last_use, mat_point, d2h, h2d, slot_first
+    graph: ActivationGraph,
+    codes: np.ndarray,
+    last_use: np.ndarray,
+    mat_point: np.ndarray,
+    d2h: np.ndarray,
+    h2d: np.ndarray,
+    slot_first: np.ndarray,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Every tensor's lives over the points, in tensor order: one (unsaved, keep) or two
     (recompute: made, then rebuilt; swap: until it has left, then from its prefetch), as
@@ -451,7 +474,16 @@ def _lives(
     return lives_t, lives_s, lives_e
 
 
-def _intervals(graph, codes, reruns, needs_at, first_need, d2h, h2d, materialized) -> Expansion:
+def _intervals(
+    graph: ActivationGraph,
+    codes: np.ndarray,
+    reruns: Reruns,
+    needs_at: Reruns,
+    first_need: np.ndarray,
+    d2h: np.ndarray,
+    h2d: np.ndarray,
+    materialized: np.ndarray,
+) -> Expansion:
     """The points (forward ops, then per backward position its reruns and its backward op) and
     the lives of tensors over them. Numpy over every position and tensor; Python only over the
     positions that rerun something (a 50,000-op step expands in a fraction of a second)."""
@@ -495,8 +527,7 @@ def _intervals(graph, codes, reruns, needs_at, first_need, d2h, h2d, materialize
     rerun_ws = graph.rerun_ws
     replays = graph.op_rerun_with
     last_fwd_use = graph.last_forward_use
-    for k in np.flatnonzero(n_reruns) + n:
-        k = int(k)
+    for k in (np.flatnonzero(n_reruns) + n).tolist():
         transient_start: dict[int, int] = {}
         transient_end: dict[int, int] = {}
         p = int(slot_first[k])
@@ -545,9 +576,9 @@ def _intervals(graph, codes, reruns, needs_at, first_need, d2h, h2d, materialize
         iv_end=np.concatenate([np.array(iv_e, dtype=np.int64), lives_e]),
         iv_bytes=graph.tensor_bytes[iv_tensor],
         iv_transient=np.arange(len(iv_tensor)) < n_transient,
-        reruns=tuple(reruns),
+        reruns=tuple(tuple(r) for r in reruns),
         first_need=first_need,
-        needs_at=tuple(needs_at),
+        needs_at=tuple(tuple(x) for x in needs_at),
         d2h_free=d2h,
         h2d_issue=h2d,
         materialize_at=np.where(codes == RECOMPUTE, materialized, -1),
@@ -555,7 +586,13 @@ def _intervals(graph, codes, reruns, needs_at, first_need, d2h, h2d, materialize
     return exp
 
 
-def _yield_to_budget(graph, exp: Expansion, budget: int, given_d2h, given_h2d) -> Expansion:
+def _yield_to_budget(
+    graph: ActivationGraph,
+    exp: Expansion,
+    budget: int,
+    given_d2h: np.ndarray,
+    given_h2d: np.ndarray,
+) -> Expansion:
     """Free offloaded tensors earlier and prefetch later where memory tops the budget."""
     d2h = exp.d2h_free.copy()
     h2d = exp.h2d_issue.copy()
