@@ -157,3 +157,23 @@ def test_the_readmes_layout_names_every_module():
     modules = sorted(p.relative_to(ROOT) for p in ROOT.rglob("*.py") if p.name != "__init__.py")
     missing = [str(m) for m in modules if m.stem not in words]
     assert not missing, f"modules missing from README.md's layout: {missing}"
+
+
+def test_the_public_functions_say_their_arguments_and_results():
+    """Every public function (``ss.<name>``, lazy ones too) documents its arguments (Args:)
+    and its result (Returns:), Google style, so ``help()`` answers without the source."""
+    import inspect
+
+    names = list(slackswap.__all__) + list(slackswap._LAZY)
+    missing = []
+    for name in names:
+        obj = getattr(slackswap, name)
+        if not inspect.isfunction(obj):
+            continue
+        doc = inspect.getdoc(obj) or ""
+        signature = inspect.signature(obj)
+        if signature.parameters and "Args:" not in doc:
+            missing.append(f"{name}: Args")
+        if signature.return_annotation not in (None, "None") and "Returns:" not in doc:
+            missing.append(f"{name}: Returns")
+    assert not missing, missing

@@ -389,7 +389,22 @@ def cnn_graph(
 ) -> ActivationGraph:
     """The layer-level activation graph of one training step of the CNN ``name`` (one of
     CNN_SHAPES) on ``hw``: ``batch`` images of ``side`` x ``side`` pixels (the network's usual
-    input side by default)."""
+    input side by default).
+
+    Args:
+        name: one of CNN_SHAPES ("vgg16", "resnet50", "unet", ...).
+        hw: the hardware (or its preset name) whose roofline times the ops.
+        batch: images per step.
+        side: the input's side in pixels (default the network's usual one).
+        dtype_bytes: bytes per activation element (2: half precision).
+
+    Returns:
+        The graph, named after the network, batch and side.
+
+    Raises:
+        ValueError: an unknown network, or a batch, side or dtype_bytes that is not a positive
+            integer.
+    """
     if name not in _BUILDERS:
         raise ValueError(f"unknown CNN {name!r}; known: {', '.join(CNN_SHAPES)}")
     for label, value in (("batch", batch), ("dtype_bytes", dtype_bytes)) + (

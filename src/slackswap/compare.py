@@ -42,7 +42,17 @@ def result_row(
     graph: ActivationGraph, plan: Plan, sim: SimResult | None = None, **context: Any
 ) -> dict[str, Any]:
     """One row: the plan's status and proof, and its simulated step on its own schedule.
-    ``context`` (workload, budget fraction, ...) is put first."""
+    ``context`` (workload, budget fraction, ...) is put first.
+
+    Args:
+        graph: the step the plan is for.
+        plan: the plan.
+        sim: its simulation (default: simulated here).
+        context: more columns (solver, budget, ...).
+
+    Returns:
+        The row: RESULT_FIELDS' columns.
+    """
     sim = simulate(graph, plan) if sim is None else sim
     row: dict[str, Any] = dict(context)
     row.update(
@@ -93,7 +103,19 @@ def compare(
 ) -> list[dict[str, Any]]:
     """One row per solver (:func:`result_row`): retention, step time, peak, stall, solve time,
     status, gap. Each option goes to the solvers that take it; one that none takes is refused.
-    ``allowed`` and ``pins`` go to every solver (see :func:`solve`)."""
+    ``allowed`` and ``pins`` go to every solver (see :func:`solve`).
+
+    Args:
+        graph: the step to plan.
+        budget: a fraction of the keep-all peak, bytes, or a string ("12GiB", "50%").
+        hardware: the hardware (default: the graph's own, else the default preset).
+        solvers: the planners to run, by registered name.
+        time_limit_s: each exact planner's hard cap on the clock.
+        options: passed to every planner that takes them.
+
+    Returns:
+        One row per planner (result_row's columns; an infeasible budget gives infeasible_row's).
+    """
     hw, _ = graph_hardware(graph, hardware)
     accepted = {name: getattr(get_planner(name), "options", None) for name in solvers}
     known = set().union(*(a or set(options) for a in accepted.values())) if accepted else set()

@@ -199,7 +199,26 @@ def plan_for_ranks(
     never arrives (late, or stuck in a wrapper's collective after another rank's forward raised)
     makes the others raise a RankError naming it after that long instead of waiting forever, and
     a rank that arrives after the others gave up raises the same error at once (each rank notes
-    its arrival at each collective in torch.distributed's own store)."""
+    its arrival at each collective in torch.distributed's own store).
+
+    Args:
+        model: the (DDP or FSDP2) module on this rank.
+        inputs: this rank's batch (every rank the same shapes).
+        loss_fn: the loss of the output.
+        budget: as for ``solve``.
+        hardware: the device.
+        solver, time_limit_s: as for ``solve``.
+        group: the process group (default: a new gloo group for planning).
+        profile_options: passed to ``profile``.
+        timeout_s: how long a rank waits for the others at each phase.
+        solve_options: passed to ``solve``.
+
+    Returns:
+        (graph, plan), the same on every rank.
+
+    Raises:
+        RankError: a rank could not profile or plan, or traced another step (named).
+    """
     import datetime
 
     import torch.distributed as dist

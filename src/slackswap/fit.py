@@ -117,7 +117,19 @@ def fit(
     **options: Any,
 ) -> FitReport:
     """Plan ``graph`` for the device memory ``hw`` has (``memory_bytes`` overrides it), less the
-    model state the graph records. ``solver`` and ``options`` go to :func:`slackswap.solve`."""
+    model state the graph records. ``solver`` and ``options`` go to :func:`slackswap.solve`.
+
+    Args:
+        graph: the step, profiled with its model state (``graph.extra["model_state"]``).
+        hardware: the device (default: the graph's own).
+        memory_bytes: the device memory to fit in (default: the hardware's).
+        solver: the planner for the activations' budget.
+        options: passed to ``solve``.
+
+    Returns:
+        A FitReport: whether the step fits, the activation budget left beside the model state,
+        and the plan for it.
+    """
     if not isinstance(graph, ActivationGraph):
         raise TypeError(f"fit: graph must be an ActivationGraph, got {type(graph).__name__}")
     hw, _ = graph_hardware(graph, hardware)

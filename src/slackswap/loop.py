@@ -489,7 +489,18 @@ def planned(
 
     budget: as for :func:`slackswap.solve` (a fraction of each bucket's keep-all peak, bytes, or a
     string). hardware: None plans for the device the model is profiled on. refine_solver: the
-    exact planner run in a background process (None: the heuristic's plans only)."""
+    exact planner run in a background process (None: the heuristic's plans only).
+
+    Args:
+        model: the torch module.
+        loss_fn: the loss of its output.
+        budget: as for ``solve``.
+        hardware: the device (default: measured).
+        (every other option as above)
+
+    Returns:
+        The PlannedLoop, a context manager: ``loop.step(inputs)`` runs one training step.
+    """
     if isinstance(max_plans, bool) or not isinstance(max_plans, int) or max_plans < 1:
         raise ValueError(f"planned: max_plans must be a positive integer, got {max_plans!r}")
     return PlannedLoop(

@@ -119,6 +119,26 @@ def solve(
     clock stops a phase first, ``plan.info.extra["clock_stopped"]`` names it and the status is
     "timeout". ``anytime=True``: the phases share the time limit instead (a faster machine
     searches further; two runs may differ).
+
+    Args:
+        graph: the step to plan.
+        budget: as above.
+        hardware: the hardware (default: the graph's own, else the default preset).
+        solver: a registered planner's name (solver_names()).
+        time_limit_s: as above.
+        work_s: the exact planners' work, in seconds of the reference machine.
+        strict: raise when the planner's plan does not fit (False: return it, said so).
+        allowed: as above.
+        pins: as above.
+        options: the planner's own (its ``options``).
+
+    Returns:
+        The plan, closed, checked and simulated; ``plan.info`` says its status, bound and gap.
+
+    Raises:
+        InfeasibleBudget: no plan fits the budget (``min_budget_bytes`` says what does).
+        PlanError: a planner that cannot honour the restrictions, or did not.
+        ValueError: an unknown option or solver.
     """
     entered = time.perf_counter()  # the time limit counts from here
     if not isinstance(graph, ActivationGraph):
@@ -439,7 +459,17 @@ def min_budget(
     """The smallest budget (bytes) a plan fits with the decisions allowed: ``allowed`` and
     ``pins`` as for :func:`solve`, and the hardware's own restriction (a device whose memory is
     the host's keeps and recomputes only). A plan exists at it: ``solve`` at this budget returns
-    one. See :func:`smallest_budget` for how it is found and whether it is proven minimal."""
+    one. See :func:`smallest_budget` for how it is found and whether it is proven minimal.
+
+    Args:
+        graph: the step.
+        hardware: the hardware (default: the graph's own, else the default preset).
+        allowed: the decisions plans may use (default all three).
+        pins: one decision for named tensors.
+
+    Returns:
+        The smallest budget in bytes any plan fits.
+    """
     return smallest_budget(graph, hardware, allowed=allowed, pins=pins).budget_bytes
 
 
@@ -455,7 +485,18 @@ def smallest_budget(
     heuristic's smallest fitting plan by bisection, then, on graphs of at most 12,000 positions
     x saved tensors, the exact planner's model with the budget a variable to minimise (CP-SAT,
     one worker, fixed deterministic time). ``proven``: no plan fits less (``lower_bytes``, the
-    offload floor or the model's bound, is the same figure)."""
+    offload floor or the model's bound, is the same figure).
+
+    Args:
+        graph: the step.
+        hardware: the hardware (default: the graph's own, else the default preset).
+        allowed: the decisions plans may use (default all three).
+        pins: one decision for named tensors.
+
+    Returns:
+        The MinPeak: the smallest budget's bytes, a lower bound on it (``proven`` when they
+        meet), how it was found, and the decisions and schedule of a plan that fits it.
+    """
     if not isinstance(graph, ActivationGraph):
         raise TypeError(f"min_budget: graph must be an ActivationGraph, got {type(graph).__name__}")
     hw, _ = graph_hardware(graph, hardware)

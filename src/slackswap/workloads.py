@@ -317,7 +317,16 @@ class _Builder:
 def transformer_graph(
     config: TransformerConfig, hw: Hardware | str, name: str | None = None
 ) -> ActivationGraph:
-    """The kernel-level activation graph of one training step of ``config`` on ``hw``."""
+    """The kernel-level activation graph of one training step of ``config`` on ``hw``.
+
+    Args:
+        config: the transformer's shapes.
+        hw: the hardware whose roofline times the ops.
+        name: the graph's name (default from the config).
+
+    Returns:
+        The graph.
+    """
     hw = hardware(hw)
     c = config
     B = _Builder(c, hw)
@@ -386,7 +395,21 @@ def workload(
 
     ``fsdp_world``: the graph of one rank of an FSDP2 job over that many ranks (the same
     activations, plus the job's all-gathers and reduce-scatters; ``fsdp_collectives``). Whether
-    they cross the host link is the hardware's ``collectives_on_link``."""
+    they cross the host link is the hardware's ``collectives_on_link``.
+
+    Args:
+        name: a workload's name (WORKLOADS: "bert-large", "gpt2-xl", "llama-7b", ...).
+        hw: the hardware whose roofline times the ops.
+        fsdp_world: shard the parameters over this many ranks (FSDP): its collectives join the
+            graph.
+        reshard_after_forward: FSDP's option (the all-gathers run again in backward).
+
+    Returns:
+        The graph.
+
+    Raises:
+        ValueError: an unknown workload.
+    """
     try:
         config = WORKLOADS[name]
     except KeyError:

@@ -58,7 +58,19 @@ class SimResult:
 
 def simulate(graph: ActivationGraph, plan: Plan, hw: Hardware | str | None = None) -> SimResult:
     """Simulate one step under ``plan`` on its own schedule, on the plan's hardware (or on ``hw``:
-    the same schedule on other copy lanes, a what-if)."""
+    the same schedule on other copy lanes, a what-if).
+
+    Args:
+        graph: the step the plan is for.
+        plan: a closed plan.
+        hw: the hardware to simulate on (default: the plan's own).
+
+    Returns:
+        The SimResult: step time, stalls, reruns, memory at every point, each copy's interval.
+
+    Raises:
+        PlanError: the plan is for another graph, or names no hardware and none is given.
+    """
     if not isinstance(plan, Plan):
         raise TypeError(f"simulate: plan must be a slackswap.Plan, got {type(plan).__name__}")
     plan.check_graph(graph)

@@ -59,7 +59,17 @@ def validate(
 ) -> Validation:
     """Check ``plan`` against ``graph``: decisions, its complete schedule, every read, memory at
     every point against the budget (the plan's, or ``budget``), and the step time on the copy
-    lanes of ``hw`` (the plan's hardware by default)."""
+    lanes of ``hw`` (the plan's hardware by default).
+
+    Args:
+        graph: the step the plan is for.
+        plan: the plan, closed.
+        hw: the hardware (default: the plan's own).
+        budget: the budget to hold it to (default: the plan's own).
+
+    Returns:
+        The Validation: ok or every violation, with the peak and step time it derived.
+    """
     if not isinstance(plan, Plan):
         raise TypeError(f"validate: plan must be a slackswap.Plan, got {type(plan).__name__}")
     step = StepWalk(graph)

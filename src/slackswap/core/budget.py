@@ -12,7 +12,15 @@ from .units import budget_bytes_from
 
 
 def keep_all_peak(graph: ActivationGraph, hw: Hardware | str) -> int:
-    """Peak activation memory with every saved tensor kept (rules 1-3 of the step model)."""
+    """Peak activation memory with every saved tensor kept (rules 1-3 of the step model).
+
+    Args:
+        graph: the step.
+        hw: the hardware (or its preset name).
+
+    Returns:
+        The peak bytes of keeping every saved tensor: the budget a fraction refers to.
+    """
     hw = hardware(hw)
     return int(expand(graph, keep_all_codes(graph), None, hw).memory().max())
 
@@ -50,5 +58,18 @@ def min_budget(graph: ActivationGraph, hw: Hardware | str) -> int:
 
 
 def parse_budget(budget: float | int | str, graph: ActivationGraph, hw: Hardware | str) -> int:
-    """Budget in bytes (the rule is core/units.py's): a fraction of the keep-all peak, or bytes."""
+    """Budget in bytes (the rule is core/units.py's): a fraction of the keep-all peak, or bytes.
+
+    Args:
+        budget: a fraction of the keep-all peak in (0, 1], bytes (int), or a string ("12GiB",
+            "50%").
+        graph: the step whose keep-all peak a fraction refers to.
+        hw: the hardware.
+
+    Returns:
+        The budget in bytes.
+
+    Raises:
+        ValueError: a budget that is not one of those forms, or not positive.
+    """
     return budget_bytes_from(budget, lambda: keep_all_peak(graph, hw))

@@ -90,7 +90,19 @@ def complete(plan: Plan, graph: ActivationGraph, hw: Hardware | str | None = Non
     """``plan`` closed for ``graph`` on ``hw`` (default: the plan's hardware): positions it does
     not give get the step model's defaults; a plan already complete is returned as it is (its
     hardware included). The
-    completed plan records it in ``info.extra["schedule"]``, and the completion is logged."""
+    completed plan records it in ``info.extra["schedule"]``, and the completion is logged.
+
+    Args:
+        plan: the plan, open (decisions alone) or closed.
+        graph: the graph the plan was made for (checked by digest).
+        hw: the hardware the schedule is for (default: the plan's own).
+
+    Returns:
+        The closed plan: its complete schedule and the hardware it was made for.
+
+    Raises:
+        PlanError: the plan is for another graph, or names no hardware and none is given.
+    """
     plan.check_graph(graph)
     hw = hardware(
         hw
@@ -134,7 +146,19 @@ def load_plan(
 ) -> Plan:
     """Load a plan from a path, JSON text or dict. A ``slackswap.plan/1`` plan (no hardware, maybe
     no schedule) is completed on load when ``graph`` is given, for ``hardware`` (default
-    a100-80gb-pcie4, what /1 plans were made for unless told otherwise)."""
+    a100-80gb-pcie4, what /1 plans were made for unless told otherwise).
+
+    Args:
+        source: a path to a plan file, its JSON text, its dict, or a plan.
+        graph: the graph it is for, to complete an older plan's schedule.
+        hardware: the hardware for an older plan that names none.
+
+    Returns:
+        The plan, closed.
+
+    Raises:
+        PlanError: a malformed plan, or one that cannot be closed with what is given.
+    """
     plan = read_plan(source)
     if graph is not None and not plan.is_complete:
         plan = complete(plan, graph, hardware or plan.hardware or "a100-80gb-pcie4")

@@ -431,7 +431,17 @@ class ActivationGraph:
 
 
 def load_graph(source: str | Path | Mapping[str, Any] | ActivationGraph) -> ActivationGraph:
-    """Load a graph from a JSON file path, a JSON text, or a dict; check every rule."""
+    """Load a graph from a JSON file path, a JSON text, or a dict; check every rule.
+
+    Args:
+        source: a path to a graph file, its JSON text, its dict, or a graph (returned as it is).
+
+    Returns:
+        The graph, every rule of formulations/step-model.md checked.
+
+    Raises:
+        GraphError: a malformed graph, naming the op, tensor or field at fault.
+    """
     if isinstance(source, ActivationGraph):
         return source
     if isinstance(source, Mapping):

@@ -236,7 +236,17 @@ _PRESETS["cpu-emulated-link"] = replace(
 
 
 def hardware(name: str | Hardware) -> Hardware:
-    """The preset called ``name`` (see :func:`hardware_names`), or ``name`` itself if a Hardware."""
+    """The preset called ``name`` (see :func:`hardware_names`), or ``name`` itself if a Hardware.
+
+    Args:
+        name: a preset's name (hardware_names()) or a Hardware, returned as it is.
+
+    Returns:
+        The Hardware.
+
+    Raises:
+        ValueError: an unknown preset name, with the known ones.
+    """
     if isinstance(name, Hardware):
         return name
     try:
@@ -248,4 +258,9 @@ def hardware(name: str | Hardware) -> Hardware:
 
 
 def hardware_names() -> list[str]:
+    """The hardware presets, by name.
+
+    Returns:
+        The names of the hardware presets.
+    """
     return sorted(_PRESETS)

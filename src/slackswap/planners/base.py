@@ -78,7 +78,11 @@ _REGISTRY: dict[str, str] = {
 
 
 def solver_names() -> list[str]:
-    """Every registered planner's name (available or not)."""
+    """Every registered planner's name (available or not).
+
+    Returns:
+        Every registered planner's name, available here or not.
+    """
     return list(_REGISTRY)
 
 
@@ -97,7 +101,15 @@ def honouring_restrictions() -> list[str]:
 
 
 def register_solver(name: str, target: str) -> None:
-    """Register a planner as "module:Class" (imported on first use)."""
+    """Register a planner as "module:Class" (imported on first use).
+
+    Args:
+        name: the name ``solve(solver=...)`` will take.
+        target: "module:Class", imported on first use.
+
+    Raises:
+        ValueError: a target that is not "module:Class".
+    """
     if ":" not in target:
         raise ValueError(f"register_solver: target must be 'module:Class', got {target!r}")
     _REGISTRY[name] = target
@@ -122,7 +134,14 @@ def get_planner(name: str) -> Planner:
 
 
 def is_available(name: str) -> bool:
-    """Whether ``name`` is registered and its packages are installed."""
+    """Whether ``name`` is registered and its packages are installed.
+
+    Args:
+        name: a registered planner's name.
+
+    Returns:
+        Whether it can run here (its solver is installed).
+    """
     try:
         get_planner(name)
     except (ImportError, ValueError, AttributeError):

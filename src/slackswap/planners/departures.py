@@ -100,7 +100,20 @@ def departure_bound(
     of at least this step time is all the caller needs (a known plan's proof): the run stops
     once it has one, status "feasible", though its model is not solved. ``on_start(solver)``
     is called before each round's search with the CP-SAT solver (a caller in another thread may
-    then stop it)."""
+    then stop it).
+
+    Args:
+        graph: the step.
+        budget: as for ``solve``.
+        hw: the hardware.
+        (every other option as above)
+
+    Returns:
+        The DepartureBound: the bound, its status, and its best point's decisions.
+
+    Raises:
+        ValueError: a gap, min_gap_s, enough_s or hint of the wrong form.
+    """
     began = time.perf_counter()
     hw = hardware(hw)
     budget_bytes = parse_budget(budget, graph, hw)

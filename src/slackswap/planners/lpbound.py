@@ -66,6 +66,21 @@ def lp_bound(
     the bound is: "optimal", "timeout" (a limit stopped it; the bound is what was proven),
     "infeasible" (the budget is below the smallest feasible one), or "unsolved" (HiGHS failed;
     the bound is the trivial one, the ideal step, and ``note`` says why). Never a wrong bound.
+
+    Args:
+        graph: the step.
+        budget: as for ``solve``.
+        hw: the hardware.
+        integral, time_limit_s, gap, producer_delay, improving_solutions, max_iterations,
+        gap_on_step, kill_after_s, max_nodes, allowed, pins, mask, whole_departures,
+        highs_options: as above.
+
+    Returns:
+        The LPBound: the bound on the step time (and retention), its status, and the
+        relaxation's decision fractions.
+
+    Raises:
+        ValueError: whole_departures without integral, or not a non-negative integer.
     """
     build = LPBoundBuilder(
         graph,

@@ -29,6 +29,16 @@ def checkpoint_policy(plan: Plan, graph: ActivationGraph):
     Around the whole model call, backward rebuilds the whole forward at once and the step peaks
     where plain training does: to get the plan's peak use :class:`checkpointed`, which
     checkpoints one block at a time with this plan.
+
+    Args:
+        plan: a plan for ``graph``.
+        graph: the graph it was made for.
+
+    Returns:
+        The policy, for ``torch.utils.checkpoint.create_selective_checkpoint_contexts``.
+
+    Raises:
+        PlanError: the plan is for another graph.
     """
     from torch.utils.checkpoint import CheckpointPolicy
 

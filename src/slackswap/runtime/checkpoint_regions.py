@@ -169,7 +169,15 @@ def boundary_pins(graph: ActivationGraph, regions: list[str] | None = None) -> d
     tensor a region reads but does not produce is held by torch's checkpoint as the region's
     input, and every tensor an op outside any region saves is held by autograd, whatever a plan
     says: plan them as kept. On a ``checkpoint_graph``, what the checkpoint reruns anyway is
-    pinned to recompute."""
+    pinned to recompute.
+
+    Args:
+        graph: the step.
+        regions: the module paths to checkpoint (default: the model's blocks).
+
+    Returns:
+        The pins, by tensor name, for ``solve(pins=...)``.
+    """
     of_op = _op_regions(graph, regions)
     pins: dict[str, str] = {}
     for i, op in enumerate(graph.ops):  # the checkpoint reruns these whatever a plan says
@@ -218,7 +226,17 @@ def checkpoint_graph(
     Plans for this graph are for ``checkpointed`` alone: ``ss.apply`` refuses them (its rebuilds
     would rerun such an op without the ops that write its output in place). Plans for ``graph``
     itself assume each tensor is rebuilt just before its first use, which the policy does not do
-    (a BN ResNet at 50%: 51 MiB measured against 40 simulated)."""
+    (a BN ResNet at 50%: 51 MiB measured against 40 simulated).
+
+    Args:
+        graph: the profiled step.
+        regions: the module paths to checkpoint (default: the model's blocks).
+        compiled: the graph as the compiled backward runs it (its parameter gradients at its
+            end).
+
+    Returns:
+        The graph a plan for ``checkpointed`` is made on.
+    """
     from dataclasses import replace
 
     if "checkpoint_graph" in graph.extra:

@@ -492,6 +492,18 @@ def apply(
     checked against the tensors the model saves, on the first forward. Every saved tensor must
     have the bytes it was planned with; ``smaller_inputs`` accepts fewer (a plan made at the
     largest sequence length of a bucket runs the shorter ones: no point holds more than planned).
+
+    Args:
+        plan: a closed plan for the model's step.
+        model: the torch module it was made for.
+        graph: the graph it was made for: the executor then acts at the plan's positions.
+        smaller_inputs: allow steps smaller than the profiled one.
+
+    Returns:
+        The Run, a context manager: steps inside it run under the plan (``run.stats``).
+
+    Raises:
+        PlanError: a plan for another model or graph, or one the checker refuses.
     """
     if not isinstance(plan, Plan):
         raise TypeError(f"apply: plan must be a slackswap.Plan, got {type(plan).__name__}")

@@ -93,6 +93,14 @@ def calibrate_link(device=None, nbytes: int = 256 * 2**20, repeat: int = 5) -> H
 
     On a machine without CUDA it returns the documented "cpu" preset (the host-copy transport of
     the CPU executor) unchanged.
+
+    Args:
+        device: the CUDA device (default the current one; "cpu" returns the cpu preset).
+        nbytes: bytes per timed copy.
+        repeat: copies timed per direction.
+
+    Returns:
+        The Hardware with the measured bandwidths and latency.
     """
     import torch
 

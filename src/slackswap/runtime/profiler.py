@@ -215,6 +215,20 @@ def profile(
     budget covers what the step holds beside its tensors. False: the graph's tensors and
     workspaces alone (graphs compared tensor by tensor). Not with FSDP2 (no single device's
     step to measure) or ``fake``.
+
+    Args:
+        model: the torch module.
+        inputs: its inputs.
+        loss_fn: the loss of its output.
+        device: where to move the model and inputs first.
+        (every other option as above)
+
+    Returns:
+        The graph of one training step.
+
+    Raises:
+        ProfileError: a model, inputs, loss or option that cannot be profiled (``user_error``:
+            the user's own exception, if that is why).
     """
     import torch
 
