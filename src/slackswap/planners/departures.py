@@ -383,13 +383,11 @@ PROBE_SHARE = 0.25
 ADDED_POSITIONS = 8  # at most this many broken positions join each next round
 # a round over some positions gets at most this share of the work; one that does not solve in it
 # gives way to the round over every position (fewer rows can make the proof harder: with no
-# incumbent, VGG19 at 90% over 25 positions was not solved with 10 of work, over all 60 with 2).
-# From the heuristic's plan with 2 of work, a quarter per round left VGG16 at 50% and VGG19 at
-# 90% unsolved; half solved them (1.3 and 0.8 in all)
+# incumbent, on the CNN rows; docs/tuning.md). From the heuristic's plan, a quarter per round
+# left CNN rows unsolved that half solved
 ROUND_SHARE = 0.5
 # what a round costs beyond CP-SAT's deterministic time, per binary of its model (the Python
-# build, the hint, CP-SAT's presolve: ResNet50 at 50%, two rounds of 4,000 binaries, 2.7 s of wall
-# time for 1 unit of deterministic time), and CP-SAT's
+# build, the hint, CP-SAT's presolve), and CP-SAT's
 # deterministic time per second with one worker on the reference machine
 ROUND_S_PER_BINARY = 5e-4
 DTIME_PER_S = 0.45

@@ -406,14 +406,13 @@ def _best_of(graph: ActivationGraph, hw: Hardware, budget: int, candidates):
     return (best, best_sim) if best is not None else (candidates[0], None)
 
 
-# the bundled variant is tried up to this many positions: on a 50,000-op graph it would cost
-# another 3.5 s of the heuristic's 10 s goal (benchmarks/solve_scaling.py --size-goals)
+# the bundled variant is tried up to this many positions: past it, it would cost a third of the
+# heuristic's time goal (benchmarks/solve_scaling.py --size-goals; docs/tuning.md)
 BUNDLED_UP_TO_SLOTS = 20_000
 POLISH_EVALUATIONS_PER_TENSOR = 4
-POLISH_POSITIONS = 20_000  # about 0.2 s of simulation on the reference machine
+POLISH_POSITIONS = 20_000  # simulated positions of the polish
 # the polish's work, in multiples, when no candidate fits (the alternative is no plan at all):
-# at most 640,000 simulated positions, about 6 s on the reference machine; HF GPT-2 of 6 layers
-# and BERT of 12 profiled on the CPU at 30% (keep and recompute only) need 16-32
+# profiled HF models on the CPU at 30% (keep and recompute only) needed 16-32
 UNFIT_POLISH_FACTOR = 32
 
 
@@ -449,8 +448,8 @@ class SlackSwapHeuristic:
         # alone (the exact planner's start when there is no time for the polish's search)
         bundle = options.get("bundle_reruns", polish)
         if bundle and g.n_slots <= BUNDLED_UP_TO_SLOTS:
-            # the same rules with reruns priced per bundle: far better on some graphs (a
-            # 4-layer GPT at 20%: 1.3 ms of overhead, not 7.3), worse on others; the faster wins
+            # the same rules with reruns priced per bundle: far better on some graphs, worse on
+            # others; the faster wins
             variants.append(
                 heuristic_codes(
                     g, hw, budget, mask=problem.mask, bundle_reruns=True, single_cover=polish

@@ -488,8 +488,7 @@ class LPBoundBuilder:
             status = "optimal" if res.status == 0 else "timeout"
         else:
             # dual simplex is fastest on small models; past IPM_FROM_SLOTS positions PIQP's interior
-            # point method (640-layer transformer: 13 s with the model's build; HiGHS's IPX without
-            # crossover 56-108 s, dual simplex 352 s; 16 layers: dual simplex 0.16 s)
+            # point method, several times faster there than HiGHS's (docs/tuning.md)
             if graph.n_slots > IPM_FROM_SLOTS:
                 res = lp.solve_piqp(time_limit_s=time_limit_s, max_iterations=max_iterations)
                 left = (

@@ -115,7 +115,7 @@ def solve_highs_mip(req: dict, folder: Path) -> dict:
     import highspy
     import numpy as np
 
-    # numpy alone (no scipy.sparse: its import is most of this child's start, 0.5 s of 0.7)
+    # numpy alone (no scipy.sparse: its import is most of this child's start)
     data = np.load(folder / "in.npz")
     parts = [
         (data[f"{k}_data"], data[f"{k}_indices"], data[f"{k}_indptr"], data[f"{k}_shape"])

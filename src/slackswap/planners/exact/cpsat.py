@@ -50,21 +50,19 @@ def _build(f: Formulation, fixed: dict[int, int] | None = None):
 # heuristics.fixed_search") when such a search is given a complete hint that is infeasible (it
 # tries to repair it): the hint is checked here first, and an infeasible one is not given.
 INTERLEAVE = True
-BUILD_S_PER_NONZERO = 6e-6  # CP-SAT model building (GPT-2 XL: 192,000 nonzeros, 1.1 s)
+BUILD_S_PER_NONZERO = 6e-6  # CP-SAT model building (docs/tuning.md for these figures)
 # CP-SAT checks its clock now and then, and freeing a large model takes time after it stops: it
-# is stopped earlier by this much per nonzero (640 layers: 2.4 million nonzeros, stopped 0.85 s
-# after its limit and 1.7 s more to return)
+# is stopped earlier by this much per nonzero
 STOP_S_PER_NONZERO = 1.5e-6
 # over every position (a proof): one worker without LP, one with; CP-SAT's own presolve loops
-# once (VGG16 at 90%: proven in 5 s where the default portfolio took 19 s)
+# once (proofs several times faster than the default portfolio)
 PROOF_SUBSOLVERS = ("no_lp", "default_lp")
 # CP-SAT's presolve probing does not check the wall clock and counts little of its work as
-# deterministic time: on a fake profile of Llama-2-7B at sequence 4096 (280,000 nonzeros) it ran
-# 29 s for 0.04 of deterministic time, 13 s past the round's cap. Above this size it is off
+# deterministic time: on large models it ran far past the round's cap. Above this size it is off
 PROBING_OFF_FROM_NONZEROS = 250_000
 # a round on a model of that size whose search would get less deterministic time than this once
-# the model's size is paid is not run: its presolve alone (PresolveToFixPoint: 15-30 s on that
-# model, not counted as deterministic time either) costs more than the work allowed, for no plan
+# the model's size is paid is not run: its presolve alone (PresolveToFixPoint, not counted as
+# deterministic time either) costs more than the work allowed, for no plan
 MIN_ROUND_DTIME = 0.25
 
 

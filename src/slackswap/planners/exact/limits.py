@@ -26,17 +26,17 @@ from typing import Any
 DEFAULT_TIME_LIMIT_S = 10.0
 NO_DEADLINE_S = 1e6
 
-# --- rates of the reference machine, loaded (one busy process beside the planner) ---
-# CP-SAT's deterministic time per second with 2 interleaved workers (idle: about 0.25; loaded,
-# the two workers share the cores with the busy process)
+# --- rates of the reference machine, loaded (one busy process beside the planner); what each
+# was measured on: docs/tuning.md ---
+# CP-SAT's deterministic time per second with 2 interleaved workers
 CPSAT_DTIME_PER_S = 0.25
-# simulated positions per second of local search (GPT-2 XL: 1,170 positions per evaluation)
+# simulated positions per second of local search
 SEARCH_POSITIONS_PER_S = 100_000
 # branch-and-bound nodes per second of the MILP through CBC or HiGHS (one thread; their only
 # work limit there)
 MILP_NODES_PER_S = 20
-# HiGHS branch-and-bound nodes per second of an integral relaxation (CNN graphs of 50-180 ops:
-# 20-40 ms a node; a large model's root node is charged by its size, RELAX_CELLS_PER_S)
+# HiGHS branch-and-bound nodes per second of an integral relaxation (a large model's root node
+# is charged by its size, RELAX_CELLS_PER_S)
 RELAX_NODES_PER_S = 5
 # positions x saved tensors an integral relaxation's root node handles per second of work: a
 # larger model is not started (its root alone would pass the work allowed)
@@ -44,18 +44,18 @@ RELAX_CELLS_PER_S = 125_000
 # simplex iterations per second of the LP bound (dual simplex; a limit that a model it can solve
 # in its share never reaches)
 LP_ITERATIONS_PER_S = 200_000
-# building the MILP, per position (GPT-2 XL: 1,160 positions, 0.45 s)
+# building the MILP, per position
 BUILD_S_PER_SLOT = 6e-4
-# building and solving the LP bound, per position: dual simplex (BERT-Large, 582 positions:
-# 0.16 s) and, past IPM_FROM_SLOTS positions, PIQP's interior point (640 layers: about 13 s)
+# building and solving the LP bound, per position: dual simplex and, past IPM_FROM_SLOTS
+# positions, PIQP's interior point
 LP_S_PER_SLOT = 3e-4
 LP_IPM_S_PER_SLOT = 1e-3
 # CP-SAT's work beside its deterministic time, per nonzero of the model (building, presolve,
-# the first LP; Llama-7B's 126,000 nonzeros: 2.3 s of a 3.5 s round)
+# the first LP)
 CPSAT_S_PER_NONZERO = 2e-5
 
 # --- shares of the work ---
-SEARCH_SHARE = 0.45  # all local searches together (cheap: a few hundred ms on the CNN rows)
+SEARCH_SHARE = 0.45  # all local searches together (cheap on the CNN rows)
 RELAX_SHARE = 0.15  # each integral relaxation
 MILP_SHARE = 0.25  # the MILP (all its rounds)
 PROOF_SHARE = 0.2  # the proof round (CP-SAT over every position; small models only, PROOF_CELLS)
@@ -85,26 +85,25 @@ LANE_HEADROOM = 0.98
 RELAXATION_GAP = 1e-4
 RELAXATION_CAP_S = 20.0
 # by default the relaxations run without HiGHS's sub-MIP heuristics (RINS, RENS): they were most
-# of the root node's time (SegNet at 50%: 4.1 of 4.9 s) for the same bound and nearly the same
-# decisions on the CNN rows; the root node has no other work limit
+# of the root node's time for the same bound and nearly the same decisions on the CNN rows; the
+# root node has no other work limit
 RELAXATION_HIGHS = {"mip_heuristic_run_rins": False, "mip_heuristic_run_rens": False}
 RELAXATION_MIN_S = 1.5  # less time left than this: the relaxation is not started
 HEURISTIC_POLISH_S = 2.0  # less time left than this: the restricted heuristics without polish
-# less time left than this: the heuristic itself without its polish (at most 20,000 simulated
-# positions, about 0.2 s on the reference machine, and the bundled pricing)
+# less time left than this: the heuristic itself without its polish (at most POLISH_POSITIONS
+# simulated positions) and the bundled pricing
 HEURISTIC_MAIN_POLISH_S = 0.4
 # less time left than this: the heuristic's polish does not search on with more work where no
-# candidate fits (heuristic.UNFIT_POLISH_FACTOR: at most about 6.4 s on the reference machine)
+# candidate fits (heuristic.UNFIT_POLISH_FACTOR times its usual work)
 HEURISTIC_UNFIT_POLISH_S = 8.0
 # less time left than this per position: the heuristic runs without its bundled pricing either
-# (three runs and their simulations; BERT-Large, 582 positions: 8 ms each on the reference machine)
+# (three runs and their simulations)
 HEURISTIC_BUNDLE_S_PER_SLOT = 1e-4
 
 
 # the coarse start (coarse_start): graphs of fewer ops are searched whole; its coarse graph has
-# about COARSE_OPS_PER_S ops per second of its limit (a 64-layer GPT-style step, 643 ops, gets its
-# plan in 30 s on the reference machine), at most COARSE_MAX_OPS, at least COARSE_MIN_BLOCKS blocks
-# and at most 1 / COARSE_RATIO of the original's
+# about COARSE_OPS_PER_S ops per second of its limit, at most COARSE_MAX_OPS, at least
+# COARSE_MIN_BLOCKS blocks and at most 1 / COARSE_RATIO of the original's
 COARSE_MIN_OPS = 1500
 COARSE_OPS_PER_S = 20
 COARSE_MAX_OPS = 650
@@ -123,7 +122,7 @@ DEPARTURE_CLOCK_SHARE = 0.6
 DEPARTURE_CLOSING_SHARE = 0.9
 DEPARTURE_CLOSING_WORK = 1.0  # its work, as a share of the first run's
 # by default its whole work (its models' sizes charged) is this share of the first run's: it comes
-# after the relaxations, whose root nodes no work limit bounds (ResNet50 at 50%: 2 s each)
+# after the relaxations, whose root nodes no work limit bounds
 DEPARTURE_CLOSING_SHARE_OF_WORK = 0.5
 # each departure run stops within this share of the proof tolerance of its bound
 DEPARTURE_GAP_SHARE = 0.8

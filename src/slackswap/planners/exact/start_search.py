@@ -367,7 +367,7 @@ class StartSearch:
         )
         if not self.anytime:
             # by default two relaxations: a third root node (no work limit bounds it) put the
-            # closing departure run past a 10 s cap
+            # closing departure run past the default time limit
             starts = tuple(item for item in starts if item[0] != "integral LP with lane headroom")
         return starts
 
