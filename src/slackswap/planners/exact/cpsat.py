@@ -69,6 +69,9 @@ MIN_ROUND_DTIME = 0.25
 class CpSatBackend(ExactBackend):
     name = "cpsat"
     exact_arithmetic = True
+    integer_variables = "all"
+    work_limit = "deterministic_time"
+    takes_complete_hint = True
 
     def is_available(self) -> bool:
         try:

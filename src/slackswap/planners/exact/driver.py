@@ -21,9 +21,17 @@ class ExactBackend:
 
     name = "exact"
     honours_restrictions = True  # Problem.mask: fixed in the MILP, the bound and every start
+    # what the backend can do, which the strategy (strategy.py) asks before it gives it anything:
     # integers solved exactly (CP-SAT), not in floating point with tolerances (HiGHS, CBC): the
     # model may then use a finer time unit (formulations/milp.md, "Scaling and rounding")
     exact_arithmetic = False
+    # which variables it keeps integer: "all" (CP-SAT), or "marked", those Var.lp_integral marks
+    # (an LP-based solver: times, lanes and memory sums continuous)
+    integer_variables = "marked"
+    # its work limit: "deterministic_time" (CP-SAT's) or "nodes" (branch and bound)
+    work_limit = "nodes"
+    # it starts from a value for every variable (hint.complete_hint), not only the decisions'
+    takes_complete_hint = False
     options = frozenset(
         {
             "seed",

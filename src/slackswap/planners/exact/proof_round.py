@@ -85,13 +85,14 @@ def _proof_round(state: SolveState) -> dict[str, Any] | None:
     size = pf.model.size()
     if size["nonzeros"] > PROOF_NONZEROS:
         return {"skipped": f"{size['nonzeros']} nonzeros"}
-    # its work: CP-SAT's deterministic time, fixed by the work allowed alone
+    # its work, fixed by the work allowed alone (the backend's own limit)
+    from .strategy import work_options
+
     options = {
         **state.options,
-        "deterministic_time_s": work.cpsat_dtime(work.proof_s, size["nonzeros"]),
-        "max_nodes": work.milp_nodes(work.proof_s),
+        **work_options(state.backend, work, work.proof_s, size["nonzeros"]),
     }
-    completed = complete_hint(pf, *hint)
+    completed = complete_hint(pf, *hint) if state.backend.takes_complete_hint else None
     if completed:
         options["complete_hint"] = completed
     else:

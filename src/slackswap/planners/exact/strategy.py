@@ -392,7 +392,7 @@ def build(state: SolveState) -> None:
         fine_time=state.backend.exact_arithmetic,
         mask=problem.mask,
     )
-    if s.warm_start:
+    if s.warm_start and state.backend.takes_complete_hint:
         from .hint import complete_hint
 
         full_hint = complete_hint(f, *ws.hint)
@@ -415,9 +415,18 @@ def build(state: SolveState) -> None:
     work = state.work
     state.options = {
         **state.options,
-        "deterministic_time_s": work.cpsat_dtime(work.milp_s / share, size["nonzeros"]),
-        "max_nodes": work.milp_nodes(work.milp_s / share),
+        **work_options(state.backend, work, work.milp_s / share, size["nonzeros"]),
     }
+
+
+def work_options(
+    backend: ExactBackend, work: WorkLimits, seconds: float, nonzeros: int
+) -> dict[str, Any]:
+    """``seconds`` of work (of the reference machine) as the backend's own limit: CP-SAT's
+    deterministic time, or branch-and-bound nodes (limits.py)."""
+    if backend.work_limit == "deterministic_time":
+        return {"deterministic_time_s": work.cpsat_dtime(seconds, nonzeros)}
+    return {"max_nodes": work.milp_nodes(seconds)}
 
 
 def search_whole(state: SolveState) -> None:
