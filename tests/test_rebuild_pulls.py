@@ -1,4 +1,4 @@
-"""The integral relaxation's rebuild-pull rows (planners/lpbound.py, lp-bound.md "Rebuilds pull
+"""The integral relaxation's rebuild-pull rows (planners/rebuild_pulls.py, lp-bound.md "Rebuilds pull
 others along"): a rebuild reads its frontier, so the recomputed tensors it reads or makes are
 rebuilt with it, recursively. The rows only add memory every plan holds: never beaten."""
 
@@ -7,14 +7,14 @@ import pytest
 from helpers import CAP, LINK, seeded_graph
 
 import slackswap as ss
-import slackswap.planners.lpbound as lpbound
+import slackswap.planners.lpbuilder as lpbuilder
 from slackswap.check.simulate import simulate_decisions
 from slackswap.core.plan import KEEP, RECOMPUTE, SWAP
 from slackswap.core.stepmodel import keep_all_codes
 
 
 def _without_pulls(monkeypatch):
-    monkeypatch.setattr(lpbound, "_rebuild_pulls", lambda *args, **kwargs: None)
+    monkeypatch.setattr(lpbuilder, "rebuild_pulls", lambda *args, **kwargs: None)
 
 
 @pytest.mark.slow

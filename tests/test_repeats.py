@@ -245,8 +245,10 @@ def test_exact_planner_starts_from_the_coarse_plan(monkeypatch):
     """A 40-layer GPT-style step with one layer's attention output pinned to keep: the coarse
     start (its threshold lowered so that a graph this small gets one; 8 of 40 layers) is used,
     the pin holds, the checker passes the plan, and it is no worse than the heuristic's."""
-    from slackswap.planners.exact import warmstart
+    from slackswap.planners.exact import start_search, warmstart
 
+    # where each is read: the search asks for a coarse start, coarse_start makes it
+    monkeypatch.setattr(start_search, "COARSE_MIN_OPS", 100)
     monkeypatch.setattr(warmstart, "COARSE_MIN_OPS", 100)
     monkeypatch.setattr(warmstart, "COARSE_MAX_OPS", 80)
     g = ss.transformer_graph(config(40), HW)
