@@ -23,7 +23,7 @@ import slackswap as ss
 from slackswap.check.simulate import simulate_decisions
 from slackswap.core.plan import KEEP, RECOMPUTE, SWAP
 from slackswap.core.stepmodel import decision_codes
-from slackswap.planners import departure_model, departures
+from slackswap.planners import departure_model, departures, scaling
 from slackswap.planners.departures import departure_bound
 
 LATENCY_LINK = LINK.with_link(name="test-latency", latency_s=0.05)
@@ -293,7 +293,7 @@ def test_a_gap_stops_its_rounds_early_and_keeps_the_bound_valid():
         unit = (
             2
             * (g.ideal_step_time_s + sum(LINK.d2h_time(int(g.tensor_bytes[t])) for t in g.saved))
-            / departure_model.TIME_RANGE
+            / scaling.DEPARTURE_TIME_RANGE
         )
         assert early.overhead_s <= exact.overhead_s * (1 + 1e-9), seed
         assert early.overhead_s >= (1 - gap) * exact.overhead_s - unit, seed

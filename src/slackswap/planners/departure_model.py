@@ -16,11 +16,7 @@ from ..core.graph import ActivationGraph
 from ..core.hardware import Hardware
 from ..core.plan import KEEP, RECOMPUTE, SWAP
 from ..core.stepmodel import expand, keep_all_codes
-
-TIME_RANGE = 1e7  # time unit: (ideal step + every copy) / TIME_RANGE
-
-
-BYTE_RANGE = 1e6  # byte unit: the larger of the budget and the largest tensor / BYTE_RANGE
+from .scaling import departure_units
 
 
 class DepartureData:
@@ -55,9 +51,7 @@ class DepartureData:
         self.excess = {k: int(held[k]) - self.room[k] for k in self.critical}
         self.produced = np.sort(np.array([prod[t] for t in saved], dtype=np.int64))
         self.order = sorted(saved, key=lambda t: (int(prod[t]), t))  # the D2H lane's order
-        copies = sum(hw.d2h_time(int(nbytes[t])) for t in saved)
-        self.tu = (graph.ideal_step_time_s + copies) / TIME_RANGE
-        self.bu = max(1, math.ceil(max(budget_bytes, int(nbytes.max(initial=1))) / BYTE_RANGE))
+        self.tu, self.bu = departure_units(graph, hw, budget_bytes)
         dur = np.concatenate([graph.forward_s, graph.backward_s[::-1]])
         self.compute_before = np.concatenate([[0.0], np.cumsum(dur)])  # P[k]
 

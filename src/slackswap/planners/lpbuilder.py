@@ -14,8 +14,9 @@ from ..core.budget import min_budget, parse_budget
 from ..core.graph import ActivationGraph
 from ..core.hardware import Hardware, hardware
 from ..core.stepmodel import expand, keep_all_codes
-from .lpmodel import MODEL_SCALE, LinearModel
+from .lpmodel import LinearModel
 from .rebuild_pulls import PULL_CELLS, add_to, rebuild_pulls
+from .scaling import SMALLEST, lp_units, relax_small
 
 
 @dataclass(frozen=True)
@@ -40,16 +41,7 @@ class LPBound:
 LATENCY_ROW_SHARE = 0.1  # the every-copy-within-the-step row is added past this latency share
 
 
-SMALLEST = 1e-6  # model units: smaller coefficients are rounded in the relaxing direction
-
-
 IPM_FROM_SLOTS = 2500  # positions above which the LP is solved by an interior point method
-
-
-def _relax_small(values: np.ndarray) -> np.ndarray:
-    """Sizes and durations below SMALLEST units become 0: less memory and less time relax the
-    model, so its optimum stays a lower bound on every plan's step time."""
-    return np.where(values < SMALLEST, 0.0, values)
 
 
 class LPBoundBuilder:
@@ -106,17 +98,9 @@ class LPBoundBuilder:
         # Coefficients that would still fall below SMALLEST units are rounded the way that relaxes
         # the model (bytes and op times down, lane bandwidth up), so the bound stays a bound
         # (formulations/lp-bound.md, "Scaling").
-        saved_bytes = float(graph.tensor_bytes[graph.saved].sum())
-        copy_s = saved_bytes / min(hw.d2h_bytes_per_s, hw.h2d_bytes_per_s) + hw.latency_s * len(
-            graph.saved
-        )
-        bu = max(budget_bytes, int(graph.tensor_bytes.max(initial=0)), 1) / MODEL_SCALE
-        # a step of no time or of denormal seconds (2e-313 s): the copies set the unit, and never one
-        # so small that a copy's or a collective's seconds overflow to inf in units
-        ideal_s = graph.ideal_step_time_s
-        tu = (ideal_s if ideal_s >= 1e-12 else max(copy_s, 1e-12)) / MODEL_SCALE
-        nbytes = _relax_small(graph.tensor_bytes.astype(float) / bu)
-        fwd_s = _relax_small(graph.forward_s / tu)
+        bu, tu = lp_units(graph, hw, budget_bytes)
+        nbytes = relax_small(graph.tensor_bytes.astype(float) / bu)
+        fwd_s = relax_small(graph.forward_s / tu)
         prod = graph.producer
         last_fwd = graph.last_forward_use
         u_slot = np.array([graph.bwd_slot(int(u)) for u in graph.first_backward_use[saved]])
@@ -225,7 +209,7 @@ class LPBoundBuilder:
         K, R, S, W, graph, last_fwd = self.K, self.R, self.S, self.W, self.graph, self.last_fwd
         lb_slot, lp, nbytes, prod, saved = self.lb_slot, self.lp, self.nbytes, self.prod, self.saved
         tu, u_slot = self.tu, self.u_slot
-        dur = _relax_small(np.concatenate([graph.forward_s, graph.backward_s[::-1]]) / tu)
+        dur = relax_small(np.concatenate([graph.forward_s, graph.backward_s[::-1]]) / tu)
         dep = lp.vars(S)
         arr = lp.vars(S)
         # running sums of swapped bytes: produced (<= k), within forward life, needed, freed
@@ -282,7 +266,7 @@ class LPBoundBuilder:
         for t, s_, e_ in zip(base.iv_tensor, base.iv_start, base.iv_end):
             if not graph.is_saved[t]:
                 unsaved_mem[s_ : e_ + 1] += nbytes[t]  # (already relaxed)
-        ws = _relax_small(base.point_workspace[main_points].astype(float) / bu)
+        ws = relax_small(base.point_workspace[main_points].astype(float) / bu)
         for k in range(S):
             if k == 0:
                 lp.le([dep[0]], [1.0], 0.0)

@@ -14,8 +14,8 @@ import numpy as np
 from scipy.optimize import linprog
 from scipy.sparse import coo_matrix
 
-# the budget and the ideal step (or the copy time, with no compute) in model units
-MODEL_SCALE = 1000.0
+from .scaling import MODEL_SCALE
+
 # an interior point method's value is lowered by this share of the step (MODEL_SCALE units, or
 # of the value if larger): its tolerances are absolute on its own scaling
 IPM_MARGIN = 1e-6

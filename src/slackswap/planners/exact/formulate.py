@@ -14,16 +14,15 @@ import numpy as np
 
 from ...core.graph import ActivationGraph
 from ...core.hardware import Hardware
-from .candidates import candidates
-from .formulation import (  # noqa: F401 - the MILP's data, named here for its users
+from ..scaling import (  # noqa: F401 - the MILP's scaling, named here for its users
     BYTE_RANGE,
-    FULL_CELLS,
     TIME_RANGE,
     TIME_RANGE_FULL,
-    Formulation,
     Scaling,
     scaling_for,
 )
+from .candidates import candidates
+from .formulation import FULL_CELLS, Formulation
 from .hint import apply_hint
 from .lane_cuts import lane_capacity_cuts
 from .model import Model

@@ -10,44 +10,12 @@ import numpy as np
 
 from ...core.graph import ActivationGraph
 from ...core.hardware import Hardware
+from ..scaling import Scaling
 from .model import Model
 
-BYTE_RANGE = 10**6  # model units for the largest of the budget and the sizes, at most
-TIME_RANGE = 10**7  # model time units in the step plus every copy (Section "Scaling")
 # graphs of at most this many positions x saved tensors get every position by default (a
 # 2-layer GPT-style step: 46 x 23)
 FULL_CELLS = 1500
-# finer where the bound is a proof (the rounding is taken off it), for CP-SAT alone: its
-# arithmetic is exact, where HiGHS's big-M rows at this range returned a plan 1.2% off its
-# optimum as "optimal"
-TIME_RANGE_FULL = 10**8
-
-
-@dataclass
-class Scaling:
-    """byte_unit bytes and time_unit seconds per model unit (Section "Scaling")."""
-
-    byte_unit: int
-    time_unit: float
-    exact_bytes: bool = True  # the byte unit divides every size: memory sums are exact
-    # sizes rounded down and the budget up (a relaxation, whose bound is a bound) rather than
-    # sizes up and the budget down (a restriction, whose plans fit)
-    relaxed_bytes: bool = False
-
-    def bytes_of(self, value) -> np.ndarray:
-        """Sizes in model units, rounded the way the scaling says (exact when they divide)."""
-        value = np.asarray(value, dtype=np.int64)
-        if self.relaxed_bytes:
-            return value // self.byte_unit
-        return -(-value // self.byte_unit)
-
-    def budget_of(self, budget_bytes: int) -> int:
-        if self.relaxed_bytes:
-            return -(-int(budget_bytes) // self.byte_unit)
-        return int(budget_bytes) // self.byte_unit
-
-    def time_up(self, seconds) -> np.ndarray:
-        return np.ceil(np.asarray(seconds, dtype=float) / self.time_unit - 1e-9).astype(np.int64)
 
 
 @dataclass
@@ -139,35 +107,3 @@ class Formulation:
             every = min(every, held)
         # one unit more: the 1e-9 of time_up and float sums
         return fixed + every + 1.0
-
-
-def scaling_for(
-    graph: ActivationGraph, hw: Hardware, budget_bytes: int, full: bool, fine_time: bool
-) -> Scaling:
-    """Integers for the model (Section "Scaling"): the largest byte unit that divides every
-    size (memory sums exact, only the budget rounded), at most BYTE_RANGE units for the largest
-    of the budget and the sizes; time in TIME_RANGE units of the step plus every copy."""
-    copies = sum(hw.d2h_time(b) + hw.h2d_time(b) for b in graph.tensor_bytes[graph.saved])
-    if hw.collectives_on_link:
-        copies += sum(
-            hw.d2h_time(c.d2h_bytes) + hw.h2d_time(c.h2d_bytes) for c in graph.collectives
-        )
-    span = graph.ideal_step_time_s + copies
-    sizes = np.concatenate(
-        [graph.tensor_bytes, graph.forward_ws, graph.backward_ws, graph.rerun_ws]
-    )
-    unit = max(1, int(np.gcd.reduce(sizes[sizes > 0])) if (sizes > 0).any() else 1)
-    # every backend sees coefficients of like magnitude. Sizes are then rounded: over windows up
-    # (the model never under-counts memory, its plans fit, its bound proves nothing); over every
-    # schedule position down, the budget up (a relaxation: its bound is a proof, and a plan that
-    # fits only by the rounding is refused by the simulator)
-    largest = int(max(budget_bytes, int(sizes.max()) if sizes.size else 0, 1))
-    exact = largest // unit <= BYTE_RANGE
-    if not exact:
-        unit = -(-largest // BYTE_RANGE)
-    return Scaling(
-        byte_unit=unit,
-        time_unit=max(span, 1e-12) / (TIME_RANGE_FULL if full and fine_time else TIME_RANGE),
-        exact_bytes=exact,
-        relaxed_bytes=bool(full) and not exact,
-    )
