@@ -128,14 +128,18 @@ def test_a_compiled_model_runs_the_exported_policy_with_exact_gradients(setup):
     budget = max(int(0.5 * ss.keep_all_peak(graph, "cpu")), ss.min_budget(graph, pins=pins))
     plan = ss.solve(graph, budget, solver="heuristic", pins=pins)
     simulated = ss.simulate(graph, plan).peak_bytes
+    from slackswap.runtime.meter import metered_aot_eager
+
     plain, _, _ = step(model, model, x)
+    # measured after every node of the compiled graphs (a thread's samples would depend on the
+    # machine's load)
     torch._dynamo.reset()
-    compiled_plain = torch.compile(model, backend="aot_eager")
-    _, compiled_peak, _ = step(model, compiled_plain, x, sample="thread")
+    compiled_plain = torch.compile(model, backend=metered_aot_eager)
+    _, compiled_peak, _ = step(model, compiled_plain, x, sample="calls")
     with checkpointed(model, plan, graph):
         torch._dynamo.reset()
-        compiled = torch.compile(model, backend="aot_eager")
-        grads, peak, _ = step(model, compiled, x, sample="thread")
+        compiled = torch.compile(model, backend=metered_aot_eager)
+        grads, peak, _ = step(model, compiled, x, sample="calls")
     torch._dynamo.reset()
     # random ops saved under compile: the dropout masks are not redrawn, gradients are exact
     assert all(torch.equal(a, b) for a, b in zip(plain, grads))
