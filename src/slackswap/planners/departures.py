@@ -28,11 +28,16 @@ from ..core.hardware import Hardware, hardware
 from ..core.plan import KEEP
 from ..core.stepmodel import keep_all_codes
 from .departure_model import DepartureData, DepartureModel
+from .exact.limits import (  # tuning constants: docs/tuning.md
+    ADDED_POSITIONS,
+    DTIME_PER_S,
+    FIRST_POSITIONS,
+    MAX_BINARIES,
+    PROBE_SHARE,
+    ROUND_S_PER_BINARY,
+    ROUND_SHARE,
+)
 from .interrupts import solve_cpsat
-
-# model size past which the bound is not built (departed_by binaries): it is a tool for graphs
-# of tens to a few hundred positions, where single copies are long against the compute
-MAX_BINARIES = 40_000
 
 
 @dataclass(frozen=True)
@@ -375,19 +380,3 @@ class _Rounds:
             )
             return stopped, None
         return None, broken
-
-
-FIRST_POSITIONS = 8  # the first round's positions (besides the first over the budget)
-# the probe's share of the work (the position most over the room alone; 0: no probe)
-PROBE_SHARE = 0.25
-ADDED_POSITIONS = 8  # at most this many broken positions join each next round
-# a round over some positions gets at most this share of the work; one that does not solve in it
-# gives way to the round over every position (fewer rows can make the proof harder: with no
-# incumbent, on the CNN rows; docs/tuning.md). From the heuristic's plan, a quarter per round
-# left CNN rows unsolved that half solved
-ROUND_SHARE = 0.5
-# what a round costs beyond CP-SAT's deterministic time, per binary of its model (the Python
-# build, the hint, CP-SAT's presolve), and CP-SAT's
-# deterministic time per second with one worker on the reference machine
-ROUND_S_PER_BINARY = 5e-4
-DTIME_PER_S = 0.45

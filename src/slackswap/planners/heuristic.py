@@ -40,6 +40,12 @@ from ..core.restrict import first_forbidden
 from ..core.stepmodel import expand, keep_all_codes, nominal_slot_times
 from .base import Problem, Solution
 from .baselines import rebuild_cost, swap_all_codes
+from .exact.limits import (  # tuning constants: docs/tuning.md
+    BUNDLED_UP_TO_SLOTS,
+    POLISH_EVALUATIONS_PER_TENSOR,
+    POLISH_POSITIONS,
+    UNFIT_POLISH_FACTOR,
+)
 
 NO_RERUNS = None
 
@@ -404,16 +410,6 @@ def _best_of(graph: ActivationGraph, hw: Hardware, budget: int, candidates):
         if sim.fits and sim.step_time_s < best_time:
             best, best_time, best_sim = codes, sim.step_time_s, sim
     return (best, best_sim) if best is not None else (candidates[0], None)
-
-
-# the bundled variant is tried up to this many positions: past it, it would cost a third of the
-# heuristic's time goal (benchmarks/solve_scaling.py --size-goals; docs/tuning.md)
-BUNDLED_UP_TO_SLOTS = 20_000
-POLISH_EVALUATIONS_PER_TENSOR = 4
-POLISH_POSITIONS = 20_000  # simulated positions of the polish
-# the polish's work, in multiples, when no candidate fits (the alternative is no plan at all):
-# profiled HF models on the CPU at 30% (keep and recompute only) needed 16-32
-UNFIT_POLISH_FACTOR = 32
 
 
 class SlackSwapHeuristic:

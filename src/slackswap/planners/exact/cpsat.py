@@ -13,6 +13,14 @@ from typing import Any
 from ..interrupts import solve_cpsat
 from .driver import ExactBackend
 from .formulation import Formulation
+from .limits import (  # tuning constants: docs/tuning.md
+    BUILD_S_PER_NONZERO,
+    INTERLEAVE,
+    MIN_ROUND_DTIME,
+    PROBING_OFF_FROM_NONZEROS,
+    PROOF_SUBSOLVERS,
+    STOP_S_PER_NONZERO,
+)
 from .result import BackendResult, BackendStatus
 
 
@@ -43,27 +51,6 @@ def _build(f: Formulation, fixed: dict[int, int] | None = None):
             ct.only_enforce_if(lits)
     model.minimize(sum(coef * x[v] for v, coef in m.objective) + m.objective_offset)
     return model, x
-
-
-# interleave_search makes CP-SAT's parallel workers deterministic (the same answer at the same
-# deterministic time on any machine). OR-Tools 9.15 aborts the process ("Check failed:
-# heuristics.fixed_search") when such a search is given a complete hint that is infeasible (it
-# tries to repair it): the hint is checked here first, and an infeasible one is not given.
-INTERLEAVE = True
-BUILD_S_PER_NONZERO = 6e-6  # CP-SAT model building (docs/tuning.md for these figures)
-# CP-SAT checks its clock now and then, and freeing a large model takes time after it stops: it
-# is stopped earlier by this much per nonzero
-STOP_S_PER_NONZERO = 1.5e-6
-# over every position (a proof): one worker without LP, one with; CP-SAT's own presolve loops
-# once (proofs several times faster than the default portfolio)
-PROOF_SUBSOLVERS = ("no_lp", "default_lp")
-# CP-SAT's presolve probing does not check the wall clock and counts little of its work as
-# deterministic time: on large models it ran far past the round's cap. Above this size it is off
-PROBING_OFF_FROM_NONZEROS = 250_000
-# a round on a model of that size whose search would get less deterministic time than this once
-# the model's size is paid is not run: its presolve alone (PresolveToFixPoint, not counted as
-# deterministic time either) costs more than the work allowed, for no plan
-MIN_ROUND_DTIME = 0.25
 
 
 class CpSatBackend(ExactBackend):

@@ -1,4 +1,6 @@
-"""How much each phase of the exact planner may work, and the clock's one role: a hard cap.
+"""How much each phase of the planners may work, and the clock's one role: a hard cap. The
+planners' tuning constants live here, one line each on why (what each was measured on:
+docs/tuning.md).
 
 By default every phase stops on a work limit that does not depend on the machine or its load:
 CP-SAT's deterministic time, HiGHS's branch-and-bound nodes and simplex iterations, PIQP's
@@ -248,3 +250,54 @@ class Clock:
     def stop(self, phase: str) -> None:
         if phase not in self.stopped:
             self.stopped.append(phase)
+
+
+# --- the heuristic (planners/heuristic.py) ---
+# the bundled variant is tried up to this many positions: past it, it would cost a third of the
+# heuristic's time goal (benchmarks/solve_scaling.py --size-goals; docs/tuning.md)
+BUNDLED_UP_TO_SLOTS = 20_000
+POLISH_EVALUATIONS_PER_TENSOR = 4
+POLISH_POSITIONS = 20_000  # simulated positions of the polish
+# the polish's work, in multiples, when no candidate fits (the alternative is no plan at all):
+# profiled HF models on the CPU at 30% (keep and recompute only) needed 16-32
+UNFIT_POLISH_FACTOR = 32
+
+# --- the departure bound (planners/departures.py) ---
+# model size past which the bound is not built (departed_by binaries): it is a tool for graphs
+# of tens to a few hundred positions, where single copies are long against the compute
+MAX_BINARIES = 40_000
+FIRST_POSITIONS = 8  # the first round's positions (besides the first over the budget)
+# the probe's share of the work (the position most over the room alone; 0: no probe)
+PROBE_SHARE = 0.25
+ADDED_POSITIONS = 8  # at most this many broken positions join each next round
+# a round over some positions gets at most this share of the work; one that does not solve in it
+# gives way to the round over every position (fewer rows can make the proof harder: with no
+# incumbent, on the CNN rows; docs/tuning.md). From the heuristic's plan, a quarter per round
+# left CNN rows unsolved that half solved
+ROUND_SHARE = 0.5
+# what a round costs beyond CP-SAT's deterministic time, per binary of its model (the Python
+# build, the hint, CP-SAT's presolve), and CP-SAT's
+# deterministic time per second with one worker on the reference machine
+ROUND_S_PER_BINARY = 5e-4
+DTIME_PER_S = 0.45
+
+# --- CP-SAT (planners/exact/cpsat.py) ---
+# interleave_search makes CP-SAT's parallel workers deterministic (the same answer at the same
+# deterministic time on any machine). OR-Tools 9.15 aborts the process ("Check failed:
+# heuristics.fixed_search") when such a search is given a complete hint that is infeasible (it
+# tries to repair it): the hint is checked here first, and an infeasible one is not given.
+INTERLEAVE = True
+BUILD_S_PER_NONZERO = 6e-6  # CP-SAT model building (docs/tuning.md for these figures)
+# CP-SAT checks its clock now and then, and freeing a large model takes time after it stops: it
+# is stopped earlier by this much per nonzero
+STOP_S_PER_NONZERO = 1.5e-6
+# over every position (a proof): one worker without LP, one with; CP-SAT's own presolve loops
+# once (proofs several times faster than the default portfolio)
+PROOF_SUBSOLVERS = ("no_lp", "default_lp")
+# CP-SAT's presolve probing does not check the wall clock and counts little of its work as
+# deterministic time: on large models it ran far past the round's cap. Above this size it is off
+PROBING_OFF_FROM_NONZEROS = 250_000
+# a round on a model of that size whose search would get less deterministic time than this once
+# the model's size is paid is not run: its presolve alone (PresolveToFixPoint, not counted as
+# deterministic time either) costs more than the work allowed, for no plan
+MIN_ROUND_DTIME = 0.25
