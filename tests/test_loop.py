@@ -264,39 +264,39 @@ def test_refinements_end_with_the_loop_and_with_their_bucket():
 @pytest.mark.skipif(not __import__("sys").platform.startswith("linux"), reason="/proc")
 def test_a_profile_taken_while_a_refinement_runs_is_not_slowed_by_it():
     """The refinement (a CP-SAT search on GPT-2 XL's graph, with its relaxations' children) is
-    stopped, its whole process tree, while the loop profiles: two profiles of the same shape,
-    one of them taken then, agree within 20%."""
+    stopped, its whole process tree, while the loop profiles, from before the profile to after
+    it, and goes on afterwards: nothing of it runs beside the profile. (Said by the processes'
+    states, not by comparing profile times, which any other load on the machine moves.)"""
     from slackswap.refinements import Refinements, process_tree
 
     torch.manual_seed(0)
     model = TinyGPT(vocab=512, d=256, layers=2, p=0.0)
     x = torch.randint(0, 512, (8, 128))
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # one core's worth: the same share whatever else the machine runs
-
-    def ideal() -> float:  # the fastest of three profiles: noise only ever slows one
-        return min(
-            ss.profile(model, x, loss_fn, warmup=1, repeat=3).ideal_step_time_s for _ in range(3)
-        )
-
-    alone = ideal()
     hw = ss.hardware("a100-80gb-pcie4")
     g = ss.workload("gpt2-xl", hw)
     refinements = Refinements("cpsat", 300.0)
+
+    def states(root: int) -> set[str]:
+        return {
+            open(f"/proc/{pid}/stat").read().rsplit(")", 1)[-1].split()[0]
+            for pid in process_tree(root)
+            if _alive(pid)
+        }
+
     try:
         refinements.submit("k", g, ss.solve(g, 0.3, hw, solver="heuristic"), {"work_s": 300})
         root = refinements.running.proc.pid
         time.sleep(3)  # it is searching
+        assert "T" not in states(root)
         with refinements.paused() as stopped:
-            states = [
-                open(f"/proc/{pid}/stat").read().rsplit(")", 1)[-1].split()[0]
-                for pid in process_tree(root)
-                if _alive(pid)
-            ]
-            assert root in stopped and states and set(states) == {"T"}
-            during = ideal()
-        assert _alive(root)  # it goes on afterwards
+            assert root in stopped and states(root) == {"T"}
+            graph = ss.profile(model, x, loss_fn, warmup=1, repeat=1)
+            assert states(root) == {"T"}  # still stopped when the profile ends
+        assert graph.ideal_step_time_s > 0
+        for _ in range(200):  # it goes on afterwards (each process continued in turn)
+            if "T" not in states(root):
+                break
+            time.sleep(0.05)
+        assert _alive(root) and "T" not in states(root)
     finally:
         refinements.close()
-        torch.set_num_threads(threads)
-    assert abs(during - alone) <= 0.2 * alone, (alone, during)
