@@ -27,7 +27,7 @@ lint: $(STAMP)
 	$(VENV)/bin/mypy
 
 bench: $(STAMP)
-	$(PY) benchmarks/paper_table.py --budgets 0.3,0.4,0.5,0.6 --time-limit 30 --json benchmarks/results/paper_table.json --results
+	$(PY) benchmarks/paper_table.py --budgets 0.2,0.3,0.4,0.5,0.6 --time-limit 60 --json benchmarks/results/paper_table.json --results
 
 clean:
 	rm -rf $(VENV) build *.egg-info src/*.egg-info

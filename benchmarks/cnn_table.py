@@ -159,7 +159,7 @@ def plan_digest(plan) -> str:
 def departure_work(args) -> int:
     """How much work the departure model takes to solve, per row: what its formulation's rows
     buy, measured on any machine alike (formulations/departure-bound.md, "Solving it")."""
-    from slackswap.core.stepmodel import decision_codes
+    from slackswap.core.codes import decision_codes
     from slackswap.planners.departures import departure_bound
 
     hw = ss.hardware("a100-80gb-pcie4")

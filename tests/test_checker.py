@@ -35,11 +35,11 @@ def scheduled_plans(draw):
     plan = ss.complete(open_plan(g, decisions, budget), g, hw)
     if draw(st.booleans()):
         s = plan.schedule
-        slots = g.n_slots
+        positions = g.n_positions
         move = st.integers(-2, 2)
-        d2h = {t: min(slots - 1, max(0, p + draw(move))) for t, p in s.d2h_free.items()}
-        h2d = {t: min(slots - 1, max(0, p + draw(move))) for t, p in s.h2d_issue.items()}
-        rec = {t: min(slots - 1, max(0, p + draw(move))) for t, p in s.recompute_at.items()}
+        d2h = {t: min(positions - 1, max(0, p + draw(move))) for t, p in s.d2h_free.items()}
+        h2d = {t: min(positions - 1, max(0, p + draw(move))) for t, p in s.h2d_issue.items()}
+        rec = {t: min(positions - 1, max(0, p + draw(move))) for t, p in s.recompute_at.items()}
         plan = dataclasses.replace(plan, schedule=ss.Schedule(d2h, h2d, rec))
     return g, plan
 

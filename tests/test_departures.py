@@ -21,8 +21,8 @@ from hypothesis import strategies as st
 
 import slackswap as ss
 from slackswap.check.simulate import simulate_decisions
+from slackswap.core.codes import decision_codes
 from slackswap.core.plan import KEEP, RECOMPUTE, SWAP
-from slackswap.core.stepmodel import decision_codes
 from slackswap.planners import departure_model, departures, scaling
 from slackswap.planners.departures import departure_bound
 

@@ -218,7 +218,7 @@ def test_the_heuristics_lower_bound_is_never_above_a_simulated_step():
     must hold for every decision vector, on full- and half-duplex links."""
     from helpers import LINK, seeded_decisions, seeded_graph
 
-    from slackswap.core.stepmodel import decision_codes
+    from slackswap.core.codes import decision_codes
     from slackswap.planners.heuristic import step_lower_bound
 
     checked = 0
@@ -243,8 +243,8 @@ def test_the_interior_point_bound_is_the_simplex_bound_lowered(solver, case):
 
     g, budget = case
     simplex = ss.lp_bound(g, budget, LINK)
-    saved, piqp = lpbuilder.IPM_FROM_SLOTS, lpmodel.LinearModel.solve_piqp
-    lpbuilder.IPM_FROM_SLOTS = 0  # every graph by the interior point method
+    saved, piqp = lpbuilder.IPM_FROM_POSITIONS, lpmodel.LinearModel.solve_piqp
+    lpbuilder.IPM_FROM_POSITIONS = 0  # every graph by the interior point method
     if solver == "ipx":  # PIQP fails: the fallback answers
         lpmodel.LinearModel.solve_piqp = lambda self, **_: lpmodel.LinearResult(
             4, "failed", None, None, None
@@ -252,7 +252,7 @@ def test_the_interior_point_bound_is_the_simplex_bound_lowered(solver, case):
     try:
         interior = ss.lp_bound(g, budget, LINK)
     finally:
-        lpbuilder.IPM_FROM_SLOTS, lpmodel.LinearModel.solve_piqp = saved, piqp
+        lpbuilder.IPM_FROM_POSITIONS, lpmodel.LinearModel.solve_piqp = saved, piqp
     assert interior.status == simplex.status
     if simplex.status == "optimal":
         extra_simplex = simplex.step_time_s - g.ideal_step_time_s
@@ -276,7 +276,7 @@ def test_the_interior_point_bound_stays_below_a_zero_overhead_optimum(monkeypatc
         [tensor("t0", 1, ["op0"]), tensor("t1", 0), tensor("t2", 0)],
     )
     assert ss.lp_bound(g, 1, LINK).step_time_s == g.ideal_step_time_s == 1.0
-    monkeypatch.setattr(lpbuilder, "IPM_FROM_SLOTS", 0)
+    monkeypatch.setattr(lpbuilder, "IPM_FROM_POSITIONS", 0)
     interior = ss.lp_bound(g, 1, LINK)
     assert interior.status == "optimal" and interior.step_time_s <= 1.0
 

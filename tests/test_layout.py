@@ -9,6 +9,7 @@ from pathlib import Path
 import slackswap
 
 ROOT = Path(slackswap.__file__).parent
+REPO = ROOT.parents[1]
 
 # lower layers never import higher ones; runtime sits beside the chain, on core and the checker
 LAYER = {
@@ -16,6 +17,7 @@ LAYER = {
     "check": 1,
     "planners": 2,
     "solve": 3,
+    "solve_options": 3,
     "compare": 3,
     "fit": 3,
     "workloads": 3,
@@ -177,3 +179,72 @@ def test_the_public_functions_say_their_arguments_and_results():
         if signature.return_annotation not in (None, "None") and "Returns:" not in doc:
             missing.append(f"{name}: Returns")
     assert not missing, missing
+
+
+def _retired_names() -> dict[str, str]:
+    """The glossary's "Retired names": each retired word and the term that replaced it."""
+    import re
+
+    glossary = (REPO / "formulations" / "glossary.md").read_text()
+    section = glossary.split("## Retired names", 1)[1]
+    return dict(re.findall(r"^- `([A-Za-z_]+)`: \*\*([^*]+)\*\*", section, flags=re.M))
+
+
+def _retired_words_in(paths: list[Path], retired: dict[str, str]) -> list[str]:
+    """Every line of ``paths`` that uses a retired word, as ``path:line: word`` (Python's
+    ``__slots__`` aside, and the glossary's own list of them)."""
+    import re
+
+    found = []
+    for path in paths:
+        text = path.read_text().replace("__slots__", "")
+        if path.name == "glossary.md":
+            text = text.split("## Retired names", 1)[0]
+        for line_no, line in enumerate(text.splitlines(), 1):
+            found += [f"{path}:{line_no}: {w}" for w in retired if re.search(w, line, flags=re.I)]
+    return found
+
+
+def test_the_glossarys_retired_names_are_gone():
+    """One term per concept: a word the glossary retired (``slot`` for position) appears in no
+    identifier, comment or document."""
+    retired = _retired_names()
+    assert retired.get("slot") == "position", "the glossary lost its Retired names section"
+    paths = [REPO / "README.md", *(REPO / "formulations").glob("*.md")]
+    paths += [*(REPO / "docs").glob("*.md"), *ROOT.rglob("*.py")]
+    assert not _retired_words_in(paths, retired)
+
+
+def test_the_retired_names_search_finds_a_retired_word(tmp_path):
+    """The search above on a module that uses one (in a name, in any case) and one that only
+    has ``__slots__``: the first line found, the second not."""
+    used = tmp_path / "used.py"
+    used.write_text("def bwd_Slot(op):\n    return op\n")
+    clean = tmp_path / "clean.py"
+    clean.write_text("class A:\n    __slots__ = ()\n")
+    assert _retired_words_in([used, clean], {"slot": "position"}) == [f"{used}:1: slot"]
+
+
+def test_no_module_function_or_signature_outgrows_its_limits():
+    """The sizes a newcomer can read: no file in src/ over 600 lines, no function over 120
+    (docstring and comments included), no public function with more than 8 positional
+    parameters (self and cls aside)."""
+    import ast
+
+    over = []
+    for path in ROOT.rglob("*.py"):
+        text = path.read_text()
+        where = path.relative_to(ROOT)
+        if text.count("\n") > 600:
+            over.append(f"{where}: {text.count(chr(10))} lines")
+        for node in ast.walk(ast.parse(text)):
+            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            length = node.end_lineno - node.lineno + 1
+            if length > 120:
+                over.append(f"{where}:{node.name}: {length} lines")
+            positional = [a.arg for a in node.args.posonlyargs + node.args.args]
+            positional = [a for a in positional if a not in ("self", "cls")]
+            if not node.name.startswith("_") and len(positional) > 8:
+                over.append(f"{where}:{node.name}: {len(positional)} positional parameters")
+    assert not over, over

@@ -8,8 +8,8 @@ from hypothesis import HealthCheck, given, settings
 
 import slackswap as ss
 from slackswap.check.simulate import simulate_decisions
+from slackswap.core.codes import codes_to_decisions, decision_codes
 from slackswap.core.plan import KEEP, RECOMPUTE
-from slackswap.core.stepmodel import codes_to_decisions, decision_codes
 from slackswap.planners.base import Problem
 from slackswap.planners.baselines import recompute_all_codes
 from slackswap.planners.local_search import improve
@@ -137,10 +137,10 @@ def test_a_work_limit_gives_the_same_plan_whatever_the_clock():
     hw = ss.hardware("a100-80gb-pcie4")
     budget = ss.parse_budget(0.3, g, hw)
     start = recompute_all_codes(g)
-    work = 40 * g.n_slots
+    work = 40 * g.n_positions
     runs = [
         improve(g, hw, budget, start, time_limit_s=limit, max_work=work) for limit in (60.0, 3600.0)
     ]
     assert np.array_equal(runs[0].codes, runs[1].codes)
     assert runs[0].evaluations == runs[1].evaluations and runs[0].moves == runs[1].moves
-    assert not runs[0].complete and work <= runs[0].work <= work + g.n_slots
+    assert not runs[0].complete and work <= runs[0].work <= work + g.n_positions

@@ -72,7 +72,7 @@ def test_a_crashing_interior_point_solver_leaves_the_lp_bound_to_highs(tmp_path,
         "WORKER",
         _worker(tmp_path, "import os, signal\nos.kill(os.getpid(), signal.SIGSEGV)\n"),
     )
-    monkeypatch.setattr(lpbuilder, "IPM_FROM_SLOTS", 0)
+    monkeypatch.setattr(lpbuilder, "IPM_FROM_POSITIONS", 0)
     crashed = lpmodel.LinearModel.solve_piqp
     outcomes = []
     monkeypatch.setattr(

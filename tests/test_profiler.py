@@ -593,7 +593,7 @@ def test_a_tied_weights_gradient_waits_for_its_other_reader_and_is_counted_there
     l1 = held.op_index["l1/addmm#2"]
     sim = ss.simulate(held, ss.solve(held, 1.0, "cpu", solver="keep-all"), "cpu")
     q = 2 * held.n_ops - 1 - l1
-    simulated = int(sim.memory_bytes[sim.expansion.slot_first_point[q]])
+    simulated = int(sim.memory_bytes[sim.expansion.position_first_point[q]])
     loss_fn(model(ids)).backward()  # gradients held before the measured steps
     seen = []
     hook = model.l1.register_full_backward_pre_hook(

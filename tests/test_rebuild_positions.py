@@ -39,7 +39,7 @@ def test_the_graph_checks_and_keeps_the_field():
     assert g.tensors[g.tensor_index["b"]].rebuilt_before == "D"
     again = ss.load_graph(g.to_json())
     assert again.digest == g.digest != chain().digest
-    assert list(g.rebuild_slot) == [-1, 4, -1, -1]  # backward of D: 2 x 4 - 1 - 3
+    assert list(g.rebuild_position) == [-1, 4, -1, -1]  # backward of D: 2 x 4 - 1 - 3
     with pytest.raises(ss.GraphError, match="tensor 'b'.*unknown op 'E'"):
         chain("E")
     # b's first backward use is C's (position 5); A's backward (position 7) comes after it
@@ -63,7 +63,7 @@ def test_a_recomputed_tensor_is_rebuilt_at_its_latest_position_and_held_from_the
 
     # D's backward runs at the last point of position 4 (a rerun, when there is one, before it)
     def at_d(sim):
-        return sim.memory_bytes[sim.expansion.slot_first_point[5] - 1]
+        return sim.memory_bytes[sim.expansion.position_first_point[5] - 1]
 
     # at D's backward: a (100), c (1000) and the workspace (5); b (10) only when rebuilt there
     assert at_d(s_plain) == 1105 and at_d(s_forced) == 1115
@@ -118,9 +118,9 @@ def test_every_planner_rebuilds_no_later_than_the_graph_allows(solver, g, fracti
     )
     check = ss.validate(g, plan)
     assert not [v for v in check.violations if v.kind != "memory"], check.violations
-    for name, slot in plan.schedule.recompute_at.items():
-        latest = g.rebuild_slot[g.tensor_index[name]]
-        assert latest < 0 or slot <= latest
+    for name, position in plan.schedule.recompute_at.items():
+        latest = g.rebuild_position[g.tensor_index[name]]
+        assert latest < 0 or position <= latest
     if solver == "cpsat":
         assert check.ok  # the exact planner's plans fit (the heuristic may find none at all)
 

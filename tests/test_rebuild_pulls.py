@@ -9,8 +9,8 @@ from helpers import CAP, LINK, seeded_graph
 import slackswap as ss
 import slackswap.planners.lpbuilder as lpbuilder
 from slackswap.check.simulate import simulate_decisions
+from slackswap.core.codes import keep_all_codes
 from slackswap.core.plan import KEEP, RECOMPUTE, SWAP
-from slackswap.core.stepmodel import keep_all_codes
 
 
 def _without_pulls(monkeypatch):

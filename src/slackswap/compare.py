@@ -17,7 +17,8 @@ from .core.restrict import restricted
 from .planners.base import (
     get_planner,
 )
-from .solve import graph_hardware, host_allowed, restriction_mask, solve
+from .solve import graph_hardware, solve
+from .solve_options import host_allowed, restriction_mask
 
 # one row schema for compare(), the CLI's sweep and the benchmarks' tables
 RESULT_FIELDS = (

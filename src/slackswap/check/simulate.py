@@ -11,11 +11,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..core.codes import decision_codes
 from ..core.errors import PlanError
 from ..core.graph import ActivationGraph, Collective
 from ..core.hardware import Hardware, hardware
 from ..core.plan import RECOMPUTE, SWAP, Plan
-from ..core.stepmodel import Expansion, decision_codes, expand, interval_memory
+from ..core.stepmodel import Expansion, expand, interval_memory
 
 
 @dataclass(frozen=True)
@@ -100,7 +101,7 @@ def run_timeline(graph: ActivationGraph, exp: Expansion, hw: Hardware, budget: i
     each copy's interval, and memory at every point against ``budget``."""
     _refuse_swaps_without_host(graph, exp, hw)
     n = graph.n_ops
-    S = graph.n_slots
+    S = graph.n_positions
     codes = exp.codes
     fwd = graph.forward_s
     bwd = graph.backward_s
@@ -114,7 +115,9 @@ def run_timeline(graph: ActivationGraph, exp: Expansion, hw: Hardware, budget: i
     for t in swapped.tolist():
         free_after.setdefault(int(exp.d2h_free[t]), []).append(t)
         issue_at.setdefault(int(exp.h2d_issue[t]), []).append(t)
-    h2d_key = np.array([graph.bwd_slot(int(u)) if u >= 0 else 0 for u in graph.first_backward_use])
+    h2d_key = np.array(
+        [graph.bwd_position(int(u)) if u >= 0 else 0 for u in graph.first_backward_use]
+    )
     outputs_swapped: dict[int, list[int]] = {}
     for t in swapped.tolist():
         outputs_swapped.setdefault(int(graph.producer[t]), []).append(t)
@@ -130,7 +133,7 @@ def run_timeline(graph: ActivationGraph, exp: Expansion, hw: Hardware, budget: i
     collectives_at: dict[int, list[Collective]] = {}
     if hw.collectives_on_link:
         for c in graph.collectives:
-            collectives_at.setdefault(graph.collective_slot(c), []).append(c)
+            collectives_at.setdefault(graph.collective_position(c), []).append(c)
     for k in range(S):
         arrive = now
         # collectives issued here enter the lanes first (step-model.md, "Collectives")
@@ -152,7 +155,7 @@ def run_timeline(graph: ActivationGraph, exp: Expansion, hw: Hardware, budget: i
             ready = max(ready, arrival[t])
         stall += ready - arrive
         now = ready
-        first = exp.slot_first_point[k]
+        first = exp.position_first_point[k]
         if k < n:
             point_time[first] = now
             compute.append((now, now + fwd[k], k, 0))

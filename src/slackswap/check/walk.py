@@ -34,11 +34,11 @@ class Walk:
     """The step under one plan: its points and every tensor's residency over them."""
 
     violations: list[Violation]
-    points: list[tuple[int, int, str]] | None = None  # (slot, op, "forward"|"rerun"|"backward")
-    slot_points: list[list[int]] | None = None
+    points: list[tuple[int, int, str]] | None = None  # (position, op, "forward"|"rerun"|"backward")
+    position_points: list[list[int]] | None = None
     intervals: list[tuple[int, int, int]] | None = None  # (tensor, first point, last point)
     reruns: list[list[int]] | None = None
-    swap_reads: dict[int, set[int]] | None = None  # by slot, swapped tensors read there
+    swap_reads: dict[int, set[int]] | None = None  # by position, swapped tensors read there
 
 
 class StepWalk:
@@ -199,10 +199,10 @@ class StepWalk:
             return None
         return pos
 
-    def _label(self, slot: int) -> str:
-        if slot < self.n:
-            return f"forward of op {self.graph.ops[slot].name!r}"
-        return f"backward of op {self.graph.ops[2 * self.n - 1 - slot].name!r}"
+    def _label(self, position: int) -> str:
+        if position < self.n:
+            return f"forward of op {self.graph.ops[position].name!r}"
+        return f"backward of op {self.graph.ops[2 * self.n - 1 - position].name!r}"
 
     def walk(self, decisions: list[str | None], plan: Plan | None) -> Walk:
         """The step under ``decisions`` and the plan's schedule: its points, what each holds,
@@ -216,11 +216,11 @@ class StepWalk:
         self._check_swaps(free_after, issue_at, first_read, out)
         if out:
             return Walk(out)
-        points, slot_points = self._points(reruns)
+        points, position_points = self._points(reruns)
         intervals, transient = self._residency(
-            decisions, points, slot_points, rebuilt, free_after, issue_at
+            decisions, points, position_points, rebuilt, free_after, issue_at
         )
-        walk = Walk(out, points, slot_points, intervals, reruns, swap_reads)
+        walk = Walk(out, points, position_points, intervals, reruns, swap_reads)
         self._check_reads(walk, transient)
         return walk
 
@@ -272,11 +272,11 @@ class StepWalk:
         S = 2 * n
         rebuilt: dict[int, int] = {}
         first_read: dict[int, int] = {}
-        reruns: list[list[int]] = [[]] * S  # (each backward slot gets its own list below)
+        reruns: list[list[int]] = [[]] * S  # (each backward position gets its own list below)
         swap_reads: dict[int, set[int]] = {}
         planned: dict[int, list[int]] = {}
-        for t, slot in rebuild_at.items():
-            planned.setdefault(slot, []).append(t)
+        for t, position in rebuild_at.items():
+            planned.setdefault(position, []).append(t)
         for k in range(n, S):
             j = S - 1 - k
             here: set[int] = set()
@@ -322,33 +322,33 @@ class StepWalk:
         than its rebuilt_before."""
         g, n = self.graph, self.n
         names = [t.name for t in g.tensors]
-        for t, slot in rebuild_at.items():
-            if slot < n:
+        for t, position in rebuild_at.items():
+            if position < n:
                 out.append(
                     Violation(
                         "schedule",
-                        f"schedule: recompute_at[{names[t]!r}] = {slot} is in the forward pass",
+                        f"schedule: recompute_at[{names[t]!r}] = {position} is in the forward pass",
                         tensor=names[t],
                     )
                 )
-            elif rebuilt.get(t) != slot:
+            elif rebuilt.get(t) != position:
                 out.append(
                     Violation(
                         "schedule",
-                        f"schedule: recompute_at[{names[t]!r}] = {slot} is "
+                        f"schedule: recompute_at[{names[t]!r}] = {position} is "
                         f"after its first use at position {rebuilt.get(t)} "
-                        f"({self._label(rebuilt.get(t, slot))})",
+                        f"({self._label(rebuilt.get(t, position))})",
                         tensor=names[t],
                     )
                 )
             latest = g.tensors[t].rebuilt_before
-            if latest is not None and slot > 2 * n - 1 - self.op_of[latest]:
+            if latest is not None and position > 2 * n - 1 - self.op_of[latest]:
                 # torch's checkpoint reruns the tensor's region before that op's backward: a plan
                 # that holds it later would count less memory than the run holds
                 out.append(
                     Violation(
                         "schedule",
-                        f"schedule: recompute_at[{names[t]!r}] = {slot} is "
+                        f"schedule: recompute_at[{names[t]!r}] = {position} is "
                         f"after its latest rebuild position, the backward of op "
                         f"{latest!r} (rebuilt_before)",
                         tensor=names[t],
@@ -405,7 +405,7 @@ class StepWalk:
         n = self.n
         S = 2 * n
         points: list[tuple[int, int, str]] = []
-        slot_points: list[list[int]] = []
+        position_points: list[list[int]] = []
         for k in range(S):
             mine = []
             if k < n:
@@ -417,14 +417,14 @@ class StepWalk:
                     points.append((k, q, "rerun"))
                 mine.append(len(points))
                 points.append((k, S - 1 - k, "backward"))
-            slot_points.append(mine)
-        return points, slot_points
+            position_points.append(mine)
+        return points, position_points
 
     def _residency(
         self,
         decisions: list[str | None],
         points: list[tuple[int, int, str]],
-        slot_points: list[list[int]],
+        position_points: list[list[int]],
         rebuilt: dict[int, int],
         free_after: dict[int, int],
         issue_at: dict[int, int],
@@ -441,7 +441,7 @@ class StepWalk:
         for k in range(n, S):
             made_at: dict[int, int] = {}
             read_last: dict[int, int] = {}
-            for p in slot_points[k]:
+            for p in position_points[k]:
                 _, op, kind = points[p]
                 if kind == "backward":
                     for t in self.bwd_reads[op]:
@@ -476,8 +476,8 @@ class StepWalk:
                 intervals.append((t, made, last_read[t]))
             else:
                 gone = free_after[t]
-                intervals.append((t, made, slot_points[gone][-1]))
-                intervals.append((t, slot_points[issue_at[t]][0], last_read[t]))
+                intervals.append((t, made, position_points[gone][-1]))
+                intervals.append((t, position_points[issue_at[t]][0], last_read[t]))
         return intervals, transient
 
     def _check_reads(self, walk: Walk, transient: int) -> None:

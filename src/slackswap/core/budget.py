@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import numpy as np
 
+from .codes import keep_all_codes
 from .graph import ActivationGraph
 from .hardware import Hardware, hardware
 from .plan import KEEP, RECOMPUTE, SWAP
-from .stepmodel import expand, expand_positions, keep_all_codes
+from .stepmodel import expand, expand_positions
 from .units import budget_bytes_from
 
 

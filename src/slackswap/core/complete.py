@@ -16,10 +16,11 @@ from typing import Any, NoReturn
 
 import numpy as np
 
+from .codes import codes_to_decisions, decision_codes
 from .graph import ActivationGraph
 from .hardware import Hardware, hardware
 from .plan import Plan, Schedule, SolveInfo, read_plan
-from .stepmodel import Expansion, codes_to_decisions, decision_codes, expand
+from .stepmodel import Expansion, expand
 
 log = logging.getLogger("slackswap")
 

@@ -195,11 +195,11 @@ class ActivationGraph:
         return len(self.ops)
 
     @property
-    def n_slots(self) -> int:
+    def n_positions(self) -> int:
         """Positions of the step: forward op i at i, backward of op i at 2n-1-i."""
         return 2 * len(self.ops)
 
-    def bwd_slot(self, op: int) -> int:
+    def bwd_position(self, op: int) -> int:
         return 2 * len(self.ops) - 1 - op
 
     @cached_property
@@ -298,12 +298,12 @@ class ActivationGraph:
         return np.flatnonzero(self.is_saved)
 
     @cached_property
-    def rebuild_slot(self) -> np.ndarray:
+    def rebuild_position(self) -> np.ndarray:
         """Per tensor, the latest position at which it may be rebuilt when recomputed (the
         backward of its ``rebuilt_before`` op), or -1: up to its first use."""
         return np.array(
             [
-                self.bwd_slot(self.op_index[t.rebuilt_before]) if t.rebuilt_before else -1
+                self.bwd_position(self.op_index[t.rebuilt_before]) if t.rebuilt_before else -1
                 for t in self.tensors
             ],
             dtype=np.int64,
@@ -389,10 +389,10 @@ class ActivationGraph:
         """Forward index of every op, by name."""
         return {op.name: i for i, op in enumerate(self.ops)}
 
-    def collective_slot(self, c: Collective) -> int:
+    def collective_position(self, c: Collective) -> int:
         """The position at which collective ``c`` is issued."""
         i = self.op_position[c.op]
-        return i if c.phase == "forward" else self.bwd_slot(i)
+        return i if c.phase == "forward" else self.bwd_position(i)
 
     @cached_property
     def has_units(self) -> bool:

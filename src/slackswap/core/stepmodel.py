@@ -9,7 +9,7 @@ simulator adds time to it; the validator checks it against the budget with code 
 from __future__ import annotations
 
 from bisect import bisect_right
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -17,60 +17,10 @@ import numpy as np
 from .errors import PlanError
 from .graph import ActivationGraph
 from .hardware import Hardware
-from .plan import DECISIONS, KEEP, RECOMPUTE, SWAP, UNSAVED, Plan, Schedule
+from .plan import DECISIONS, KEEP, RECOMPUTE, SWAP, Schedule
 
 # per position, the ops rerun there (or the tensors needed there), in forward order
 Reruns = Sequence[Sequence[int]]
-
-
-def keep_all_codes(graph: ActivationGraph) -> np.ndarray:
-    """Decision codes with every saved tensor kept (UNSAVED for the others)."""
-    return np.where(graph.is_saved, KEEP, UNSAVED).astype(np.int8)
-
-
-def decision_codes(graph: ActivationGraph, decisions: Mapping[str, str] | Plan) -> np.ndarray:
-    """Decision code per tensor (-1 for tensors not saved); refuses incomplete or wrong decisions."""
-    if isinstance(decisions, Plan):
-        decisions = decisions.decisions
-    codes = np.full(len(graph.tensors), UNSAVED, dtype=np.int8)
-    index = graph.tensor_index
-    for name, decision in decisions.items():
-        if name not in index:
-            raise PlanError(f"plan: tensor {name!r} is not in graph {graph.name!r}")
-        t = index[name]
-        if not graph.is_saved[t]:
-            raise PlanError(
-                f"plan: tensor {name!r} is not saved for backward; it takes no decision"
-            )
-        if decision not in DECISIONS:
-            raise PlanError(
-                f"plan: tensor {name!r} has decision {decision!r}; expected one of {DECISIONS}"
-            )
-        codes[t] = DECISIONS.index(decision)
-    missing = [graph.tensors[t].name for t in graph.saved if codes[t] == UNSAVED]
-    if missing:
-        more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
-        raise PlanError(
-            f"plan: no decision for saved tensor(s) {', '.join(map(repr, missing[:3]))}{more}"
-        )
-    bad = np.flatnonzero((codes == RECOMPUTE) & ~graph.can_recompute)
-    if bad.size:
-        t = int(bad[0])
-        raise PlanError(
-            f"plan: tensor {graph.tensors[t].name!r} cannot be recomputed: "
-            f"{graph.recompute_blocker(t)}"
-        )
-    for g, members in graph.rng_groups.items():
-        if len({bool(codes[t] == RECOMPUTE) for t in members}) > 1:
-            raise PlanError(
-                f"plan: tensors of group {g!r} must be recomputed all together or not at all"
-            )
-    return codes
-
-
-def codes_to_decisions(graph: ActivationGraph, codes: np.ndarray) -> dict[str, str]:
-    """The plan's decisions (tensor name -> keep|swap|recompute) from decision codes."""
-    return {graph.tensors[t].name: DECISIONS[int(codes[t])] for t in graph.saved}
 
 
 @dataclass(frozen=True)
@@ -83,26 +33,28 @@ class Expansion:
     """
 
     codes: np.ndarray
-    point_slot: np.ndarray
+    point_position: np.ndarray
     point_op: np.ndarray
     point_kind: np.ndarray  # 0 forward, 1 rerun, 2 backward
     point_workspace: np.ndarray
-    slot_first_point: np.ndarray
+    position_first_point: np.ndarray
     iv_tensor: np.ndarray
     iv_start: np.ndarray
     iv_end: np.ndarray
     iv_bytes: np.ndarray
     iv_transient: np.ndarray  # True for copies made by reruns and freed within the position
-    reruns: tuple[tuple[int, ...], ...]  # per slot, ops rerun before that backward op
-    first_need: np.ndarray  # per tensor: first backward slot it must be on the device (-1 if none)
-    needs_at: tuple[tuple[int, ...], ...]  # per slot, swapped tensors that must have arrived
-    d2h_free: np.ndarray  # per tensor (swap), slot after which it leaves the device
-    h2d_issue: np.ndarray  # per tensor (swap), slot at whose start the prefetch is issued
-    materialize_at: np.ndarray  # per tensor (recompute), slot where it is rebuilt
+    reruns: tuple[tuple[int, ...], ...]  # per position, ops rerun before that backward op
+    first_need: (
+        np.ndarray
+    )  # per tensor: first backward position it must be on the device (-1 if none)
+    needs_at: tuple[tuple[int, ...], ...]  # per position, swapped tensors that must have arrived
+    d2h_free: np.ndarray  # per tensor (swap), position after which it leaves the device
+    h2d_issue: np.ndarray  # per tensor (swap), position at whose start the prefetch is issued
+    materialize_at: np.ndarray  # per tensor (recompute), position where it is rebuilt
 
     @property
     def n_points(self) -> int:
-        return len(self.point_slot)
+        return len(self.point_position)
 
     def memory(self, with_workspace: bool = True) -> np.ndarray:
         """Device bytes at every point (rules 1-3 of the step model)."""
@@ -154,20 +106,20 @@ def _schedule_arrays(
                     f"schedule: {field} names tensor {name!r}, whose decision is "
                     f"{DECISIONS[codes[t]] if codes[t] >= 0 else 'none (not saved)'}"
                 )
-            if pos >= graph.n_slots:
+            if pos >= graph.n_positions:
                 raise PlanError(
                     f"schedule: {field}[{name!r}] = {pos} is past the step's last position "
-                    f"{graph.n_slots - 1}"
+                    f"{graph.n_positions - 1}"
                 )
             arr[t] = pos
     return d2h, h2d, rec
 
 
-def _slot_label(graph: ActivationGraph, slot: int) -> str:
+def _position_label(graph: ActivationGraph, position: int) -> str:
     n = graph.n_ops
-    if slot < n:
-        return f"forward of op {graph.ops[slot].name!r}"
-    return f"backward of op {graph.ops[2 * n - 1 - slot].name!r}"
+    if position < n:
+        return f"forward of op {graph.ops[position].name!r}"
+    return f"backward of op {graph.ops[2 * n - 1 - position].name!r}"
 
 
 def trace_reruns(
@@ -175,7 +127,7 @@ def trace_reruns(
 ) -> tuple[list[tuple[int, ...]], list[tuple[int, ...]], np.ndarray, np.ndarray]:
     """Walk the backward pass: which ops rerun where, and who needs what (rules for recompute)."""
     n = graph.n_ops
-    S = graph.n_slots
+    S = graph.n_positions
     T = len(graph.tensors)
     materialized = np.full(T, -1, dtype=np.int64)
     first_need = np.full(T, -1, dtype=np.int64)
@@ -191,7 +143,7 @@ def trace_reruns(
         scheduled.setdefault(int(recompute_at[t]), []).append(t)
     # a tensor with a latest rebuild position (Tensor.rebuilt_before) and no position of its own
     # is rebuilt there, or earlier where a rebuild that reads it runs first
-    forced = graph.rebuild_slot
+    forced = graph.rebuild_position
     for t in np.flatnonzero((forced >= 0) & (recompute_at < 0) & (codes == RECOMPUTE)).tolist():
         scheduled.setdefault(int(forced[t]), []).append(t)
     saved_by_op = graph.saved_by_op
@@ -247,7 +199,7 @@ def trace_reruns(
         if materialized[t] != recompute_at[t]:
             raise PlanError(
                 f"schedule: recompute_at[{graph.tensors[t].name!r}] = {recompute_at[t]} is after its "
-                f"first use at position {materialized[t]} ({_slot_label(graph, int(materialized[t]))})"
+                f"first use at position {materialized[t]} ({_position_label(graph, int(materialized[t]))})"
             )
     return reruns, needs_at, first_need, materialized
 
@@ -261,14 +213,14 @@ def first_backward_need(
     return trace_reruns(graph, codes, rec)[2]
 
 
-def nominal_slot_times(graph: ActivationGraph, reruns: Reruns) -> tuple[np.ndarray, np.ndarray]:
-    """Start and end time of every slot if nothing stalls (reruns included)."""
+def nominal_position_times(graph: ActivationGraph, reruns: Reruns) -> tuple[np.ndarray, np.ndarray]:
+    """Start and end time of every position if nothing stalls (reruns included)."""
     n = graph.n_ops
-    dur = np.empty(graph.n_slots)
+    dur = np.empty(graph.n_positions)
     dur[:n] = graph.forward_s
     dur[n:] = graph.backward_s[::-1]
     fwd = graph.forward_s
-    for k in range(n, graph.n_slots):
+    for k in range(n, graph.n_positions):
         if reruns[k]:
             dur[k] += sum(fwd[q] for q in reruns[k])
     end = np.cumsum(dur)
@@ -287,7 +239,7 @@ def default_swap_schedule(
     """Fill missing swap positions: free a tensor once its offload is done (estimated on the
     no-stall timeline, lane in production order); issue its prefetch as late as still arrives in
     time (lane filled backwards from the uses)."""
-    start, end = nominal_slot_times(graph, reruns)
+    start, end = nominal_position_times(graph, reruns)
     swapped = np.flatnonzero(codes == SWAP)
     if swapped.size == 0:
         return
@@ -297,7 +249,9 @@ def default_swap_schedule(
     # collectives on the link occupy the lanes from their positions (step-model.md): they are
     # jobs of the same lanes here, with fixed issue times, never given a position themselves
     comms = (
-        [(graph.collective_slot(c), c) for c in graph.collectives] if hw.collectives_on_link else []
+        [(graph.collective_position(c), c) for c in graph.collectives]
+        if hw.collectives_on_link
+        else []
     )
     n = graph.n_ops
     # D2H lane, FIFO in production order: done_i = max_{j<=i}(issue_j + sum_{k=j..i} p_k)
@@ -317,8 +271,8 @@ def default_swap_schedule(
     else:
         csum = np.cumsum(p)
         done = csum + np.maximum.accumulate(issue - (csum - p))
-    slot = np.searchsorted(end, done - 1e-15)
-    free = np.minimum(np.maximum(slot, last_fwd[order]), first_need[order] - 1)
+    position = np.searchsorted(end, done - 1e-15)
+    free = np.minimum(np.maximum(position, last_fwd[order]), first_need[order] - 1)
     unset = d2h[order] < 0
     d2h[order[unset]] = free[unset]
     # H2D lane filled backwards from the uses: begin_i = min_{j>=i}(need_j - sum_{k=i..j} p_k)
@@ -431,7 +385,7 @@ def _check_swap_schedule(
         if h2d[t] > first_need[t]:
             raise PlanError(
                 f"schedule: h2d_issue[{name!r}] = {h2d[t]} is after its first use at "
-                f"position {first_need[t]} ({_slot_label(graph, int(first_need[t]))})"
+                f"position {first_need[t]} ({_position_label(graph, int(first_need[t]))})"
             )
 
 
@@ -442,7 +396,7 @@ def _lives(
     mat_point: np.ndarray,
     d2h: np.ndarray,
     h2d: np.ndarray,
-    slot_first: np.ndarray,
+    position_first: np.ndarray,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Every tensor's lives over the points, in tensor order: one (unsaved, keep) or two
     (recompute: made, then rebuilt; swap: until it has left, then from its prefetch), as
@@ -461,15 +415,15 @@ def _lives(
     end_first = last_fwd.copy()
     end_first[is_keep] = last_use[is_keep]
     sw = np.flatnonzero(is_swap)
-    free_slot = d2h[sw].astype(np.int64)
-    end_first[sw] = free_slot  # freed after a forward position: that op's point
-    late = free_slot >= n  # after a backward position: its last point (reruns come first)
-    end_first[sw[late]] = slot_first[free_slot[late] + 1] - 1
+    free_position = d2h[sw].astype(np.int64)
+    end_first[sw] = free_position  # freed after a forward position: that op's point
+    late = free_position >= n  # after a backward position: its last point (reruns come first)
+    end_first[sw[late]] = position_first[free_position[late] + 1] - 1
     lives_e[first] = end_first
     rec = np.flatnonzero(is_rec)
     lives_s[first[rec] + 1] = mat_point[rec]
     lives_e[first[rec] + 1] = last_use[rec]
-    lives_s[first[sw] + 1] = slot_first[h2d[sw]]
+    lives_s[first[sw] + 1] = position_first[h2d[sw]]
     lives_e[first[sw] + 1] = last_use[sw]
     return lives_t, lives_s, lives_e
 
@@ -488,27 +442,27 @@ def _intervals(
     the lives of tensors over them. Numpy over every position and tensor; Python only over the
     positions that rerun something (a 50,000-op step expands in a fraction of a second)."""
     n = graph.n_ops
-    S = graph.n_slots
+    S = graph.n_positions
     T = len(graph.tensors)
     codes = np.asarray(codes)
     n_reruns = np.array([len(reruns[k]) for k in range(n, S)], dtype=np.int64)
-    per_slot = n_reruns + 1  # reruns, then the backward op
-    slot_first = np.zeros(S, dtype=np.int64)
-    slot_first[:n] = np.arange(n)
-    slot_first[n:] = n + np.concatenate([[0], np.cumsum(per_slot)[:-1]])
-    main = slot_first[n:] + n_reruns  # the backward op's point at each backward position
-    P = n + int(per_slot.sum())
-    point_slot = np.empty(P, dtype=np.int64)
+    per_position = n_reruns + 1  # reruns, then the backward op
+    position_first = np.zeros(S, dtype=np.int64)
+    position_first[:n] = np.arange(n)
+    position_first[n:] = n + np.concatenate([[0], np.cumsum(per_position)[:-1]])
+    main = position_first[n:] + n_reruns  # the backward op's point at each backward position
+    P = n + int(per_position.sum())
+    point_position = np.empty(P, dtype=np.int64)
     point_op = np.empty(P, dtype=np.int64)
     point_kind = np.empty(P, dtype=np.int8)
     point_ws = np.empty(P, dtype=np.int64)
-    point_slot[:n] = np.arange(n)
+    point_position[:n] = np.arange(n)
     point_op[:n] = np.arange(n)
     point_kind[:n] = 0
     point_ws[:n] = graph.forward_ws
     back = np.arange(n, S)
     ops_back = S - 1 - back
-    point_slot[main] = back
+    point_position[main] = back
     point_op[main] = ops_back
     point_kind[main] = 2
     point_ws[main] = graph.backward_ws[ops_back]
@@ -530,10 +484,10 @@ def _intervals(
     for k in (np.flatnonzero(n_reruns) + n).tolist():
         transient_start: dict[int, int] = {}
         transient_end: dict[int, int] = {}
-        p = int(slot_first[k])
+        p = int(position_first[k])
         first_p = p
         for q in reruns[k]:
-            point_slot[p] = k
+            point_position[p] = k
             point_op[p] = q
             point_kind[p] = 1
             # the rerun op's workspace, and the gradients waiting for the backward op here
@@ -562,15 +516,15 @@ def _intervals(
             iv_s.append(start)
             iv_e.append(transient_end[t])
     n_transient = len(iv_t)
-    lives_t, lives_s, lives_e = _lives(graph, codes, last_use, mat_point, d2h, h2d, slot_first)
+    lives_t, lives_s, lives_e = _lives(graph, codes, last_use, mat_point, d2h, h2d, position_first)
     iv_tensor = np.concatenate([np.array(iv_t, dtype=np.int64), lives_t])
     exp = Expansion(
         codes=codes,
-        point_slot=point_slot,
+        point_position=point_position,
         point_op=point_op,
         point_kind=point_kind,
         point_workspace=point_ws,
-        slot_first_point=slot_first,
+        position_first_point=position_first,
         iv_tensor=iv_tensor,
         iv_start=np.concatenate([np.array(iv_s, dtype=np.int64), lives_s]),
         iv_end=np.concatenate([np.array(iv_e, dtype=np.int64), lives_e]),
@@ -600,19 +554,19 @@ def _yield_to_budget(
     swapped = np.flatnonzero(exp.codes == SWAP)
     movable_free = swapped[~given_d2h[swapped]]
     movable_issue = swapped[~given_h2d[swapped]]
-    for _ in range(graph.n_slots + 1):
+    for _ in range(graph.n_positions + 1):
         mem = exp.memory()
         over = np.flatnonzero(mem > budget)
         if over.size == 0:
             return exp
-        slots = np.unique(exp.point_slot[over])
+        positions = np.unique(exp.point_position[over])
         changed = False
         # free earlier: the first over-budget position after a tensor's last forward reader,
         # if it is still resident there, is where it must already be gone
         lf = last_fwd[movable_free]
-        i = np.searchsorted(slots, lf, side="right")
-        has = i < slots.size
-        first_over = np.where(has, slots[np.minimum(i, slots.size - 1)], -1)
+        i = np.searchsorted(positions, lf, side="right")
+        has = i < positions.size
+        first_over = np.where(has, positions[np.minimum(i, positions.size - 1)], -1)
         late = has & (first_over <= d2h[movable_free])
         if late.any():
             d2h[movable_free[late]] = first_over[late] - 1
@@ -620,9 +574,9 @@ def _yield_to_budget(
         # prefetch later: the last over-budget position before a tensor's first use, if its
         # prefetch is issued by then, is where it must not yet be resident
         need = exp.first_need[movable_issue]
-        j = np.searchsorted(slots, need, side="left") - 1
+        j = np.searchsorted(positions, need, side="left") - 1
         has = j >= 0
-        last_over = np.where(has, slots[np.maximum(j, 0)], -1)
+        last_over = np.where(has, positions[np.maximum(j, 0)], -1)
         early = has & (last_over >= h2d[movable_issue])
         if early.any():
             h2d[movable_issue[early]] = last_over[early] + 1

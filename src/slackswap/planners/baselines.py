@@ -6,9 +6,9 @@ import time
 
 import numpy as np
 
+from ..core.codes import keep_all_codes
 from ..core.graph import ActivationGraph
 from ..core.plan import KEEP, RECOMPUTE, SWAP, UNSAVED, SolveInfo
-from ..core.stepmodel import keep_all_codes
 from .base import Problem, Solution
 
 __all__ = [

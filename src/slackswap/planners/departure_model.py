@@ -12,10 +12,11 @@ from typing import Any
 
 import numpy as np
 
+from ..core.codes import keep_all_codes
 from ..core.graph import ActivationGraph
 from ..core.hardware import Hardware
 from ..core.plan import KEEP, RECOMPUTE, SWAP
-from ..core.stepmodel import expand, keep_all_codes
+from ..core.stepmodel import expand
 from .scaling import departure_units
 
 
@@ -25,12 +26,12 @@ class DepartureData:
 
     def __init__(self, graph: ActivationGraph, budget_bytes: int, hw: Hardware, mask) -> None:
         self.graph, self.hw, self.budget_bytes, self.mask = graph, hw, budget_bytes, mask
-        S = graph.n_slots
+        S = graph.n_positions
         saved = self.saved = [int(t) for t in graph.saved]
         prod = self.prod = graph.producer
         self.last_fwd = graph.last_forward_use
-        self.first_use = {t: graph.bwd_slot(int(graph.first_backward_use[t])) for t in saved}
-        self.last_use = {t: graph.bwd_slot(int(graph.last_backward_use[t])) for t in saved}
+        self.first_use = {t: graph.bwd_position(int(graph.first_backward_use[t])) for t in saved}
+        self.last_use = {t: graph.bwd_position(int(graph.last_backward_use[t])) for t in saved}
         nbytes = self.nbytes = graph.tensor_bytes
         # what every plan holds besides the saved tensors: unsaved tensors and workspace, as
         # keeping everything has them (the LP bound's constants, lp-bound.md)
@@ -39,7 +40,7 @@ class DepartureData:
         for t, s_, e_ in zip(base.iv_tensor, base.iv_start, base.iv_end):
             if not graph.is_saved[t]:
                 other[s_ : e_ + 1] += int(nbytes[t])
-        other += base.point_workspace[base.slot_first_point].astype(np.int64)
+        other += base.point_workspace[base.position_first_point].astype(np.int64)
         self.room = [int(budget_bytes) - int(other[k]) for k in range(S)]
         # saved bytes resident at each position when everything is kept: [producer, last use]
         held = np.zeros(S + 1, dtype=np.int64)

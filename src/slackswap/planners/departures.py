@@ -23,10 +23,10 @@ from typing import Any
 import numpy as np
 
 from ..core.budget import parse_budget
+from ..core.codes import keep_all_codes
 from ..core.graph import ActivationGraph
 from ..core.hardware import Hardware, hardware
 from ..core.plan import KEEP
-from ..core.stepmodel import keep_all_codes
 from .departure_model import DepartureData, DepartureModel
 from .exact.limits import (  # tuning constants: docs/tuning.md
     ADDED_POSITIONS,

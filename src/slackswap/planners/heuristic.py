@@ -33,15 +33,16 @@ from typing import Any
 
 import numpy as np
 
+from ..core.codes import keep_all_codes
 from ..core.graph import ActivationGraph
 from ..core.hardware import Hardware
 from ..core.plan import KEEP, RECOMPUTE, SWAP, SolveInfo
 from ..core.restrict import first_forbidden
-from ..core.stepmodel import expand, keep_all_codes, nominal_slot_times
+from ..core.stepmodel import expand, nominal_position_times
 from .base import Problem, Solution
 from .baselines import rebuild_cost, swap_all_codes
 from .exact.limits import (  # tuning constants: docs/tuning.md
-    BUNDLED_UP_TO_SLOTS,
+    BUNDLED_UP_TO_POSITIONS,
     POLISH_EVALUATIONS_PER_TENSOR,
     POLISH_POSITIONS,
     UNFIT_POLISH_FACTOR,
@@ -53,7 +54,7 @@ NO_RERUNS = None
 def hideable_swaps(graph: ActivationGraph, hw: Hardware, order: np.ndarray) -> np.ndarray:
     """Tensors (from ``order``, in that order of preference) whose copies compute can hide."""
     n = graph.n_ops
-    start, end = nominal_slot_times(graph, [()] * graph.n_slots)
+    start, end = nominal_position_times(graph, [()] * graph.n_positions)
     t_fwd = end[n - 1]
     nbytes = graph.tensor_bytes
     # D2H: window from the producer's end to the end of the forward pass
@@ -66,7 +67,7 @@ def hideable_swaps(graph: ActivationGraph, hw: Hardware, order: np.ndarray) -> n
     if hw.collectives_on_link:
         # collectives on the link take their lane time out of the windows they fall in
         for c in graph.collectives:
-            k = graph.collective_slot(c)
+            k = graph.collective_position(c)
             if c.d2h_bytes and k < n:
                 slack_d[: k + 1] -= hw.d2h_time(c.d2h_bytes)
             if c.h2d_bytes and k >= n:
@@ -146,7 +147,7 @@ def heuristic_codes(
         return codes, stats
     cover.start(codes, exp, stats)
     for _ in range(4 * len(saved) + 1):
-        over = cover.slot_mem - budget
+        over = cover.position_mem - budget
         s = int(np.argmax(over))
         if over[s] <= 0 or not cover.relieve(s, budget, allow_chains, single_cover):
             break
@@ -188,13 +189,13 @@ class _Cover:
         """From ``codes`` (changed in place from here on) and its expansion."""
         graph = self.graph
         self.codes, self.stats = codes, stats
-        # slot-level memory, updated as tensors are recomputed (exact without rebuild chains)
+        # position-level memory, updated as tensors are recomputed (exact without rebuild chains)
         mem_points = exp.memory()
-        self.slot_mem = np.full(graph.n_slots, 0, dtype=np.int64)
-        np.maximum.at(self.slot_mem, exp.point_slot, mem_points)
+        self.position_mem = np.full(graph.n_positions, 0, dtype=np.int64)
+        np.maximum.at(self.position_mem, exp.point_position, mem_points)
         self.last_fwd = graph.last_forward_use
-        self.u_slot = np.array(
-            [graph.bwd_slot(int(u)) if u >= 0 else -1 for u in graph.first_backward_use]
+        self.u_position = np.array(
+            [graph.bwd_position(int(u)) if u >= 0 else -1 for u in graph.first_backward_use]
         )
         self.readers_of: dict[int, list[int]] = {}
         for t in graph.saved:
@@ -235,34 +236,34 @@ class _Cover:
         return unit
 
     def freed_at(self, unit: list[int], s: int) -> int:
-        last_fwd, u_slot, nbytes = self.last_fwd, self.u_slot, self.nbytes
-        return int(sum(int(nbytes[m]) for m in unit if last_fwd[m] < s < u_slot[m]))
+        last_fwd, u_position, nbytes = self.last_fwd, self.u_position, self.nbytes
+        return int(sum(int(nbytes[m]) for m in unit if last_fwd[m] < s < u_position[m]))
 
     def move(self, m: int, code: int, sign: int) -> None:
         """Tensor ``m`` to ``code``; its bytes leave (sign -1) or return to (+1) the positions
         between its last forward use and its first backward use."""
         self.codes[m] = code
         self.code_list[m] = code
-        self.slot_mem[self.last_fwd[m] + 1 : self.u_slot[m]] += sign * self.nbytes[m]
+        self.position_mem[self.last_fwd[m] + 1 : self.u_position[m]] += sign * self.nbytes[m]
 
     def relieve(self, s: int, budget: int, allow_chains: bool, single_cover: bool) -> bool:
         """Position ``s``, the one most over the budget: recompute its cheapest kept tensors
         per byte (or the cheapest single unit that covers it alone), else swap its largest.
         Returns whether anything moved."""
-        graph, codes, stats, slot_mem, mask = (
+        graph, codes, stats, position_mem, mask = (
             self.graph,
             self.codes,
             self.stats,
-            self.slot_mem,
+            self.position_mem,
             self.mask,
         )
         saved, per_byte, cost = graph.saved, self.per_byte, self.cost
-        last_fwd, u_slot = self.last_fwd, self.u_slot
-        removable = saved[(codes[saved] == KEEP) & (last_fwd[saved] < s) & (u_slot[saved] > s)]
+        last_fwd, u_position = self.last_fwd, self.u_position
+        removable = saved[(codes[saved] == KEEP) & (last_fwd[saved] < s) & (u_position[saved] > s)]
         if mask is not None:
             removable = removable[mask[removable, SWAP] | mask[removable, RECOMPUTE]]
         moved = False
-        excess = int(slot_mem[s] - budget)
+        excess = int(position_mem[s] - budget)
         order = removable[np.argsort(per_byte[removable], kind="stable")]
         # the cheapest single unit that relieves the whole excess alone, priced before the
         # greedy pass changes anything (see below)
@@ -280,7 +281,7 @@ class _Cover:
         greedy_cost = 0.0
         for chains in (False, True):
             for t in order:
-                if slot_mem[s] <= budget:
+                if position_mem[s] <= budget:
                     break
                 if not np.isfinite(per_byte[t]) or not self.can_rebuild(int(t), chains):
                     continue
@@ -307,11 +308,11 @@ class _Cover:
                 stats["recomputed"] += 1
             stats["single_covers"] = stats.get("single_covers", 0) + 1
             moved = True
-        if slot_mem[s] > budget and not moved:
+        if position_mem[s] > budget and not moved:
             for t in removable[np.argsort(-self.nbytes[removable], kind="stable")]:
                 if not self.may_swap[t]:
                     continue
-                if slot_mem[s] <= budget:
+                if position_mem[s] <= budget:
                     break
                 self.move(int(t), SWAP, -1)
                 stats["exposed_swaps"] += 1
@@ -443,7 +444,7 @@ class SlackSwapHeuristic:
         # the bundled pricing is not the published scheme's rule: it comes with the polish, or
         # alone (the exact planner's start when there is no time for the polish's search)
         bundle = options.get("bundle_reruns", polish)
-        if bundle and g.n_slots <= BUNDLED_UP_TO_SLOTS:
+        if bundle and g.n_positions <= BUNDLED_UP_TO_POSITIONS:
             # the same rules with reruns priced per bundle: far better on some graphs, worse on
             # others; the faster wins
             variants.append(
@@ -467,7 +468,7 @@ class SlackSwapHeuristic:
 
             evaluations = min(
                 POLISH_EVALUATIONS_PER_TENSOR * len(g.saved) + 8,
-                POLISH_POSITIONS // max(1, g.n_slots),
+                POLISH_POSITIONS // max(1, g.n_positions),
             )
             start_codes = codes
             if (
@@ -492,7 +493,7 @@ class SlackSwapHeuristic:
                     budget,
                     start_codes,
                     time_limit_s=float("inf"),
-                    max_work=evaluations * g.n_slots,
+                    max_work=evaluations * g.n_positions,
                     mask=problem.mask,
                 )
                 stats["polish_moves"] = result.moves

@@ -101,7 +101,7 @@ def improve(
     ``2n`` positions): a limit on work, the same on any machine, so the same start gives the same
     plan; ``time_limit_s`` is only a cap on the clock."""
     start = time.perf_counter()
-    per_evaluation = graph.n_slots
+    per_evaluation = graph.n_positions
     codes = np.array(codes, dtype=np.int8, copy=True)
     units = _units(graph)
     can_recompute = graph.can_recompute

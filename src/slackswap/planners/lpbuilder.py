@@ -11,9 +11,10 @@ from typing import Any
 import numpy as np
 
 from ..core.budget import min_budget, parse_budget
+from ..core.codes import keep_all_codes
 from ..core.graph import ActivationGraph
 from ..core.hardware import Hardware, hardware
-from ..core.stepmodel import expand, keep_all_codes
+from ..core.stepmodel import expand
 from .lpmodel import LinearModel
 from .rebuild_pulls import PULL_CELLS, add_to, rebuild_pulls
 from .scaling import SMALLEST, lp_units, relax_small
@@ -41,7 +42,7 @@ class LPBound:
 LATENCY_ROW_SHARE = 0.1  # the every-copy-within-the-step row is added past this latency share
 
 
-IPM_FROM_SLOTS = 2500  # positions above which the LP is solved by an interior point method
+IPM_FROM_POSITIONS = 2500  # positions above which the LP is solved by an interior point method
 
 
 class LPBoundBuilder:
@@ -91,7 +92,7 @@ class LPBoundBuilder:
         if integral and time_limit_s is None:
             time_limit_s = 10.0
         n = graph.n_ops
-        S = graph.n_slots
+        S = graph.n_positions
         saved = graph.saved
         m = len(saved)
         # scale bytes and seconds so the budget and the ideal step are both about 1000 units: HiGHS
@@ -104,8 +105,8 @@ class LPBoundBuilder:
         fwd_s = relax_small(graph.forward_s / tu)
         prod = graph.producer
         last_fwd = graph.last_forward_use
-        u_slot = np.array([graph.bwd_slot(int(u)) for u in graph.first_backward_use[saved]])
-        lb_slot = np.array([graph.bwd_slot(int(v)) for v in graph.last_backward_use[saved]])
+        u_position = np.array([graph.bwd_position(int(u)) for u in graph.first_backward_use[saved]])
+        lb_position = np.array([graph.bwd_position(int(v)) for v in graph.last_backward_use[saved]])
         self.S = S
         self.allowed = allowed
         self.bu = bu
@@ -120,7 +121,7 @@ class LPBoundBuilder:
         self.integral = integral
         self.kill_after_s = kill_after_s
         self.last_fwd = last_fwd
-        self.lb_slot = lb_slot
+        self.lb_position = lb_position
         self.m = m
         self.mask = mask
         self.max_iterations = max_iterations
@@ -134,7 +135,7 @@ class LPBoundBuilder:
         self.start_clock = start_clock
         self.time_limit_s = time_limit_s
         self.tu = tu
-        self.u_slot = u_slot
+        self.u_position = u_position
         self.whole_departures = whole_departures
 
     def decisions(self) -> None:
@@ -208,8 +209,14 @@ class LPBoundBuilder:
         """The fluid lanes: bytes departed and arrived by each position, and the running sums of
         swapped bytes (produced, within forward life, needed, freed) and of kept bytes."""
         K, R, S, W, graph, last_fwd = self.K, self.R, self.S, self.W, self.graph, self.last_fwd
-        lb_slot, lp, nbytes, prod, saved = self.lb_slot, self.lp, self.nbytes, self.prod, self.saved
-        tu, u_slot = self.tu, self.u_slot
+        lb_position, lp, nbytes, prod, saved = (
+            self.lb_position,
+            self.lp,
+            self.nbytes,
+            self.prod,
+            self.saved,
+        )
+        tu, u_position = self.tu, self.u_position
         dur = relax_small(np.concatenate([graph.forward_s, graph.backward_s[::-1]]) / tu)
         dep = lp.vars(S)
         arr = lp.vars(S)
@@ -220,14 +227,14 @@ class LPBoundBuilder:
             add_to(st_q, prod[t], (W[i], b))
             add_to(st_f, prod[t], (W[i], b))
             add_to(en_f, last_fwd[t], (W[i], b))
-            add_to(st_need, u_slot[i], (W[i], b))
-            add_to(st_free, lb_slot[i] + 1, (W[i], b))
+            add_to(st_need, u_position[i], (W[i], b))
+            add_to(st_free, lb_position[i] + 1, (W[i], b))
             add_to(st_keep, prod[t], (K[i], b))
-            add_to(en_keep, lb_slot[i], (K[i], b))
+            add_to(en_keep, lb_position[i], (K[i], b))
             add_to(st_keep, prod[t], (R[i], b))
             add_to(en_keep, last_fwd[t], (R[i], b))
-            add_to(st_keep, u_slot[i], (R[i], b))
-            add_to(en_keep, lb_slot[i], (R[i], b))
+            add_to(st_keep, u_position[i], (R[i], b))
+            add_to(en_keep, lb_position[i], (R[i], b))
         Qp = lp.running_sum(S, st_q, {})
         F = lp.running_sum(S, st_f, en_f)
         Need = lp.running_sum(S, st_need, {})
@@ -249,12 +256,12 @@ class LPBoundBuilder:
         S, arr, bu, budget_bytes, column = self.S, self.arr, self.bu, self.budget_bytes, self.column
         dep, dur, graph, hw, integral = self.dep, self.dur, self.graph, self.hw, self.integral
         lp, m, nbytes, producer_delay = self.lp, self.m, self.nbytes, self.producer_delay
-        saved, sigma, tu, u_slot = self.saved, self.sigma, self.tu, self.u_slot
+        saved, sigma, tu, u_position = self.saved, self.sigma, self.tu, self.u_position
         # rebuilds pull others along (integral decisions only: for fractions the rows are void;
         # graphs of at most PULL_CELLS positions x saved tensors, where they cost branch and bound
         # little)
         pulled = (
-            rebuild_pulls(lp, graph, saved, column, R, u_slot, nbytes, S)
+            rebuild_pulls(lp, graph, saved, column, R, u_position, nbytes, S)
             if integral and S * m <= PULL_CELLS
             else None
         )
@@ -262,7 +269,7 @@ class LPBoundBuilder:
         bw_h = max(SMALLEST, hw.h2d_bytes_per_s * tu / bu)
         # everything not saved, and workspaces, as keep-all has them
         base = expand(graph, keep_all_codes(graph), None, hw)
-        main_points = base.slot_first_point
+        main_points = base.position_first_point
         unsaved_mem = np.zeros(S)
         for t, s_, e_ in zip(base.iv_tensor, base.iv_start, base.iv_end):
             if not graph.is_saved[t]:
@@ -397,7 +404,7 @@ class LPBoundBuilder:
                 lp.eq([left[k], left[k + 1], sigma[k], E[k]], [1, -1, -1, -1], float(dur[k]))
             after: dict[str, dict[int, float]] = {"d2h": {}, "h2d": {}}
             for c in graph.collectives:
-                k = graph.collective_slot(c)
+                k = graph.collective_position(c)
                 for lane, nb in (("d2h", c.d2h_bytes), ("h2d", c.h2d_bytes)):
                     if nb:
                         seconds = hw.d2h_time(nb) if lane == "d2h" else hw.h2d_time(nb)
@@ -472,9 +479,9 @@ class LPBoundBuilder:
             mip_gap = max(0.0, (objective - bound_units) / max(ideal / tu + objective, 1e-12))
             status = "optimal" if res.status == 0 else "timeout"
         else:
-            # dual simplex is fastest on small models; past IPM_FROM_SLOTS positions PIQP's interior
+            # dual simplex is fastest on small models; past IPM_FROM_POSITIONS positions PIQP's interior
             # point method, several times faster there than HiGHS's (docs/tuning.md)
-            if graph.n_slots > IPM_FROM_SLOTS:
+            if graph.n_positions > IPM_FROM_POSITIONS:
                 res = lp.solve_piqp(time_limit_s=time_limit_s, max_iterations=max_iterations)
                 left = (
                     None

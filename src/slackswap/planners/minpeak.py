@@ -109,7 +109,11 @@ def min_peak(
     best = MinPeak(
         peak, floor, peak <= floor, "heuristic", codes, None, time.perf_counter() - began
     )
-    if exact and best.budget_bytes > floor and graph.n_slots * len(graph.saved) <= MIN_PEAK_CELLS:
+    if (
+        exact
+        and best.budget_bytes > floor
+        and graph.n_positions * len(graph.saved) <= MIN_PEAK_CELLS
+    ):
         found = _exact(graph, hw, mask, floor, best, time_limit_s)
         if found is not None:
             best = found

@@ -23,7 +23,7 @@ def rebuild_pulls(
     saved,
     column: dict[int, int],
     R,
-    u_slot,
+    u_position,
     nbytes,
     S: int,
 ) -> np.ndarray | None:
@@ -32,16 +32,16 @@ def rebuild_pulls(
     tensor is rebuilt then too (or earlier), as is a recomputed output of any op rerun for it,
     recursively, and a rebuilt tensor lives until its last use. So where every tensor of such a
     chain from x is recomputed, its last, z, is resident from x's first use on, earlier than its
-    own. One variable per chain, at least the AND of its decisions; per z and slot the OR of the
+    own. One variable per chain, at least the AND of its decisions; per z and position the OR of the
     chains covering it (never counted twice). A kept frontier tensor is not extended here: x
     may be rebuilt earlier than its first use (pulled by another), when the kept one is still
     resident."""
-    covers: dict[int, dict[int, list[int]]] = {}  # z's column -> first slot -> chain variables
+    covers: dict[int, dict[int, list[int]]] = {}  # z's column -> first position -> chain variables
     chains_left = PULL_VARS_PER_TENSOR * len(saved)
     for i, x in enumerate(saved):
         if not graph.can_recompute[x]:
             continue
-        ux = int(u_slot[i])
+        ux = int(u_position[i])
         # (tensor, chain of R columns from x to it) in breadth-first order
         frontier = [(int(x), [i])]
         seen = {int(x)}
@@ -55,7 +55,7 @@ def rebuild_pulls(
                     if j is None:
                         continue
                     seen.add(z)
-                    uz = int(u_slot[j])
+                    uz = int(u_position[j])
                     if graph.can_recompute[z]:
                         nxt.append((z, chain + [j]))
                         if ux < uz:  # rebuilt with x, before its own first use
@@ -76,18 +76,18 @@ def rebuild_pulls(
         return None
     starts: dict[int, list[tuple[int, float]]] = {}
     ends: dict[int, list[tuple[int, float]]] = {}
-    for j, by_slot in covers.items():
-        # resident from the earliest active chain's slot to u_z - 1: per segment between the
-        # chains' distinct slots, held if any chain started by then is active
-        slots = sorted(by_slot) + [int(u_slot[j])]
+    for j, by_position in covers.items():
+        # resident from the earliest active chain's position to u_z - 1: per segment between the
+        # chains' distinct positions, held if any chain started by then is active
+        positions = sorted(by_position) + [int(u_position[j])]
         active: list[int] = []
-        for a, first in enumerate(slots[:-1]):
-            active += by_slot[first]
+        for a, first in enumerate(positions[:-1]):
+            active += by_position[first]
             held = lp.vars(1, ub=1.0)[0]
             for v in active:
                 lp.le([v, held], [1, -1], 0.0)
             add_to(starts, first, (held, nbytes[int(saved[j])]))
-            add_to(ends, slots[a + 1] - 1, (held, nbytes[int(saved[j])]))
+            add_to(ends, positions[a + 1] - 1, (held, nbytes[int(saved[j])]))
     return lp.running_sum(S, starts, ends)
 
 

@@ -252,7 +252,8 @@ class Run(SavedTensorHooks, Reloads):
         rebuilds or reads it): the executor's clock in backward is the tensors it is asked for."""
         if graph is None or not any(d == "swap" for d in plan.decisions.values()):
             return None, None
-        from ..core.stepmodel import decision_codes, first_backward_need
+        from ..core.codes import decision_codes
+        from ..core.stepmodel import first_backward_need
 
         issue = dict(plan.schedule.h2d_issue)
         first = first_backward_need(graph, decision_codes(graph, plan), plan.schedule)

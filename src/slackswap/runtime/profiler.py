@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import statistics
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -23,6 +21,15 @@ from .fsdp_collectives import fsdp_collectives
 from .link import calibrate_link
 from .model_state import OPTIMIZER_STATE_BYTES, with_model_state
 from .overhead import measured_overhead_bytes, with_overhead
+from .plain_step import (
+    call_model as _call,
+)
+from .plain_step import (
+    metered_plain_step,
+    plain_phase_times,
+    scaled_to_plain,
+    with_parameter_gradients,
+)
 from .traced_graph import graph_from_traces
 from .traced_graph import group_by_module as _group
 
@@ -33,21 +40,6 @@ def _user_failure(message: str, exc: BaseException) -> ProfileError:
     error = ProfileError(message)
     error.user_error = exc
     return error
-
-
-def _call(model, inputs):
-    import torch
-
-    if isinstance(inputs, torch.Tensor):
-        return model(inputs)
-    if isinstance(inputs, tuple):
-        return model(*inputs)
-    if isinstance(inputs, dict):
-        return model(**inputs)
-    raise ProfileError(
-        f"inputs must be a tensor, a tuple (positional arguments) or a dict "
-        f"(keyword arguments), got {type(inputs).__name__}"
-    )
 
 
 def _to(inputs, device):
@@ -232,12 +224,7 @@ def profile(
     """
     import torch
 
-    if not isinstance(fake, bool):
-        raise ProfileError(f"fake must be True or False, got {fake!r}")
-    if optimizer not in OPTIMIZER_STATE_BYTES:
-        raise ProfileError(
-            f"optimizer must be one of {sorted(OPTIMIZER_STATE_BYTES)}, got {optimizer!r}"
-        )
+    _check_options(fake=fake, optimizer=optimizer)
     if fake:
         if hardware is None:
             raise ProfileError(
@@ -259,21 +246,10 @@ def profile(
 
     if not isinstance(model, torch.nn.Module):
         raise ProfileError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    if not isinstance(calibrate, bool):
-        raise ProfileError(f"calibrate must be True or False, got {calibrate!r}")
-    if not isinstance(overhead, bool):
-        raise ProfileError(f"overhead must be True or False, got {overhead!r}")
-    if gradients not in GRADIENTS:
-        raise ProfileError(f"gradients must be one of {GRADIENTS}, got {gradients!r}")
-    if hasattr(model, "_orig_mod") and type(model).__name__ == "OptimizedModule":
-        # a torch.compile'd module: profile the eager model behind it (the same parameters and
-        # saved tensors); run the plan with slackswap.checkpointed around the compiled one
-        model = model._orig_mod
+    _check_options(calibrate=calibrate, overhead=overhead, gradients=gradients)
     if repeat < 1 or warmup < 0:
         raise ProfileError("repeat must be >= 1 and warmup >= 0")
-    if device is not None:
-        model = model.to(device)
-        inputs = _to(inputs, device)
+    model, inputs = _on_device(model, inputs, device)
     graph = _measured_graph(
         model,
         inputs,
@@ -289,6 +265,32 @@ def profile(
     )
     graph = with_model_state(graph, model, optimizer)
     return _group(graph) if group_by_module else graph
+
+
+def _on_device(model, inputs, device):
+    """The eager model behind a torch.compile'd one (the same parameters and saved tensors; the
+    plan then runs with slackswap.checkpointed around the compiled one), model and inputs moved
+    to ``device`` where one is given."""
+    if hasattr(model, "_orig_mod") and type(model).__name__ == "OptimizedModule":
+        model = model._orig_mod
+    if device is not None:
+        model = model.to(device)
+        inputs = _to(inputs, device)
+    return model, inputs
+
+
+def _check_options(**options) -> None:
+    """profile()'s switches are True or False and its choices one of theirs: a truthy string
+    like "False" would otherwise turn one on."""
+    for name, value in options.items():
+        if name in ("fake", "calibrate", "overhead") and not isinstance(value, bool):
+            raise ProfileError(f"{name} must be True or False, got {value!r}")
+    if "optimizer" in options and options["optimizer"] not in OPTIMIZER_STATE_BYTES:
+        raise ProfileError(
+            f"optimizer must be one of {sorted(OPTIMIZER_STATE_BYTES)}, got {options['optimizer']!r}"
+        )
+    if "gradients" in options and options["gradients"] not in GRADIENTS:
+        raise ProfileError(f"gradients must be one of {GRADIENTS}, got {options['gradients']!r}")
 
 
 def _measured_graph(
@@ -363,7 +365,7 @@ def _measured_graph(
                 graph,
                 *measured_overhead_bytes(
                     graph,
-                    lambda sample: _metered_plain_step(
+                    lambda sample: metered_plain_step(
                         model, inputs, loss_fn, dev, gradients, forward, sample
                     ),
                 ),
@@ -428,109 +430,6 @@ def _profile_fake(
     graph = with_parameter_gradients(graph, gradients)
     graph = with_model_state(graph, model, optimizer)
     return _group(graph) if group_by_module else graph
-
-
-def with_parameter_gradients(graph: ActivationGraph, gradients: str) -> ActivationGraph:
-    """``graph`` with the parameter gradients a step makes counted where plain training holds
-    them (formulations/step-model.md, "Parameter gradients"): made in the step, each op's
-    backward also holds those made by the backward ops before it (eager autograd stores each in
-    ``.grad`` at once); held before the step, those that wait in their AccumulateGrad's buffer
-    for the parameter's other readers (a tied embedding's: ``param_grad_waiting_bytes``) and
-    are added in place when the last has run."""
-    from dataclasses import replace
-
-    ops = list(graph.ops)
-    if gradients == "made":
-        held = 0  # made by the backward so far (it runs the ops in reverse)
-        for i in range(len(ops) - 1, -1, -1):
-            before = held  # made before this op's backward: alive for a rebuild there too
-            held += int(ops[i].extra.get("param_grad_bytes", 0))
-            if held:
-                ops[i] = replace(
-                    ops[i],
-                    backward_workspace_bytes=ops[i].backward_workspace_bytes + held,
-                    rerun_workspace_bytes=ops[i].rerun_workspace_bytes + before,
-                )
-    else:
-        for i, op in enumerate(ops):
-            waiting = int(op.extra.get("param_grad_waiting_bytes", 0))
-            if waiting:
-                ops[i] = replace(
-                    op,
-                    backward_workspace_bytes=op.backward_workspace_bytes + waiting,
-                    rerun_workspace_bytes=op.rerun_workspace_bytes + waiting,
-                )
-    return replace(graph, ops=tuple(ops), extra={**graph.extra, "parameter_gradients": gradients})
-
-
-def plain_phase_times(model, inputs, loss_fn, sync, repeat: int, call=None) -> tuple[float, float]:
-    """The medians of ``repeat`` plain steps' forward (loss included) and backward times, as
-    training runs them: no tracer, no hooks. The gradients they add and the state they write are
-    put back by the caller (Untouched), as the traced steps' are."""
-
-    forward, backward = [], []
-    for _ in range(repeat):
-        if sync is not None:
-            sync()
-        start = time.perf_counter()
-        loss = loss_fn((call or _call)(model, inputs))
-        if sync is not None:
-            sync()
-        middle = time.perf_counter()
-        loss.backward()
-        if sync is not None:
-            sync()
-        forward.append(middle - start)
-        backward.append(time.perf_counter() - middle)
-        del loss
-    return statistics.median(forward), statistics.median(backward)
-
-
-def _metered_plain_step(
-    model, inputs, loss_fn, device, gradients: str, call=None, sample: str = "ops"
-) -> int:
-    """One plain step's peak bytes (``StepMeter(sample=sample)``), parameter gradients as the
-    graph counts them: made in the step ("made") or there before it ("held")."""
-    import torch
-
-    from .meter import StepMeter
-
-    params = [p for p in model.parameters() if p.requires_grad]
-    before = [p.grad for p in params]
-    try:
-        for p in params:
-            p.grad = None if gradients == "made" else torch.zeros_like(p)
-        with StepMeter(device, sample=sample) as meter:
-            loss = loss_fn((call or _call)(model, inputs))
-            loss.backward()
-        del loss
-    finally:
-        for p, grad in zip(params, before):
-            p.grad = grad
-    return meter.peak_bytes
-
-
-def scaled_to_plain(graph: ActivationGraph, forward_s: float, backward_s: float) -> ActivationGraph:
-    """Each phase's op times scaled so that they sum to its plain time (formulations/
-    step-model.md, "Profiled times"): the relative times are the tracer's, the totals the
-    step's."""
-    from dataclasses import replace
-
-    traced_f = sum(o.forward_s for o in graph.ops)
-    traced_b = sum(o.backward_s for o in graph.ops)
-    kf = forward_s / traced_f if traced_f > 0 else 1.0
-    kb = backward_s / traced_b if traced_b > 0 else 1.0
-    ops = tuple(
-        replace(o, forward_s=o.forward_s * kf, backward_s=o.backward_s * kb) for o in graph.ops
-    )
-    timing = {
-        "scaled_to_plain": True,
-        "forward_traced_s": traced_f,
-        "forward_plain_s": forward_s,
-        "backward_traced_s": traced_b,
-        "backward_plain_s": backward_s,
-    }
-    return replace(graph, ops=ops, extra={**graph.extra, "timing": timing})
 
 
 def model_parameters(model) -> list[list]:

@@ -9,7 +9,7 @@ import numpy as np
 
 from ...core.graph import ActivationGraph
 from ...core.hardware import Hardware
-from ...core.stepmodel import nominal_slot_times
+from ...core.stepmodel import nominal_position_times
 
 
 def candidates(graph: ActivationGraph, hw: Hardware, full: bool, extra=None, window: int = 6):
@@ -17,8 +17,8 @@ def candidates(graph: ActivationGraph, hw: Hardware, full: bool, extra=None, win
     n = graph.n_ops
     saved = [int(t) for t in graph.saved]
     last_fwd = graph.last_forward_use
-    u = {t: graph.bwd_slot(int(graph.first_backward_use[t])) for t in saved}
-    lb = {t: graph.bwd_slot(int(graph.last_backward_use[t])) for t in saved}
+    u = {t: graph.bwd_position(int(graph.first_backward_use[t])) for t in saved}
+    lb = {t: graph.bwd_position(int(graph.last_backward_use[t])) for t in saved}
     frontier = {t: [int(f) for f in graph.rerun_frontier[t]] for t in saved}
     coproduced = {}
     for t in saved:
@@ -27,7 +27,9 @@ def candidates(graph: ActivationGraph, hw: Hardware, full: bool, extra=None, win
     can_r = {t: bool(graph.can_recompute[t]) for t in saved}
     # Rc: the first use (or the latest rebuild position a graph gives, rebuilt_before), plus
     # earlier positions where a dependent's rebuild may need x
-    latest = {t: int(graph.rebuild_slot[t]) if graph.rebuild_slot[t] >= 0 else u[t] for t in saved}
+    latest = {
+        t: int(graph.rebuild_position[t]) if graph.rebuild_position[t] >= 0 else u[t] for t in saved
+    }
     rc = {t: {latest[t]} if can_r[t] else set() for t in saved}
     changed = True
     while changed:
@@ -53,7 +55,7 @@ def candidates(graph: ActivationGraph, hw: Hardware, full: bool, extra=None, win
             for x in frontier[y]:
                 earliest_need[x] = min(earliest_need[x], r)
     F, G = {}, {}
-    start, end = nominal_slot_times(graph, [()] * graph.n_slots)
+    start, end = nominal_position_times(graph, [()] * graph.n_positions)
     for t in saved:
         lo, hi = int(last_fwd[t]), u[t] - 1
         if full:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from ...core.codes import keep_all_codes
 from ...core.plan import RECOMPUTE, SWAP, Schedule
-from ...core.stepmodel import keep_all_codes
 from .formulation import Formulation
 
 

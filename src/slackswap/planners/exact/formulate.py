@@ -96,7 +96,7 @@ class MilpBuilder:
         fine_time: bool,
     ) -> None:
         n = graph.n_ops
-        S = graph.n_slots
+        S = graph.n_positions
         if full is None:  # every position where the model stays small (Section "Candidates")
             full = n <= 16 or S * len(graph.saved) <= FULL_CELLS
         sc = scaling_for(graph, hw, budget_bytes, bool(full), fine_time)
@@ -270,13 +270,8 @@ class MilpBuilder:
         forward ops, backward ops, and each rerun before a backward op (memory_budget,
         memory_budget_rerun, transient_alive, transient_held)."""
         graph, m, f = self.graph, self.m, self.f
-        S, budget_u, ext_main_at, ext_rerun_at, lb = (
-            self.S,
-            self.budget_u,
-            self.ext_main_at,
-            self.ext_rerun_at,
-            self.lb,
-        )
+        S, budget_u, lb = self.S, self.budget_u, self.lb
+        ext_main_at, ext_rerun_at = self.ext_main_at, self.ext_rerun_at
         n, nbytes, reruns_at, saved, sc = self.n, self.nbytes, self.reruns_at, self.saved, self.sc
         starts: dict[int, list[tuple[int, int]]] = {}
         ends: dict[int, list[tuple[int, int]]] = {}
@@ -429,7 +424,7 @@ class MilpBuilder:
         charged = bool(hw.collectives_on_link and graph.collectives)
         f.collectives_charged = charged
         comms = (
-            [(graph.collective_slot(c), j, c) for j, c in enumerate(graph.collectives)]
+            [(graph.collective_position(c), j, c) for j, c in enumerate(graph.collectives)]
             if charged
             else []
         )
@@ -443,7 +438,9 @@ class MilpBuilder:
         prev = None
         for _, t, c in d2h_items:
             if c is not None:
-                prev = self.collective_job("d2h", graph.collective_slot(c), c, c.d2h_bytes, prev)
+                prev = self.collective_job(
+                    "d2h", graph.collective_position(c), c, c.d2h_bytes, prev
+                )
                 continue
             name = graph.tensors[t].name
             L = m.var(f"d2h_done[{name}]", 0, T_ub)
@@ -472,13 +469,8 @@ class MilpBuilder:
         graph, m, f = self.graph, self.m, self.f
         S, T_ub, arrive, base_dur, d2h_u = self.S, self.T_ub, self.arrive, self.base_dur, self.d2h_u
         frontier, fwd_u, h2d_u, hw = self.frontier, self.fwd_u, self.h2d_u, self.hw
-        saved, u, comms, lane_d, last_d2h = (
-            self.saved,
-            self.u,
-            self.comms,
-            self.lane_d,
-            self.last_d2h,
-        )
+        saved, u, comms = self.saved, self.u, self.comms
+        lane_d, last_d2h = self.lane_d, self.last_d2h
         d2h_order = self.d2h_order
         h2d_order = sorted(saved, key=lambda t: (u[t], t))
         f.d2h_order, f.h2d_order = d2h_order, h2d_order
@@ -500,7 +492,7 @@ class MilpBuilder:
         for _, t, c in h2d_items:
             if c is not None:
                 prev_l = self.collective_job(
-                    "h2d", graph.collective_slot(c), c, c.h2d_bytes, prev_l
+                    "h2d", graph.collective_position(c), c, c.h2d_bytes, prev_l
                 )
                 continue
             name = graph.tensors[t].name
@@ -568,31 +560,19 @@ class MilpBuilder:
     def objective(self) -> None:
         """The lane-capacity cuts, the objective (the end of the last backward op, or with
         collectives on the lanes the last lane job: step_end), and the hint."""
-        m, f = self.m, self.f
-        S, T_ub, base_dur, budget_u, bwd_ws = (
-            self.S,
-            self.T_ub,
-            self.base_dur,
-            self.budget_u,
-            self.bwd_ws,
-        )
-        charged, constant, cuts, fwd_ws, hint = (
-            self.charged,
-            self.constant,
-            self.cuts,
-            self.fwd_ws,
-            self.hint,
-        )
-        lb, nbytes, prev, prev_l, rerun_time = (
-            self.lb,
-            self.nbytes,
-            self.prev,
-            self.prev_l,
-            self.rerun_time,
-        )
-        u = self.u
-        if cuts and not charged:  # the cuts count activation copies alone on the lanes
-            lane_capacity_cuts(f, nbytes, budget_u, constant, fwd_ws, bwd_ws, u, lb)
+        m, f, S, T_ub, base_dur = self.m, self.f, self.S, self.T_ub, self.base_dur
+        charged, rerun_time = self.charged, self.rerun_time
+        if self.cuts and not charged:  # the cuts count activation copies alone on the lanes
+            lane_capacity_cuts(
+                f,
+                self.nbytes,
+                self.budget_u,
+                self.constant,
+                self.fwd_ws,
+                self.bwd_ws,
+                self.u,
+                self.lb,
+            )
 
         # objective: end of the last backward op (step_time); with collectives on the lanes, the
         # optimizer also waits for the last lane job (step_end)
@@ -605,11 +585,11 @@ class MilpBuilder:
                 [(end, 1), (f.start[S - 1], -1)] + [(v, -q) for v, q in rerun_time[S - 1]],
                 int(base_dur[S - 1]),
             )
-            for lane_end in (prev, prev_l):
+            for lane_end in (self.prev, self.prev_l):
                 if lane_end is not None:
                     m.ge("step_end_lanes", [(end, 1), (lane_end, -1)], 0)
             m.objective = [(end, 1)]
             m.objective_offset = 0
-        if hint is not None:
-            apply_hint(f, hint)
+        if self.hint is not None:
+            apply_hint(f, self.hint)
         return f

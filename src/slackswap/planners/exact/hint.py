@@ -18,7 +18,7 @@ def complete_hint(
     f: Formulation, codes: np.ndarray, free: dict, issue: dict, rebuild: dict
 ) -> dict[int, int]:
     g, m = f.graph, f.model
-    n, S = g.n_ops, g.n_slots
+    n, S = g.n_ops, g.n_positions
     val: dict[int, int] = {}
     for t in f.keep:
         c = int(codes[t])

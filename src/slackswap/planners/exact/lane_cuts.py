@@ -15,7 +15,7 @@ def lane_capacity_cuts(f: Formulation, nbytes, budget_u, constant, fwd_ws, bwd_w
     prefetches needed by now have landed and stay until their last use. Every plan satisfies
     them, so they cut no plan off; they only tighten the relaxation (lane_capacity_cuts)."""
     g, m, sc, hw = f.graph, f.model, f.scaling, f.hw
-    n, S = g.n_ops, g.n_slots
+    n, S = g.n_ops, g.n_positions
     kappa = 1000
     bw_d = int(np.ceil(hw.d2h_bytes_per_s * sc.time_unit / sc.byte_unit * kappa))
     bw_h = int(np.ceil(hw.h2d_bytes_per_s * sc.time_unit / sc.byte_unit * kappa))

@@ -47,11 +47,11 @@ RELAX_CELLS_PER_S = 125_000
 # in its share never reaches)
 LP_ITERATIONS_PER_S = 200_000
 # building the MILP, per position
-BUILD_S_PER_SLOT = 6e-4
-# building and solving the LP bound, per position: dual simplex and, past IPM_FROM_SLOTS
+BUILD_S_PER_POSITION = 6e-4
+# building and solving the LP bound, per position: dual simplex and, past IPM_FROM_POSITIONS
 # positions, PIQP's interior point
-LP_S_PER_SLOT = 3e-4
-LP_IPM_S_PER_SLOT = 1e-3
+LP_S_PER_POSITION = 3e-4
+LP_IPM_S_PER_POSITION = 1e-3
 # CP-SAT's work beside its deterministic time, per nonzero of the model (building, presolve,
 # the first LP)
 CPSAT_S_PER_NONZERO = 2e-5
@@ -100,7 +100,7 @@ HEURISTIC_MAIN_POLISH_S = 0.4
 HEURISTIC_UNFIT_POLISH_S = 8.0
 # less time left than this per position: the heuristic runs without its bundled pricing either
 # (three runs and their simulations)
-HEURISTIC_BUNDLE_S_PER_SLOT = 1e-4
+HEURISTIC_BUNDLE_S_PER_POSITION = 1e-4
 
 
 # the coarse start (coarse_start): graphs of fewer ops are searched whole; its coarse graph has
@@ -135,11 +135,11 @@ MIN_PROOF_S = 1.0  # anytime: less time left than this, no proof round
 # anytime: the LP bound's share of the time left, and what a phase costs before it can stop on
 # its own, per position (a phase is started only when the time left covers it)
 ANYTIME_LP_SHARE = 0.8
-ANYTIME_LP_S_PER_SLOT = 4e-4  # building the LP bound
-ANYTIME_FORMULATE_S_PER_SLOT = 4e-4  # building the MILP
+ANYTIME_LP_S_PER_POSITION = 4e-4  # building the LP bound
+ANYTIME_FORMULATE_S_PER_POSITION = 4e-4  # building the MILP
 # solve()'s closing, checking and simulating after the search, per position: taken off the
 # time limit so that the whole call keeps it
-CLOSE_S_PER_SLOT = 5e-5
+CLOSE_S_PER_POSITION = 5e-5
 
 
 @dataclass(frozen=True)
@@ -202,16 +202,18 @@ class WorkLimits:
             coarse_work_s=COARSE_SHARE * work_s,
         )
 
-    def builds(self, n_slots: int) -> bool:
-        """Whether the MILP over ``n_slots`` positions is worth building: its build alone,
+    def builds(self, n_positions: int) -> bool:
+        """Whether the MILP over ``n_positions`` positions is worth building: its build alone,
         estimated from its size, fits the work allowed (never the clock)."""
-        return self.anytime or BUILD_S_PER_SLOT * n_slots <= BUILD_SHARE * self.work_s
+        return self.anytime or BUILD_S_PER_POSITION * n_positions <= BUILD_SHARE * self.work_s
 
-    def solves_lp(self, n_slots: int, ipm_from_slots: int) -> bool:
-        """Whether the LP bound over ``n_slots`` positions fits its share of the work (an
+    def solves_lp(self, n_positions: int, ipm_from_positions: int) -> bool:
+        """Whether the LP bound over ``n_positions`` positions fits its share of the work (an
         estimate from its size; anytime: the caller looks at the clock)."""
-        per_slot = LP_IPM_S_PER_SLOT if n_slots > ipm_from_slots else LP_S_PER_SLOT
-        return self.anytime or per_slot * n_slots <= LP_SHARE * self.work_s
+        per_position = (
+            LP_IPM_S_PER_POSITION if n_positions > ipm_from_positions else LP_S_PER_POSITION
+        )
+        return self.anytime or per_position * n_positions <= LP_SHARE * self.work_s
 
     def milp_nodes(self, seconds: float) -> int | None:
         """CBC's or HiGHS's branch-and-bound nodes for ``seconds`` of the MILP (anytime: none,
@@ -255,7 +257,7 @@ class Clock:
 # --- the heuristic (planners/heuristic.py) ---
 # the bundled variant is tried up to this many positions: past it, it would cost a third of the
 # heuristic's time goal (benchmarks/solve_scaling.py --size-goals; docs/tuning.md)
-BUNDLED_UP_TO_SLOTS = 20_000
+BUNDLED_UP_TO_POSITIONS = 20_000
 POLISH_EVALUATIONS_PER_TENSOR = 4
 POLISH_POSITIONS = 20_000  # simulated positions of the polish
 # the polish's work, in multiples, when no candidate fits (the alternative is no plan at all):

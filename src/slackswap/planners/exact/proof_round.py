@@ -52,7 +52,7 @@ def _proof_round(state: SolveState) -> dict[str, Any] | None:
 
     problem, work, ws, best = state.problem, state.work, state.ws, state.best
     g, hw = problem.graph, problem.hardware
-    if g.n_slots * len(g.saved) > PROOF_CELLS:
+    if g.n_positions * len(g.saved) > PROOF_CELLS:
         return None
     if state.left() < (MIN_PROOF_S if work.anytime else 0.05):
         return {"skipped": "no time left", "clock_stopped": True}

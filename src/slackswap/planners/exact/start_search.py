@@ -115,7 +115,7 @@ class StartSearch:
 
         problem, work, anytime, notes = self.problem, self.work, self.anytime, self.notes
         g, hw, budget = problem.graph, problem.hardware, problem.budget_bytes
-        if not anytime and g.n_slots * len(g.saved) > work.relax_cells:
+        if not anytime and g.n_positions * len(g.saved) > work.relax_cells:
             # its root node alone would pass the work allowed (decided by size, not the clock)
             notes[label] = {
                 "status": "skipped",
@@ -123,7 +123,7 @@ class StartSearch:
                 "clock_stopped": False,
             }
             return None
-        if self.left() <= (RELAXATION_MIN_S + 2 * 4e-4 * g.n_slots if anytime else 0.1):
+        if self.left() <= (RELAXATION_MIN_S + 2 * 4e-4 * g.n_positions if anytime else 0.1):
             notes[label] = {"status": "skipped", "reason": "deadline", "clock_stopped": True}
             return None
         planning_hw = (
@@ -182,7 +182,7 @@ class StartSearch:
         # the integral relaxation cover that case
         swappable = problem.mask is None or bool(problem.mask[g.saved, SWAP].any())
         work_s = self.departure_work_s
-        if work_s is None or not swappable or g.n_slots * len(g.saved) > DEPARTURE_CELLS:
+        if work_s is None or not swappable or g.n_positions * len(g.saved) > DEPARTURE_CELLS:
             return
         if self.left() <= (DEPARTURE_MIN_S if anytime else 0.05):
             notes["departure_bound"] = {

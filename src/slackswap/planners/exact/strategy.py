@@ -41,10 +41,10 @@ from ..base import Problem, Solution
 from .formulate import formulate
 from .formulation import Formulation
 from .limits import (
-    ANYTIME_FORMULATE_S_PER_SLOT,
-    ANYTIME_LP_S_PER_SLOT,
+    ANYTIME_FORMULATE_S_PER_POSITION,
+    ANYTIME_LP_S_PER_POSITION,
     ANYTIME_LP_SHARE,
-    CLOSE_S_PER_SLOT,
+    CLOSE_S_PER_POSITION,
     DEFAULT_TIME_LIMIT_S,
     MIN_SEARCH_S,
     WHOLE_MODEL_BINARIES,
@@ -210,7 +210,7 @@ def search(backend: ExactBackend, problem: Problem, settings: SearchSettings) ->
 def begin(backend: ExactBackend, problem: Problem, settings: SearchSettings) -> SolveState:
     """The clock, the work limits, the heuristic's plan and the LP bound."""
     from ..lpbound import lp_bound
-    from ..lpbuilder import IPM_FROM_SLOTS
+    from ..lpbuilder import IPM_FROM_POSITIONS
     from .warmstart import heuristic_start
 
     start = time.perf_counter()
@@ -219,7 +219,7 @@ def begin(backend: ExactBackend, problem: Problem, settings: SearchSettings) -> 
     # solve() closes, checks and simulates the plan after this returns, within the limit; the
     # limit counts from solve()'s entry (its first call in a process loads this planner)
     clock_from = start if problem.began is None else min(start, problem.began)
-    deadline = clock_from + limit - CLOSE_S_PER_SLOT * g.n_slots
+    deadline = clock_from + limit - CLOSE_S_PER_POSITION * g.n_positions
     anytime = settings.anytime
     work_s = limit if settings.work_s is None else float(settings.work_s)
     state = SolveState(
@@ -237,9 +237,11 @@ def begin(backend: ExactBackend, problem: Problem, settings: SearchSettings) -> 
     # plan of solve(solver="heuristic"); the LP bound gets its work (anytime: the time left)
     state.heuristic = heuristic_start(problem, deadline if anytime else None)
     if anytime:
-        run_lp = state.left() > 2 * ANYTIME_LP_S_PER_SLOT * g.n_slots
+        run_lp = state.left() > 2 * ANYTIME_LP_S_PER_POSITION * g.n_positions
     else:
-        run_lp = state.work.solves_lp(g.n_slots, IPM_FROM_SLOTS) and not state.clock.passed()
+        run_lp = (
+            state.work.solves_lp(g.n_positions, IPM_FROM_POSITIONS) and not state.clock.passed()
+        )
         if not run_lp and state.clock.passed():
             state.clock.stop("lp_bound")
     if run_lp:
@@ -248,7 +250,9 @@ def begin(backend: ExactBackend, problem: Problem, settings: SearchSettings) -> 
             problem.budget_bytes,
             problem.hardware,
             mask=problem.mask,
-            max_iterations=state.work.lp_iterations if g.n_slots <= IPM_FROM_SLOTS else None,
+            max_iterations=state.work.lp_iterations
+            if g.n_positions <= IPM_FROM_POSITIONS
+            else None,
             time_limit_s=max(0.01, (ANYTIME_LP_SHARE if anytime else 1.0) * state.left()),
         )
     else:  # no time (anytime) or work to build it: no bound, and no proof
@@ -362,10 +366,10 @@ def shortcut(state: SolveState) -> Solution | None:
         why = "the MILP does not model collectives on a half-duplex link; the warm start's plan"
         return fallback(state, "feasible", {**state.base_extra, "reason": why})
     if state.settings.anytime:
-        skip = state.left() < MIN_SEARCH_S + 2 * ANYTIME_FORMULATE_S_PER_SLOT * g.n_slots
+        skip = state.left() < MIN_SEARCH_S + 2 * ANYTIME_FORMULATE_S_PER_POSITION * g.n_positions
     else:
         skip = state.clock.passed(MIN_SEARCH_S)
-        if not state.work.builds(g.n_slots) and finite:
+        if not state.work.builds(g.n_positions) and finite:
             why = "the MILP's model is too large for the work allowed"
             return fallback(state, "feasible", {**state.base_extra, "reason": why})
     if skip and finite:

@@ -33,7 +33,7 @@ from .limits import (
     COARSE_OPS_PER_S,
     COARSE_RATIO,
     DEFAULT_TIME_LIMIT_S,
-    HEURISTIC_BUNDLE_S_PER_SLOT,
+    HEURISTIC_BUNDLE_S_PER_POSITION,
     HEURISTIC_MAIN_POLISH_S,
     HEURISTIC_POLISH_S,
     HEURISTIC_UNFIT_POLISH_S,
@@ -137,7 +137,7 @@ def heuristic_start(
     main_polish = left_now > HEURISTIC_MAIN_POLISH_S
     # without the polish, the bundled pricing alone unless the time left would not cover it:
     # then the published rules alone, so the limit holds
-    bundle = main_polish or left_now > HEURISTIC_BUNDLE_S_PER_SLOT * g.n_slots
+    bundle = main_polish or left_now > HEURISTIC_BUNDLE_S_PER_POSITION * g.n_positions
     codes = (
         SlackSwapHeuristic()
         .solve(
@@ -311,7 +311,7 @@ def warm_start(
     heuristic_polish = left_now > HEURISTIC_POLISH_S
     # their bundled pricing (a second run of the rules) too, unless (anytime) the time left
     # would not cover it: then the published rules alone, so the limit holds
-    bundle = left_now > HEURISTIC_BUNDLE_S_PER_SLOT * g.n_slots
+    bundle = left_now > HEURISTIC_BUNDLE_S_PER_POSITION * g.n_positions
     best = warm_from(problem, h_codes, h_sim, "heuristic", h_codes, h_sim)
     # more decisions must never give a worse plan: the heuristic's plans of the restricted
     # problems (recompute-only, offload-only) are starts too, at the cost of two heuristic runs
