@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Mapping
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -82,6 +82,31 @@ def graph_hardware(graph: ActivationGraph, given: Hardware | str | None) -> tupl
         except ValueError:
             pass  # a name this version has no preset for: the default, said so
     return get_hardware(DEFAULT_HARDWARE), "default"
+
+
+@dataclass(frozen=True)
+class _Request:
+    """What one solve() call asked, resolved: the graph, hardware, budget in bytes and the
+    restrictions (``asked``: the caller's own; ``implied``: the hardware's, a device whose
+    memory is the host's), shared by the steps that close, check and refuse its plan."""
+
+    solver: str
+    graph: ActivationGraph
+    hw: Hardware
+    hardware_from: str
+    budget_bytes: int
+    mask: Any
+    allowed: Any
+    pins: Mapping[str, str] | None
+    asked: bool
+    implied: bool
+
+    def recorded(self, plan: Plan) -> Plan:
+        """``plan`` recording the caller's restrictions, where there are any."""
+        if self.allowed is None and not self.pins:
+            return plan
+        extra = {"allowed": list(parse_allowed(self.allowed)), "pins": dict(self.pins or {})}
+        return replace(plan, extra={**plan.extra, **extra})
 
 
 def solve(
@@ -158,8 +183,11 @@ def solve(
     # without the caller asking: a planner that cannot honour a restriction is refused only for
     # the caller's
     asked = (allowed is not None and not implied) or bool(pins)
+    req = _Request(
+        solver, graph, hw, hardware_from, budget_bytes, mask, allowed, pins, asked, implied
+    )
     if budget_bytes < offload_floor(graph, hw, mask):
-        raise _infeasible(graph, hw, mask, budget_bytes, allowed, bool(pins), "")
+        raise _infeasible(req, "")
     planner, options = _planner_for(solver, graph, mask, asked, allowed, work_s, options)
     if not isinstance(strict, (bool, np.bool_)):
         raise TypeError(f"solve: strict must be True or False, got {strict!r}")
@@ -170,9 +198,9 @@ def solve(
             time_limit_s=time_limit_s,
             **options,
         )
-    _refuse_forbidden(solver, graph, solution.codes, mask, hw, asked, implied, allowed)
+    _refuse_forbidden(req, solution.codes)
     plan, expansion, simulated = _closed(graph, solution, hw, budget_bytes)
-    plan = _with_extras(plan, graph, allowed, pins)
+    plan = _with_extras(req.recorded(plan), graph)
     if not plan.info.wall_s:
         plan = plan.with_info(wall_s=time.perf_counter() - start)
     # the closed plan's own expansion (expanding its complete schedule again gives the same
@@ -188,40 +216,13 @@ def solve(
         hardware_from=hardware_from,
         overhead_gap=overhead_gap(sim.step_time_s, graph.ideal_step_time_s, plan.info.bound),
     )
-    return _fitting(
-        graph,
-        hw,
-        budget_bytes,
-        plan,
-        sim.fits,
-        planner,
-        solver,
-        strict,
-        mask,
-        allowed,
-        pins,
-        implied,
-        hardware_from,
-    )
+    return _fitting(req, plan, sim.fits, planner, strict)
 
 
-def _fitting(
-    graph: ActivationGraph,
-    hw: Hardware,
-    budget_bytes: int,
-    plan: Plan,
-    fits: bool,
-    planner,
-    solver: str,
-    strict: bool,
-    mask,
-    allowed,
-    pins,
-    implied: bool,
-    hardware_from: str,
-) -> Plan:
+def _fitting(req: _Request, plan: Plan, fits: bool, planner, strict: bool) -> Plan:
     """The plan, checked by the independent checker; where it does not fit and ``strict``,
     the smallest-budget plan when that fits (said so in its info), else InfeasibleBudget."""
+    graph, hw, budget_bytes, mask = req.graph, req.hw, req.budget_bytes, req.mask
     check = validate(graph, plan)
     if not fits and strict:
         # the planner's plan does not fit: where the smallest-budget plan does, it is returned
@@ -232,21 +233,11 @@ def _fitting(
             planner, "honours_restrictions", False
         ):
             # (a baseline's plan is what it is: keep-all does not fit, it is not replaced)
-            return _smallest_plan(
-                graph, hw, budget_bytes, smallest, plan, mask, allowed, pins, implied, hardware_from
-            )
-        raise _infeasible(
-            graph,
-            hw,
-            mask,
-            budget_bytes,
-            allowed,
-            bool(pins),
-            f"solver {solver!r} found no plan: {check.violations[0]}; ",
-        )
+            return _smallest_plan(req, smallest, plan)
+        raise _infeasible(req, f"solver {req.solver!r} found no plan: {check.violations[0]}; ")
     if strict and not check.ok:
         raise InfeasibleBudget(
-            f"solver {solver!r} found no plan for graph {graph.name!r} within {budget_bytes} bytes: "
+            f"solver {req.solver!r} found no plan for graph {graph.name!r} within {budget_bytes} bytes: "
             f"{check.violations[0]}",
             min_budget_bytes=smallest_budget_of(graph, hw, mask).budget_bytes,
             budget_bytes=budget_bytes,
@@ -285,26 +276,18 @@ def _planner_for(
     return planner, options
 
 
-def _refuse_forbidden(
-    solver: str,
-    graph: ActivationGraph,
-    codes,
-    mask,
-    hw: Hardware,
-    asked: bool,
-    implied: bool,
-    allowed,
-) -> None:
+def _refuse_forbidden(req: _Request, codes) -> None:
     """A planner's decision outside the allowed ones is refused, saying whose restriction it
     breaks (the hardware's minimum swap size, its having no host, or the caller's)."""
-    forbidden = first_forbidden(graph, codes, mask)
+    solver, hw, allowed = req.solver, req.hw, req.allowed
+    forbidden = first_forbidden(req.graph, codes, req.mask)
     if forbidden is not None:
-        if not asked and not implied:
+        if not req.asked and not req.implied:
             raise PlanError(
                 f"solve: solver {solver!r} swaps a tensor under hardware "
                 f"{hw.name!r}'s min_swap_bytes ({hw.min_swap_bytes}): {forbidden}"
             )
-        if implied:
+        if req.implied:
             raise PlanError(
                 f"solve: solver {solver!r} swaps ({forbidden}), but hardware "
                 f"{hw.name!r} has no host to swap to (its device memory is host "
@@ -339,15 +322,9 @@ def _closed(graph: ActivationGraph, solution, hw: Hardware, budget_bytes: int):
     return plan, expansion, simulated
 
 
-def _with_extras(plan: Plan, graph: ActivationGraph, allowed, pins) -> Plan:
-    """What the plan records beside its decisions: the restrictions it was made under, and that
-    it is for ``ss.checkpointed`` alone (a plan for a checkpoint graph; the executor refuses
-    it)."""
-    if allowed is not None or pins:
-        plan = replace(
-            plan,
-            extra={**plan.extra, "allowed": list(parse_allowed(allowed)), "pins": dict(pins or {})},
-        )
+def _with_extras(plan: Plan, graph: ActivationGraph) -> Plan:
+    """A plan for a checkpoint graph records so: it is for ``ss.checkpointed`` alone (the
+    executor refuses it)."""
     if "checkpoint_graph" in graph.extra:
         plan = replace(
             plan, extra={**plan.extra, "checkpoint_graph": graph.extra["checkpoint_graph"]}
@@ -412,20 +389,13 @@ def smallest_budget_of(graph: ActivationGraph, hw: Hardware, mask) -> MinPeak:
     return found
 
 
-def _infeasible(
-    graph: ActivationGraph,
-    hw: Hardware,
-    mask,
-    budget_bytes: int,
-    allowed,
-    pinned: bool,
-    prefix: str,
-) -> InfeasibleBudget:
+def _infeasible(req: _Request, prefix: str) -> InfeasibleBudget:
+    graph, hw, mask, budget_bytes = req.graph, req.hw, req.mask, req.budget_bytes
     smallest = smallest_budget_of(graph, hw, mask)
     decisions = (
         "every decision"
         if mask is None
-        else f"allowed={parse_allowed(allowed)}" + (" and these pins" if pinned else "")
+        else f"allowed={parse_allowed(req.allowed)}" + (" and these pins" if req.pins else "")
     )
     if hw.min_swap_bytes and mask is not None:
         decisions += f" (no swap under the hardware's min_swap_bytes, {hw.min_swap_bytes})"
@@ -442,18 +412,7 @@ def _infeasible(
     )
 
 
-def _smallest_plan(
-    graph: ActivationGraph,
-    hw: Hardware,
-    budget_bytes: int,
-    smallest: MinPeak,
-    planned: Plan,
-    mask,
-    allowed,
-    pins,
-    implied: bool,
-    hardware_from: str,
-) -> Plan:
+def _smallest_plan(req: _Request, smallest: MinPeak, planned: Plan) -> Plan:
     """The smallest-budget plan, closed at ``budget_bytes``, in place of a planner's plan that
     did not fit."""
     from .core.plan import SolveInfo
@@ -466,19 +425,16 @@ def _smallest_plan(
             "plan_from": f"smallest budget ({smallest.method}): the planner's plan did not fit",
         },
     )
+    graph, hw, budget_bytes = req.graph, req.hw, req.budget_bytes
     plan, expansion = close_expanded(
         graph, smallest.codes, smallest.schedule, hw, budget_bytes, info
     )
-    if allowed is not None or pins:
-        plan = replace(
-            plan,
-            extra={**plan.extra, "allowed": list(parse_allowed(allowed)), "pins": dict(pins or {})},
-        )
+    plan = req.recorded(plan)
     sim = run_timeline(graph, expansion, hw, budget_bytes)
-    if implied:
+    if req.implied:
         plan = plan.with_info(allowed_from="hardware")
     return plan.with_info(
-        predicted_step_time_s=sim.step_time_s, hardware_from=hardware_from, overhead_gap=None
+        predicted_step_time_s=sim.step_time_s, hardware_from=req.hardware_from, overhead_gap=None
     )
 
 
