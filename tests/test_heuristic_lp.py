@@ -239,12 +239,13 @@ def test_the_interior_point_bound_is_the_simplex_bound_lowered(solver, case):
     """Large graphs get their LP bound from PIQP's interior point method, and from HiGHS's IPX
     without crossover when PIQP fails: the same optimum as dual simplex, lowered by IPM_MARGIN
     of itself, never above it (so every plan respects it as it respects the simplex bound)."""
-    from slackswap.planners import lpbuilder, lpmodel
+    from slackswap.planners import lpmodel
+    from slackswap.planners.exact import limits
 
     g, budget = case
     simplex = ss.lp_bound(g, budget, LINK)
-    saved, piqp = lpbuilder.IPM_FROM_POSITIONS, lpmodel.LinearModel.solve_piqp
-    lpbuilder.IPM_FROM_POSITIONS = 0  # every graph by the interior point method
+    saved, piqp = limits.IPM_FROM_POSITIONS, lpmodel.LinearModel.solve_piqp
+    limits.IPM_FROM_POSITIONS = 0  # every graph by the interior point method
     if solver == "ipx":  # PIQP fails: the fallback answers
         lpmodel.LinearModel.solve_piqp = lambda self, **_: lpmodel.LinearResult(
             4, "failed", None, None, None
@@ -252,7 +253,7 @@ def test_the_interior_point_bound_is_the_simplex_bound_lowered(solver, case):
     try:
         interior = ss.lp_bound(g, budget, LINK)
     finally:
-        lpbuilder.IPM_FROM_POSITIONS, lpmodel.LinearModel.solve_piqp = saved, piqp
+        limits.IPM_FROM_POSITIONS, lpmodel.LinearModel.solve_piqp = saved, piqp
     assert interior.status == simplex.status
     if simplex.status == "optimal":
         extra_simplex = simplex.step_time_s - g.ideal_step_time_s
@@ -265,7 +266,7 @@ def test_the_interior_point_bound_stays_below_a_zero_overhead_optimum(monkeypatc
     """One op of 1 s saves a 1-byte tensor for its own backward, two ops of no time follow; at a
     1-byte budget it is kept (overhead 0). PIQP's answer was 1e-7 of the step above 0 (its tolerances are absolute on its
     own scaling): the margin of 1e-6 of the step keeps the bound at or below the optimum."""
-    from slackswap.planners import lpbuilder
+    from slackswap.planners.exact import limits
 
     g = graph(
         [
@@ -276,7 +277,7 @@ def test_the_interior_point_bound_stays_below_a_zero_overhead_optimum(monkeypatc
         [tensor("t0", 1, ["op0"]), tensor("t1", 0), tensor("t2", 0)],
     )
     assert ss.lp_bound(g, 1, LINK).step_time_s == g.ideal_step_time_s == 1.0
-    monkeypatch.setattr(lpbuilder, "IPM_FROM_POSITIONS", 0)
+    monkeypatch.setattr(limits, "IPM_FROM_POSITIONS", 0)
     interior = ss.lp_bound(g, 1, LINK)
     assert interior.status == "optimal" and interior.step_time_s <= 1.0
 

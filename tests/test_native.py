@@ -63,7 +63,8 @@ def test_the_deadline_kills_the_solver_and_its_children(tmp_path, monkeypatch):
 def test_a_crashing_interior_point_solver_leaves_the_lp_bound_to_highs(tmp_path, monkeypatch):
     """PIQP (large graphs' LP bound) dies in its child: HiGHS's interior point method answers,
     with the simplex bound lowered by a millionth, not an error and not a wrong bound."""
-    from slackswap.planners import lpbuilder, lpmodel
+    from slackswap.planners import lpmodel
+    from slackswap.planners.exact import limits
 
     g = seeded_graph(5, n_ops=10)
     simplex = ss.lp_bound(g, 0.5, LINK)
@@ -72,7 +73,7 @@ def test_a_crashing_interior_point_solver_leaves_the_lp_bound_to_highs(tmp_path,
         "WORKER",
         _worker(tmp_path, "import os, signal\nos.kill(os.getpid(), signal.SIGSEGV)\n"),
     )
-    monkeypatch.setattr(lpbuilder, "IPM_FROM_POSITIONS", 0)
+    monkeypatch.setattr(limits, "IPM_FROM_POSITIONS", 0)
     crashed = lpmodel.LinearModel.solve_piqp
     outcomes = []
     monkeypatch.setattr(

@@ -15,8 +15,10 @@ from ..core.codes import keep_all_codes
 from ..core.graph import ActivationGraph
 from ..core.hardware import Hardware, hardware
 from ..core.stepmodel import expand
+from .exact import limits
+from .exact.limits import LATENCY_ROW_SHARE, PULL_CELLS
 from .lpmodel import LinearModel
-from .rebuild_pulls import PULL_CELLS, add_to, rebuild_pulls
+from .rebuild_pulls import add_to, rebuild_pulls
 from .scaling import SMALLEST, lp_units, relax_small
 
 
@@ -37,12 +39,6 @@ class LPBound:
     nodes: int | None = None  # integral: branch-and-bound nodes explored (HiGHS's work)
     clock_stopped: bool = False  # the wall-clock cap, not a work limit or the gap, stopped it
     iterations: int | None = None  # simplex (or interior point) iterations, where known
-
-
-LATENCY_ROW_SHARE = 0.1  # the every-copy-within-the-step row is added past this latency share
-
-
-IPM_FROM_POSITIONS = 2500  # positions above which the LP is solved by an interior point method
 
 
 class LPBoundBuilder:
@@ -481,7 +477,7 @@ class LPBoundBuilder:
         else:
             # dual simplex is fastest on small models; past IPM_FROM_POSITIONS positions PIQP's interior
             # point method, several times faster there than HiGHS's (docs/tuning.md)
-            if graph.n_positions > IPM_FROM_POSITIONS:
+            if graph.n_positions > limits.IPM_FROM_POSITIONS:
                 res = lp.solve_piqp(time_limit_s=time_limit_s, max_iterations=max_iterations)
                 left = (
                     None

@@ -207,7 +207,8 @@ class LinearModel:
         conjugate gradients need ever more iterations as the chains grow. The value is the
         smaller of PIQP's primal and dual objectives, lowered by IPM_MARGIN of the step; a solve
         whose relative duality gap is above PIQP_GAP is not believed (status 4)."""
-        from .native import GRACE_S, NativeSolverError, NativeTimeout, run_in_child
+        from .exact.limits import GRACE_S
+        from .native import NativeSolverError, NativeTimeout, run_in_child
 
         options = {} if max_iterations is None else {"max_iterations": int(max_iterations)}
         deadline = None if time_limit_s is None else max(0.1, float(time_limit_s)) + GRACE_S
@@ -256,7 +257,8 @@ class LinearModel:
         ``improving_solutions`` (improving solutions), ``max_nodes`` (branch-and-bound nodes) and
         ``max_iterations`` (simplex iterations over the whole search, the root node's included)
         are work limits, the same on any machine; the time limit is only a cap."""
-        from .native import GRACE_S, NativeSolverError, NativeTimeout, run_in_child
+        from .exact.limits import GRACE_S
+        from .native import NativeSolverError, NativeTimeout, run_in_child
 
         integrality = np.zeros(self.n)
         integrality[integer_vars] = 1

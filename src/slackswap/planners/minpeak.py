@@ -31,11 +31,7 @@ from ..core.hardware import Hardware
 from ..core.plan import KEEP, RECOMPUTE, SWAP, Schedule
 from ..core.stepmodel import expand
 from .base import Problem
-
-MIN_PEAK_CELLS = 20_000  # the exact model over every position up to this size (SegNet: 176 x 65)
-MIN_PEAK_NONZEROS = 400_000
-MIN_PEAK_DTIME = 4.0  # CP-SAT's deterministic time for it (one worker: the same on any machine)
-BISECTION_STEPS = 12  # heuristic plans tried between the floor and the keep-all peak
+from .exact.limits import BISECTION_STEPS, MIN_PEAK_CELLS, MIN_PEAK_DTIME, MIN_PEAK_NONZEROS
 
 
 @dataclass(frozen=True)

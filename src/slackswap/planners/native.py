@@ -28,7 +28,6 @@ import numpy as np
 from .interrupts import running_child
 
 WORKER = Path(__file__).with_name("native_worker.py")
-GRACE_S = 0.3  # past the solver's own limit, before the child is killed
 
 
 class NativeSolverError(RuntimeError):

@@ -7,14 +7,8 @@ from __future__ import annotations
 import numpy as np
 
 from ..core.graph import ActivationGraph
+from .exact.limits import PULL_DEPTH, PULL_VARS_PER_TENSOR
 from .lpmodel import LinearModel
-
-PULL_DEPTH = 4  # rebuild chains followed this many tensors deep
-PULL_VARS_PER_TENSOR = 16  # at most this many chain variables per saved tensor in all
-# the rows are built up to this many positions x saved tensors (SegNet: 11,440; BERT-Large:
-# 182,000, where they made HiGHS's branch and bound of GPT-2 XL at 50% twice as slow and Llama-7B's
-# three times, with the same bound)
-PULL_CELLS = 100_000
 
 
 def rebuild_pulls(

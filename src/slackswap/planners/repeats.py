@@ -26,10 +26,7 @@ import numpy as np
 from ..core.errors import GraphError
 from ..core.graph import ActivationGraph, Collective
 from ..core.plan import KEEP, RECOMPUTE, SWAP
-
-MIN_BLOCKS = 8  # fewer repeats than this: not worth a coarse problem
-MAX_PERIOD = 4096  # ops per block at most (a transformer layer at the aten level: hundreds)
-MAX_NARROWED = 8  # shape runs narrowed by their references at most (each a pass over the ops)
+from .exact.limits import REPEATS_MAX_NARROWED, REPEATS_MAX_PERIOD, REPEATS_MIN_BLOCKS
 
 
 @dataclass(frozen=True)
@@ -123,7 +120,9 @@ def _longest_run(ids: np.ndarray, p: int) -> tuple[int, int]:
     return int(starts[i]), (int(ends[i] - starts[i]) + p) // p
 
 
-def find_repeats(graph: ActivationGraph, min_blocks: int = MIN_BLOCKS) -> RepeatedBlocks | None:
+def find_repeats(
+    graph: ActivationGraph, min_blocks: int = REPEATS_MIN_BLOCKS
+) -> RepeatedBlocks | None:
     """The longest periodic run of ops (the shortest period among equally long runs), if it has
     at least ``min_blocks`` blocks. Periods come from the ops' own shapes; each run is then
     narrowed to where every reference repeats too (op_signatures), longest shape run first,
@@ -138,13 +137,13 @@ def find_repeats(graph: ActivationGraph, min_blocks: int = MIN_BLOCKS) -> Repeat
     shapes = op_signatures(graph)
     n = shapes.size
     runs = []  # (ops covered, -period, start) of each period's longest shape run
-    for p in range(1, min(MAX_PERIOD, n // min_blocks) + 1):
+    for p in range(1, min(REPEATS_MAX_PERIOD, n // min_blocks) + 1):
         start, count = _longest_run(shapes, p)
         if count >= min_blocks:
             runs.append((count * p, -p, start))
     runs.sort(reverse=True)
     best: tuple[int, int, int] | None = None  # (ops covered, period, start), references too
-    for covered, neg_p, start in runs[:MAX_NARROWED]:
+    for covered, neg_p, start in runs[:REPEATS_MAX_NARROWED]:
         if best is not None and best[0] >= covered:
             break  # narrowing never covers more than the shape run it starts from
         p = -neg_p

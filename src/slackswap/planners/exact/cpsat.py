@@ -14,7 +14,7 @@ from ..interrupts import solve_cpsat
 from .driver import ExactBackend
 from .formulation import Formulation
 from .limits import (  # tuning constants: docs/tuning.md
-    BUILD_S_PER_NONZERO,
+    CPSAT_BUILD_S_PER_NONZERO,
     INTERLEAVE,
     MIN_ROUND_DTIME,
     PROBING_OFF_FROM_NONZEROS,
@@ -79,7 +79,7 @@ class CpSatBackend(ExactBackend):
         from ortools.sat.python import cp_model
 
         deadline = time.perf_counter() + float(time_limit_s)
-        if time_limit_s < BUILD_S_PER_NONZERO * f.model.size()["nonzeros"]:
+        if time_limit_s < CPSAT_BUILD_S_PER_NONZERO * f.model.size()["nonzeros"]:
             return BackendResult(
                 BackendStatus.TIMEOUT
             )  # building the model alone would pass the limit

@@ -22,9 +22,10 @@ from ..scaling import (  # noqa: F401 - the MILP's scaling, named here for its u
     scaling_for,
 )
 from .candidates import candidates
-from .formulation import FULL_CELLS, Formulation
+from .formulation import Formulation
 from .hint import apply_hint
 from .lane_cuts import lane_capacity_cuts
+from .limits import FULL_CELLS
 from .model import Model
 from .running_sum import running_sum
 

@@ -13,10 +13,6 @@ from ...core.hardware import Hardware
 from ..scaling import Scaling
 from .model import Model
 
-# graphs of at most this many positions x saved tensors get every position by default (a
-# 2-layer GPT-style step: 46 x 23)
-FULL_CELLS = 1500
-
 
 @dataclass
 class Formulation:

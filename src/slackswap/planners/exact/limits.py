@@ -289,7 +289,7 @@ DTIME_PER_S = 0.45
 # heuristics.fixed_search") when such a search is given a complete hint that is infeasible (it
 # tries to repair it): the hint is checked here first, and an infeasible one is not given.
 INTERLEAVE = True
-BUILD_S_PER_NONZERO = 6e-6  # CP-SAT model building (docs/tuning.md for these figures)
+CPSAT_BUILD_S_PER_NONZERO = 6e-6  # CP-SAT model building (docs/tuning.md for these figures)
 # CP-SAT checks its clock now and then, and freeing a large model takes time after it stops: it
 # is stopped earlier by this much per nonzero
 STOP_S_PER_NONZERO = 1.5e-6
@@ -303,3 +303,44 @@ PROBING_OFF_FROM_NONZEROS = 250_000
 # the model's size is paid is not run: its presolve alone (PresolveToFixPoint, not counted as
 # deterministic time either) costs more than the work allowed, for no plan
 MIN_ROUND_DTIME = 0.25
+
+
+# --- model sizes: which model is built, and how ---
+# the MILP gets every position by default on graphs of at most this many positions x saved
+# tensors (formulations/milp.md, "Candidates"); larger ones get windows
+FULL_CELLS = 1500
+# the LP bound's rebuild-pull rows (planners/rebuild_pulls.py): chains followed this many tensors
+# deep, at most this many chain variables per saved tensor in all, and only on graphs of at most
+# PULL_CELLS positions x saved tensors (on larger ones they slowed HiGHS's branch and bound
+# several times for the same bound)
+PULL_DEPTH = 4
+PULL_VARS_PER_TENSOR = 16
+PULL_CELLS = 100_000
+# the LP bound's every-copy-within-the-step row is added when the copies' latency passes this
+# share of the ideal step (below it the row binds nothing)
+LATENCY_ROW_SHARE = 0.1
+# positions above which the LP bound is solved by an interior point method (PIQP), where dual
+# simplex slows down most
+IPM_FROM_POSITIONS = 2500
+# the smallest budget (planners/minpeak.py): the exact model over every position on graphs of at
+# most this many positions x saved tensors and nonzeros, with this much CP-SAT deterministic time
+# (one worker: the same on any machine); the heuristic's plans tried between the floor and the
+# keep-all peak, by bisection
+MIN_PEAK_CELLS = 20_000
+MIN_PEAK_NONZEROS = 400_000
+MIN_PEAK_DTIME = 4.0
+BISECTION_STEPS = 12
+# repeated blocks (planners/repeats.py): fewer repeats than this are not worth a coarse problem;
+# a block has at most this many ops (a transformer layer at the aten level: hundreds); at most
+# this many shape runs are narrowed by their references (each a pass over the ops)
+REPEATS_MIN_BLOCKS = 8
+REPEATS_MAX_PERIOD = 4096
+REPEATS_MAX_NARROWED = 8
+
+# --- solvers in a child process (planners/native.py, the PuLP and SCIP backends) ---
+GRACE_S = 0.3  # past the solver's own limit, before the child is killed
+CHILD_START_S = 0.5  # starting the child and reading the model there
+# building the model, per nonzero: PuLP's model and its serialising; pywraplp's, one Python call
+# per term (a backend is not started where its build alone would pass the time limit)
+PULP_BUILD_S_PER_NONZERO = 3e-5
+SCIP_BUILD_S_PER_NONZERO = 2e-5

@@ -10,11 +10,10 @@ from typing import Any
 
 from .driver import ExactBackend
 from .formulation import Formulation
+from .limits import CHILD_START_S, PULP_BUILD_S_PER_NONZERO
 from .result import BackendResult, BackendStatus
 
 log = logging.getLogger("slackswap")
-BUILD_S_PER_NONZERO = 3e-5  # PuLP model building and serialising (GPT-2 XL: 192,000, 4.8 s)
-CHILD_START_S = 0.5  # starting the child and reading the model there
 
 
 def _pulp_problem(f: Formulation, fixed: dict[int, int] | None = None):
@@ -83,9 +82,10 @@ class _PulpBackend(ExactBackend):
 
         import pulp
 
-        from ..native import GRACE_S, NativeSolverError, NativeTimeout, run_in_child
+        from ..native import NativeSolverError, NativeTimeout, run_in_child
+        from .limits import GRACE_S
 
-        if time_limit_s < CHILD_START_S + BUILD_S_PER_NONZERO * f.model.size()["nonzeros"]:
+        if time_limit_s < CHILD_START_S + PULP_BUILD_S_PER_NONZERO * f.model.size()["nonzeros"]:
             return BackendResult(
                 BackendStatus.TIMEOUT
             )  # building and starting it would pass the limit

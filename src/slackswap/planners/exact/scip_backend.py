@@ -10,9 +10,8 @@ from typing import Any
 
 from .driver import ExactBackend
 from .formulation import Formulation
+from .limits import SCIP_BUILD_S_PER_NONZERO
 from .result import BackendResult, BackendStatus
-
-BUILD_S_PER_NONZERO = 2e-5  # pywraplp model building, one Python call per term
 
 
 def _scip_model(f: Formulation, fixed: dict[int, int] | None):
@@ -85,7 +84,7 @@ class ScipBackend(ExactBackend):
         from ortools.linear_solver import pywraplp
 
         deadline = time.perf_counter() + float(time_limit_s)
-        if time_limit_s < BUILD_S_PER_NONZERO * f.model.size()["nonzeros"]:
+        if time_limit_s < SCIP_BUILD_S_PER_NONZERO * f.model.size()["nonzeros"]:
             return BackendResult(
                 BackendStatus.TIMEOUT
             )  # building the model alone would pass the limit

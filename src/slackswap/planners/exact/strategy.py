@@ -38,6 +38,7 @@ from ...core.plan import (
 )
 from ...core.stepmodel import expand
 from ..base import Problem, Solution
+from . import limits
 from .formulate import formulate
 from .formulation import Formulation
 from .limits import (
@@ -210,7 +211,6 @@ def search(backend: ExactBackend, problem: Problem, settings: SearchSettings) ->
 def begin(backend: ExactBackend, problem: Problem, settings: SearchSettings) -> SolveState:
     """The clock, the work limits, the heuristic's plan and the LP bound."""
     from ..lpbound import lp_bound
-    from ..lpbuilder import IPM_FROM_POSITIONS
     from .warmstart import heuristic_start
 
     start = time.perf_counter()
@@ -240,7 +240,8 @@ def begin(backend: ExactBackend, problem: Problem, settings: SearchSettings) -> 
         run_lp = state.left() > 2 * ANYTIME_LP_S_PER_POSITION * g.n_positions
     else:
         run_lp = (
-            state.work.solves_lp(g.n_positions, IPM_FROM_POSITIONS) and not state.clock.passed()
+            state.work.solves_lp(g.n_positions, limits.IPM_FROM_POSITIONS)
+            and not state.clock.passed()
         )
         if not run_lp and state.clock.passed():
             state.clock.stop("lp_bound")
@@ -251,7 +252,7 @@ def begin(backend: ExactBackend, problem: Problem, settings: SearchSettings) -> 
             problem.hardware,
             mask=problem.mask,
             max_iterations=state.work.lp_iterations
-            if g.n_positions <= IPM_FROM_POSITIONS
+            if g.n_positions <= limits.IPM_FROM_POSITIONS
             else None,
             time_limit_s=max(0.01, (ANYTIME_LP_SHARE if anytime else 1.0) * state.left()),
         )
