@@ -248,3 +248,53 @@ def test_no_module_function_or_signature_outgrows_its_limits():
             if not node.name.startswith("_") and len(positional) > 8:
                 over.append(f"{where}:{node.name}: {len(positional)} positional parameters")
     assert not over, over
+
+
+# numerical tolerances (not tuned: they say when two floats are the same) and the scaling's
+# ranges (planners/scaling.py: one module of their own)
+NOT_TUNING = {
+    "minimal.py": {"SAME_STEP"},
+    "local_search.py": {"STALL_TOLERANCE_S"},
+    "lpmodel.py": {"IPM_MARGIN", "PIQP_GAP"},
+}
+
+
+def _numeric_constants(path: Path) -> list[str]:
+    """The module-level UPPER_CASE names bound to a number (or a negated one) in ``path``."""
+    import ast
+
+    names = []
+    for node in ast.parse(path.read_text()).body:
+        targets = node.targets if isinstance(node, ast.Assign) else []
+        if isinstance(node, ast.AnnAssign):
+            targets = [node.target]
+        value = getattr(node, "value", None)
+        if isinstance(value, ast.UnaryOp):
+            value = value.operand
+        number = isinstance(value, ast.Constant) and isinstance(value.value, (int, float))
+        for target in targets:
+            if isinstance(target, ast.Name) and target.id.isupper() and number:
+                names.append(target.id)
+    return names
+
+
+def test_the_planners_tuning_constants_live_in_one_module():
+    """A planner's calibrated number (a size limit, a rate, a share) is in planners/exact/
+    limits.py with its reason, its measurement in docs/tuning.md: found anywhere else in
+    planners/, it fails here."""
+    planners = ROOT / "planners"
+    elsewhere = []
+    for path in planners.rglob("*.py"):
+        if path.name in ("limits.py", "scaling.py"):
+            continue
+        allowed = NOT_TUNING.get(path.name, set())
+        found = [n for n in _numeric_constants(path) if n not in allowed]
+        elsewhere += [f"{path.relative_to(ROOT)}: {n}" for n in found]
+    assert not elsewhere, elsewhere
+
+
+def test_the_constant_finder_sees_a_number_and_not_a_name(tmp_path):
+    """The finder above on a module with a number, a negative one, a string and an alias."""
+    module = tmp_path / "m.py"
+    module.write_text('LIMIT = 1_500\nFLOOR = -1e-3\nNAME = "x"\nALIAS = LIMIT\nlower = 3\n')
+    assert _numeric_constants(module) == ["LIMIT", "FLOOR"]
