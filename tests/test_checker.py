@@ -172,6 +172,7 @@ def _truth(g, plan):
         _skip_workspace,
     ],
 )
+@pytest.mark.slow
 def test_checker_catches_what_a_bugged_step_model_lets_through(mutation, monkeypatch):
     caught = 0
     for seed in range(80):

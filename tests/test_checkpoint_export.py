@@ -74,6 +74,7 @@ def test_region_rule():
     assert region_of("transformer.wte") == "transformer.wte"
 
 
+@pytest.mark.slow
 def test_the_exported_policy_delivers_the_plans_peak_with_exact_gradients(setup):
     from functools import partial
 
@@ -146,6 +147,7 @@ def test_a_compiled_model_runs_the_exported_policy_with_exact_gradients(setup):
     assert 0.8 * simulated <= peak <= plan.budget_bytes and peak < 0.75 * compiled_peak
 
 
+@pytest.mark.slow
 def test_a_compiled_module_is_profiled_eagerly_and_refused_by_the_executor(setup):
     model, x, graph, plan = setup
     compiled = torch.compile(model, backend="aot_eager")  # not run: nothing is compiled here

@@ -95,6 +95,7 @@ def random_graphs_and_plans(draw):
 
 @settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
 @given(case=graphs_with_collectives(), duplex=st.booleans())
+@pytest.mark.slow
 def test_checker_and_simulator_agree_with_collectives_on_the_link(case, duplex):
     g, p = case
     hw = SHARED.with_link(duplex=duplex)

@@ -135,6 +135,7 @@ def test_a_swap_torchs_pass_will_not_offload_is_said_and_saved(setup):
     assert len(nodes(capture["forward"], "cpu_offload_")) == 1
 
 
+@pytest.mark.slow
 def test_eager_swaps_under_torchs_checkpoint_are_saved_and_said(setup):
     """Eager selective checkpointing has no offload (a model not compiled, or a region
     torch.compile runs eagerly after a graph break): the swaps are saved, a RuntimeWarning says

@@ -275,6 +275,7 @@ def test_run_again_from_the_best_plan_it_proves_what_its_first_run_could_not():
     assert p.info.status == "optimal" and p.info.overhead_gap <= 0.01
 
 
+@pytest.mark.slow
 def test_a_gap_stops_its_rounds_early_and_keeps_the_bound_valid():
     """With ``gap`` γ each round stops once its point is within γ of its overhead of its bound:
     the bound is still at most the model's optimum (the run to the end, gap 0), and at least
@@ -330,6 +331,7 @@ def test_a_round_whose_model_would_be_built_past_the_clock_cap_is_not_started(mo
     assert capped.step_time_s is not None and capped.step_time_s <= found.step_time_s * (1 + 1e-9)
 
 
+@pytest.mark.slow
 def test_a_run_stops_once_its_bound_is_enough():
     """``enough_s`` (what a caller proving a known plan needs): the run stops once its bound
     reaches it. Random 14-op graphs, asked for the model's optimum less half its overhead: the

@@ -77,6 +77,7 @@ def test_a_clock_ended_phase_is_named_and_the_plan_says_timeout():
     assert ss.validate(g, plan).ok
 
 
+@pytest.mark.slow
 def test_a_short_time_limit_sizes_the_work_and_the_clock_does_not_bind():
     g = ss.workload("bert-large", "a100-80gb-pcie4")
     # with work sized by a 1 s limit, the integral relaxation (182,166 cells, about 1.2 s for
@@ -92,6 +93,7 @@ def test_a_short_time_limit_sizes_the_work_and_the_clock_does_not_bind():
     assert plans[0].info.status == plans[1].info.status != "timeout"
 
 
+@pytest.mark.slow
 def test_the_default_runs_every_phase_on_work_limits():
     g = seeded_graph(5, n_ops=10)
     budget = ss.min_budget(g, LINK)

@@ -51,6 +51,7 @@ def plan_from(graph, choices, budget=10**12):
 @pytest.mark.parametrize("name", MODELS)
 @settings(max_examples=6, deadline=None, suppress_health_check=list(HealthCheck))
 @given(data=st.data())
+@pytest.mark.slow
 def test_random_plans_give_bit_identical_gradients(name, data):
     model, inputs, loss_fn, graph = setup(name)
     choices = data.draw(
@@ -106,6 +107,7 @@ def test_no_leak_over_100_steps():
     assert run.stats.steps == 100
 
 
+@pytest.mark.slow
 def test_a_model_trained_under_a_plan_is_freed_when_the_user_drops_it():
     """Nothing the profiler or the executor leaves behind holds the model: without the cyclic collector, the
     model (and its parameters' memory) goes when the user's last reference does, as it does

@@ -73,6 +73,7 @@ class Flaky(nn.Module):
 
 
 @pytest.mark.parametrize("with_graph", [False, True])
+@pytest.mark.slow
 def test_the_users_exception_surfaces_unchanged_and_training_goes_on(with_graph):
     torch.manual_seed(0)
     model, x = Flaky(), torch.randn(4, 8)
@@ -122,6 +123,7 @@ def test_host_pool_stays_flat_over_200_steps_without_the_garbage_collector():
 
 
 @pytest.mark.parametrize("with_graph", [False, True])
+@pytest.mark.slow
 def test_a_plan_for_another_batch_size_is_refused_naming_what_differs(with_graph):
     model, x, loss_fn = build("mlp")
     graph = ss.profile(model, x, loss_fn, warmup=0, repeat=1)

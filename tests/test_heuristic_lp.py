@@ -329,6 +329,7 @@ def test_whole_departures_refuses_what_it_cannot_honour(bad, integral):
         ss.lp_bound(g, 130, LINK, integral=integral, whole_departures=bad)
 
 
+@pytest.mark.slow
 def test_heuristic_polish_finds_a_plan_where_the_rules_end_over_the_budget():
     """A TinyGPT profiled on a loaded CPU (keep and recompute only: no host to swap to) at 50%:
     the rules' plan ends 4.5 MB over the budget and their fallback, recomputing everything,

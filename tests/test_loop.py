@@ -84,6 +84,7 @@ def test_the_loop_plans_per_bucket_switches_between_steps_and_keeps_gradients():
     assert 0 < peaks
 
 
+@pytest.mark.slow
 def test_a_larger_shape_in_a_bucket_is_planned_again():
     torch.manual_seed(0)
     model = TinyGPT(vocab=50, d=32, layers=2, p=0.0)
@@ -96,6 +97,7 @@ def test_a_larger_shape_in_a_bucket_is_planned_again():
         ss.planned(model, loss_fn, 0.5, max_plans=0)
 
 
+@pytest.mark.slow
 def test_profiling_a_new_bucket_leaves_batch_norm_statistics_and_gradients_alone():
     """Profiling runs real steps: the running statistics, accumulated gradients and RNG are put
     back, so a loop with gradient accumulation over two image sizes trains like plain code."""
@@ -120,6 +122,7 @@ def test_profiling_a_new_bucket_leaves_batch_norm_statistics_and_gradients_alone
         assert torch.equal(p.grad, q.grad)
 
 
+@pytest.mark.slow
 def test_parameters_the_loss_function_holds_get_plain_gradients():
     """A head and a temperature outside the model: profiling steps added their gradients in
     (3x the plain gradient after the first step) before every leaf backward reaches was put
@@ -148,6 +151,7 @@ def test_parameters_the_loss_function_holds_get_plain_gradients():
         assert torch.equal(a.grad, b.grad)
 
 
+@pytest.mark.slow
 def test_the_step_signature_changes_the_bucket_not_the_error():
     """train/eval, unfreezing, another dtype and a non-tensor argument each change the traced
     step: each gets its own plan instead of PlanError on every later step."""
@@ -198,6 +202,7 @@ class TopOne(torch.nn.Module):
         return self.experts[choice](x)
 
 
+@pytest.mark.slow
 def test_data_dependent_routing_is_said_once_and_trains_as_plain():
     torch.manual_seed(0)
     plain, looped = TopOne(), TopOne()
@@ -245,6 +250,7 @@ def _alive(pid: int) -> bool:
 
 
 @pytest.mark.skipif(not __import__("sys").platform.startswith("linux"), reason="/proc")
+@pytest.mark.slow
 def test_refinements_end_with_the_loop_and_with_their_bucket():
     torch.manual_seed(0)
     model = TinyGPT(vocab=50, d=32, layers=2, p=0.0)

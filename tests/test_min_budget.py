@@ -15,6 +15,7 @@ CPU = ss.hardware("cpu")
 
 
 @pytest.mark.parametrize("seed", [2, 6, 7])
+@pytest.mark.slow
 def test_the_cpu_minimum_is_above_the_offload_floor_and_a_plan_exists_at_it(seed):
     """On these graphs every tensor offloaded needs 33-38% of keep-all, which no keep/recompute
     plan reaches (the minimum is 42-63%): the old floor named a budget no plan fits."""
@@ -49,6 +50,7 @@ def test_a_plan_fits_the_reported_minimum_and_none_below_a_proven_one(g):
             assert info.value.min_budget_bytes == smallest.budget_bytes
 
 
+@pytest.mark.slow
 def test_pins_raise_the_minimum_and_it_is_met():
     g = seeded_graph(3, n_ops=10)
     free = ss.min_budget(g, LINK)

@@ -82,6 +82,7 @@ def test_swap_all_keeps_what_the_hardware_does_not_swap():
     assert p.decisions == {"x": "keep", "y": "swap"}
 
 
+@pytest.mark.slow
 def test_seeded_graphs_never_swap_small_tensors():
     hw = LINK.with_link(name="test-min-swap-250", min_swap_bytes=250)
     for seed in range(5):

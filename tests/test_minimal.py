@@ -72,6 +72,7 @@ def test_a_hidden_swap_the_budget_does_not_need_is_kept():
 
 
 @pytest.mark.parametrize("name", ["bert-large", "gpt2-xl", "llama-7b"])
+@pytest.mark.slow
 def test_budget_at_the_keep_all_peak_keeps_everything_with_every_solver(name):
     g = ss.workload(name)
     for solver in SOLVERS:
@@ -94,6 +95,7 @@ def test_reference_plans_are_minimal(name, budget):
 @pytest.mark.parametrize(
     "seed", [0] + [pytest.param(s, marks=pytest.mark.slow) for s in range(1, 6)]
 )
+@pytest.mark.slow
 def test_seeded_plans_are_minimal_and_keep_their_proof(seed):
     g = seeded_graph(seed)
     peak = ss.keep_all_peak(g, LINK)

@@ -103,6 +103,7 @@ def state_of(model):
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.slow
 def test_a_plan_that_recomputes_all_it_may_leaves_state_as_plain_training(layout):
     torch.manual_seed(0)
     model, x = LAYOUTS[layout]()

@@ -31,6 +31,7 @@ def test_a_crashing_solver_is_an_error_not_a_dead_interpreter(tmp_path, monkeypa
         native.run_in_child("pulp", {}, None, 10.0)
 
 
+@pytest.mark.slow
 def test_the_deadline_kills_the_solver_and_its_children(tmp_path, monkeypatch):
     pids = tmp_path / "pids"
     monkeypatch.setattr(

@@ -191,6 +191,7 @@ def test_a_plan_file_with_a_key_given_twice_is_refused():
 
 
 @pytest.mark.parametrize("solver", ["heuristic", "cpsat"])
+@pytest.mark.slow
 def test_the_checker_holds_a_plan_to_its_claims(solver):
     """A status consistent with the gap and the bound, a bound never above the step: what
     solve() returns passes; each false claim is refused, naming it."""

@@ -52,6 +52,7 @@ def independent_saved_count(model, inputs, loss_fn):
 
 
 @pytest.mark.parametrize("name", MODELS)
+@pytest.mark.slow
 def test_saved_tensors_match_an_independent_count(name):
     model, inputs, loss_fn = build(name)
     g = ss.profile(model, inputs, loss_fn, warmup=1, repeat=2)
@@ -189,6 +190,7 @@ def test_dropout_is_marked_and_in_place_writes_are_rebuilt_with_their_writers():
     assert drawn > 0
 
 
+@pytest.mark.slow
 def test_stable_names_across_steps():
     model, inputs, loss_fn = build("encoder")
     a = ss.profile(model, inputs, loss_fn, warmup=0, repeat=1)
@@ -234,6 +236,7 @@ def test_calibrate_link_keeps_its_promise_on_this_machine():
     "name",
     ["gpt", "hf-llama"] if __import__("importlib").util.find_spec("transformers") else ["gpt"],
 )
+@pytest.mark.slow
 def test_grouped_by_module(name):
     """One op per module call: fewer ops, the same saved tensors and bytes, same ideal time, and
     its plans run in the executor with exact gradients."""
@@ -281,6 +284,7 @@ class _HoldsItsInput(torch.nn.Module):
 
 
 @pytest.mark.parametrize("drop", [False, True])
+@pytest.mark.slow
 def test_profile_observes_tensors_the_model_holds_past_their_last_reader(drop):
     torch.manual_seed(0)
     model = _HoldsItsInput(drop)
@@ -336,6 +340,7 @@ def test_plans_for_a_profiled_cpu_graph_never_swap():
         assert ss.validate(graph, plan).ok
 
 
+@pytest.mark.slow
 def test_op_times_sum_to_the_plain_step_of_each_phase():
     # the tracer's relative times, the plain step's totals: each phase's op times sum to the
     # median plain time the profile measured for it, and their ratios are the traced ones

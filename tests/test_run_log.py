@@ -151,6 +151,7 @@ def test_a_solved_plan_runs_on_its_schedule():
     assert set(run.log.to_dict()) == {"events", "schedule"}
 
 
+@pytest.mark.slow
 def test_a_context_per_step_allocates_no_host_memory_after_the_first():
     model, inputs, loss_fn, graph = setup("gpt")
     plan = random_plan(graph, ["swap", "recompute", "keep"] * len(graph.saved))
