@@ -451,10 +451,7 @@ def min_budget(
     one. See :func:`smallest_budget` for how it is found and whether it is proven minimal.
 
     Args:
-        graph: the step.
-        hardware: the hardware (default: the graph's own, else the default preset).
-        allowed: the decisions plans may use (default all three).
-        pins: one decision for named tensors.
+        graph, hardware, allowed, pins: as for :func:`smallest_budget`.
 
     Returns:
         The smallest budget in bytes any plan fits.
@@ -471,8 +468,8 @@ def smallest_budget(
 ) -> MinPeak:
     """The smallest budget and a plan that fits it (planners/minpeak.py): where every tensor
     that is not pinned to stay may be offloaded, the all-offloaded peak (exact); otherwise the
-    heuristic's smallest fitting plan by bisection, then, on graphs of at most 12,000 positions
-    x saved tensors, the exact planner's model with the budget a variable to minimise (CP-SAT,
+    heuristic's smallest fitting plan by bisection, then, on graphs of at most MIN_PEAK_CELLS
+    (planners/exact/limits.py) positions x saved tensors, the exact planner's model with the budget a variable to minimise (CP-SAT,
     one worker, fixed deterministic time). ``proven``: no plan fits less (``lower_bytes``, the
     offload floor or the model's bound, is the same figure).
 

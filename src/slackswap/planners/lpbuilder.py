@@ -15,7 +15,7 @@ from ..core.codes import keep_all_codes
 from ..core.graph import ActivationGraph
 from ..core.hardware import Hardware, hardware
 from ..core.stepmodel import expand
-from .exact import limits
+from .exact import limits  # IPM_FROM_POSITIONS read at each call (one place to change it)
 from .exact.limits import LATENCY_ROW_SHARE, PULL_CELLS
 from .lpmodel import LinearModel
 from .rebuild_pulls import add_to, rebuild_pulls

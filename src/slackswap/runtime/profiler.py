@@ -22,9 +22,7 @@ from .link import calibrate_link
 from .model_state import OPTIMIZER_STATE_BYTES, with_model_state
 from .overhead import measured_overhead_bytes, with_overhead
 from .plain_step import (
-    call_model as _call,
-)
-from .plain_step import (
+    call_model,
     metered_plain_step,
     plain_phase_times,
     scaled_to_plain,
@@ -114,7 +112,7 @@ def run_traced_step(
     try:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), tracer:
             try:
-                out = (forward or _call)(model, inputs)
+                out = (forward or call_model)(model, inputs)
             except ProfileError:
                 raise
             except Exception as exc:

@@ -4,8 +4,8 @@ constraint names cite it.
 Sets: saved tensors x; positions k = 0..2n-1. Candidates per tensor (candidates.py, Section
 "Candidates"): F(x) positions after which an offloaded x may leave, G(x) positions at which its
 prefetch may be issued, Rc(x) positions at which it may be rebuilt. Bytes and seconds are
-scaled to integers, rounded so the model never claims a plan fits that does not (formulation.py,
-Section "Scaling").
+scaled to integers, rounded so the model never claims a plan fits that does not
+(planners/scaling.py; milp.md, Section "Scaling").
 """
 
 from __future__ import annotations

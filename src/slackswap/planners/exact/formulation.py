@@ -1,5 +1,5 @@
-"""The MILP's data (formulations/milp.md): its scaling of bytes and seconds to integers
-(Section "Scaling") and the Formulation, the model with its variables by tensor and position,
+"""The MILP's data (formulations/milp.md): the Formulation, the model with its variables by
+tensor and position and the scaling it was built with (planners/scaling.py, Section "Scaling"),
 which the backends solve and decode.py reads back."""
 
 from __future__ import annotations

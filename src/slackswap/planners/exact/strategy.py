@@ -38,7 +38,7 @@ from ...core.plan import (
 )
 from ...core.stepmodel import expand
 from ..base import Problem, Solution
-from . import limits
+from . import limits  # IPM_FROM_POSITIONS read at each call, as lpbuilder reads it
 from .formulate import formulate
 from .formulation import Formulation
 from .limits import (
