@@ -8,7 +8,7 @@ planners, solve; runtime (profiler, executor; torch) depends on core only and lo
 
 from .check.simulate import SimResult, simulate
 from .check.validate import Validation, validate
-from .check.walk import Violation
+from .check.violation import Violation
 from .cnn import CNN_SHAPES, cnn_graph
 from .compare import compare, result_row
 from .core.budget import keep_all_peak, parse_budget

@@ -21,7 +21,8 @@ from ..core.hardware import Hardware, hardware
 from ..core.plan import Plan
 from ..core.units import budget_bytes_from
 from .timeline import step_timeline
-from .walk import StepWalk, Violation
+from .violation import Violation
+from .walk import StepWalk
 
 # relative tolerance when the plan's claimed step time is held against the derived one
 CLAIM_TOLERANCE = 1e-9

@@ -11,22 +11,10 @@ from dataclasses import dataclass
 from ..core.errors import PlanError
 from ..core.graph import ActivationGraph
 from ..core.plan import Plan
+from .schedule_checks import check_hooks, check_rebuilds, check_swaps
+from .violation import Violation
 
 _MAX_MEMORY_VIOLATIONS = 20
-
-
-@dataclass(frozen=True)
-class Violation:
-    """One broken rule: which op (position), which tensor, and by how many bytes if memory."""
-
-    kind: str
-    message: str
-    op: str | None = None
-    tensor: str | None = None
-    bytes_over: int = 0
-
-    def __str__(self) -> str:
-        return self.message
 
 
 @dataclass
@@ -80,6 +68,14 @@ class StepWalk:
             if tensor.alive_until is not None:
                 self.last_fwd[j] = max(self.last_fwd[j], self.op_of[tensor.alive_until])
         self._closure: dict[int, tuple[frozenset[int], frozenset[int]]] = {}
+        # where a hook runs at the start of a position: the forward's start, after an op whose
+        # hook_after is set, the backward's start, the backward of an op whose hook_backward is
+        self.hooked_start = (
+            [True]
+            + [op.hook_after for op in ops[:-1]]
+            + [True]
+            + [op.hook_backward for op in reversed(ops[:-1])]
+        )
 
     # ------------------------------------------------------------------ rerun closures
     def closure(self, op: int) -> tuple[frozenset[int], frozenset[int]]:
@@ -199,7 +195,7 @@ class StepWalk:
             return None
         return pos
 
-    def _label(self, position: int) -> str:
+    def label(self, position: int) -> str:
         if position < self.n:
             return f"forward of op {self.graph.ops[position].name!r}"
         return f"backward of op {self.graph.ops[2 * self.n - 1 - position].name!r}"
@@ -211,9 +207,10 @@ class StepWalk:
         free_after, issue_at, rebuild_at = self._schedule(decisions, plan, out)
         if out:
             return Walk(out)
+        check_hooks(self, free_after, issue_at, rebuild_at, out)
         rebuilt, first_read, reruns, swap_reads = self._backward(decisions, rebuild_at, out)
-        self._check_rebuilds(rebuild_at, rebuilt, out)
-        self._check_swaps(free_after, issue_at, first_read, out)
+        check_rebuilds(self, rebuild_at, rebuilt, out)
+        check_swaps(self, free_after, issue_at, first_read, out)
         if out:
             return Walk(out)
         points, position_points = self._points(reruns)
@@ -314,88 +311,6 @@ class StepWalk:
                         )
                     )
         return rebuilt, first_read, reruns, swap_reads
-
-    def _check_rebuilds(
-        self, rebuild_at: dict[int, int], rebuilt: dict[int, int], out: list[Violation]
-    ) -> None:
-        """Each recompute_at is the backward position of the tensor's first use, and no later
-        than its rebuilt_before."""
-        g, n = self.graph, self.n
-        names = [t.name for t in g.tensors]
-        for t, position in rebuild_at.items():
-            if position < n:
-                out.append(
-                    Violation(
-                        "schedule",
-                        f"schedule: recompute_at[{names[t]!r}] = {position} is in the forward pass",
-                        tensor=names[t],
-                    )
-                )
-            elif rebuilt.get(t) != position:
-                out.append(
-                    Violation(
-                        "schedule",
-                        f"schedule: recompute_at[{names[t]!r}] = {position} is "
-                        f"after its first use at position {rebuilt.get(t)} "
-                        f"({self._label(rebuilt.get(t, position))})",
-                        tensor=names[t],
-                    )
-                )
-            latest = g.tensors[t].rebuilt_before
-            if latest is not None and position > 2 * n - 1 - self.op_of[latest]:
-                # torch's checkpoint reruns the tensor's region before that op's backward: a plan
-                # that holds it later would count less memory than the run holds
-                out.append(
-                    Violation(
-                        "schedule",
-                        f"schedule: recompute_at[{names[t]!r}] = {position} is "
-                        f"after its latest rebuild position, the backward of op "
-                        f"{latest!r} (rebuilt_before)",
-                        tensor=names[t],
-                    )
-                )
-
-    def _check_swaps(
-        self,
-        free_after: dict[int, int],
-        issue_at: dict[int, int],
-        first_read: dict[int, int],
-        out: list[Violation],
-    ) -> None:
-        """A swapped tensor leaves after its last forward reader, is prefetched after it has
-        left, and no later than its first backward use."""
-        names = [t.name for t in self.graph.tensors]
-        for t in free_after:
-            if free_after[t] < self.last_fwd[t]:
-                out.append(
-                    Violation(
-                        "schedule",
-                        f"schedule: d2h_free[{names[t]!r}] = {free_after[t]} "
-                        f"is before its last forward reader at position "
-                        f"{self.last_fwd[t]}",
-                        tensor=names[t],
-                    )
-                )
-            if issue_at[t] <= free_after[t]:
-                out.append(
-                    Violation(
-                        "schedule",
-                        f"schedule: tensor {names[t]!r} is prefetched at "
-                        f"position {issue_at[t]}, before it has left (d2h_free "
-                        f"{free_after[t]})",
-                        tensor=names[t],
-                    )
-                )
-            if issue_at[t] > first_read[t]:
-                out.append(
-                    Violation(
-                        "schedule",
-                        f"schedule: h2d_issue[{names[t]!r}] = {issue_at[t]} "
-                        f"is after its first use at position {first_read[t]} "
-                        f"({self._label(first_read[t])})",
-                        tensor=names[t],
-                    )
-                )
 
     def _points(
         self, reruns: list[list[int]]

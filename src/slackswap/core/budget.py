@@ -8,6 +8,7 @@ from .codes import keep_all_codes
 from .graph import ActivationGraph
 from .hardware import Hardware, hardware
 from .plan import KEEP, RECOMPUTE, SWAP
+from .schedule_rules import HookPositions
 from .stepmodel import expand, expand_positions
 from .units import budget_bytes_from
 
@@ -30,7 +31,7 @@ def offload_floor(
     graph: ActivationGraph, hw: Hardware | str, mask: np.ndarray | None = None
 ) -> int:
     """No plan fits less: every saved tensor offloaded, leaving the device right after its last
-    forward reader and coming back just before its first backward reader (waiting on the copies
+    forward reader (at the first hook position after it) and coming back just before its first backward reader (waiting on the copies
     as long as it takes); keeping or rebuilding a tensor never needs less memory. ``mask``
     (core/restrict.py): tensors that may only be kept are kept. Where every other tensor may be
     offloaded a plan fits it (it is the smallest budget); where some may only be kept or
@@ -44,7 +45,9 @@ def offload_floor(
     saved = graph.saved
     d2h = np.full(len(graph.tensors), -1, dtype=np.int64)
     h2d = np.full(len(graph.tensors), -1, dtype=np.int64)
-    d2h[saved] = graph.last_forward_use[saved]
+    # the first position after its last forward reader where a hook runs (step-model.md, "Hook
+    # positions"; the reader itself on an analytic graph)
+    d2h[saved] = HookPositions(graph).free_later(graph.last_forward_use[saved])
     h2d[saved] = 2 * graph.n_ops - 1 - graph.first_backward_use[saved]  # its backward position
     d2h[codes != SWAP] = -1
     h2d[codes != SWAP] = -1

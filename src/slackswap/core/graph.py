@@ -54,6 +54,13 @@ class Op:
     # cache, whatever the plan rebuilds (ss.checkpoint_graph; formulations/step-model.md,
     # "Decisions")
     rerun_with: tuple[str, ...] = ()
+    # where an executor that runs only hooks can act (formulations/step-model.md, "Hook
+    # positions"): ``hook_after``, a saved-tensor hook runs between this op's forward and the
+    # next op's; ``hook_backward``, the op's autograd node unpacks a saved tensor when its
+    # backward begins (true of every op that saves one). The profiler records both; an analytic
+    # graph, whose executor is not a hook, may act anywhere (both true)
+    hook_after: bool = True
+    hook_backward: bool = True
     extra: Mapping[str, Any] = field(default_factory=dict, compare=False)
 
 
@@ -171,6 +178,9 @@ class ActivationGraph:
                     if o.rerun_workspace_bytes
                     else []
                 )
+                # hook positions only where an op has none, so analytic graphs keep digests
+                + ([{"hook_after": False}] if not o.hook_after else [])
+                + ([{"hook_backward": False}] if not o.hook_backward else [])
                 for o in self.ops
             ],
             # alive_until only where set, so graphs without it keep their digests
@@ -201,6 +211,23 @@ class ActivationGraph:
 
     def bwd_position(self, op: int) -> int:
         return 2 * len(self.ops) - 1 - op
+
+    @cached_property
+    def hook_positions(self) -> np.ndarray:
+        """Per position, whether an executor that runs only hooks can act at its start
+        (formulations/step-model.md, "Hook positions"): the forward's first op (the model's
+        forward hook), forward op k after op k-1's ``hook_after``, the backward's first
+        position (the backward call) and the backward of op i where its ``hook_backward``."""
+        n = len(self.ops)
+        at = np.ones(2 * n, dtype=bool)
+        at[1:n] = [op.hook_after for op in self.ops[:-1]]
+        at[n + 1 :] = [op.hook_backward for op in reversed(self.ops[:-1])]
+        return at
+
+    @cached_property
+    def hooked_everywhere(self) -> bool:
+        """Every position is a hook position (an analytic graph): no schedule is restricted."""
+        return bool(self.hook_positions.all())
 
     @cached_property
     def op_index(self) -> dict[str, int]:

@@ -31,6 +31,8 @@ _OP_FIELDS = {
     "writes",
     "rerun_with",
     "rerun_workspace_bytes",
+    "hook_after",
+    "hook_backward",
 }
 _TENSOR_FIELDS = {"name", "bytes", "saved_for", "group", "alive_until", "rebuilt_before"}
 _GRAPH_FIELDS = {"format", "name", "ops", "tensors", "optimizer_s", "collectives"}
@@ -78,6 +80,8 @@ def graph_from_dict(data: Mapping[str, Any]) -> ActivationGraph:
                 param_unit=check_unit(raw.get("param_unit", ""), where),
                 writes=check_names(raw.get("writes", []), where, "writes"),
                 rerun_with=check_names(raw.get("rerun_with", []), where, "rerun_with"),
+                hook_after=check_bool(raw.get("hook_after", True), where, "hook_after"),
+                hook_backward=check_bool(raw.get("hook_backward", True), where, "hook_backward"),
                 extra={k: v for k, v in raw.items() if k not in _OP_FIELDS},
             )
         )
@@ -174,6 +178,10 @@ def graph_to_dict(graph: ActivationGraph) -> dict[str, Any]:
             d["rerun_with"] = list(op.rerun_with)
         if op.rerun_workspace_bytes:
             d["rerun_workspace_bytes"] = op.rerun_workspace_bytes
+        if not op.hook_after:
+            d["hook_after"] = False
+        if not op.hook_backward:
+            d["hook_backward"] = False
         ops.append(d)
     tensors = []
     for t in graph.tensors:

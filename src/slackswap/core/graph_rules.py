@@ -107,6 +107,8 @@ def _check_ops(graph: ActivationGraph) -> dict[str, int]:
         check_bytes(op.backward_workspace_bytes, where, "backward_workspace_bytes")
         check_bytes(op.rerun_workspace_bytes, where, "rerun_workspace_bytes")
         check_bool(op.recomputable, where, "recomputable")
+        check_bool(op.hook_after, where, "hook_after")
+        check_bool(op.hook_backward, where, "hook_backward")
         check_unit(op.unit, where)
         check_unit(op.param_unit, where)
         if len(set(op.outputs)) != len(op.outputs):
@@ -214,6 +216,11 @@ def _check_saves(
             if i != p and t.name not in graph.ops[i].inputs:
                 raise GraphError(
                     f"{where}: saved_for names op {opname!r}, which neither produces nor reads it"
+                )
+            if not graph.ops[i].hook_backward:
+                raise GraphError(
+                    f"{where}: saved_for names op {opname!r}, whose hook_backward is false: an "
+                    "op that saves a tensor unpacks it when its backward begins (a hook position)"
                 )
         if t.alive_until is not None:
             if t.alive_until not in op_index:

@@ -18,6 +18,12 @@ from .errors import PlanError
 from .graph import ActivationGraph
 from .hardware import Hardware
 from .plan import DECISIONS, KEEP, RECOMPUTE, SWAP, Schedule
+from .schedule_rules import (
+    HookPositions,
+    check_hook_positions,
+    check_swap_schedule,
+    position_label,
+)
 
 # per position, the ops rerun there (or the tensors needed there), in forward order
 Reruns = Sequence[Sequence[int]]
@@ -115,13 +121,6 @@ def _schedule_arrays(
     return d2h, h2d, rec
 
 
-def _position_label(graph: ActivationGraph, position: int) -> str:
-    n = graph.n_ops
-    if position < n:
-        return f"forward of op {graph.ops[position].name!r}"
-    return f"backward of op {graph.ops[2 * n - 1 - position].name!r}"
-
-
 def trace_reruns(
     graph: ActivationGraph, codes: np.ndarray, recompute_at: np.ndarray
 ) -> tuple[list[tuple[int, ...]], list[tuple[int, ...]], np.ndarray, np.ndarray]:
@@ -199,7 +198,7 @@ def trace_reruns(
         if materialized[t] != recompute_at[t]:
             raise PlanError(
                 f"schedule: recompute_at[{graph.tensors[t].name!r}] = {recompute_at[t]} is after its "
-                f"first use at position {materialized[t]} ({_position_label(graph, int(materialized[t]))})"
+                f"first use at position {materialized[t]} ({position_label(graph, int(materialized[t]))})"
             )
     return reruns, needs_at, first_need, materialized
 
@@ -273,6 +272,10 @@ def default_swap_schedule(
         done = csum + np.maximum.accumulate(issue - (csum - p))
     position = np.searchsorted(end, done - 1e-15)
     free = np.minimum(np.maximum(position, last_fwd[order]), first_need[order] - 1)
+    # where a hook runs after (step-model.md, "Hook positions"): the first such position, no
+    # later than the one before the first use (which is one: the use is a hook position)
+    hooks = HookPositions(graph)
+    free = np.minimum(hooks.free_later(free), hooks.free_earlier(first_need[order] - 1))
     unset = d2h[order] < 0
     d2h[order[unset]] = free[unset]
     # H2D lane filled backwards from the uses: begin_i = min_{j>=i}(need_j - sum_{k=i..j} p_k)
@@ -301,6 +304,10 @@ def default_swap_schedule(
         begin = -suffix + np.minimum.accumulate((need + after)[::-1])[::-1]
     g = np.searchsorted(start, begin + 1e-15, side="right") - 1
     g = np.minimum(np.maximum(g, d2h[order] + 1), first_need[order])
+    # at a hook position: the last at or before it, or, if that is not after the tensor has
+    # left, the first after it (the first use at the latest)
+    g_hook = hooks.start_earlier(g)
+    g = np.where(g_hook > d2h[order], g_hook, hooks.start_later(d2h[order] + 1))
     unset = h2d[order] < 0
     h2d[order[unset]] = g[unset]
 
@@ -355,38 +362,12 @@ def expand_positions(
     reruns, needs_at, first_need, materialized = trace_reruns(graph, codes, rec)
     default_swap_schedule(graph, hw, codes, first_need, reruns, d2h, h2d)
     _monotone_issue(graph, codes, first_need, h2d, ~given_h2d)
-    _check_swap_schedule(graph, codes, first_need, d2h, h2d)
+    check_swap_schedule(graph, codes, first_need, d2h, h2d)
+    check_hook_positions(graph, codes, d2h, h2d, materialized)
     exp = _intervals(graph, codes, reruns, needs_at, first_need, d2h, h2d, materialized)
     if budget_bytes is not None:
         exp = _yield_to_budget(graph, exp, budget_bytes, given_d2h, given_h2d)
     return exp
-
-
-def _check_swap_schedule(
-    graph: ActivationGraph,
-    codes: np.ndarray,
-    first_need: np.ndarray,
-    d2h: np.ndarray,
-    h2d: np.ndarray,
-) -> None:
-    last_fwd = graph.last_forward_use
-    for t in np.flatnonzero(codes == SWAP):
-        name = graph.tensors[t].name
-        if d2h[t] < last_fwd[t]:
-            raise PlanError(
-                f"schedule: d2h_free[{name!r}] = {d2h[t]} is before its last forward "
-                f"reader at position {last_fwd[t]}"
-            )
-        if h2d[t] <= d2h[t]:
-            raise PlanError(
-                f"schedule: h2d_issue[{name!r}] = {h2d[t]} is not after its d2h_free "
-                f"position {d2h[t]}"
-            )
-        if h2d[t] > first_need[t]:
-            raise PlanError(
-                f"schedule: h2d_issue[{name!r}] = {h2d[t]} is after its first use at "
-                f"position {first_need[t]} ({_position_label(graph, int(first_need[t]))})"
-            )
 
 
 def _lives(
@@ -554,6 +535,7 @@ def _yield_to_budget(
     swapped = np.flatnonzero(exp.codes == SWAP)
     movable_free = swapped[~given_d2h[swapped]]
     movable_issue = swapped[~given_h2d[swapped]]
+    hooks = HookPositions(graph)
     for _ in range(graph.n_positions + 1):
         mem = exp.memory()
         over = np.flatnonzero(mem > budget)
@@ -567,9 +549,11 @@ def _yield_to_budget(
         i = np.searchsorted(positions, lf, side="right")
         has = i < positions.size
         first_over = np.where(has, positions[np.minimum(i, positions.size - 1)], -1)
-        late = has & (first_over <= d2h[movable_free])
+        # (a hook must run after the new position: the last such before the first over)
+        target = hooks.free_earlier(first_over - 1)
+        late = has & (first_over <= d2h[movable_free]) & (target >= lf)
         if late.any():
-            d2h[movable_free[late]] = first_over[late] - 1
+            d2h[movable_free[late]] = target[late]
             changed = True
         # prefetch later: the last over-budget position before a tensor's first use, if its
         # prefetch is issued by then, is where it must not yet be resident
@@ -579,7 +563,9 @@ def _yield_to_budget(
         last_over = np.where(has, positions[np.maximum(j, 0)], -1)
         early = has & (last_over >= h2d[movable_issue])
         if early.any():
-            h2d[movable_issue[early]] = last_over[early] + 1
+            h2d[movable_issue[early]] = np.minimum(
+                hooks.start_later(last_over[early] + 1), need[early]
+            )
             changed = True
         if not changed:
             return exp

@@ -245,7 +245,7 @@ def checkpoint_graph(
             "gradients would be counted twice): pass the profiled graph"
         )
     of_op = _op_regions(graph, regions)
-    ops = list(graph.ops)
+    ops = _acting_anywhere(graph.ops)
     saved_under_compile = _drawn(graph) if compiled else set()
     for i, op in enumerate(ops):
         # an op whose output is written in place later (Op.writes) is rerun by the checkpoint
@@ -311,6 +311,20 @@ def checkpoint_graph(
             tensor = replace(tensor, rebuilt_before=marked.ops[entry[region]].name)
         tensors.append(tensor)
     return replace(marked, tensors=tuple(tensors))
+
+
+def _acting_anywhere(ops) -> list:
+    """The ops with every position a hook position: torch's checkpoint and a compiled graph act
+    at any op, not only where a saved-tensor hook runs (formulations/step-model.md, "Hook
+    positions")."""
+    from dataclasses import replace
+
+    return [
+        op
+        if op.hook_after and op.hook_backward
+        else replace(op, hook_after=True, hook_backward=True)
+        for op in ops
+    ]
 
 
 def _drawn(graph: ActivationGraph) -> set[int]:

@@ -93,7 +93,10 @@ def run_traced_step(
     )
     saved: list[tuple[int, str]] = []
 
+    pack_after = tracer.trace.pack_after
+
     def pack(t):
+        pack_after.add(len(tracer.trace.ops) - 1)
         name = tracer.tensor_name(t)
         if name is not None:
             saved.append((torch._C._autograd._get_sequence_nr() - 1, name))

@@ -64,6 +64,9 @@ class StepTrace:
     backward_entry_grad_bytes: dict[int, int] = field(default_factory=dict)
     # index of the last op run while the model still held each storage (released in forward)
     released_after: dict[str, int] = field(default_factory=dict)
+    # the ops after which a saved-tensor hook ran, before the next op (every save counted,
+    # parameters' too): where an executor of hooks alone can act in forward (Op.hook_after)
+    pack_after: set[int] = field(default_factory=set)
 
 
 class GpuClock:

@@ -78,6 +78,9 @@ def graph_from_traces(
     param_waiting = waiting_parameter_gradient_bytes(traces, seq_maps, len(first.ops))
     entry_grads = _per_op_max(traces, seq_maps, len(first.ops), "backward_entry_grad_bytes")
     stale = _stale_ops(first)
+    # hook positions (formulations/step-model.md): a save between op i and op i+1, and a node
+    # that unpacks a saved tensor when its backward begins
+    savers = {op for names in saved_for.values() for op in names}
     ops = []
     for i, rec in enumerate(first.ops):
         fwd = statistics.median(t.ops[i].forward_s for t in traces)
@@ -105,6 +108,8 @@ def graph_from_traces(
                 unit=rec.unit,
                 writes=tuple(dict.fromkeys(n for n in rec.writes if n in first.tensors)),
                 param_unit=rec.param_unit,
+                hook_after=i in first.pack_after or i == len(first.ops) - 1,
+                hook_backward=rec.name in savers,
                 extra={
                     "aten": rec.aten,
                     "module": rec.module,
@@ -265,6 +270,8 @@ def group_by_module(graph: ActivationGraph) -> ActivationGraph:
                 param_unit=next(
                     (graph.ops[i].param_unit for i in members if graph.ops[i].param_unit), ""
                 ),
+                hook_after=graph.ops[members[-1]].hook_after,
+                hook_backward=any(graph.ops[i].hook_backward for i in members),
                 extra={
                     "module": module,
                     "aten_ops": len(members),

@@ -9,6 +9,7 @@ import numpy as np
 
 from ...core.graph import ActivationGraph
 from ...core.hardware import Hardware
+from ...core.schedule_rules import HookPositions
 from ...core.stepmodel import nominal_position_times
 
 
@@ -56,6 +57,13 @@ def candidates(graph: ActivationGraph, hw: Hardware, full: bool, extra=None, win
                 earliest_need[x] = min(earliest_need[x], r)
     F, G = {}, {}
     start, end = nominal_position_times(graph, [()] * graph.n_positions)
+    # only where the executor can act (step-model.md, "Hook positions"): a tensor leaves after a
+    # position a hook runs after, a prefetch and a rebuild start where a hook runs
+    at = graph.hook_positions
+    hooks = HookPositions(graph)
+    can_free = np.append(at[1:], True)
+    for t in saved:
+        rc[t] = {r for r in rc[t] if at[r]}
     for t in saved:
         lo, hi = int(last_fwd[t]), u[t] - 1
         if full:
@@ -66,7 +74,8 @@ def candidates(graph: ActivationGraph, hw: Hardware, full: bool, extra=None, win
             # started at production on an idle lane would be done
             done = end[graph.producer[t]] + hw.d2h_time(graph.tensor_bytes[t])
             k_done = int(np.searchsorted(end, done - 1e-15))
-            F[t] = sorted({lo, min(max(k_done, lo), hi)})
+            first = hooks.free_later(np.array([lo, min(max(k_done, lo), hi)]))
+            F[t] = sorted({int(x) for x in first if x <= hi} or {hi})
             # issue just in time for each possible first use, or early enough to arrive in time
             g = set()
             for need in {earliest_need[t], u[t]}:
@@ -74,6 +83,7 @@ def candidates(graph: ActivationGraph, hw: Hardware, full: bool, extra=None, win
                 begin = start[need] - hw.h2d_time(graph.tensor_bytes[t])
                 k_begin = int(np.searchsorted(start, begin + 1e-15, side="right")) - 1
                 g.add(max(k_begin, lo + 1))
+            g = {int(x) for x in hooks.start_earlier(np.array(sorted(g)))} | {u[t]}
             G[t] = sorted(x for x in g if lo < x <= u[t])
         if extra is not None:
             if t in extra.get("free", {}) and lo <= extra["free"][t] <= hi:
@@ -82,4 +92,6 @@ def candidates(graph: ActivationGraph, hw: Hardware, full: bool, extra=None, win
                 G[t] = sorted(set(G[t]) | {int(extra["issue"][t])})
         if not hw.duplex:
             G[t] = [g for g in G[t] if g >= n] or [u[t]]
+        F[t] = [k for k in F[t] if can_free[k]]
+        G[t] = [k for k in G[t] if at[k]]
     return F, G, {t: sorted(v) for t, v in rc.items()}, frontier, coproduced, u, lb
