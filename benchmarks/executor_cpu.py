@@ -1,15 +1,24 @@
-"""The executor on CPU: hook overhead, recompute against torch.utils.checkpoint, tracked memory.
+"""The executor on CPU: host time over plain training, and rebuilds against torch's selective
+checkpointing.
 
-    python benchmarks/executor_cpu.py [--steps 10] [--json benchmarks/results/executor_cpu.json]
+    python benchmarks/executor_cpu.py [--width 256] [--rounds 7] [--block 40]
+        [--json benchmarks/results/executor_cpu_w256.json]
+    python benchmarks/executor_cpu.py --width 32 --seq 16 --batch 2
 
-A GPT-style model (4 blocks, width 256, sequence 128, batch 8, dropout 0.1) on CPU:
-- plain training step time;
-- under apply() with keep-all (the cost of tracing and hooks; goal under 3%), measured as the
-  median ratio of back-to-back rounds (one context around a few steps, and one per step);
-- with a recompute plan (the planner's, at 50% of the keep-all peak, offloading disabled by a
-  slow-link preset) against torch.utils.checkpoint with the same recompute decisions
-  (ss.checkpoint_policy);
-- the executor's tracked peak activation bytes against the budget.
+A GPT-style model (4 blocks, dropout 0.1) on CPU, every figure the median of paired rounds: in
+each round, ``--block`` plain steps and ``--block`` steps under one context (``ss.apply``)
+back to back, so that the drift of a shared machine between seconds cancels out.
+- keep-all: the host time per forward op over plain (the first step of a context is checked,
+  the others run untraced);
+- a swap plan (every other saved tensor offloaded, on the ``cpu-emulated-link`` preset): its
+  later steps run with hooks alone; the host time per forward op over plain, with the copies'
+  own time excluded (the time inside the lanes' copy calls, ``RunStats.copy_s``, which on a CPU
+  are the copies themselves, is subtracted and given beside it);
+- a recompute plan (the heuristic's on the ``cpu`` preset, at a budget half way between the
+  smallest a plan fits and the keep-all peak) against torch.utils.checkpoint's selective
+  checkpointing with the same keep/recompute decisions (``ss.checkpoint_policy``), paired the
+  same way;
+- the executor's tracked peak against the budget.
 """
 
 from __future__ import annotations
@@ -30,50 +39,37 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from models import TinyGPT  # noqa: E402
 
 
-def timed(fn, steps: int) -> float:
-    fn()
-    times = []
-    for _ in range(steps):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
-def paired_overhead(plain, other, rounds: int) -> tuple[float, float, float]:
-    """Median of per-round time ratios other/plain, the two run back to back in each round: on a
-    shared 2-core machine the step time drifts by several percent between seconds, which a
-    comparison of separate medians would read as overhead."""
-    plain(), other()
-    ratios, plain_times, other_times = [], [], []
+def paired(first, second, rounds: int) -> list[tuple[float, float, dict]]:
+    """(first's seconds, second's seconds, what second returned) per round, back to back."""
+    first(), second()  # warm both
+    out = []
     for _ in range(rounds):
         start = time.perf_counter()
-        plain()
+        first()
         a = time.perf_counter() - start
         start = time.perf_counter()
-        other()
+        extra = second() or {}
         b = time.perf_counter() - start
-        ratios.append(b / a)
-        plain_times.append(a)
-        other_times.append(b)
-    return (
-        statistics.median(ratios) - 1.0,
-        statistics.median(plain_times),
-        statistics.median(other_times),
-    )
+        out.append((a, b, extra))
+    return out
+
+
+def median(values) -> float:
+    return float(statistics.median(values))
 
 
 def main() -> int:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--rounds", type=int, default=15, help="paired rounds for the overhead")
-    parser.add_argument("--block", type=int, default=4, help="training steps per round")
+    parser.add_argument("--rounds", type=int, default=7, help="paired rounds")
+    parser.add_argument("--block", type=int, default=40, help="training steps per round")
     parser.add_argument("--width", type=int, default=256)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--json", type=Path, default=Path("benchmarks/results/executor_cpu.json"))
+    parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
+    if args.json is None:
+        args.json = Path(f"benchmarks/results/executor_cpu_w{args.width}.json")
     torch.manual_seed(0)
     model = TinyGPT(vocab=512, d=args.width, layers=args.layers, p=0.1)
     idx = torch.randint(0, 512, (args.batch, args.seq))
@@ -86,152 +82,138 @@ def main() -> int:
         loss_fn(model(idx)).backward()
 
     graph = ss.profile(model, idx, loss_fn, warmup=1, repeat=3, name="tiny-gpt")
+    n_ops = graph.n_ops
     # a CPU device has no host to swap to: the planner keeps and recomputes only
-    slow = ss.hardware("cpu")
-    keep = ss.solve(graph, 1.0, slow, solver="keep-all")
-    plan = ss.solve(graph, 0.5, slow, solver="heuristic")
-
-    def under(p):
-        def run():
-            with ss.apply(p, model, graph=graph) as r:
-                step()
-            return r
-
-        return run
-
-    def block_plain():
-        for _ in range(args.block):
-            step()
-
-    def block_applied():  # the usual use: one context around the training loop
-        with ss.apply(keep, model, graph=graph):
-            for _ in range(args.block):
-                step()
-
-    def block_per_step():  # a context entered for every step
-        for _ in range(args.block):
-            under(keep)()
-
-    # a plan that swaps (on the emulated link; nothing rebuilt): its later steps are skimmed
+    cpu = ss.hardware("cpu")
+    keep_all = ss.keep_all_peak(graph, cpu)
+    smallest = ss.min_budget(graph, cpu)
+    budget = smallest + (keep_all - smallest) // 2  # inside the reachable range at any width
+    keep = ss.solve(graph, 1.0, cpu, solver="keep-all")
+    rec = ss.solve(graph, budget, cpu, solver="heuristic")
     emulated = ss.hardware("cpu-emulated-link")
     swaps = ss.complete(
         ss.Plan(
             graph.name,
             graph.digest,
             10**12,
-            {
-                graph.tensors[t].name: ("swap" if i % 2 else "keep")
-                for i, t in enumerate(graph.saved)
-            },
+            {graph.tensors[t].name: ("swap" if i % 2 else "keep") for i, t in enumerate(graph.saved)},
         ),
         graph,
         emulated,
     )
 
-    def block_swapping():
-        with ss.apply(swaps, model, graph=graph):
-            for _ in range(args.block):
-                step()
+    def plain_block():
+        for _ in range(args.block):
+            step()
 
-    swap_overhead, _, swap_block = paired_overhead(block_plain, block_swapping, args.rounds)
-    overhead, plain_block, keep_block = paired_overhead(block_plain, block_applied, args.rounds)
-    overhead_per_step, _, _ = paired_overhead(block_plain, block_per_step, args.rounds)
-    plain, keep_s = plain_block / args.block, keep_block / args.block
-    rec_s = timed(under(plan), args.steps)
-    run = under(plan)()
-    policy = ss.checkpoint_policy(plan, graph)
+    def under(plan):
+        def block():
+            with ss.apply(plan, model, graph=graph) as run:
+                for _ in range(args.block):
+                    step()
+            return {"stats": run.stats}
+
+        return block
+
+    policy = ss.checkpoint_policy(rec, graph)
     from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
-    def ckpt_step():
-        model.zero_grad(set_to_none=True)
-        out = checkpoint(
-            model,
-            idx,
-            use_reentrant=False,
-            context_fn=partial(create_selective_checkpoint_contexts, policy),
-        )
-        loss_fn(out).backward()
+    def sac_block():
+        for _ in range(args.block):
+            model.zero_grad(set_to_none=True)
+            out = checkpoint(
+                model,
+                idx,
+                use_reentrant=False,
+                context_fn=partial(create_selective_checkpoint_contexts, policy),
+            )
+            loss_fn(out).backward()
 
-    try:
-        ckpt_s = timed(ckpt_step, args.steps)
-    except RuntimeError as exc:  # torch refuses some policies on models that mutate in place
-        print(f"torch.utils.checkpoint with the plan's policy failed: {exc}")
-        ckpt_s = float("nan")
-    sim = ss.simulate(graph, plan, slow)
+    per_op = 1e6 / args.block / n_ops
+    keep_rounds = paired(plain_block, under(keep), args.rounds)
+    swap_rounds = paired(plain_block, under(swaps), args.rounds)
+    rec_rounds = paired(sac_block, under(rec), args.rounds)
+    stats = swap_rounds[-1][2]["stats"]
+    plain_s = median(a for a, _, _ in keep_rounds + swap_rounds) / args.block
     row = {
         "model": {"width": args.width, "layers": args.layers, "seq": args.seq, "batch": args.batch},
-        "forward_ops": int(graph.n_ops),
-        "overhead_us_per_op": overhead * plain / graph.n_ops * 1e6,
+        "forward_ops": int(n_ops),
         "saved_tensors": int(len(graph.saved)),
-        "recomputed": plan.count("recompute"),
-        "plain_step_s": plain,
-        "keep_all_step_s": keep_s,
-        "hook_overhead": overhead,
-        "hook_overhead_context_per_step": overhead_per_step,
-        "recompute_plan_step_s": rec_s,
-        "torch_checkpoint_same_tensors_step_s": ckpt_s,
-        "swap_plan_step_s": swap_block / args.block,
-        "swap_plan_overhead": swap_overhead,
-        "swap_plan_us_per_op": swap_overhead * plain / graph.n_ops * 1e6,
+        "block_steps": args.block,
+        "rounds": args.rounds,
+        "plain_step_s": plain_s,
+        "keep_all_us_per_op": median((b - a) * per_op for a, b, _ in keep_rounds),
+        "keep_all_untraced_steps": keep_rounds[-1][2]["stats"].untraced_steps,
         "swapped": swaps.count("swap"),
-        "budget_bytes": plan.budget_bytes,
-        "tracked_peak_bytes": run.stats.peak_activation_bytes,
-        "simulated_peak_bytes": sim.peak_bytes,
-        "keep_all_peak_bytes": ss.keep_all_peak(graph, slow),
+        "swap_plan_us_per_op": median((b - a) * per_op for a, b, _ in swap_rounds),
+        "swap_host_us_per_op": median(
+            (b - a - e["stats"].copy_s) * per_op for a, b, e in swap_rounds
+        ),
+        "swap_copies_us_per_op": median(e["stats"].copy_s * per_op for _, _, e in swap_rounds),
+        "swap_hooked_steps": stats.hooked_steps,
+        "recompute_budget_bytes": int(budget),
+        "smallest_budget_bytes": int(smallest),
+        "keep_all_peak_bytes": int(keep_all),
+        "recomputed": rec.count("recompute"),
+        "recompute_plan_over_torch_sac": median(b / a for a, b, _ in rec_rounds),
+        "recompute_plan_step_s": median(b for _, b, _ in rec_rounds) / args.block,
+        "torch_sac_same_decisions_step_s": median(a for a, _, _ in rec_rounds) / args.block,
+        "tracked_peak_bytes": rec_rounds[-1][2]["stats"].peak_activation_bytes,
+        "simulated_peak_bytes": ss.simulate(graph, rec).peak_bytes,
     }
-    print(f"plain step                 {1e3 * plain:8.2f} ms")
-    print(
-        f"apply(), keep-all          {1e3 * keep_s:8.2f} ms  (overhead {100 * overhead:+.1f}%, "
-        f"{100 * overhead_per_step:+.1f}% with a context per step; median of {args.rounds} "
-        f"paired rounds of {args.block} steps)"
-    )
-    print(f"  = {row['overhead_us_per_op']:.0f} us per forward op ({graph.n_ops} ops)")
-    print(
-        f"apply(), swap plan         {1e3 * row['swap_plan_step_s']:8.2f} ms  ({row['swapped']} "
-        f"swapped on the emulated link: {row['swap_plan_us_per_op']:.0f} us per forward op, "
-        "copies included)"
-    )
-    print(
-        f"apply(), recompute plan    {1e3 * rec_s:8.2f} ms  ({row['recomputed']} of {row['saved_tensors']} tensors recomputed)"
-    )
-    print(f"torch checkpoint, same ops {1e3 * ckpt_s:8.2f} ms")
-    print(
-        f"tracked activation peak    {run.stats.peak_activation_bytes / 2**20:8.2f} MiB of budget "
-        f"{plan.budget_bytes / 2**20:.2f} MiB (simulated {sim.peak_bytes / 2**20:.2f} MiB, keep-all "
-        f"{row['keep_all_peak_bytes'] / 2**20:.2f} MiB)"
-    )
+    lines = [
+        f"plain step                        {1e3 * plain_s:8.2f} ms ({n_ops} forward ops)",
+        f"keep-all, over plain              {row['keep_all_us_per_op']:8.2f} us per forward op",
+        f"swap plan ({row['swapped']} of {row['saved_tensors']} swapped), host  "
+        f"{row['swap_host_us_per_op']:8.2f} us per forward op over plain, copies excluded "
+        f"(copies {row['swap_copies_us_per_op']:.2f} us per op; "
+        f"{row['swap_plan_us_per_op']:.2f} with them)",
+        f"recompute plan ({row['recomputed']} recomputed) / torch SAC, same decisions  "
+        f"{row['recompute_plan_over_torch_sac']:.3f}x "
+        f"({1e3 * row['recompute_plan_step_s']:.2f} vs "
+        f"{1e3 * row['torch_sac_same_decisions_step_s']:.2f} ms)",
+        f"tracked / simulated peak          {row['tracked_peak_bytes'] / 2**20:.2f} / "
+        f"{row['simulated_peak_bytes'] / 2**20:.2f} MiB (budget {budget / 2**20:.2f} MiB, "
+        f"keep-all {keep_all / 2**20:.2f}, smallest {smallest / 2**20:.2f})",
+    ]
+    print("\n".join(lines))
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(row, indent=1))
     from results_md import command_line, markdown_table, write_section
 
     write_section(
         f"executor_cpu_w{args.width}",
-        f"Executor on CPU (width {args.width}, seq {args.seq})",
+        f"Executor on CPU (width {args.width}, seq {args.seq}, batch {args.batch})",
         command_line(),
         markdown_table(
             ["what", "figure"],
             [
-                ["plain step", f"{1e3 * plain:.2f} ms"],
+                ["plain step", f"{1e3 * plain_s:.2f} ms ({n_ops} forward ops)"],
                 [
-                    "apply(), keep-all",
-                    f"{1e3 * keep_s:.2f} ms ({100 * overhead:+.1f}%, "
-                    f"median of {args.rounds} paired rounds)",
+                    "keep-all, one context over "
+                    f"{args.block} steps (median of {args.rounds} paired rounds)",
+                    f"{row['keep_all_us_per_op']:.2f} us per forward op over plain",
                 ],
                 [
-                    "overhead per forward op",
-                    f"{row['overhead_us_per_op']:.0f} us ({graph.n_ops} ops)",
+                    f"swap plan ({row['swapped']} of {row['saved_tensors']} swapped, emulated "
+                    "link), later steps with hooks alone",
+                    f"host {row['swap_host_us_per_op']:.2f} us per forward op over plain, "
+                    f"copies excluded (the copies: {row['swap_copies_us_per_op']:.2f} us per "
+                    f"op; {row['swap_plan_us_per_op']:.2f} with them)",
                 ],
                 [
-                    "apply(), swap plan (half the saved tensors, emulated link)",
-                    f"{1e3 * row['swap_plan_step_s']:.2f} ms ({row['swap_plan_us_per_op']:.0f} us "
-                    "per forward op over plain, copies included)",
+                    f"recompute plan ({row['recomputed']} recomputed) / torch selective "
+                    "checkpointing, same decisions",
+                    f"{row['recompute_plan_over_torch_sac']:.3f}x "
+                    f"({1e3 * row['recompute_plan_step_s']:.2f} vs "
+                    f"{1e3 * row['torch_sac_same_decisions_step_s']:.2f} ms)",
                 ],
-                ["apply(), recompute plan", f"{1e3 * rec_s:.2f} ms"],
-                ["torch selective checkpointing, same decisions", f"{1e3 * ckpt_s:.2f} ms"],
                 [
-                    "tracked / simulated activation peak",
-                    f"{run.stats.peak_activation_bytes / 2**20:.2f} / {sim.tensor_peak_bytes / 2**20:.2f} MiB "
-                    f"(budget {plan.budget_bytes / 2**20:.2f} MiB)",
+                    "tracked / simulated peak of the recompute plan",
+                    f"{row['tracked_peak_bytes'] / 2**20:.2f} / "
+                    f"{row['simulated_peak_bytes'] / 2**20:.2f} MiB (budget "
+                    f"{budget / 2**20:.2f} MiB: half way from the smallest, "
+                    f"{smallest / 2**20:.2f}, to keep-all, {keep_all / 2**20:.2f})",
                 ],
             ],
         ),

@@ -102,7 +102,7 @@ def test_no_leak_over_100_steps():
             loss_fn(model(inputs)).backward()
             gc.collect()
             if step in (10, 99):
-                sizes.append((len(run._live), run._live.total, run.pool.nbytes))
+                sizes.append((len(run.live), run.live.total, run.pool.nbytes))
     assert sizes[0] == sizes[1]  # device tracking and host pool flat
     assert run.stats.steps == 100
 
@@ -341,7 +341,7 @@ def test_backward_inside_forward_keeps_tracing_and_wrappers_are_restored():
     assert all(torch.equal(a, b) for a, b in zip(reference, got))
     assert torch.autograd.backward is backward and torch.autograd.grad is grad
     # every saved tensor of the step, including those after the inner grad call, was planned
-    assert run._step.packed == set(plan.decisions)
+    assert run.current_step.packed == set(plan.decisions)
 
 
 @pytest.mark.parametrize(

@@ -224,7 +224,7 @@ class PlannedLoop:
         run, self._open = self._open, None
         if run is not None:
             run.__exit__(None, None, None)
-            run._drop_step()
+            run.end_step()
             self.last_stats = run.stats
 
     def _under_plan(
@@ -339,7 +339,7 @@ class PlannedLoop:
                 mismatch: PlanError | None = exc
             else:
                 mismatch = None
-        run._drop_step()
+        run.end_step()
         if mismatch is not None:
             self._undo(snapshot, mismatch)
             return False, None

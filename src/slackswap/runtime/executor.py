@@ -11,109 +11,47 @@ saves goes through saved-tensor hooks:
 - recompute: nothing is held; before its backward use the ops that produced it run again
   (recursively through tensors that were not saved), with the RNG state they first ran with.
 
+The first step of a context at new input shapes is traced op by op and checked against the
+plan; later steps of the same shapes are named by its saves (runtime/checked_step.py). Those of a
+plan that rebuilds nothing run with hooks alone (no dispatch mode: the plan acts at its saves
+and at the backward nodes that unpack them, formulations/step-model.md, "Hook positions"); those
+of a plan that rebuilds count positions and record recipes op by op. The state of each step is
+its ``Step`` (runtime/step.py); ``Run`` owns the context.
+
 Gradients are bit-identical to plain training. A tensor modified in place after it was saved
 raises, as autograd would; a plan made for another graph or model is refused on the first
-forward. torch is imported here and in the profiler only.
+forward, and a later step that saves another tensor than the checked step did is refused by
+name. torch is imported here and in the profiler only.
 """
 
 from __future__ import annotations
 
 import contextlib
-import heapq
 import warnings
-from collections import OrderedDict, defaultdict
-from dataclasses import dataclass, field
+from collections import OrderedDict
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import _disable_current_modes
 
 from ..core.errors import PlanError
 from ..core.graph import ActivationGraph
 from ..core.plan import Plan
+from .checked_step import CheckedStep, hook_coverage, resolve_node_ops
 from .lanes import lanes_for
 from .pool import host_pool
 from .positions import PlanPositions, RunLog
-from .reloads import Reloads
 from .saved_hooks import SavedTensorHooks
-from .step_hooks import AtPosition, EndForwardOnBackward, ForwardHook
-from .step_tracers import RecordingTracer, Skeleton, SkimTracer
-from .trace import LiveStorages, ModulePaths, Tracer, storage_key
+from .stats import RunStats
+from .step import HOOKED, SKIMMED, TRACED, Step, StepContext
+from .step_hooks import EndForwardOnBackward, ForwardHook, input_signature
+from .step_tracers import RecordingTracer, SkimTracer
+from .trace import LiveStorages, ModulePaths
 
-
-@dataclass
-class RunStats:
-    """What the executor did in the steps run under it (accumulated; peak is the maximum)."""
-
-    steps: int = 0
-    peak_activation_bytes: int = (
-        0  # the tensors it tracks (not gradients): SimResult.tensor_peak_bytes
-    )
-    swapped_out_bytes: int = 0
-    swapped_in_bytes: int = 0
-    recomputed_bytes: int = 0
-    recompute_s: float = 0.0
-    wait_s: float = 0.0
-    host_pool_bytes: int = 0
-    # steps run untraced: a plan that keeps everything is checked (names, bytes, peak) on the
-    # first step of a context and on any step whose inputs change shape; the others run as
-    # plain training (peak_activation_bytes is the traced steps')
-    untraced_steps: int = 0
-    # steps of a plan that rebuilds nothing run with positions counted and saved tensors named
-    # by the checked step's order of saves, without per-op naming (SkimTracer)
-    skimmed_steps: int = 0
-    # a backward has been called in the context (a step that failed after it cannot be run
-    # again as if nothing happened: gradients may have been accumulated)
-    backward_started: bool = False
-
-
-@dataclass
-class _Step:
-    tracer: Tracer | None
-    paths: ModulePaths | None
-    handles_left: dict[str, int] = field(default_factory=lambda: defaultdict(int))
-    host: dict[str, tuple[torch.UntypedStorage, int, Any]] = field(default_factory=dict)
-    device_copy: dict[str, torch.UntypedStorage] = field(default_factory=dict)
-    rng: dict[int, Any] = field(default_factory=dict)
-    dirty: set[str] = field(default_factory=set)
-    packed: set[str] = field(default_factory=set)
-    seen: set[str] = field(default_factory=set)
-    kept: dict[str, torch.UntypedStorage] = field(default_factory=dict)
-    # storages released by their last reader, held until the backward node that read them is
-    # done: a rebuild in that node may read them too (as the step model says: a tensor lives
-    # through its last use's position)
-    lingering: dict[str, torch.UntypedStorage] = field(default_factory=dict)
-    node: Any = None  # the autograd node unpacking now
-    swap_order: list[str] = field(default_factory=list)
-    taken: list = field(default_factory=list)
-    recipes: dict[str, Any] = field(default_factory=dict)
-    rewrites: dict[str, list] = field(default_factory=dict)  # in-place writes, in forward order
-    written: dict[str, int] = field(default_factory=dict)  # in-place writes so far, per tensor
-    active: bool = False
-    checked: bool = False
-    finished: bool = False  # the model's forward returned (it did not raise)
-    verified: set[str] = field(default_factory=set)  # tensors whose dtype and bytes were checked
-    # positions (runtime/positions.py): the op the forward runs next, the position the step is
-    # at, swapped tensors held until their d2h_free (a heap by that position), prefetches in
-    # flight and what the step did
-    next_op: int = 0
-    position: int = -1
-    holding: dict[str, torch.Tensor] = field(default_factory=dict)
-    release_heap: list = field(default_factory=list)
-    arrived: dict[str, Any] = field(default_factory=dict)
-    seq_to_op: dict[int, int] = field(default_factory=dict)
-    pending_hooks: list = field(default_factory=list)
-    issue_cursor: int = 0  # the prefetch positions (PlanPositions.issue_order) handled
-    skim: bool = False  # counted, not named (SkimTracer)
-    pack_index: int = 0  # saves so far in a skimmed step
-    pack_log: list | None = None  # (position, name, module) of each save, in a checked step
-    skeletons: dict | None = None  # op -> Skeleton of its recipes, in a checked step
-    log: RunLog = field(default_factory=RunLog)
-
+__all__ = ["Run", "RunStats", "apply", "refuse_what_the_checker_refuses"]
 
 # the checker's verdicts on the plans run lately (a context per step: one walk per plan), by the
 # plan object's identity (held, so that no other plan takes its id) and the graph's digest
-_VERDICTS: OrderedDict = OrderedDict()
+_VERDICTS: OrderedDict[tuple[int, str], tuple[Plan, Any]] = OrderedDict()
 
 
 def refuse_what_the_checker_refuses(plan: Plan, graph: ActivationGraph | None, who: str) -> None:
@@ -151,8 +89,10 @@ def refuse_what_the_checker_refuses(plan: Plan, graph: ActivationGraph | None, w
         )
 
 
-class Run(SavedTensorHooks, Reloads):
-    """The context ``apply`` returns; ``stats`` holds what the steps did."""
+class Run:
+    """The context ``apply`` returns: it owns the plan, the model's hooks for the context's life
+    and the step running now (runtime/step.py); ``stats`` holds what the steps did, ``log`` what
+    the last step did, ``end_step()`` lets go of a finished step."""
 
     def __init__(
         self,
@@ -185,27 +125,12 @@ class Run(SavedTensorHooks, Reloads):
         self.pool = host_pool(plan, device, pinned=self.cuda)
         self.lanes = lanes_for(device)  # chosen once: the CUDA streams or host copies
         self.prefetch_ahead = prefetch_ahead
-        # with the graph, the executor acts at the plan's own positions (and logs where it did)
         moves = any(d != "keep" for d in plan.decisions.values())
-        self._positions = PlanPositions.of(plan, graph) if graph is not None and moves else None
+        # with the graph, the executor acts at the plan's own positions (and logs where it did)
+        self.positions = PlanPositions.of(plan, graph) if graph is not None and moves else None
         # recipes (and RNG states) are kept only when something will be rebuilt
         self.needs_recipes = any(d == "recompute" for d in plan.decisions.values())
-        # with the graph, only the ops a rebuild may rerun keep recipes (the closures of the
-        # recomputed tensors, their in-place writers included, and of the saved tensors those
-        # read, which a rebuild runs again once released): the other ops are named, not recorded
-        self.recipe_ops: frozenset[int] | None = None
-        if graph is not None and self.needs_recipes:
-            ops: set[int] = set()
-            stack = [graph.tensor_index[n] for n, d in plan.decisions.items() if d == "recompute"]
-            seen: set[int] = set()
-            while stack:
-                t = stack.pop()
-                if t not in seen:
-                    seen.add(t)
-                    ops.update(graph.rerun_ops[t])
-                    stack.extend(graph.rerun_frontier[t])
-            self.recipe_ops = frozenset(ops)
-        self._issue_at, self._need_at = self._prefetch_schedule(plan, graph)
+        self.recipe_ops = _recipe_ops(plan, graph) if self.needs_recipes else None
         self._check_device()
         if graph is not None:
             # the graph gives every offloaded storage's size: one pinned slab for what an
@@ -218,51 +143,34 @@ class Run(SavedTensorHooks, Reloads):
                     if d == "swap" and name in graph.tensor_index
                 }
             )
-        self._live = LiveStorages()  # device storages by storage key
-        self._planned_bytes = dict(plan.extra.get("tensor_bytes", {}))
+        self.live = LiveStorages()  # device storages by storage key
+        self.planned_bytes = dict(plan.extra.get("tensor_bytes", {}))
         # a plan made at a larger input shape runs a smaller one: every saved tensor no larger
         # than planned, the same ops, so no point of the step holds more than planned
-        self._smaller_inputs = bool(smaller_inputs)
-        self._rebuild_depth = 0
-        self._device_index = (
+        self.smaller_inputs = bool(smaller_inputs)
+        self.device_index = (
             (device.index if device.index is not None else torch.cuda.current_device())
             if self.cuda
             else -1
         )
-        self._step: _Step | None = None
+        self.current_step: Step | None = None
         self._last_log = RunLog()  # the log of a step no longer held
         self._stack: contextlib.ExitStack | None = None
-        self._checked = False
+        self._paths: ModulePaths | None = None
+        self.plan_checked = False  # a step has shown the model saves what the plan names
         # nothing to move: once a step is checked, steps of the same input shapes run untraced
-        self._moves_nothing = all(d == "keep" for d in plan.decisions.values())
-        self._signature: tuple | None = None
-        # once a step of these input shapes is checked, later steps need no name from the
-        # tracer: they count positions, name each saved tensor by its place in the checked
-        # step's order of saves, and a plan that rebuilds records its recipes from the checked
-        # step's (the names of each recipe op's tensors by their place in its arguments:
-        # SkimTracer)
-        self._can_skim = graph is not None and not self._moves_nothing
-        self._pack_order: list[tuple[int, str | None, str]] | None = None
-        self._skeletons: dict[int, Skeleton] | None = None
-
-    @staticmethod
-    def _prefetch_schedule(plan: Plan, graph: ActivationGraph | None):
-        """Per swapped tensor, the backward position at which the plan issues its prefetch (the
-        plan's own schedule), and each saved tensor's first backward position (where the plan
-        rebuilds or reads it): the executor's clock in backward is the tensors it is asked for."""
-        if graph is None or not any(d == "swap" for d in plan.decisions.values()):
-            return None, None
-        from ..core.codes import decision_codes
-        from ..core.stepmodel import first_backward_need
-
-        issue = dict(plan.schedule.h2d_issue)
-        first = first_backward_need(graph, decision_codes(graph, plan), plan.schedule)
-        need = {graph.tensors[t].name: int(first[t]) for t in graph.saved}
-        return issue, need
+        self.moves_nothing = not moves
+        self._signature: tuple[Any, ...] | None = None
+        # once a step of these input shapes is checked, later steps need no name from a tracer:
+        # they are named by its saves (runtime/checked_step.py); a plan that rebuilds nothing
+        # runs them with hooks alone, one that rebuilds counts positions and records recipes
+        self.can_skim = graph is not None and moves
+        self.checked: CheckedStep | None = None
 
     def _check_device(self) -> None:
         """A plan's times are the hardware's it was made for: warn when this device is another."""
         hw = self.plan.hardware
+        assert hw is not None
         if self.cuda:
             here = torch.cuda.get_device_name(self.device)
             tokens = [
@@ -270,7 +178,7 @@ class Run(SavedTensorHooks, Reloads):
                 for tok in ("a100", "h100", "h200", "l4", "l40", "v100", "a10")
                 if tok in hw.name.lower()
             ]
-            differs = hw.name.startswith("cpu") or (
+            differs = hw.name.startswith("cpu") or bool(
                 tokens and not any(tok in here.lower() for tok in tokens)
             )
         else:
@@ -281,139 +189,44 @@ class Run(SavedTensorHooks, Reloads):
                 f"plan was made for hardware {hw.name!r} but runs on {here!r} "
                 f"({self.device}): its copy and rebuild positions were timed for the "
                 "former",
-                stacklevel=3,
+                stacklevel=4,
             )
 
     @property
     def log(self) -> RunLog:
         """What the last step did, by position (runtime/positions.py): ``log.schedule`` is where
         it released, prefetched and rebuilt each tensor."""
-        return self._step.log if self._step is not None else self._last_log
+        return self.current_step.log if self.current_step is not None else self._last_log
 
-    def _drop_step(self) -> None:
-        """Let go of the last step once its backward has run (its log is kept): a context
-        held across steps (the loop's, one per plan) holds nothing of the step before."""
-        if self._step is not None and not self._step.active:
-            self._last_log = self._step.log
-            self._step = None
-
-    # ------------------------------------------------------------ positions
-    def _release_due(self, step: _Step, after: int) -> None:
-        """Hand back the device memory of every swapped tensor whose d2h_free is at or before
-        position ``after``, once its offload is done (the compute stream waits on it)."""
-        heap = step.release_heap
-        while heap and heap[0][0] <= after:
-            _, name = heapq.heappop(heap)
-            if step.holding.pop(name, None) is not None:
-                self.lanes.release(step.host[name][2])
-                step.log.add("release", name, after)
-
-    def _next_position(self, step: _Step) -> int:
-        """A forward op is about to run: the step moves to its position and does what the plan
-        does before it (releases after the previous one, hooks on the nodes made so far,
-        prefetches issued within the forward); returns the position."""
-        op = step.next_op
-        step.next_op = op + 1
-        step.position = op
-        positions = self._positions
-        if positions is not None:
-            if step.release_heap:
-                self._release_due(step, op - 1)
-            if step.pending_hooks:
-                self._hook_nodes(step)
-            if (
-                step.issue_cursor < len(positions.issue_order)
-                and positions.issue_order[step.issue_cursor] <= op
-            ):
-                self._issue_due(step, op)
-            step.seq_to_op.setdefault(torch._C._autograd._get_sequence_nr() - 1, op)
-        return op
-
-    def _hook_nodes(self, step: _Step) -> None:
-        """The backward nodes of the ops whose positions have events: a pre-hook there moves
-        the step to that position (the node exists once the op's autograd wrapper returns)."""
-        positions = self._positions
-        for op, refs in step.pending_hooks:
-            for ref in refs:
-                t = ref()
-                node = None if t is None else t.grad_fn
-                if node is not None:
-                    q = positions.backward_position(op)
-                    node.register_prehook(AtPosition(self, step, q))
-                    break
-        step.pending_hooks.clear()
-
-    def _issue_due(self, step: _Step, q: int) -> None:
-        """Issue the prefetches the plan issues at or before position ``q`` (in forward or
-        backward) and that are not yet issued."""
-        positions = self._positions
-        order = positions.issue_order
-        while step.issue_cursor < len(order) and order[step.issue_cursor] <= q:
-            for name in positions.issue_at[order[step.issue_cursor]]:
-                if (
-                    name in step.host
-                    and name not in step.device_copy
-                    and step.handles_left.get(name, 0) > 0
-                ):
-                    step.device_copy[name] = self._bring_back(step, name)
-            step.issue_cursor += 1
-
-    def _at_backward(self, step: _Step, q: int) -> None:
-        """The backward pass reached position ``q``: release, prefetch and rebuild what the plan
-        does at or before it and has not yet done."""
-        if q <= step.position:
-            return
-        step.position = q
-        positions = self._positions
-        if step.release_heap:
-            self._release_due(step, q - 1)
-        with _disable_current_modes():
-            self._issue_due(step, q)
-            # a rebuild runs at its position when the backward reaches it; where that node does
-            # not run (its output is off the loss's path), at the tensor's first use if any
-            for name in positions.rebuild_at.get(q, ()):
-                if (
-                    name in step.packed
-                    and name not in step.device_copy
-                    and step.handles_left.get(name, 0) > 0
-                ):
-                    self._materialize(step, name)
-
-    # ------------------------------------------------------------ memory tracking
-    def _track(self, t: torch.Tensor, key=None, nbytes: int | None = None) -> None:
-        """Count a device storage as resident while any tensor object we know of uses it."""
-        if t.get_device() != self._device_index:
-            return
-        if nbytes is None:
-            nbytes = t.untyped_storage().nbytes()
-        self._live.add(t, key or storage_key(t), nbytes)
-        self.stats.peak_activation_bytes = max(self.stats.peak_activation_bytes, self._live.peak)
+    def end_step(self) -> None:
+        """Let go of the last step once its backward has run (its log is kept): a context held
+        across steps (the loop's, one per plan) holds nothing of the step before."""
+        step = self.current_step
+        if step is not None and not step.active:
+            self._last_log = step.log
+            self.current_step = None
 
     # ------------------------------------------------------------ context
     def __enter__(self) -> Run:
         self._stack = contextlib.ExitStack()
         self.stats = RunStats()  # what the steps of this entry do (a context may be re-entered)
-        # module paths first, so the model's own pre-hook has pushed its name when a step begins
-        self._paths = ModulePaths(self.model)
-        self._stack.callback(self._paths.remove)
-        self._stack.enter_context(
-            torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
-        )
-        self._stack.enter_context(ForwardHook(self))
-        self._stack.enter_context(EndForwardOnBackward(self))
+        self._stack.callback(self._remove_paths)
+        self._stack.enter_context(SavedTensorHooks(self))
+        forward = self._stack.enter_context(ForwardHook(self))
+        self._stack.enter_context(EndForwardOnBackward(self, forward))
         return self
 
-    def __exit__(self, exc_type, exc, tb) -> None:
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         stack, self._stack = self._stack, None
         try:
             if exc_type is None:
-                self._end_forward()
+                self._end_forward(backward=False)
             else:  # the user's exception propagates unchanged; the step is dropped unchecked
-                step = self._step
+                step = self.current_step
                 if step is not None:
                     step.finished = False
                     try:
-                        self._end_forward()
+                        self._end_forward(backward=False)
                     except Exception:  # noqa: BLE001 - never mask the user's exception
                         pass
         finally:
@@ -421,52 +234,122 @@ class Run(SavedTensorHooks, Reloads):
                 stack.close()
             self.stats.host_pool_bytes = self.pool.nbytes
 
-    # ------------------------------------------------------------ forward tracing
-    def _begin_forward(self, skim: bool = False) -> None:
-        self._end_forward()
-        if self._step is not None:
-            self._last_log = self._step.log
-        self._paths.reset(self._paths.stack[-1] if self._paths.stack else "model")
-        step = _Step(tracer=None, paths=self._paths)
-        self._step = step
-        if skim:
-            step.skim = True
-            step.tracer = SkimTracer(self, step, self._paths)
+    # ------------------------------------------------------------ the hooks' calls
+    def begin_forward(self, args: Any, kwargs: Any) -> None:
+        """The model's forward begins: a step of the kind these inputs take (runtime/step.py)."""
+        self.stats.steps += 1
+        if self.moves_nothing or self.can_skim:
+            signature = input_signature(args, kwargs)
+            if self.plan_checked and signature == self._signature:
+                if self.moves_nothing:
+                    self._end_forward(backward=False)
+                    self.end_step()
+                    self.current_step = None  # no tracer, no hook: plain training
+                    self.stats.untraced_steps += 1
+                    return
+                if self.checked is not None:
+                    self._begin(HOOKED if self.checked.hooked else SKIMMED, self.checked)
+                    return
+            self._signature = signature
+            self.checked = None  # new shapes: traced and checked again
+        self._begin(TRACED, None)
+
+    def forward_returned(self) -> None:
+        if self.current_step is not None:
+            self.current_step.finished = True
+
+    def forward_left(self) -> None:
+        """The model's forward is over, returned or raised: what runs next (the loss) runs
+        outside every module."""
+        if self._paths is not None:
+            self._paths.leave_root()
+
+    def backward_called(self) -> None:
+        """The backward is called after the forward: the forward is over."""
+        self._end_forward(backward=True)
+        self.stats.backward_started = True
+
+    # ------------------------------------------------------------ steps
+    def _context(self) -> StepContext:
+        return StepContext(
+            plan=self.plan,
+            graph=self.graph,
+            positions=self.positions,
+            lanes=self.lanes,
+            pool=self.pool,
+            device=self.device,
+            device_index=self.device_index,
+            live=self.live,
+            stats=self.stats,
+            prefetch_ahead=self.prefetch_ahead,
+            recipe_ops=self.recipe_ops,
+            planned_bytes=self.planned_bytes,
+            smaller_inputs=self.smaller_inputs,
+        )
+
+    def _paths_for_step(self) -> ModulePaths:
+        """The module paths a tracer names ops by, hooked on every module while steps need them
+        (a hooked step runs without them)."""
+        if self._paths is None:
+            # the root's path is entered and left by the context's own forward hooks
+            self._paths = ModulePaths(self.model, hook_root=False)
+        # a new step starts at the root: whatever an interrupted step left on the stack goes
+        self._paths.reset("model")
+        return self._paths
+
+    def _remove_paths(self) -> None:
+        if self._paths is not None:
+            self._paths.remove()
+            self._paths = None
+
+    def _begin(self, kind: str, checked: CheckedStep | None) -> None:
+        self._end_forward(backward=False)
+        if self.current_step is not None:
+            self._last_log = self.current_step.log
+        if kind == HOOKED:
+            self._remove_paths()
+            step = Step(self._context(), kind, checked)
             self.stats.skimmed_steps += 1
+            self.stats.hooked_steps += 1
         else:
-            if self._can_skim:
-                step.pack_log = []
-                step.skeletons = {} if self.needs_recipes else None
-            step.tracer = RecordingTracer(self, step, self._paths)
-        step.tracer.__enter__()
+            paths = self._paths_for_step()
+            step = Step(self._context(), kind, checked, paths)
+            if kind == SKIMMED:
+                step.tracer = SkimTracer(self.model, step, paths)
+                self.stats.skimmed_steps += 1
+            else:
+                if self.can_skim:
+                    step.saves = []
+                    step.skeletons = {} if self.needs_recipes else None
+                step.tracer = RecordingTracer(self.model, step, paths, self.needs_recipes)
+            step.tracer.__enter__()
+        self.current_step = step
         step.active = True
 
-    def _end_forward(self) -> None:
-        step = self._step
+    def _end_forward(self, backward: bool) -> None:
+        step = self.current_step
         if step is None or not step.active:
             return
         step.active = False
-        if step.release_heap:
-            self._release_due(step, min(step.next_op - 1, self._positions.n_ops - 1))
-        if step.pending_hooks:
-            self._hook_nodes(step)
         tracer, step.tracer = step.tracer, None  # no cycle keeps the step (and its host buffers)
         try:
-            tracer.__exit__(None, None, None)
+            step.end_forward(backward)
+            if tracer is not None:
+                tracer.__exit__(None, None, None)
         finally:
-            # the tracer's own cycle (its lifetime tracker calls back into it) would otherwise
-            # hold the run, and through it the model, until the cyclic collector runs
-            tracer.step = tracer.run = None
-            if not step.checked and step.finished:
+            if tracer is not None:
+                # the tracer's own cycle (its lifetime tracker calls back into it) would
+                # otherwise hold the step, and through it the model, until the cyclic collector
+                tracer.step = None
+            if step.kind == TRACED and step.finished:
                 # a forward that raised proves nothing about the plan: the user's error stands
-                step.checked = True
-                self._check_plan(step)
-            if step.pack_log is not None and step.finished and self._checked:
-                self._pack_order = step.pack_log  # the order of saves later steps are named by
-                self._skeletons = step.skeletons
+                self._check_saved(step)
+                if step.saves is not None and self.plan_checked:
+                    self.checked = self._checked_step(step)
 
-    def _check_plan(self, step: _Step) -> None:
-        if not self._checked and step.seen:
+    def _check_saved(self, step: Step) -> None:
+        """Without the graph, the plan's tensors are the model's: every one was saved."""
+        if not self.plan_checked and step.packed:
             missing = sorted(set(self.plan.decisions) - step.packed)
             if missing and self.graph is None:
                 more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
@@ -474,9 +357,37 @@ class Run(SavedTensorHooks, Reloads):
                     f"plan tensor(s) {', '.join(map(repr, missing[:3]))}{more} were not "
                     "saved in this step: the plan was made for another model or input shape"
                 )
-            self._checked = True
+            self.plan_checked = True
 
-    # ------------------------------------------------------------ hooks
+    def _checked_step(self, step: Step) -> CheckedStep:
+        """What later steps of these input shapes are named by, and whether they can run with
+        hooks alone: a plan that rebuilds nothing, acting only where this step ran a hook."""
+        assert step.saves is not None and self._signature is not None
+        saves = resolve_node_ops(step.saves, step.seq_to_op, step.base)
+        why = ""
+        if self.needs_recipes:
+            why = "the plan rebuilds: its recipes are recorded op by op"
+        elif self.positions is not None and self.graph is not None:
+            why = hook_coverage(saves, self.positions, self.graph.n_ops)
+        return CheckedStep(self._signature, tuple(saves), step.skeletons, not why, why)
+
+
+def _recipe_ops(plan: Plan, graph: ActivationGraph | None) -> frozenset[int] | None:
+    """With the graph, only the ops a rebuild may rerun keep recipes (the closures of the
+    recomputed tensors, their in-place writers included, and of the saved tensors those read,
+    which a rebuild runs again once released): the other ops are named, not recorded."""
+    if graph is None:
+        return None
+    ops: set[int] = set()
+    stack = [graph.tensor_index[n] for n, d in plan.decisions.items() if d == "recompute"]
+    seen: set[int] = set()
+    while stack:
+        t = stack.pop()
+        if t not in seen:
+            seen.add(t)
+            ops.update(graph.rerun_ops[t])
+            stack.extend(graph.rerun_frontier[t])
+    return frozenset(ops)
 
 
 def apply(

@@ -1,6 +1,6 @@
-"""The executor's tracers of a planned step: each forward op is named as the profiler named it; the
-first step records what a rebuild reruns (its recipes' skeletons), later ones check that the
-step still matches them, or skim where nothing is rebuilt.
+"""The executor's tracers of a planned step (runtime/step.py): each forward op is named as the
+profiler named it; the first step records what a rebuild reruns (its recipes' skeletons), later
+skimmed steps count positions and record each recipe on their own tensors by the first's names.
 """
 
 from __future__ import annotations
@@ -16,19 +16,18 @@ from .rebuild import External, Recipe, Ref, View, template
 from .trace import ModulePaths, Tracer, collect_tensors, op_info
 
 if TYPE_CHECKING:
-    from .executor import Run, _Step
+    from .step import Step
 
 
 class StepTracer(Tracer):
-    """What both of the executor's tracers do: hold the run and its step, and let through
-    untouched the ops that are not the forward's (backward ops, a sharding wrapper's own)."""
+    """What both of the executor's tracers do: hold the step, and let through untouched the ops
+    that are not the forward's (backward ops, a sharding wrapper's own)."""
 
-    def __init__(self, run: Run, step: _Step, paths: ModulePaths):
-        super().__init__(run.model, paths)
-        self.run = run
-        self.step = step
+    def __init__(self, model: torch.nn.Module, step: Step, paths: ModulePaths):
+        super().__init__(model, paths)
+        self.step: Step | None = step
 
-    def passed_through(self, func, args, kwargs) -> tuple[bool, Any]:
+    def passed_through(self, func: Any, args: Any, kwargs: Any) -> tuple[bool, Any]:
         """(True, its result) for an op run here untraced; (False, None) for a forward op."""
         if torch._C._current_autograd_node() is not None:
             return True, func(*args, **kwargs)
@@ -40,16 +39,18 @@ class SkimTracer(StepTracer):
     the plan's positions, which it counts op by op, and nothing else per op (no names, no
     recipes, no storage tracking); saved tensors are named in _pack by the order of saves."""
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         kwargs = kwargs or {}
         skipped, out = self.passed_through(func, args, kwargs)
         if skipped:
             return out
         step = self.step
-        run = self.run
-        op = run._next_position(step)
-        positions = run._positions
-        skeleton = run._skeletons.get(op) if run._skeletons is not None else None
+        assert step is not None and step.checked is not None
+        op = step.begin_op()
+        positions = step.ctx.positions
+        assert positions is not None
+        skeletons = step.checked.skeletons
+        skeleton = skeletons.get(op) if skeletons is not None else None
         if skeleton is None:
             out = func(*args, **kwargs)
         else:
@@ -61,9 +62,10 @@ class SkimTracer(StepTracer):
                 )
             rng = None
             if skeleton.random:
+                ctx = step.ctx
                 rng = (
                     torch.get_rng_state(),
-                    torch.cuda.get_rng_state(run.device) if run.cuda else None,
+                    torch.cuda.get_rng_state(ctx.device) if ctx.cuda else None,
                 )
             out = func(*args, **kwargs)
             skeleton.again(args, kwargs, rng, op).file(step)
@@ -95,20 +97,11 @@ class Skeleton:
         rec = self.recipe or self.rewrite
         return rec is not None and rec.rng is not None
 
-    def file(self, step: _Step) -> None:
+    def file(self, step: Step) -> None:
         """Enter the op's recipes and in-place writes into the step."""
-        for n in self.made:
-            step.recipes[n] = self.recipe
-        if self.rewrite is not None:
-            for w in self.writes:
-                if w in step.recipes:
-                    step.rewrites.setdefault(w, []).append(self.rewrite)
-        for w in self.writes:
-            if w in step.packed:
-                step.dirty.add(w)
-            step.written[w] = step.written.get(w, 0) + 1
+        step.rebuilder.file(self.made, self.recipe, self.writes, self.rewrite)
 
-    def again(self, args, kwargs, rng, op: int) -> Skeleton:
+    def again(self, args: Any, kwargs: Any, rng: Any, op: int) -> Skeleton:
         """The same op in a skimmed step: its recipes on this step's tensors."""
 
         def redo(rec: Recipe | None) -> Recipe | None:
@@ -126,7 +119,7 @@ class Skeleton:
         return Skeleton(self.func, redo(self.recipe), self.made, redo(self.rewrite), self.writes)
 
 
-def _retemplate(checked, now, op: int):
+def _retemplate(checked: Any, now: Any, op: int) -> Any:
     """``now``'s arguments templated as the checked step's ``checked`` were: a Ref's name (and
     the writes it had seen) from the checked step, its view from this step's tensor."""
     if isinstance(checked, Ref):
@@ -159,30 +152,32 @@ class RecordingTracer(StepTracer):
     """The profiler's tracer, also tracking device storages and, when the plan recomputes
     anything, keeping for every op a recipe to run it again."""
 
-    def __init__(self, run: Run, step: _Step, paths: ModulePaths):
-        super().__init__(run, step, paths)
-        self.recipes = run.needs_recipes
+    def __init__(self, model: torch.nn.Module, step: Step, paths: ModulePaths, recipes: bool):
+        super().__init__(model, step, paths)
+        self.recipes = recipes
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         # the profiler's naming (name_outputs) without its timing and records: this runs on
-        # every forward op of every step
+        # every forward op of a traced step
         kwargs = kwargs or {}
         skipped, out = self.passed_through(func, args, kwargs)
         if skipped:
             return out
         step = self.step
-        op = self.run._next_position(step)  # this op's position (the profiler's op index)
-        positions = self.run._positions
+        assert step is not None
+        ctx = step.ctx
+        op = step.begin_op()  # this op's position (the profiler's op index)
+        positions = ctx.positions
         aten, _, random, inplace = op_info(func)
         inplace = inplace or "out" in kwargs
         in_tensors, in_keys = self.input_keys(args, kwargs)
         self.note_parameters(in_tensors)
-        recorded = self.recipes and (self.run.recipe_ops is None or op in self.run.recipe_ops)
+        recorded = self.recipes and (ctx.recipe_ops is None or op in ctx.recipe_ops)
         rng = None
         if random and recorded:
             rng = (
                 torch.get_rng_state(),
-                torch.cuda.get_rng_state(self.run.device) if self.run.cuda else None,
+                torch.cuda.get_rng_state(ctx.device) if ctx.cuda else None,
             )
         out = func(*args, **kwargs)
         module = self.paths.current
@@ -190,11 +185,10 @@ class RecordingTracer(StepTracer):
         if positions is not None and op in positions.hooked_ops:
             # (requires_grad and grad_fn are set by autograd after this op returns)
             step.pending_hooks.append((op, [weakref.ref(t) for t in out_tensors]))
-        live = self.run._live
-        track = self.run._track
+        live = ctx.live
         for t, (key, storage) in zip(out_tensors, stored):
             if key in live or self.by_storage.get(key) in made:
-                track(t, key, storage.nbytes())
+                step.track(t, key, storage.nbytes())
         if not recorded and not writes:
             return out
         made_recipe = rewrite = None
@@ -203,21 +197,23 @@ class RecordingTracer(StepTracer):
             for key, _ in stored:
                 name = self.by_storage.get(key)
                 out_names.append(name if name in made else None)
+            written = step.rebuilder.written
             made_recipe = Recipe(
                 f"{module}/{aten}",
                 func,
-                template(args, self, step.written),
-                {k: template(v, self, step.written) for k, v in kwargs.items()},
+                template(args, self, written),
+                {k: template(v, self, written) for k, v in kwargs.items()},
                 out_names,
                 rng,
             )
         if recorded and writes:
             # written in place: rebuilt by its producer, then by this op again (in order)
+            written = step.rebuilder.written
             rewrite = Recipe(
                 f"{module}/{aten}",
                 func,
-                template(args, self, step.written),
-                {k: template(v, self, step.written) for k, v in kwargs.items()},
+                template(args, self, written),
+                {k: template(v, self, written) for k, v in kwargs.items()},
                 [],
                 rng,
             )

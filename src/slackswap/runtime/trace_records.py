@@ -106,7 +106,7 @@ class ModulePaths:
     """Keeps the path of the module whose forward is running, and whether a DDP wrapper is in
     its prelude (its own work before the module it wraps runs)."""
 
-    def __init__(self, model: torch.nn.Module):
+    def __init__(self, model: torch.nn.Module, hook_root: bool = True):
         self.stack: list[str] = []
         self._inner_ran: list[bool] = []  # per stack entry: a submodule's forward has begun
         self.handles = []
@@ -116,6 +116,8 @@ class ModulePaths:
             if isinstance(module, torch.nn.parallel.DistributedDataParallel)
         }
         for name, module in model.named_modules():
+            if not name and not hook_root:
+                continue  # the caller enters and leaves the root (reset, leave_root)
             self.handles.append(module.register_forward_pre_hook(self._enter(name or "model")))
             # always_call: the path is popped even when the module's forward raises
             self.handles.append(module.register_forward_hook(self._leave(), always_call=True))
@@ -141,6 +143,11 @@ class ModulePaths:
         """A new step starts at the root: whatever an interrupted step left on the stack goes."""
         self.stack[:] = [name]
         self._inner_ran[:] = [False]
+
+    def leave_root(self) -> None:
+        """The root module's forward is over (its caller's hook): the loss runs outside it."""
+        self.stack.clear()
+        self._inner_ran.clear()
 
     @property
     def in_ddp_prelude(self) -> bool:
