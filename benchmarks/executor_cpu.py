@@ -96,7 +96,10 @@ def main() -> int:
             graph.name,
             graph.digest,
             10**12,
-            {graph.tensors[t].name: ("swap" if i % 2 else "keep") for i, t in enumerate(graph.saved)},
+            {
+                graph.tensors[t].name: ("swap" if i % 2 else "keep")
+                for i, t in enumerate(graph.saved)
+            },
         ),
         graph,
         emulated,

@@ -84,6 +84,4 @@ def test_the_loop_profiles_the_other_branch_and_gradients_are_plain_trainings(de
             loop.step(batch)
             assert loop.last_plan.count(decision) > 0
             got = [p.grad for p in model.parameters()]
-            assert all(
-                (a is None and b is None) or torch.equal(a, b) for a, b in zip(want, got)
-            )
+            assert all((a is None and b is None) or torch.equal(a, b) for a, b in zip(want, got))

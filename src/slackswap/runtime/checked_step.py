@@ -12,8 +12,10 @@ chosen by the data) changes the maker, and is refused by name: never run on the 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from functools import cached_property
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -54,6 +56,9 @@ class Save:
     maker: tuple[int, int] | None  # maker_of the tensor saved
     nbytes: int
     node_op: int | None = None  # the op whose autograd node saved it (its backward reads it)
+    # a step of hooks alone wraps it (a plan's tensor that is moved, or whose unpack is where
+    # the plan acts); else autograd holds it as it is
+    handled: bool = True
 
 
 @dataclass(frozen=True)
@@ -65,6 +70,14 @@ class CheckedStep:
     skeletons: dict[int, Skeleton] | None  # op -> its recipes' skeleton (a plan that rebuilds)
     hooked: bool  # later steps may run with hooks alone
     why_not_hooked: str = ""
+
+    @cached_property
+    def rows(self) -> tuple[tuple[Any, ...], ...]:
+        """Each save as the plain tuple a hooked step reads per save: (position, name, node
+        offset, maker, node op, handled)."""
+        return tuple(
+            (s.position, s.name, s.node_offset, s.maker, s.node_op, s.handled) for s in self.saves
+        )
 
     def save_at(self, k: int, position: int, module: str, t: torch.Tensor, base: int) -> Save:
         """The k-th save of a skimmed step, which counts positions and module paths: the
@@ -122,6 +135,48 @@ def hook_coverage(saves: list[Save], positions: PlanPositions, n_ops: int) -> st
         if q < 2 * n_ops and q not in starts:
             return f"{needed[q]}: no hook runs there in this step"
     return ""
+
+
+def event_starts(positions: PlanPositions) -> set[int]:
+    """The positions at whose start the plan does something: a release (after the one before),
+    a prefetch, a rebuild."""
+    starts = {free + 1 for free in positions.release_after.values()}
+    return starts | set(positions.issue_at) | set(positions.rebuild_at)
+
+
+def mark_handled(
+    saves: list[Save], decisions: Mapping[str, str], positions: PlanPositions, n_ops: int
+) -> list[Save]:
+    """Each save with whether a step of hooks alone wraps it (``Save.handled``)."""
+    starts = event_starts(positions)
+
+    def where(s: Save) -> int | None:
+        return None if s.node_op is None else 2 * n_ops - 1 - s.node_op
+
+    # the backward positions a moved tensor's unpack reaches anyway
+    reached = {where(s) for s in saves if s.name is not None and decisions.get(s.name) != "keep"}
+    out = []
+    for s in saves:
+        q = where(s)
+        moved = s.name is not None and decisions.get(s.name) != "keep"
+        # a kept tensor is wrapped only to reach a position where the plan acts that no moved
+        # tensor's unpack reaches: the first such save of that node
+        needed = s.name is not None and q is not None and q in starts and q not in reached
+        if needed:
+            reached.add(q)
+        out.append(
+            Save(
+                s.position,
+                s.name,
+                s.module,
+                s.node_offset,
+                s.maker,
+                s.nbytes,
+                s.node_op,
+                moved or needed,
+            )
+        )
+    return out
 
 
 def resolve_node_ops(saves: list[Save], seq_to_op: dict[int, int], base: int) -> list[Save]:

@@ -36,7 +36,7 @@ import torch
 from ..core.errors import PlanError
 from ..core.graph import ActivationGraph
 from ..core.plan import Plan
-from .checked_step import CheckedStep, hook_coverage, resolve_node_ops
+from .checked_step import CheckedStep, hook_coverage, mark_handled, resolve_node_ops
 from .lanes import lanes_for
 from .pool import host_pool
 from .positions import PlanPositions, RunLog
@@ -63,8 +63,10 @@ def refuse_what_the_checker_refuses(plan: Plan, graph: ActivationGraph | None, w
 
     if graph is None:
         faults = [str(v) for v in restriction_violations(plan)]
-        for name, free in plan.schedule.d2h_free.items():
-            issue = plan.schedule.h2d_issue.get(name)
+        schedule = plan.schedule
+        assert schedule is not None  # (a complete plan)
+        for name, free in schedule.d2h_free.items():
+            issue = schedule.h2d_issue.get(name)
             if issue is not None and issue <= free:
                 faults.append(
                     f"schedule: h2d_issue[{name!r}] = {issue} is not after its d2h_free {free}"
@@ -166,6 +168,7 @@ class Run:
         # runs them with hooks alone, one that rebuilds counts positions and records recipes
         self.can_skim = graph is not None and moves
         self.checked: CheckedStep | None = None
+        self._saved_hooks = SavedTensorHooks(self)
 
     def _check_device(self) -> None:
         """A plan's times are the hardware's it was made for: warn when this device is another."""
@@ -211,7 +214,7 @@ class Run:
         self._stack = contextlib.ExitStack()
         self.stats = RunStats()  # what the steps of this entry do (a context may be re-entered)
         self._stack.callback(self._remove_paths)
-        self._stack.enter_context(SavedTensorHooks(self))
+        self._stack.callback(self._saved_hooks.close)
         forward = self._stack.enter_context(ForwardHook(self))
         self._stack.enter_context(EndForwardOnBackward(self, forward))
         return self
@@ -243,6 +246,7 @@ class Run:
             if self.plan_checked and signature == self._signature:
                 if self.moves_nothing:
                     self._end_forward(backward=False)
+                    self._remove_paths()  # (no module hook either)
                     self.end_step()
                     self.current_step = None  # no tracer, no hook: plain training
                     self.stats.untraced_steps += 1
@@ -325,19 +329,21 @@ class Run:
             step.tracer.__enter__()
         self.current_step = step
         step.active = True
+        self._saved_hooks.on(step)
 
     def _end_forward(self, backward: bool) -> None:
         step = self.current_step
         if step is None or not step.active:
             return
         step.active = False
+        self._saved_hooks.off()
         tracer, step.tracer = step.tracer, None  # no cycle keeps the step (and its host buffers)
         try:
             step.end_forward(backward)
             if tracer is not None:
                 tracer.__exit__(None, None, None)
         finally:
-            if tracer is not None:
+            if isinstance(tracer, (RecordingTracer, SkimTracer)):
                 # the tracer's own cycle (its lifetime tracker calls back into it) would
                 # otherwise hold the step, and through it the model, until the cyclic collector
                 tracer.step = None
@@ -369,6 +375,8 @@ class Run:
             why = "the plan rebuilds: its recipes are recorded op by op"
         elif self.positions is not None and self.graph is not None:
             why = hook_coverage(saves, self.positions, self.graph.n_ops)
+            if not why:
+                saves = mark_handled(saves, self.plan.decisions, self.positions, self.graph.n_ops)
         return CheckedStep(self._signature, tuple(saves), step.skeletons, not why, why)
 
 

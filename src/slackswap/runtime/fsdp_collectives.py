@@ -5,6 +5,8 @@ moves.
 
 from __future__ import annotations
 
+from typing import Any, cast
+
 from ..core.graph import ActivationGraph
 
 
@@ -20,6 +22,7 @@ def fsdp_collectives(model, graph: ActivationGraph) -> tuple:
     units = sharding_units(model)
     if not units:
         return ()
+    import torch
     import torch.distributed as dist
     from torch.distributed.fsdp import FSDPModule
 
@@ -28,14 +31,20 @@ def fsdp_collectives(model, graph: ActivationGraph) -> tuple:
     out = []
     for unit, module in found:
         inner = {
-            id(p) for _, m in found if m is not module for p in m.parameters() if _nested(m, module)
+            id(p)
+            for _, m in found
+            if m is not module
+            for p in cast(torch.nn.Module, m).parameters()
+            if _nested(m, module)
         }
         nbytes = sum(
-            p.numel() * p.element_size() for p in module.parameters() if id(p) not in inner
+            p.numel() * p.element_size()
+            for p in cast(torch.nn.Module, module).parameters()
+            if id(p) not in inner
         )
         try:
             state = module._get_fsdp_state()
-            group = state._fsdp_param_group
+            group: Any = state._fsdp_param_group
             world = group.mesh_info.shard_mesh_size
             reshard = group.post_forward_mesh_info is not None
         except (AttributeError, TypeError):  # another torch: FSDP2's defaults

@@ -23,7 +23,7 @@ class CpuLanes:
     cuda = False
 
     def offload(self, src: torch.UntypedStorage, buf: torch.UntypedStorage, nbytes: int) -> Any:
-        buf[:nbytes].copy_(src)
+        (buf if buf.nbytes() == nbytes else buf[:nbytes]).copy_(src)
         return None
 
     def release(self, offloaded: Any) -> None:
@@ -33,7 +33,7 @@ class CpuLanes:
         self, buf: torch.UntypedStorage, nbytes: int, offloaded: Any
     ) -> tuple[torch.UntypedStorage, Any]:
         dev = torch.empty(nbytes, dtype=torch.uint8).untyped_storage()
-        dev.copy_(buf[:nbytes])
+        dev.copy_(buf if buf.nbytes() == nbytes else buf[:nbytes])
         return dev, None
 
     def wait(self, arrived: Any) -> None:

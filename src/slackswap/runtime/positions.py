@@ -30,7 +30,7 @@ class RunLog:
     events: list[tuple[str, str, int]] = field(default_factory=list)
 
     def add(self, kind: str, tensor: str, position: int) -> None:
-        self.events.append((kind, tensor, int(position)))
+        self.events.append((kind, tensor, position))
 
     def positions(self, kind: str) -> dict[str, int]:
         """Tensor -> the first position an event of ``kind`` happened at."""
@@ -73,6 +73,9 @@ class PlanPositions:
     rebuild_at: dict[int, tuple[str, ...]]  # position -> recomputed tensors rebuilt there
     hooked_ops: frozenset[int]  # ops whose backward node runs the events of its position
     issue_order: tuple[int, ...] = ()  # the positions of issue_at, in order
+    # every position at whose start the plan does something (a release after the one before, a
+    # prefetch, a rebuild), in order
+    event_starts: tuple[int, ...] = ()
 
     @classmethod
     def of(cls, plan: Plan, graph: ActivationGraph) -> PlanPositions:
@@ -88,6 +91,11 @@ class PlanPositions:
             rebuild[q].append(name)
         # a release after a backward position happens at the start of the next one
         backward = set(issue) | set(rebuild) | {q + 1 for q in s.d2h_free.values() if q >= n}
+        if not graph.hooked_everywhere:
+            # a profiled graph's hook positions are where a node unpacks a saved tensor, which
+            # moves the step there already: a pre-hook only for a position that is not one
+            at = graph.hook_positions
+            backward = {q for q in backward if q < 2 * n and not at[q]}
         return cls(
             n_ops=n,
             release_after=dict(s.d2h_free),
@@ -95,6 +103,9 @@ class PlanPositions:
             rebuild_at={q: tuple(v) for q, v in rebuild.items()},
             hooked_ops=frozenset(2 * n - 1 - q for q in backward if n <= q < 2 * n),
             issue_order=tuple(sorted(issue)),
+            event_starts=tuple(
+                sorted(set(issue) | set(rebuild) | {int(q) + 1 for q in s.d2h_free.values()})
+            ),
         )
 
     def backward_position(self, op: int) -> int:

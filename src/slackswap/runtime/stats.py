@@ -10,7 +10,8 @@ class RunStats:
     """What the executor did in the steps run under it (accumulated; peak is the maximum)."""
 
     steps: int = 0
-    # the tensors it tracks (not gradients): SimResult.tensor_peak_bytes
+    # the tensors it tracks (not gradients): SimResult.tensor_peak_bytes; a traced step tracks
+    # every output, a skimmed one what it brings back, a hooked one nothing
     peak_activation_bytes: int = 0
     swapped_out_bytes: int = 0
     swapped_in_bytes: int = 0

@@ -14,6 +14,7 @@ A step is one of three kinds:
 
 from __future__ import annotations
 
+import contextlib
 import heapq
 import time
 import weakref
@@ -40,6 +41,16 @@ if TYPE_CHECKING:
     from .stats import RunStats
 
 TRACED, SKIMMED, HOOKED = "traced", "skimmed", "hooked"
+_NO_MODE = contextlib.nullcontext()
+_sequence_nr = torch._C._autograd._get_sequence_nr
+
+
+def outside_modes() -> Any:
+    """The executor's own work (copies, rebuilds) runs outside any dispatch mode: the tracer's
+    is for the model's ops. A step with no mode (hooked) pays nothing for it."""
+    if torch._C._len_torch_dispatch_stack():
+        return _disable_current_modes()
+    return _NO_MODE
 
 
 @dataclass(frozen=True)
@@ -75,7 +86,7 @@ class Handle:
     def __init__(self, name: str, kind: str, t: torch.Tensor, step: Step, node_op: int | None):
         self.name = name
         self.kind = kind
-        self.view = View.of(t)
+        self.view = View.of(t) if kind != "keep" else None  # (a kept one is held as it is)
         self.version = t._version
         self.step = step
         self.tensor: torch.Tensor | None = t if kind == "keep" else None
@@ -109,6 +120,7 @@ class Step:
         self.ctx = ctx
         self.kind = kind
         self.checked = checked  # what a skimmed or hooked step is named by
+        self.rows = checked.rows if checked is not None and kind == HOOKED else ()
         self.paths = paths
         self.tracer: Tracer | None = None
         self.base = next_node()  # the sequence number of the step's first autograd node
@@ -137,6 +149,7 @@ class Step:
         self.seq_to_op: dict[int, int] = {}
         self.pending_hooks: list[tuple[int, list[Any]]] = []
         self.issue_cursor = 0
+        self.event_cursor = 0  # the plan's event positions (PlanPositions.event_starts) passed
         self.pack_index = 0
         # in a traced step of a context that names later steps: every save, and the recipes'
         # skeletons (op -> Skeleton)
@@ -181,7 +194,7 @@ class Step:
             and positions.issue_order[self.issue_cursor] <= k
         ):
             at, self.position = self.position, k
-            with _disable_current_modes():
+            with outside_modes():
                 self.issue_due(k)
             self.position = at
 
@@ -235,9 +248,15 @@ class Step:
         self.position = q
         positions = self.ctx.positions
         assert positions is not None
+        starts, k = positions.event_starts, self.event_cursor
+        if k >= len(starts) or starts[k] > q:
+            return  # nothing the plan does is due
+        while k < len(starts) and starts[k] <= q:
+            k += 1
+        self.event_cursor = k
         if self.release_heap:
             self.release_due(q - 1)
-        with _disable_current_modes():
+        with outside_modes():
             self.issue_due(q)
             # a rebuild runs at its position when the backward reaches it; where that node does
             # not run (its output is off the loss's path), at the tensor's first use if any
@@ -264,21 +283,61 @@ class Step:
                 self.at_backward(n)
 
     # ------------------------------------------------------------ saves
+    def pack_hooked(self, t: torch.Tensor) -> Any:
+        """``pack`` in a hooked step, the path every save of every later step takes. A save the
+        plan acts on (``Save.handled``) is checked against the checked step's k-th
+        (``CheckedStep.save_hooked`` says what differs) and wrapped; any other is autograd's to
+        hold as it is, whichever tensor it is. Then the frees and prefetches due."""
+        k = self.pack_index
+        self.pack_index = k + 1
+        rows = self.rows
+        if k >= len(rows):
+            return t  # (more saves than the checked step made: none the plan acts on)
+        position, name, node_offset, maker, node_op, handled = rows[k]
+        out = t
+        positions = self.ctx.positions
+        assert positions is not None
+        if handled:
+            base = self.base
+            node = t.grad_fn
+            if (
+                _sequence_nr() - 1 - base != node_offset
+                or (node is None) != (maker is None)
+                or (
+                    node is not None and (node._sequence_nr() - base, t.output_nr) != maker  # type: ignore[union-attr]
+                )
+            ):
+                assert self.checked is not None
+                self.checked.save_hooked(k, t, base)  # (raises, naming the save)
+            # (save(), for a save checked above)
+            self.position = position
+            decision = self.ctx.plan.decisions[name]
+            self.handles_left[name] += 1
+            out = Handle(name, decision, t, self, node_op)
+            if decision == "swap" and name not in self.host:
+                self.swap_order.append(name)
+                self.offload(name, t)  # (no dispatch mode in a hooked step)
+                free = positions.release_after.get(name)
+                if free is not None:
+                    self.holding[name] = t
+                    heapq.heappush(self.release_heap, (free, name))
+        heap = self.release_heap
+        if (heap and heap[0][0] <= position) or (
+            self.issue_cursor < len(positions.issue_order)
+            and positions.issue_order[self.issue_cursor] <= position + 1
+        ):
+            self.reach_forward(position + 1)
+        return out
+
     def pack(self, t: torch.Tensor) -> Any:
         """A tensor autograd saves: named as the step's kind names it, then kept, offloaded or
         dropped as the plan says; returns what autograd holds (the tensor or a Handle)."""
+        if self.kind == HOOKED:
+            return self.pack_hooked(t)
         k = self.pack_index
         self.pack_index = k + 1
         node_op = None
-        if self.kind == HOOKED:
-            assert self.checked is not None
-            save = self.checked.save_hooked(k, t, self.base)
-            name, node_op = save.name, save.node_op
-            if name is None:
-                self.reach_forward(save.position + 1)
-                return t
-            self.position = save.position
-        elif self.kind == SKIMMED:
+        if self.kind == SKIMMED:
             assert self.checked is not None and self.paths is not None
             save = self.checked.save_at(k, self.position, self.paths.current, t, self.base)
             name, node_op = save.name, save.node_op
@@ -299,10 +358,7 @@ class Step:
                 )
         if name is None:
             return t
-        handle = self.save(name, t, node_op)
-        if self.kind == HOOKED:
-            self.reach_forward(self.position + 1)
-        return handle
+        return self.save(name, t, node_op)
 
     def save(self, name: str, t: torch.Tensor, node_op: int | None) -> Handle:
         """Save graph tensor ``name`` as the plan decides."""
@@ -314,18 +370,21 @@ class Step:
                 f"model but is not in plan for graph {ctx.plan.graph_name!r}: the plan "
                 "was made for another model or input shape"
             )
-        if self.kind != HOOKED and name not in self.verified:
-            self.check_tensor(name, t)
-            self.verified.add(name)
-        self.packed.add(name)
+        hooked = self.kind == HOOKED
+        if not hooked:  # (a hooked step checked each save against the checked step's)
+            if name not in self.verified:
+                self.check_tensor(name, t)
+                self.verified.add(name)
+            self.packed.add(name)
         self.handles_left[name] += 1
         handle = Handle(name, decision, t, self, node_op)
         if decision == "keep":
-            self.kept[name] = t.untyped_storage()
+            if not hooked:  # (a rebuild may read it: none runs in a hooked step)
+                self.kept[name] = t.untyped_storage()
         elif decision == "swap" and name not in self.host:
             self.swap_order.append(name)
             # the copy is the executor's, not the model's: keep it out of the trace
-            with _disable_current_modes():
+            with outside_modes():
                 self.offload(name, t)
             positions = ctx.positions
             if positions is not None and name in positions.release_after:
@@ -368,6 +427,8 @@ class Step:
     def unpack(self, handle: Handle) -> torch.Tensor:
         """A saved tensor's backward use: its storage as the plan brings it back, checked
         unchanged since it was saved."""
+        if self.kind == HOOKED:
+            return self.unpack_hooked(handle)
         name = handle.name
         if not self.checked_plan:
             self.checked_plan = True
@@ -402,8 +463,9 @@ class Step:
             out = handle.tensor
         else:
             storage = self.materialize(name)
+            assert handle.view is not None
             out = handle.view.on(storage, self.ctx.device)
-            self.track(out)
+            self.track(out)  # (a hooked step tracks nothing: RunStats.peak_activation_bytes)
         self.handles_left[name] -= 1
         if self.handles_left[name] <= 0:
             for table in (self.device_copy, self.kept):
@@ -413,6 +475,49 @@ class Step:
         if positions is None:
             self.prefetch_ahead_of(name)
         return out
+
+    def unpack_hooked(self, handle: Handle) -> torch.Tensor:
+        """``unpack`` in a hooked step, the path of every unpack of every later step: the node
+        unpacking is the one that saved (its position is the handle's), no rebuild runs (so
+        nothing lingers for one), and a prefetched copy is waited for here."""
+        name = handle.name
+        op = handle.node_op
+        if op is not None:
+            positions = self.ctx.positions
+            assert positions is not None
+            q = 2 * positions.n_ops - 1 - op
+            if q > self.position:
+                starts, k = positions.event_starts, self.event_cursor
+                if k < len(starts) and starts[k] <= q:
+                    self.at_backward(q)
+                else:
+                    self.position = q
+        tensor = handle.tensor
+        if tensor is None:
+            ref = handle.ref()
+            if ref is not None and ref._version != handle.version:
+                raise RuntimeError(
+                    f"tensor {name!r} saved for backward was modified in place after it "
+                    "was saved; gradients would be wrong (use an out-of-place op)"
+                )
+            storage = self.device_copy.get(name)
+            if storage is None:
+                storage = self.materialize(name)
+            elif name in self.arrived:
+                self.first_use(name)
+            view = handle.view
+            assert view is not None
+            tensor = view.on(storage, self.ctx.device)
+        elif tensor._version != handle.version:
+            raise RuntimeError(
+                f"tensor {name!r} saved for backward was modified in place after it "
+                "was saved; gradients would be wrong (use an out-of-place op)"
+            )
+        left = self.handles_left[name] - 1
+        self.handles_left[name] = left
+        if left <= 0:
+            self.device_copy.pop(name, None)
+        return tensor
 
     def node_done(self) -> None:
         self.lingering.clear()

@@ -245,8 +245,8 @@ class Tracer(TorchDispatchMode):
         self.internal_depth = 0  # > 0 inside a sharding wrapper's own work (FSDP:: spans)
         self._spans: list[bool] = []  # open record_function spans: internal or not
         self.unit_of = UnitOf(sharding_units(model))
-        self.by_storage: dict[tuple[str, int], str] = {}
-        self.storage_ids: dict[tuple[str, int], int] = {}  # the storage object each name is for
+        self.by_storage: dict[tuple[int, int], str] = {}
+        self.storage_ids: dict[tuple[int, int], int] = {}  # the storage object each name is for
         self.counters: dict[str, int] = defaultdict(int)
         self.op_counters: dict[str, int] = defaultdict(int)
 
@@ -276,7 +276,9 @@ class Tracer(TorchDispatchMode):
             return None
         return name
 
-    def state_before(self, in_tensors: list[torch.Tensor]) -> list[tuple[torch.Tensor, Any]]:
+    def state_before(
+        self, in_tensors: list[torch.Tensor]
+    ) -> list[tuple[torch.Tensor, int, torch.Tensor]]:
         """Copies of the state an op reads: tensors the step did not make (buffers, inputs,
         tensors the loss function holds) that autograd does not track. Parameters are left out:
         autograd refuses an in-place write on a leaf that requires grad."""

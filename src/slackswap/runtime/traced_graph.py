@@ -16,10 +16,10 @@ def _saved_for(first) -> tuple[dict[str, list[str]], int]:
     """Per tensor, the ops that save it for backward (by the saving node's sequence number), and
     how many saves no op could be found for."""
     seq_to_op: dict[int, int] = {}
-    for i, rec in enumerate(first.ops):
-        seq_to_op.setdefault(rec.seq, i)
+    for k, rec in enumerate(first.ops):
+        seq_to_op.setdefault(rec.seq, k)
     saved_for: dict[str, list[str]] = {n: [] for n in first.tensors}
-    reads = {i: set(rec.inputs) | set(rec.outputs) for i, rec in enumerate(first.ops)}
+    reads = {k: set(rec.inputs) | set(rec.outputs) for k, rec in enumerate(first.ops)}
     unattributed = 0
     for seq, tensor in first.saved:
         i = seq_to_op.get(seq)
