@@ -294,7 +294,7 @@ class Step:
         if k >= len(rows):
             return t  # (more saves than the checked step made: none the plan acts on)
         position, name, node_offset, maker, node_op, handled = rows[k]
-        out = t
+        out: Any = t
         positions = self.ctx.positions
         assert positions is not None
         if handled:
