@@ -19,7 +19,7 @@ torch.manual_seed(0)
 model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
     n_layer=2, n_embd=64, n_head=2, n_positions=64, vocab_size=500, bos_token_id=0,
     eos_token_id=0, use_cache=False)).train()
-ids = torch.randint(0, 500, (2, 64))
+ids = torch.randint(0, 500, (8, 64))
 inputs = ids
 loss_fn = lambda out: out.logits.float().pow(2).mean()
 data = [{"input_ids": ids, "labels": ids}] * 2

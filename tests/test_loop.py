@@ -88,7 +88,7 @@ def test_the_loop_plans_per_bucket_switches_between_steps_and_keeps_gradients():
 def test_a_larger_shape_in_a_bucket_is_planned_again():
     torch.manual_seed(0)
     model = TinyGPT(vocab=50, d=32, layers=2, p=0.0)
-    with ss.planned(model, loss_fn, 0.7, refine_solver=None) as loop:
+    with ss.planned(model, loss_fn, 0.9, refine_solver=None) as loop:
         loop.step(torch.randint(0, 50, (2, 20)))
         loop.step(torch.randint(0, 50, (2, 30)))  # same bucket (32), larger: planned again
         loop.step(torch.randint(0, 50, (2, 17)))  # dominated by 30: reused
@@ -254,7 +254,7 @@ def _alive(pid: int) -> bool:
 def test_refinements_end_with_the_loop_and_with_their_bucket():
     torch.manual_seed(0)
     model = TinyGPT(vocab=50, d=32, layers=2, p=0.0)
-    with ss.planned(model, loss_fn, 0.8, refine_time_limit_s=120, max_plans=1) as loop:
+    with ss.planned(model, loss_fn, 0.9, refine_time_limit_s=120, max_plans=1) as loop:
         loop.step(torch.randint(0, 50, (2, 16)))
         first = loop._refinements.running
         assert first is not None and _alive(first.proc.pid)

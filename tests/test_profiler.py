@@ -331,7 +331,7 @@ def test_plans_for_a_profiled_cpu_graph_never_swap():
     the emulated link swaps, the default plan keeps and recomputes only."""
     model, inputs, loss_fn = build("gpt")
     # tiny: the tensors alone (its autograd records would outweigh its activations)
-    graph = ss.profile(model, inputs, loss_fn, warmup=0, repeat=1, overhead=False)
+    graph = ss.profile(model, inputs, loss_fn, warmup=0, repeat=1, overhead=False, gradients="held")
     emulated = ss.solve(graph, 0.6, "cpu-emulated-link", solver="heuristic")
     assert emulated.count("swap") > 0
     for solver in ("heuristic", "cpsat"):
@@ -452,8 +452,10 @@ def test_the_device_check_runs_on_its_cpu_fallback(tmp_path):
         assert [r["budget"] for r in plans] == [1.0, 0.7, 0.5, 0.3]
         for r in plans:
             assert "error" not in r, r
-            if "infeasible" in r:  # the loss's backward temporaries put 30% out of reach
-                assert r["budget"] < 0.5 and r["smallest_budget_bytes"] > 0, r
+            if "infeasible" in r:
+                # the loss's backward temporaries and the gradients the step makes put half of a
+                # tiny model's keep-all peak out of reach
+                assert r["budget"] <= 0.5 and r["smallest_budget_bytes"] > 0, r
                 continue
             assert r["checker_ok"] and r["gradients_bit_identical"] and r["log_matches_plan"]
         assert plans[0]["counts"]["swap"] == plans[0]["counts"]["recompute"] == 0
@@ -537,7 +539,7 @@ def test_the_keep_all_peak_counts_the_gradients_the_step_makes(name):
     # the step model's own count (overhead=False): with the overhead measured against this very
     # meter, the comparison below would hold by construction
     g = ss.profile(model, inputs, loss_fn, warmup=1, repeat=1, gradients="made", overhead=False)
-    held = ss.profile(model, inputs, loss_fn, warmup=1, repeat=1, overhead=False)
+    held = ss.profile(model, inputs, loss_fn, warmup=1, repeat=1, gradients="held", overhead=False)
     assert g.extra["parameter_gradients"] == "made"
     peak = ss.simulate(g, ss.solve(g, 1.0, "cpu", solver="keep-all"), "cpu").peak_bytes
     without = ss.simulate(held, ss.solve(held, 1.0, "cpu", solver="keep-all"), "cpu").peak_bytes

@@ -31,7 +31,7 @@ def loss_fn(y):
 def setup(seed=0):
     torch.manual_seed(seed)
     model = Chooser()
-    x = torch.randn(64, 256)
+    x = torch.randn(1024, 256)
     x[0, 0] = 1.0  # the branch the profile takes: h1
     other = x.clone()
     other[0, 0] = -1.0  # the other branch: h2, same shapes and ops

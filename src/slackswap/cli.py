@@ -419,7 +419,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--dtype", default="bfloat16", help="float32, bfloat16 or float16")
     p.add_argument("--optimizer", default="adamw", help="adamw, adam, sgd-momentum, sgd or none")
-    p.add_argument("--gradients", default="made", help="made (zero_grad() to None) or held")
+    p.add_argument(
+        "--gradients",
+        default="auto",
+        choices=("auto", "made", "held"),
+        help="parameter gradients made in the step (torch's zero_grad() sets them to None), or "
+        "held across steps; auto (the API's default too): made unless the model has gradients",
+    )
     p.add_argument(
         "--hardware", default="a100-80gb-pcie4", help="hardware preset (default %(default)s)"
     )

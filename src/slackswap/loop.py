@@ -280,13 +280,13 @@ class PlannedLoop:
         return out
 
     def _snapshot(self):
-        """What a step that turns out not to be its plan's has changed and must put back: the
-        RNG streams and the model's buffers."""
-        import torch
+        """What a step that turns out not to be its plan's has changed and must put back: every
+        RNG stream, the model's attributes and buffers (runtime/training_state.py) and the
+        buffers' values."""
+        from .runtime.training_state import TrainingState
 
         return (
-            torch.get_rng_state(),
-            torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+            TrainingState(self.model),
             [(b, b.detach().clone()) for b in self.model.buffers()],
         )
 
@@ -298,10 +298,8 @@ class PlannedLoop:
             self.steps,
             mismatch,
         )
-        rng, cuda_rng, buffers = snapshot
-        torch.set_rng_state(rng)
-        if cuda_rng is not None:
-            torch.cuda.set_rng_state_all(cuda_rng)
+        state, buffers = snapshot
+        state.restore()
         with torch.no_grad():
             for b, value in buffers:
                 b.copy_(value)
@@ -371,7 +369,7 @@ class PlannedLoop:
 
         paused = self._refinements.paused() if self._refinements else contextlib.nullcontext()
         try:
-            with paused, _same_rng():
+            with paused:  # (the profile puts back every RNG stream and attribute it changes)
                 graph = profile(
                     self.model,
                     inputs,
@@ -456,22 +454,6 @@ def _same_restrictions(plan: Plan) -> dict:
         if "allowed" in plan.extra and plan.info.extra.get("allowed_from") != "hardware"
         else {}
     )
-
-
-@contextlib.contextmanager
-def _same_rng():
-    """Profiling draws random numbers (dropout): the RNG streams are put back after it, so the
-    training that follows is the training without it (ss.profile puts back the rest)."""
-    import torch
-
-    cpu_rng = torch.get_rng_state()
-    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
-    try:
-        yield
-    finally:
-        torch.set_rng_state(cpu_rng)
-        if cuda_rng is not None:
-            torch.cuda.set_rng_state_all(cuda_rng)
 
 
 def planned(

@@ -161,7 +161,7 @@ def profile(
     name: str | None = None,
     group_by_module: bool = False,
     calibrate: bool = True,
-    gradients: str = "held",
+    gradients: str = "auto",
     fake: bool = False,
     hardware: Hardware | str | None = None,
     optimizer: str = "adamw",
@@ -176,20 +176,22 @@ def profile(
     graph with the same tensors). What the steps write that training owns is put back as it
     was: the gradient of every tensor backward reaches (parameters of the model or not, a head
     or a temperature the loss function holds) and the state the forward writes (batch norm's
-    statistics, buffers, tensors the loss function updates). The RNG is left as the steps
-    leave it.
+    statistics, buffers, tensors the loss function updates), with every random stream the
+    forward can draw from and every attribute or buffer it rebinds (runtime/training_state.py):
+    training after a profile is training without it.
 
     calibrate: time ``repeat`` plain steps too (no tracer) and scale the forward and backward op
     times so that each phase sums to its measured plain time (the tracer's own host time, and
     the Python work between ops that no op is charged for, would otherwise put the ideal step
     30% off the step it measures); ``graph.extra["timing"]`` keeps both sums.
 
-    gradients: "held" (the default: parameter gradients are not activation memory; they exist
-    before the step where training accumulates in place, ``zero_grad(set_to_none=False)``) leaves
-    them out, as does a model sharded with FSDP2; "made" (training with ``zero_grad()``, which
-    sets them to None so each step makes them) counts in each op's backward the parameter
-    gradients made before it in the step. "made" is what such a step holds, and no plan moves
-    them: on small models they set the smallest budget.
+    gradients: "made" (training with torch's ``zero_grad()``, which sets them to None so each
+    step makes them) counts in each op's backward the parameter gradients made before it in the
+    step; "held" (they exist before the step, training accumulates in place,
+    ``zero_grad(set_to_none=False)``) leaves them out, as does a model sharded with FSDP2.
+    "auto" (the default): "made" unless a trainable parameter has a gradient when the profile
+    starts (``graph.extra["parameter_gradients"]`` says which). No plan moves them: on small
+    models "made" sets the smallest budget.
 
     fake: trace one step under torch's FakeTensorMode instead (runtime/fake.py): no tensor
     memory, so a model built on the ``meta`` device profiles at any size; the graph's structure
@@ -225,7 +227,9 @@ def profile(
     """
     import torch
 
-    _check_options(fake=fake, optimizer=optimizer)
+    _check_options(fake=fake, optimizer=optimizer, gradients=gradients)
+    if gradients == "auto" and isinstance(model, torch.nn.Module):
+        gradients = gradients_of(model)
     if fake:
         if hardware is None:
             raise ProfileError(
@@ -321,8 +325,11 @@ def _measured_graph(
     )
     dev = torch.device(dev)
     sync = torch.cuda.synchronize if dev.type == "cuda" else None
+    from .training_state import TrainingState
+
     traces = []
     untouched = Untouched()
+    state = TrainingState(model)
     plain = None
     try:
         for step in range(warmup + repeat):
@@ -373,10 +380,19 @@ def _measured_graph(
             )
     finally:
         untouched.restore()
+        state.restore()
     return graph
 
 
-GRADIENTS = ("made", "held")
+GRADIENTS = ("auto", "made", "held")
+
+
+def gradients_of(model) -> str:
+    """How the step that follows treats parameter gradients, from their state now: "held" when
+    a trainable parameter has one (training accumulates into gradients kept across steps),
+    "made" when none has (torch's ``zero_grad()`` sets them to None: each step makes them)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    return "held" if any(p.grad is not None for p in params) else "made"
 
 
 def _profile_fake(

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import heapq
-import time
 import weakref
 from collections import defaultdict
 from dataclasses import dataclass
@@ -27,6 +26,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from ..core.errors import PlanError
 from .checked_step import CheckedStep, Save, maker_of, next_node
+from .host_copies import HostCopies
 from .positions import RunLog
 from .rebuild import View
 from .rebuilds import Rebuilder
@@ -125,7 +125,7 @@ class Step:
         self.tracer: Tracer | None = None
         self.base = next_node()  # the sequence number of the step's first autograd node
         self.handles_left: dict[str, int] = defaultdict(int)
-        self.host: dict[str, tuple[torch.UntypedStorage, int, Any]] = {}
+        self.host = HostCopies(ctx)
         self.device_copy: dict[str, torch.UntypedStorage] = {}
         self.dirty: set[str] = set()
         self.packed: set[str] = set()
@@ -135,8 +135,6 @@ class Step:
         # use's position)
         self.lingering: dict[str, torch.UntypedStorage] = {}
         self.node: Any = None  # the autograd node unpacking now
-        self.swap_order: list[str] = []
-        self.taken: list[tuple[str, torch.UntypedStorage]] = []
         self.verified: set[str] = set()
         # positions (runtime/positions.py): the op the forward runs next, the position the step
         # is at, swapped tensors held until their d2h_free (a heap by that position), prefetches
@@ -145,7 +143,6 @@ class Step:
         self.position = -1
         self.holding: dict[str, torch.Tensor] = {}
         self.release_heap: list[tuple[int, str]] = []
-        self.arrived: dict[str, Any] = {}
         self.seq_to_op: dict[int, int] = {}
         self.pending_hooks: list[tuple[int, list[Any]]] = []
         self.issue_cursor = 0
@@ -205,7 +202,7 @@ class Step:
         while heap and heap[0][0] <= after:
             _, name = heapq.heappop(heap)
             if self.holding.pop(name, None) is not None:
-                self.ctx.lanes.release(self.host[name][2])
+                self.host.release_source(name)
                 self.log.add("release", name, after)
 
     def hook_nodes(self) -> None:
@@ -315,8 +312,7 @@ class Step:
             self.handles_left[name] += 1
             out = Handle(name, decision, t, self, node_op)
             if decision == "swap" and name not in self.host:
-                self.swap_order.append(name)
-                self.offload(name, t)  # (no dispatch mode in a hooked step)
+                self.host.offload(name, t, self.position, self.log)  # (no mode here)
                 free = positions.release_after.get(name)
                 if free is not None:
                     self.holding[name] = t
@@ -382,10 +378,9 @@ class Step:
             if not hooked:  # (a rebuild may read it: none runs in a hooked step)
                 self.kept[name] = t.untyped_storage()
         elif decision == "swap" and name not in self.host:
-            self.swap_order.append(name)
             # the copy is the executor's, not the model's: keep it out of the trace
             with outside_modes():
-                self.offload(name, t)
+                self.host.offload(name, t, self.position, self.log)
             positions = ctx.positions
             if positions is not None and name in positions.release_after:
                 # the device memory goes back where the plan frees it (d2h_free), after the
@@ -503,7 +498,7 @@ class Step:
             storage = self.device_copy.get(name)
             if storage is None:
                 storage = self.materialize(name)
-            elif name in self.arrived:
+            elif self.host.pending(name):
                 self.first_use(name)
             view = handle.view
             assert view is not None
@@ -538,51 +533,17 @@ class Step:
     def prefetch_ahead_of(self, name: str) -> None:
         """Without the graph (no positions): the next ``prefetch_ahead`` swapped tensors in
         reverse order of offload are issued once ``name`` is read."""
-        ahead = self.ctx.prefetch_ahead
-        if not self.swap_order or ahead <= 0:
-            return
-        if name in self.swap_order:
-            i = self.swap_order.index(name)
-            upcoming = self.swap_order[max(0, i - ahead) : i][::-1]
-        else:
-            upcoming = self.swap_order[-ahead:][::-1]
-        for nxt in upcoming:
+        for nxt in self.host.ahead_of(name, self.ctx.prefetch_ahead):
             if nxt not in self.device_copy and self.handles_left.get(nxt, 0) > 0:
                 self.device_copy[nxt] = self.bring_back(nxt)
 
-    def offload(self, name: str, t: torch.Tensor) -> None:
-        ctx = self.ctx
-        src = t.untyped_storage()
-        nbytes = src.nbytes()
-        buf = ctx.pool.get(name, nbytes)
-        if not self.taken:
-            weakref.finalize(self, ctx.pool.give_back, self.taken)
-        self.taken.append((name, buf))
-        start = time.perf_counter()
-        self.host[name] = (buf, nbytes, ctx.lanes.offload(src, buf, nbytes))
-        ctx.stats.copy_s += time.perf_counter() - start
-        self.log.add("offload", name, self.position)
-        ctx.stats.swapped_out_bytes += nbytes
-
     def bring_back(self, name: str) -> torch.UntypedStorage:
         """Issue the tensor's prefetch on the H2D lane (its first use waits for it)."""
-        ctx = self.ctx
-        buf, nbytes, offloaded = self.host[name]
-        start = time.perf_counter()
-        dev, arrived = ctx.lanes.prefetch(buf, nbytes, offloaded)
-        spent = time.perf_counter() - start
-        self.arrived[name] = arrived
-        self.log.add("prefetch", name, self.position)
-        ctx.stats.wait_s += spent
-        ctx.stats.copy_s += spent
-        ctx.stats.swapped_in_bytes += nbytes
-        return dev
+        return self.host.prefetch(name, self.position, self.log)
 
     def first_use(self, name: str) -> None:
         """A prefetched tensor is read: compute waits for its copy here, and only here."""
-        if name in self.arrived:
-            self.ctx.lanes.wait(self.arrived.pop(name))
-            self.log.add("wait", name, self.position)
+        self.host.wait(name, self.position, self.log)
 
     def materialize(self, name: str) -> torch.UntypedStorage:
         """A saved tensor's storage on the device: a fetched copy or a rebuilt one, shared by

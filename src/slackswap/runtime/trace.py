@@ -14,6 +14,7 @@ from collections import defaultdict
 from typing import Any
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .trace_records import GpuClock, ModulePaths, OpRecord, StepTrace, TensorRecord
@@ -247,6 +248,11 @@ class Tracer(TorchDispatchMode):
         self.unit_of = UnitOf(sharding_units(model))
         self.by_storage: dict[tuple[int, int], str] = {}
         self.storage_ids: dict[tuple[int, int], int] = {}  # the storage object each name is for
+        # a weak reference to each named storage: the storage's data goes when the model lets
+        # go of it, its object stays allocated while the name does, so no later storage can
+        # take both its address and its object's (malloc reuses both, and then an untraced
+        # tensor, such as one made from numpy, would be taken for a freed named one)
+        self.storage_refs: dict[tuple[int, int], StorageWeakRef] = {}
         self.counters: dict[str, int] = defaultdict(int)
         self.op_counters: dict[str, int] = defaultdict(int)
 
@@ -430,6 +436,8 @@ class Tracer(TorchDispatchMode):
             self.counters[module] += 1
             by_storage[key] = name
             self.storage_ids[key] = storage._cdata
+            if not self.fake:
+                self.storage_refs[key] = StorageWeakRef(storage)
             if self.fake:
                 self._fake_keys[name] = key
             if producer is not None:

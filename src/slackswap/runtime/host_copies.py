@@ -1,0 +1,86 @@
+"""The host side of a step's swaps: which saved tensors have a host copy, the copy lanes' events
+for each, the prefetches in flight, and the pinned buffers the step borrowed from the pool.
+
+A step owns one ``HostCopies``; it calls these methods with its position and its log, so the
+order of offloads, prefetches and waits it records is the order they were issued in.
+"""
+
+from __future__ import annotations
+
+import time
+import weakref
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+    from .positions import RunLog
+    from .step import StepContext
+
+
+class HostCopies:
+    """Host copies of one step's swapped tensors (module docstring)."""
+
+    def __init__(self, ctx: StepContext):
+        self.ctx = ctx
+        self.copies: dict[str, tuple[torch.UntypedStorage, int, Any]] = {}
+        self.in_flight: dict[str, Any] = {}  # prefetches issued and not yet waited for
+        self.order: list[str] = []  # offload order (prefetch_ahead without positions)
+        self.borrowed: list[tuple[str, torch.UntypedStorage]] = []
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.copies
+
+    def offload(self, name: str, t: torch.Tensor, position: int, log: RunLog) -> None:
+        """Copy ``t``'s storage to a pinned host buffer on the D2H lane."""
+        ctx = self.ctx
+        src = t.untyped_storage()
+        nbytes = src.nbytes()
+        buf = ctx.pool.get(name, nbytes)
+        if not self.borrowed:
+            weakref.finalize(self, ctx.pool.give_back, self.borrowed)
+        self.borrowed.append((name, buf))
+        self.order.append(name)
+        start = time.perf_counter()
+        self.copies[name] = (buf, nbytes, ctx.lanes.offload(src, buf, nbytes))
+        ctx.stats.copy_s += time.perf_counter() - start
+        log.add("offload", name, position)
+        ctx.stats.swapped_out_bytes += nbytes
+
+    def release_source(self, name: str) -> None:
+        """The device storage offloaded for ``name`` may go back once its copy is done."""
+        self.ctx.lanes.release(self.copies[name][2])
+
+    def prefetch(self, name: str, position: int, log: RunLog) -> torch.UntypedStorage:
+        """Issue ``name``'s prefetch on the H2D lane (its first use waits for it)."""
+        ctx = self.ctx
+        buf, nbytes, offloaded = self.copies[name]
+        start = time.perf_counter()
+        dev, arrived = ctx.lanes.prefetch(buf, nbytes, offloaded)
+        spent = time.perf_counter() - start
+        self.in_flight[name] = arrived
+        log.add("prefetch", name, position)
+        ctx.stats.wait_s += spent
+        ctx.stats.copy_s += spent
+        ctx.stats.swapped_in_bytes += nbytes
+        return dev
+
+    def wait(self, name: str, position: int, log: RunLog) -> None:
+        """A prefetched tensor is read: compute waits for its copy here, and only here."""
+        if name in self.in_flight:  # (a CPU lane's copy has no event: None)
+            self.ctx.lanes.wait(self.in_flight.pop(name))
+            log.add("wait", name, position)
+
+    def pending(self, name: str) -> bool:
+        return name in self.in_flight
+
+    def ahead_of(self, name: str, ahead: int) -> list[str]:
+        """Without positions: the ``ahead`` tensors offloaded before ``name`` (or the last
+        ``ahead`` when ``name`` was not swapped), nearest first."""
+        order = self.order
+        if not order or ahead <= 0:
+            return []
+        if name in order:
+            i = order.index(name)
+            return order[max(0, i - ahead) : i][::-1]
+        return order[-ahead:][::-1]
