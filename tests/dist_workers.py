@@ -122,9 +122,10 @@ def train(kind: str, wrapping: str, variant: str, rank: int) -> dict:
         }[variant]
         graph = ss.profile(model, batch, loss_fn, warmup=1, repeat=1)
         lo, hi = ss.min_budget(graph, HW), ss.keep_all_peak(graph, HW)
-        # keep-all: the agreed graph's own peak (each profile measures what the step holds
-        # beside its tensors afresh, and DDP's buckets are rebuilt after the first backward)
-        budget = 1.0 if variant == "keep-all" else lo + (hi - lo) // 2
+        # as fractions of the agreed graph's own keep-all peak: each profile measures what the
+        # step holds beside its tensors afresh, and DDP's buckets are rebuilt after the first
+        # backward (half way from the smallest to keep-all, as this profile has them)
+        budget = 1.0 if variant == "keep-all" else (lo + (hi - lo) / 2) / hi
         graph, plan = ss.plan_for_ranks(
             model,
             batch,

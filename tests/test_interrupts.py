@@ -128,3 +128,27 @@ def test_an_unknown_solver_kind_is_an_error_in_the_child():
 
     with pytest.raises(NativeSolverError, match="unknown solver kind 'nope'"):
         run_in_child("nope", {}, None, 30.0)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("after_s", [0.0, 0.5, 1.5, 4.0])
+def test_ctrl_c_at_any_moment_of_a_cpsat_solve_is_a_keyboard_interrupt(after_s, tmp_path):
+    """At the search's start, in the relaxations (a native child), beside the background
+    departure search (a CP-SAT search in a thread): the process ends by KeyboardInterrupt, never
+    by an abort of a native thread left running as the interpreter exits."""
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    proc = subprocess.Popen(
+        [sys.executable, "-c", SOLVING, "cpsat"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdout.readline().strip() == "solving"
+    time.sleep(after_s)  # a moment, not a speed: each moment is a case that must hold
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err[-2000:]
+    assert out.strip().splitlines()[-1] in ("KeyboardInterrupt", "returned"), (out, err[-2000:])
+    assert "Abort" not in err and "terminate called" not in err
+    assert not workers_in(tmp_path)

@@ -199,3 +199,48 @@ def test_a_tensor_made_outside_torchs_ops_never_takes_a_freed_tensors_name():
         names.add(tuple(graph.tensors[t].name for t in graph.saved))
     assert len(names) == 1, names
     assert "a#0" not in next(iter(names))
+
+
+@pytest.mark.parametrize("hardware", ["cpu", "cpu-emulated-link"])
+def test_a_loop_under_autocast_plans_its_buckets_and_trains_as_plain(hardware):
+    """Each step in its own autocast region (as HF Trainer's bf16 and Lightning's precision
+    run it): the profile's forwards start without cached weight casts, as every real step
+    does, so the bucket keeps its plan (no fall back to plain steps) and the gradients are
+    plain training's, bit for bit."""
+    from models import TinyGPT
+
+    torch.manual_seed(0)
+    plain, looped = TinyGPT(d=32, p=0.1), TinyGPT(d=32, p=0.1)
+    looped.load_state_dict(plain.state_dict())
+    g = torch.Generator().manual_seed(0)
+    xs = [torch.randint(0, 50, (4, 32), generator=g) for _ in range(3)]
+
+    def loss_fn(out):
+        return out.float().logsumexp(-1).mean()
+
+    def run(step):
+        torch.manual_seed(5)
+        grads = []
+        for x in xs:
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                step(x)
+            grads.append([p.grad.clone() for p in looped.parameters() if p.grad is not None])
+        return grads
+
+    def plain_step(x):
+        looped.zero_grad(set_to_none=True)
+        loss_fn(looped(x)).backward()
+
+    expected = run(plain_step)
+    looped.load_state_dict(plain.state_dict())
+    with ss.planned(looped, loss_fn, 0.9, hardware=hardware, refine_solver=None) as loop:
+
+        def planned_step(x):
+            looped.zero_grad(set_to_none=True)
+            loop.step(x)
+
+        got = run(planned_step)
+        assert [s.source for s in loop.switches] == ["heuristic"], loop.switches
+        assert loop.plan_for(xs[0]) is not None
+    for want, have in zip(expected, got):
+        assert len(want) == len(have) and all(torch.equal(a, b) for a, b in zip(want, have))

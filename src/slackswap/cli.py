@@ -32,8 +32,26 @@ def _graph(spec: str, hw):
 
 def _budget(text: str) -> str:
     """The budget as the API reads a string (core/units.py): "0.5" and "50%" are fractions,
-    "1000000" and "12GiB" bytes."""
+    "1000000", "4e10" and "12GiB" bytes, "smallest" the smallest any plan reaches."""
     return text
+
+
+def _budget_arg(text: str) -> str:
+    """--budget, refused as it is read when it is none of the accepted forms."""
+    from .core.units import check_budget
+
+    try:
+        return check_budget(text, "--budget")  # type: ignore[return-value]
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _memory_arg(text: str) -> int:
+    """--memory, read as bytes when the command line is parsed."""
+    try:
+        return _bytes(text)
+    except (CliError, ValueError) as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _pct(x) -> str:
@@ -278,7 +296,7 @@ def cmd_fit(args) -> int:
             args.hardware,
             time_limit_s=args.time_limit,
             solver=args.solver,
-            **({"memory_bytes": _bytes(args.memory)} if args.memory else {}),
+            **({"memory_bytes": args.memory} if args.memory else {}),
         )
     print(report.table())
     if args.out:
@@ -346,7 +364,8 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument(
                 "--budget",
                 required=True,
-                help="fraction of the keep-all peak (0.5), bytes, or 12GiB",
+                type=_budget_arg,
+                help='fraction of the keep-all peak (0.5), bytes (4e10, 12GiB), or "smallest"',
             )
         p.add_argument(
             "--time-limit",
@@ -429,7 +448,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--hardware", default="a100-80gb-pcie4", help="hardware preset (default %(default)s)"
     )
-    p.add_argument("--memory", help="device memory instead of the preset's, e.g. 24GB")
+    p.add_argument(
+        "--memory", type=_memory_arg, help="device memory instead of the preset's, e.g. 24GB"
+    )
     p.add_argument("--solver", default="cpsat")
     p.add_argument(
         "--time-limit", type=float, default=60.0, help="seconds for the plan (default %(default)s)"

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .core.hardware import Hardware
-from .loop import PlannedLoop
+from .loop import PlannedLoop, check_loop_options
 
 MIB = 2**20
 
@@ -109,6 +109,7 @@ def plan_trainer(
     """Plan the activation memory of ``trainer``'s training steps under ``budget`` (a fraction
     of each bucket's keep-all peak, bytes, or a string such as "40GiB"). Call before
     ``trainer.train()``; the options are :func:`slackswap.planned`'s."""
+    check_loop_options(budget, hardware, "plan_trainer")
     args = getattr(trainer, "args", None)
     if (
         args is None

@@ -16,7 +16,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 
 from .core.hardware import Hardware
-from .loop import PlannedLoop
+from .loop import PlannedLoop, check_loop_options
 
 MIB = 2**20
 
@@ -51,6 +51,7 @@ class SlackSwapCallback(Callback):
         max_plans: int = 8,
     ):
         super().__init__()
+        check_loop_options(budget, hardware, "SlackSwapCallback")
         self.budget = budget
         self.hardware = hardware
         self.options = {

@@ -175,6 +175,9 @@ class PlannedLoop:
     _plain: set = field(default_factory=set)
     _open: Any = None  # the apply context ``forward_step`` left open for the backward
 
+    def __post_init__(self) -> None:
+        check_loop_options(self.budget, self.hardware, "planned")
+
     def __enter__(self) -> PlannedLoop:
         if self.refine_solver is not None:
             self._refinements = Refinements(self.refine_solver, self.refine_time_limit_s)
@@ -384,18 +387,14 @@ class PlannedLoop:
                 raise exc.user_error.with_traceback(exc.user_error.__traceback__) from None
             raise
         try:
-            plan = solve(graph, self.budget, self.hardware, solver="heuristic")
-        except InfeasibleBudget:
-            if self.refine_solver is None:
-                raise
-            # the heuristic found no plan that fits: the exact planner, now, before this step
-            plan = solve(
-                graph,
-                self.budget,
-                self.hardware,
-                solver=self.refine_solver,
-                time_limit_s=self.refine_time_limit_s,
-            )
+            plan = self._first_plan(graph)
+        except InfeasibleBudget as exc:
+            raise InfeasibleBudget(
+                f'planned: {exc} (budget="smallest" plans each bucket at the smallest budget '
+                "its plans reach)",
+                min_budget_bytes=exc.min_budget_bytes,
+                budget_bytes=exc.budget_bytes,
+            ) from None
         bucket = _Bucket(shapes, graph, plan)
         self._buckets[key] = bucket
         self._buckets.move_to_end(key)
@@ -407,6 +406,21 @@ class PlannedLoop:
         if self._refinements is not None:
             self._refinements.submit(key, graph, plan, _same_restrictions(plan))
         return bucket
+
+    def _first_plan(self, graph: ActivationGraph) -> Plan:
+        """The heuristic's plan; where it finds none that fits, the exact planner's, now."""
+        try:
+            return solve(graph, self.budget, self.hardware, solver="heuristic")
+        except InfeasibleBudget:
+            if self.refine_solver is None:
+                raise
+            return solve(
+                graph,
+                self.budget,
+                self.hardware,
+                solver=self.refine_solver,
+                time_limit_s=self.refine_time_limit_s,
+            )
 
     def _drop(self, key: tuple) -> None:
         self._buckets.pop(key, None)
@@ -447,6 +461,12 @@ class PlannedLoop:
         bucket = self._buckets.get(key)
         return None if bucket is None else bucket.plan
 
+    def graph_for(self, inputs) -> ActivationGraph | None:
+        """The profiled graph of the inputs' bucket (None before its first step)."""
+        key = (bucket_of(_shapes(inputs)), _arguments(inputs), step_signature(self.model))
+        bucket = self._buckets.get(key)
+        return None if bucket is None else bucket.graph
+
 
 def _same_restrictions(plan: Plan) -> dict:
     return (
@@ -454,6 +474,24 @@ def _same_restrictions(plan: Plan) -> dict:
         if "allowed" in plan.extra and plan.info.extra.get("allowed_from") != "hardware"
         else {}
     )
+
+
+def check_loop_options(budget, hardware, where: str) -> None:
+    """What can be checked before the first step: the budget's form (core/units.py) and the
+    hardware's name, so a typo fails where it was typed, not after the first profile."""
+    from .core.hardware import hardware as get_hardware
+    from .core.units import check_budget
+
+    check_budget(budget, where)
+    if isinstance(hardware, str):
+        try:
+            get_hardware(hardware)
+        except (KeyError, ValueError) as exc:
+            raise ValueError(f"{where}: {exc}") from None
+    elif hardware is not None and not isinstance(hardware, Hardware):
+        raise TypeError(
+            f"{where}: hardware must be a preset's name or a Hardware, got {type(hardware).__name__}"
+        )
 
 
 def planned(
@@ -469,8 +507,8 @@ def planned(
     """A training loop that plans itself: ``with ss.planned(model, loss_fn, "12GiB") as loop:``
     then ``loss = loop.step(batch)`` per step (see the module's docstring for the buckets).
 
-    budget: as for :func:`slackswap.solve` (a fraction of each bucket's keep-all peak, bytes, or a
-    string). hardware: None plans for the device the model is profiled on. refine_solver: the
+    budget: as for :func:`slackswap.solve` (a fraction of each bucket's keep-all peak, bytes, a
+    string, or "smallest": each bucket at the smallest budget its plans reach), checked here. hardware: None plans for the device the model is profiled on. refine_solver: the
     exact planner run in a background process (None: the heuristic's plans only).
 
     Args:

@@ -26,6 +26,7 @@ from .core.hardware import Hardware
 from .core.hardware import hardware as get_hardware
 from .core.plan import KEEP, Plan, overhead_gap
 from .core.restrict import first_forbidden, parse_allowed, restricted
+from .core.units import is_smallest
 from .planners.base import (
     Problem,
     get_planner,
@@ -125,8 +126,9 @@ def solve(
     """The best plan ``solver`` finds for ``graph`` under ``budget`` on ``hardware``, closed:
     every copy and rebuild position and the hardware travel with it.
 
-    budget: a fraction of the keep-all peak in (0, 1], bytes (int), or a string ("12GiB", "50%").
-    Raises InfeasibleBudget (with ``min_budget_bytes``) when no plan can fit, or when the solver's
+    budget: a fraction of the keep-all peak in (0, 1], bytes (int), a string ("12GiB", "50%",
+    "4e10"), or "smallest": the smallest budget any plan reaches (``smallest_budget``) with the
+    decisions allowed. Raises InfeasibleBudget (with ``min_budget_bytes``) when no plan can fit, or when the solver's
     plan does not fit and ``strict`` is true.
 
     allowed: the decisions plans may use ("keep", "swap", "recompute"; default all three), e.g.
@@ -176,9 +178,12 @@ def solve(
             "recorded in the graph" if hardware_from == "graph" else "the default",
         )
     time_limit_s = check_time_limit(time_limit_s)
-    budget_bytes = parse_budget(budget, graph, hw)
     allowed, implied = host_allowed(hw, allowed)
     mask = restriction_mask(graph, hw, allowed, pins)
+    if is_smallest(budget):  # the smallest budget any plan reaches with these decisions
+        budget_bytes = smallest_budget_of(graph, hw, mask).budget_bytes
+    else:
+        budget_bytes = parse_budget(budget, graph, hw)
     # the hardware's own restrictions (no host, tensors under min_swap_bytes) bind every planner
     # without the caller asking: a planner that cannot honour a restriction is refused only for
     # the caller's

@@ -19,23 +19,43 @@ from dataclasses import replace
 from ..core.budget import keep_all_peak
 from ..core.graph import ActivationGraph
 
+# thread-sampled steps, always this many: under DDP or FSDP each plain step runs collectives,
+# so every rank must run as many (a count that depended on what one rank saw would hang them)
+THREAD_STEPS = 3
+METHOD = (
+    "the maximum over plain steps metered after every op (one) and by a thread every 50 us "
+    "({steps})"
+)
 
-def measured_overhead_bytes(graph: ActivationGraph, measure_step) -> tuple[int, int]:
-    """(bytes the plain step measures above the graph's keep-all peak, the measured peak).
-    ``measure_step(sample)`` runs one plain step under ``StepMeter(sample=sample)`` and returns
-    its peak bytes. Three steps: the first pays the heap's one-time buffers; then one sampled
-    after every op and one by a thread, which also sees memory a kernel holds inside an op
-    (oneDNN's convolution backward on the CPU; on CUDA the allocator's peak has it anyway)."""
+
+def measured_overhead_bytes(graph: ActivationGraph, measure_step) -> tuple[int, int, dict]:
+    """(bytes the plain step measures above the graph's keep-all peak, the measured peak, how it
+    was measured). ``measure_step(sample)`` runs one plain step under
+    ``StepMeter(sample=sample)`` and returns its peak bytes. The first step pays the heap's
+    one-time buffers; then one sampled after every op, and thread-sampled steps, which also see
+    memory a kernel holds inside an op (oneDNN's convolution backward on the CPU; on CUDA the
+    allocator's peak has it anyway). A thread sees such memory only when it is scheduled while
+    the kernel runs, which on a busy machine it may not be in one step: THREAD_STEPS steps are
+    sampled and the maximum taken, so one unlucky step does not decide the graph."""
     measure_step("ops")
-    measured = max(int(measure_step("ops")), int(measure_step("thread")))
+    at_ops = int(measure_step("ops"))
+    threads = [int(measure_step("thread")) for _ in range(THREAD_STEPS)]
+    measured = max(at_ops, *threads)
     simulated = keep_all_peak(graph, "cpu")  # keep-all's memory does not depend on the link
-    return max(0, measured - simulated), measured
+    how = {
+        "method": METHOD.format(steps=THREAD_STEPS),
+        "after_every_op_bytes": at_ops,
+        "thread_bytes": threads,
+    }
+    return max(0, measured - simulated), measured, how
 
 
-def with_overhead(graph: ActivationGraph, overhead: int, measured: int) -> ActivationGraph:
+def with_overhead(
+    graph: ActivationGraph, overhead: int, measured: int, how: dict | None = None
+) -> ActivationGraph:
     """``graph`` with ``overhead`` bytes in every op's forward and backward workspace, and the
-    figures in ``graph.extra["overhead"]``."""
-    record = {"bytes": int(overhead), "plain_peak_bytes": int(measured)}
+    figures (and how they were measured) in ``graph.extra["overhead"]``."""
+    record = {"bytes": int(overhead), "plain_peak_bytes": int(measured), **(how or {})}
     if overhead <= 0:
         return replace(graph, extra={**graph.extra, "overhead": record})
     ops = tuple(

@@ -29,6 +29,16 @@ def call_model(model, inputs):
     )
 
 
+def fresh_autocast() -> None:
+    """Start a forward the profile runs as a training step starts in its own autocast region:
+    with no cached weight casts. Inside one region torch casts each weight once and reuses the
+    cast (the autocast cache), so a profile's second forward would skip the casts that every
+    real step, each in a region of its own (HF Trainer, Lightning), makes and saves."""
+    import torch
+
+    torch.clear_autocast_cache()
+
+
 def with_parameter_gradients(graph: ActivationGraph, gradients: str) -> ActivationGraph:
     """``graph`` with the parameter gradients a step makes counted where plain training holds
     them (formulations/step-model.md, "Parameter gradients"): made in the step, each op's
@@ -71,6 +81,7 @@ def plain_phase_times(model, inputs, loss_fn, sync, repeat: int, call=None) -> t
     for _ in range(repeat):
         if sync is not None:
             sync()
+        fresh_autocast()
         start = time.perf_counter()
         loss = loss_fn((call or call_model)(model, inputs))
         if sync is not None:
@@ -99,6 +110,7 @@ def metered_plain_step(
     try:
         for p in params:
             p.grad = None if gradients == "made" else torch.zeros_like(p)
+        fresh_autocast()
         with StepMeter(device, sample=sample) as meter:
             loss = loss_fn((call or call_model)(model, inputs))
             loss.backward()

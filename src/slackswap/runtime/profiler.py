@@ -23,6 +23,7 @@ from .model_state import OPTIMIZER_STATE_BYTES, with_model_state
 from .overhead import measured_overhead_bytes, with_overhead
 from .plain_step import (
     call_model,
+    fresh_autocast,
     metered_plain_step,
     plain_phase_times,
     scaled_to_plain,
@@ -74,6 +75,7 @@ def run_traced_step(
     from .backward_trace import time_backward
     from .trace import GpuClock, ModulePaths, Tracer
 
+    fresh_autocast()
     paths = ModulePaths(model)
     # on a GPU, times come from CUDA events (no synchronisation per op)
     clock = GpuClock() if sync is not None and cost is None else None
@@ -381,6 +383,7 @@ def _measured_graph(
     finally:
         untouched.restore()
         state.restore()
+        fresh_autocast()  # the step that follows makes its casts, as a step in a region does
     return graph
 
 

@@ -372,7 +372,18 @@ class StartSearch:
         return starts
 
     def run(self) -> WarmStart:
-        """Each start in turn, improved by local search; the best plan, with the notes."""
+        """Each start in turn, improved by local search; the best plan, with the notes. The
+        background search is stopped and joined however the starts end: a KeyboardInterrupt
+        must not leave a native search running in a thread while the interpreter exits (its
+        threads would be destroyed running: "terminate called", SIGABRT)."""
+        try:
+            return self._run()
+        finally:
+            background = self.background
+            if background is not None and not background.taken:
+                background.stop()
+
+    def _run(self) -> WarmStart:
         problem, notes, anytime = self.problem, self.notes, self.anytime
         g, hw, budget = problem.graph, problem.hardware, problem.budget_bytes
         work_left = self.work.search_work
