@@ -95,6 +95,7 @@ def test_the_loop_and_the_trainers_hooks_refuse_a_budget_when_made():
         SlackSwapCallback(budget="40G")
 
 
+@pytest.mark.slow
 def test_a_loop_at_smallest_trains_as_plain_training_does():
     from models import TinyGPT
 
@@ -117,6 +118,7 @@ def test_a_loop_at_smallest_trains_as_plain_training_does():
         assert torch.equal(p.grad, q.grad)
 
 
+@pytest.mark.slow
 def test_an_infeasible_loop_budget_points_to_smallest():
     from models import TinyGPT
 

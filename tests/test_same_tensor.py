@@ -31,7 +31,7 @@ def loss_fn(y):
 def setup(seed=0):
     torch.manual_seed(seed)
     model = Chooser()
-    x = torch.randn(1024, 256)
+    x = torch.randn(512, 256)
     x[0, 0] = 1.0  # the branch the profile takes: h1
     other = x.clone()
     other[0, 0] = -1.0  # the other branch: h2, same shapes and ops
@@ -73,7 +73,9 @@ def test_another_tensor_saved_at_the_same_place_is_refused_by_name(decision):
     assert kind == ("hooked" if decision == "swap" else "skimmed")
 
 
-@pytest.mark.parametrize("decision", ["swap", "recompute"])
+@pytest.mark.parametrize(
+    "decision", ["swap", pytest.param("recompute", marks=pytest.mark.slow)]
+)
 def test_the_loop_profiles_the_other_branch_and_gradients_are_plain_trainings(decision):
     model, x, other, graph = setup()
     expected = [plain_grads(model, batch) for batch in (x, x, other, other, x)]

@@ -10,8 +10,9 @@ than that but also sees memory a kernel holds inside one op (oneDNN's convolutio
 MiB on a 64-channel ResNet block at batch 8, 16 x 16, which no op boundary shows and no graph
 counts; docs/known-limits.md). Figures are bytes above what was
 allocated when the meter started (parameters, gradients and optimizer state from before the step
-are not counted; gradients made in the step are). The cyclic collector runs when the meter starts
-and is held off until it stops, so no unrelated garbage is freed inside the window.
+are not counted; gradients made in the step are). Every object from before the meter is frozen
+for the collector and the collector held off until it stops, so no unrelated garbage is freed
+inside the window.
 """
 
 from __future__ import annotations
@@ -117,6 +118,7 @@ class StepMeter:
     marks: dict = field(default_factory=dict)
     _base: int = 0
     _collecting: bool = False
+    _froze: bool = False
 
     def __post_init__(self) -> None:
         self.device = torch.device(self.device)
@@ -139,11 +141,6 @@ class StepMeter:
         self._sample()
 
     def __enter__(self) -> StepMeter:
-        # earlier work's reference cycles, freed by the cyclic collector inside the window,
-        # would lower the figure by their size at a point no step decides (1.7 MB of a 13 MB
-        # TinyGPT step after other tests): collected before it, and held off during it (as the
-        # profiler holds it off: what a cycle keeps lives to the end of the step)
-        gc.collect()
         if self.cuda:
             torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
@@ -165,11 +162,23 @@ class StepMeter:
 
             self._thread = threading.Thread(target=sample, daemon=True)
             self._thread.start()
+        # earlier work's reference cycles, freed by the cyclic collector inside the window,
+        # would lower the figure by their size at a point no step decides (1.7 MB of a 13 MB
+        # TinyGPT step after other tests): every object from before is frozen (the collector
+        # does not look at it, even when something inside the window calls gc.collect()) and
+        # the collector held off, as the profiler holds it off (what a cycle keeps lives to the
+        # end of the step). A full collection instead costs a quarter of a second in a process
+        # that holds many objects, on every meter.
+        self._froze = gc.get_freeze_count() == 0  # (someone else's freeze is left alone)
+        if self._froze:
+            gc.freeze()
         self._collecting = gc.isenabled()  # held off last: a failed start leaves it as it was
         gc.disable()
         return self
 
     def __exit__(self, *exc) -> None:
+        if self._froze:
+            gc.unfreeze()
         if self._collecting:
             gc.enable()
         if self._mode is not None:
