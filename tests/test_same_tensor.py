@@ -73,9 +73,7 @@ def test_another_tensor_saved_at_the_same_place_is_refused_by_name(decision):
     assert kind == ("hooked" if decision == "swap" else "skimmed")
 
 
-@pytest.mark.parametrize(
-    "decision", ["swap", pytest.param("recompute", marks=pytest.mark.slow)]
-)
+@pytest.mark.parametrize("decision", ["swap", pytest.param("recompute", marks=pytest.mark.slow)])
 def test_the_loop_profiles_the_other_branch_and_gradients_are_plain_trainings(decision):
     model, x, other, graph = setup()
     expected = [plain_grads(model, batch) for batch in (x, x, other, other, x)]

@@ -286,6 +286,7 @@ def cmd_fit(args) -> int:
             fake=True,
             hardware=args.hardware,
             optimizer=args.optimizer,
+            foreach={"auto": None, "on": True, "off": False}[args.foreach],
             gradients=args.gradients,
             name=f"{args.family}-s{args.seq}-b{args.batch}",
         )
@@ -438,6 +439,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--dtype", default="bfloat16", help="float32, bfloat16 or float16")
     p.add_argument("--optimizer", default="adamw", help="adamw, adam, sgd-momentum, sgd or none")
+    p.add_argument(
+        "--foreach",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="the optimizer's multi-tensor step (auto: torch's default, on for CUDA devices)",
+    )
     p.add_argument(
         "--gradients",
         default="auto",

@@ -64,6 +64,15 @@ class FitReport:
                     f"{state['optimizer_state_bytes'] / GIB:.2f} GiB",
                 ),
             ]
+            if state.get("optimizer_step_bytes"):
+                how = "foreach" if state.get("foreach") else "one parameter at a time"
+                rows.append(
+                    (
+                        f"optimizer step's temporaries ({how})",
+                        f"{state['optimizer_step_bytes'] / GIB:.2f} GiB, after the activations "
+                        "are freed",
+                    )
+                )
         rows += [
             ("memory left for activations", f"{self.activation_memory_bytes / GIB:.2f} GiB"),
             ("activations, keep-all peak", f"{self.keep_all_peak_bytes / GIB:.2f} GiB"),
@@ -146,6 +155,9 @@ def fit(
         int(state.get("gradient_bytes", 0)) if made else 0
     )
     left = memory - outside
+    # optimizer.step() runs once backward has freed the activations: parameters, gradients and
+    # state, and what the step itself allocates (runtime/model_state.py)
+    optimizer_step = int(state.get("total_bytes", 0)) + int(state.get("optimizer_step_bytes", 0))
     keep_all = keep_all_peak(graph, hw)
     smallest = smallest_budget(graph, hw)
     ideal = graph.ideal_step_time_s
@@ -155,6 +167,11 @@ def fit(
         verdict = (
             f"does not fit: the model state alone needs {outside / GIB:.2f} "
             f"GiB of {memory / GIB:.2f} GiB"
+        )
+    elif optimizer_step > memory:
+        verdict = (
+            f"does not fit: the optimizer step needs {optimizer_step / GIB:.2f} GiB of "
+            f"{memory / GIB:.2f} GiB (parameters, gradients, state and the step's temporaries)"
         )
     elif left < smallest.budget_bytes:
         verdict = (

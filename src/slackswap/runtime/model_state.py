@@ -1,6 +1,20 @@
-"""What a model holds beside its activations (model_state): parameters, their gradients and the
-optimizer's state (OPTIMIZER_STATE_BYTES per parameter byte), recorded in graph.extra for
-slackswap.fit.
+"""What a model holds beside its activations (model_state): parameters, their gradients, the
+optimizer's state, and what the optimizer's own step allocates on top of them, recorded in
+graph.extra for slackswap.fit.
+
+Counted as torch's optimizers (torch 2.x, ``torch/optim/adam.py``, ``adamw.py``, ``sgd.py``)
+allocate them:
+
+- state: Adam and AdamW keep two moments (``exp_avg``, ``exp_avg_sq``) made with
+  ``zeros_like(param)``, so in the parameter's dtype (bf16 parameters: bf16 moments); SGD with
+  momentum one buffer (``clone`` of the first gradient); plain SGD none.
+- the step's temporaries, beside everything above: Adam's multi-tensor path (``foreach=True``,
+  torch's default when every parameter is on CUDA) makes ``_foreach_sqrt`` of every
+  ``exp_avg_sq`` of a (device, dtype) group at once, and divides and adds in place: one copy of
+  the group's moments. The single-tensor path (``foreach=False``, the default elsewhere) makes
+  ``(exp_avg_sq.sqrt() / bias_correction2_sqrt)``: two temporaries of one parameter at a time,
+  the largest parameter's. SGD (with or without momentum, no nesterov, no weight decay) updates
+  in place.
 """
 
 from __future__ import annotations
@@ -9,16 +23,38 @@ from typing import Any
 
 from ..core.graph import ActivationGraph
 
-# bytes of optimizer state per trainable parameter element: AdamW and Adam keep two fp32
-# moments (exp_avg, exp_avg_sq), SGD with momentum one buffer, plain SGD none
-OPTIMIZER_STATE_BYTES = {"adamw": 8, "adam": 8, "sgd-momentum": 4, "sgd": 0, "none": 0}
+# state per trainable parameter, in parameter-sized copies
+OPTIMIZER_STATE_COPIES = {"adamw": 2, "adam": 2, "sgd-momentum": 1, "sgd": 0, "none": 0}
+OPTIMIZERS = tuple(OPTIMIZER_STATE_COPIES)
 
 
-def model_state(model, optimizer: str) -> dict[str, Any]:
+def default_foreach(model) -> bool:
+    """torch's default: the multi-tensor path when every parameter is a CUDA tensor (a model
+    on the meta device is taken to train on CUDA, as a fake profile for a GPU preset does)."""
+    params = list(model.parameters())
+    return bool(params) and all(p.device.type in ("cuda", "meta") for p in params)
+
+
+def optimizer_step_bytes(trainable: list[tuple[int, str]], optimizer: str, foreach: bool) -> int:
+    """Bytes ``optimizer.step()`` allocates beside parameters, gradients and state, from the
+    trainable parameters' (bytes, dtype) (module docstring)."""
+    if optimizer not in ("adam", "adamw") or not trainable:
+        return 0
+    if foreach:
+        groups: dict[str, int] = {}
+        for nbytes, dtype in trainable:
+            groups[dtype] = groups.get(dtype, 0) + nbytes
+        return max(groups.values())
+    return 2 * max(nbytes for nbytes, _ in trainable)
+
+
+def model_state(model, optimizer: str, foreach: bool | None = None) -> dict[str, Any]:
     """What plain training holds besides activations: the parameters (tied ones once), their
-    gradients, and the named optimizer's state."""
+    gradients, the named optimizer's state, and its step's temporaries (``foreach``: None for
+    torch's default on the parameters' device)."""
     seen: set[int] = set()
-    params = grads = elements = 0
+    params = grads = 0
+    trainable: list[tuple[int, str]] = []
     for p in model.parameters():
         if id(p) in seen:
             continue
@@ -27,18 +63,25 @@ def model_state(model, optimizer: str) -> dict[str, Any]:
         params += nbytes
         if p.requires_grad:
             grads += nbytes
-            elements += int(p.numel())
-    state = elements * OPTIMIZER_STATE_BYTES[optimizer]
+            trainable.append((nbytes, str(p.dtype)))
+    state = OPTIMIZER_STATE_COPIES[optimizer] * grads
+    foreach = default_foreach(model) if foreach is None else bool(foreach)
+    step = optimizer_step_bytes(trainable, optimizer, foreach)
     return {
         "parameter_bytes": params,
         "gradient_bytes": grads,
         "optimizer": optimizer,
+        "foreach": foreach,
         "optimizer_state_bytes": state,
+        "optimizer_step_bytes": step,
         "total_bytes": params + grads + state,
     }
 
 
-def with_model_state(graph: ActivationGraph, model, optimizer: str) -> ActivationGraph:
+def with_model_state(
+    graph: ActivationGraph, model, optimizer: str, foreach: bool | None = None
+) -> ActivationGraph:
     from dataclasses import replace
 
-    return replace(graph, extra={**graph.extra, "model_state": model_state(model, optimizer)})
+    state = model_state(model, optimizer, foreach)
+    return replace(graph, extra={**graph.extra, "model_state": state})

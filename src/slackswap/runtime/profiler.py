@@ -19,7 +19,7 @@ from ..core.graph import ActivationGraph
 from ..core.hardware import Hardware, hardware
 from .fsdp_collectives import fsdp_collectives
 from .link import calibrate_link
-from .model_state import OPTIMIZER_STATE_BYTES, with_model_state
+from .model_state import OPTIMIZERS, with_model_state
 from .overhead import measured_overhead_bytes, with_overhead
 from .plain_step import (
     call_model,
@@ -167,6 +167,7 @@ def profile(
     fake: bool = False,
     hardware: Hardware | str | None = None,
     optimizer: str = "adamw",
+    foreach: bool | None = None,
     forward: Callable | None = None,
     overhead: bool = True,
 ) -> ActivationGraph:
@@ -201,7 +202,8 @@ def profile(
     (runtime/costmodel.py; required with ``fake``), named in ``graph.extra["times"]``.
 
     optimizer: whose state ``graph.extra["model_state"]`` counts beside the parameters and
-    their gradients (OPTIMIZER_STATE_BYTES), for :func:`slackswap.fit`.
+    their gradients, and its step's temporaries (runtime/model_state.py), for :func:`slackswap.fit`;
+    ``foreach`` as the optimizer is made (None: torch's default, multi-tensor on CUDA).
 
     forward: ``forward(model, inputs)`` in place of calling the model on the inputs (a trainer's
     own loss computation, which calls the model inside it); ``loss_fn`` gets what it returns.
@@ -249,6 +251,7 @@ def profile(
             hardware,
             optimizer,
             forward,
+            foreach,
         )
 
     if not isinstance(model, torch.nn.Module):
@@ -270,7 +273,7 @@ def profile(
         forward=forward,
         overhead=overhead,
     )
-    graph = with_model_state(graph, model, optimizer)
+    graph = with_model_state(graph, model, optimizer, foreach)
     return _group(graph) if group_by_module else graph
 
 
@@ -292,9 +295,9 @@ def _check_options(**options) -> None:
     for name, value in options.items():
         if name in ("fake", "calibrate", "overhead") and not isinstance(value, bool):
             raise ProfileError(f"{name} must be True or False, got {value!r}")
-    if "optimizer" in options and options["optimizer"] not in OPTIMIZER_STATE_BYTES:
+    if "optimizer" in options and options["optimizer"] not in OPTIMIZERS:
         raise ProfileError(
-            f"optimizer must be one of {sorted(OPTIMIZER_STATE_BYTES)}, got {options['optimizer']!r}"
+            f"optimizer must be one of {sorted(OPTIMIZERS)}, got {options['optimizer']!r}"
         )
     if "gradients" in options and options["gradients"] not in GRADIENTS:
         raise ProfileError(f"gradients must be one of {GRADIENTS}, got {options['gradients']!r}")
@@ -399,7 +402,17 @@ def gradients_of(model) -> str:
 
 
 def _profile_fake(
-    model, inputs, loss_fn, device, name, group_by_module, gradients, hw, optimizer, forward=None
+    model,
+    inputs,
+    loss_fn,
+    device,
+    name,
+    group_by_module,
+    gradients,
+    hw,
+    optimizer,
+    forward=None,
+    foreach=None,
 ) -> ActivationGraph:
     """One step under FakeTensorMode, timed by the cost model (runtime/fake.py)."""
     import torch
@@ -448,7 +461,7 @@ def _profile_fake(
         },
     )
     graph = with_parameter_gradients(graph, gradients)
-    graph = with_model_state(graph, model, optimizer)
+    graph = with_model_state(graph, model, optimizer, foreach)
     return _group(graph) if group_by_module else graph
 
 
