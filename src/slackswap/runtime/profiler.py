@@ -235,24 +235,10 @@ def profile(
     if gradients == "auto" and isinstance(model, torch.nn.Module):
         gradients = gradients_of(model)
     if fake:
-        if hardware is None:
-            raise ProfileError(
-                "profile(fake=True) needs hardware=...: a fake step runs no kernel, "
-                "its op times come from the cost model for that device"
-            )
         return _profile_fake(
-            model,
-            inputs,
-            loss_fn,
-            device,
-            name,
-            group_by_module,
-            gradients,
-            hardware,
-            optimizer,
-            forward,
-            foreach,
-        )
+            model, inputs, loss_fn, device, name, group_by_module, gradients, hardware,
+            optimizer, forward, foreach,
+        )  # fmt: skip
 
     if not isinstance(model, torch.nn.Module):
         raise ProfileError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -421,6 +407,11 @@ def _profile_fake(
     from .costmodel import CostModel
     from .fake import fake_device, fake_inputs, fake_model, fused_attention
 
+    if hw is None:
+        raise ProfileError(
+            "profile(fake=True) needs hardware=...: a fake step runs no kernel, "
+            "its op times come from the cost model for that device"
+        )
     hw = hardware(hw)
     if hasattr(model, "_orig_mod") and type(model).__name__ == "OptimizedModule":
         model = model._orig_mod
