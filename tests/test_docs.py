@@ -107,3 +107,30 @@ def test_every_page_the_readme_links_exists():
     for link in links:
         assert (ROOT / link).exists(), link
     assert len(text.splitlines()) <= 220  # the front page stays a front page
+
+
+def fit_commands() -> list[tuple[str, str]]:
+    """Every ``slackswap fit`` command of README.md and docs/, continuation lines joined and a
+    trailing comment dropped: (page, command)."""
+    found = []
+    for page in PAGES:
+        for block in re.findall(r"^```[a-z]*\n(.*?)^```", page.read_text(), flags=re.S | re.M):
+            for command in block.replace("\\\n", " ").splitlines():
+                command = command.split("  #")[0].strip()
+                if command.startswith("slackswap fit "):
+                    found.append((page.name, command))
+    return found
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("page, command", fit_commands())
+def test_every_fit_command_of_the_docs_runs_as_written(page, command, tmp_path, monkeypatch):
+    import shlex
+
+    pytest.importorskip("transformers")
+    from slackswap.cli import main
+
+    # paths into the repository (a config.json) as from its root; what it writes goes to tmp
+    argv = [str(ROOT / a) if (ROOT / a).is_file() else a for a in shlex.split(command)[1:]]
+    monkeypatch.chdir(tmp_path)
+    assert main(argv) == 0, (page, command)

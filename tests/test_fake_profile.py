@@ -225,6 +225,42 @@ def test_a_matmul_costs_2mnk_over_the_gemm_rate():
     assert cost.kind == "gemm"
 
 
+def test_a_matmul_is_charged_at_the_rate_of_its_dtype():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    model = CostModel(ss.hardware("a100-80gb-pcie4"), launch_s=0.0)
+    flops = 2 * 1024 * 1024 * 1024  # 2.147e9
+    gemm = 0.70 * 1.0  # the A100 preset's GEMM efficiency
+
+    def cost(dtype):
+        with FakeTensorMode():
+            a, b = torch.empty(1024, 1024, dtype=dtype), torch.empty(1024, 1024, dtype=dtype)
+            out = torch.mm(a, b)
+        return model.cost(torch.ops.aten.mm.default, (a, b), {}, out)
+
+    # float32 at the datasheet's 19.5 TFLOP/s: 2.147e9 / (19.5e12 * 0.7) = 157.3 us (its 12.6 MB
+    # at 2.039e12 * 0.8 B/s take 7.7 us: compute-bound)
+    assert cost(torch.float32).time_s == pytest.approx(flops / (19.5e12 * gemm))
+    # bf16 at 312 TFLOP/s: 9.83 us (6.3 MB of bytes: 3.9 us)
+    assert cost(torch.bfloat16).time_s == pytest.approx(flops / (312e12 * gemm))
+    # float32 with TF32 enabled for matmuls: 156 TFLOP/s, 19.7 us
+    before = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("high")
+    try:
+        assert cost(torch.float32).time_s == pytest.approx(flops / (156e12 * gemm))
+    finally:
+        torch.set_float32_matmul_precision(before)
+
+
+def test_presets_hold_what_torch_can_allocate():
+    # an 80 GB card: torch reports 79.14 GiB total capacity; less a 400 MiB CUDA context
+    assert ss.hardware("a100-80gb-pcie4").memory_bytes == round(79.14 * 2**30) - 400 * 2**20
+    assert ss.hardware("h200-sxm-pcie5").memory_bytes == round(139.72 * 2**30) - 400 * 2**20
+    for name in ss.hardware_names():
+        hw = ss.hardware(name)
+        assert not hw.memory_bytes or "memory_bytes" in hw.sources, name
+
+
 def test_an_elementwise_op_costs_its_bytes_over_the_bandwidth_plus_a_launch():
     from torch._subclasses.fake_tensor import FakeTensorMode
 

@@ -85,6 +85,9 @@ _LAZY = {
     "boundary_pins": ("slackswap.runtime.checkpoint_regions", "boundary_pins"),
     "checkpoint_graph": ("slackswap.runtime.checkpoint_regions", "checkpoint_graph"),
     "StepMeter": ("slackswap.runtime.meter", "StepMeter"),
+    "hf_config": ("slackswap.runtime.hf_models", "hf_config"),
+    "meta_model": ("slackswap.runtime.hf_models", "meta_model"),
+    "training_batch": ("slackswap.runtime.hf_models", "training_batch"),
 }
 
 

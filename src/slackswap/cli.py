@@ -265,7 +265,7 @@ def cmd_fit(args) -> int:
     """Profile a Hugging Face config fake (no weights, no activation memory) and say whether its
     training step fits the device, and how fast it runs there."""
     from .fit import fit
-    from .runtime.hf_models import meta_model, training_batch
+    from .runtime.hf_models import ModelSpecError, meta_model, training_batch
     from .runtime.profiler import profile
 
     try:
@@ -276,8 +276,19 @@ def cmd_fit(args) -> int:
         raise CliError("--hf-config must be a JSON object of config fields")
     if args.plan:
         check_output(args.plan)
-    model, config = meta_model(args.family, overrides, dtype=args.dtype)
-    inputs, loss_fn = training_batch(config, args.seq, args.batch)
+    mixed = args.precision != "pure"
+    if mixed and args.dtype not in (None, "float32"):
+        raise CliError(
+            f"--precision {args.precision} keeps float32 master parameters; --dtype {args.dtype} "
+            "is the pure regime's (parameters, gradients and moments in one dtype)"
+        )
+    try:
+        model, config = meta_model(
+            args.model, overrides, dtype="float32" if mixed else args.dtype or "bfloat16"
+        )
+        inputs, loss_fn = training_batch(config, args.seq, args.batch)
+    except ModelSpecError as exc:
+        raise CliError(str(exc)) from None
     with _Spinner("profiling (fake)"):
         g = profile(
             model,
@@ -288,7 +299,8 @@ def cmd_fit(args) -> int:
             optimizer=args.optimizer,
             foreach={"auto": None, "on": True, "off": False}[args.foreach],
             gradients=args.gradients,
-            name=f"{args.family}-s{args.seq}-b{args.batch}",
+            precision=args.precision,
+            name=f"{config.model_type}-s{args.seq}-b{args.batch}",
         )
     print(g.summary())
     with _Spinner("planning"):
@@ -431,13 +443,33 @@ def build_parser() -> argparse.ArgumentParser:
         help="will a Hugging Face model's training step fit the device? "
         "(profiled fake: no weights, no memory)",
     )
-    p.add_argument("family", help="gpt2, bert, llama or mistral")
     p.add_argument(
-        "--hf-config", default=None, help="JSON object of config fields over the family's defaults"
+        "model",
+        help="a model_type (gpt2, bert, llama, mistral, qwen2, gemma2, phi3, gpt_neox, ...), a "
+        "config.json or a folder holding one, or a model id in the local Hugging Face cache",
+    )
+    p.add_argument(
+        "--hf-config",
+        default=None,
+        help="JSON object of config fields, passed to the config's constructor over the "
+        "family's defaults or the file's values (derived fields follow)",
     )
     p.add_argument("--seq", type=int, required=True)
     p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--dtype", default="bfloat16", help="float32, bfloat16 or float16")
+    p.add_argument(
+        "--precision",
+        default="pure",
+        choices=("pure", "mixed", "mixed-fp16"),
+        help="pure (default, torch's): parameters, gradients and optimizer state in --dtype; "
+        "mixed: float32 master parameters, gradients and moments, the forward under autocast "
+        "in bf16 (mixed-fp16: fp16)",
+    )
+    p.add_argument(
+        "--dtype",
+        default=None,
+        choices=("float32", "bfloat16", "float16"),
+        help="the parameters' dtype under --precision pure (default bfloat16)",
+    )
     p.add_argument("--optimizer", default="adamw", help="adamw, adam, sgd-momentum, sgd or none")
     p.add_argument(
         "--foreach",

@@ -56,6 +56,8 @@ class FitReport:
             grads = f"{state['gradient_bytes'] / GIB:.2f} GiB" + (
                 " (made in backward: counted with the activations)" if self.gradients_made else ""
             )
+            if "precision" in state:
+                rows.append(("precision", _precision_line(state)))
             rows += [
                 ("parameters", f"{state['parameter_bytes'] / GIB:.2f} GiB"),
                 ("gradients", grads),
@@ -73,9 +75,12 @@ class FitReport:
                         "are freed",
                     )
                 )
+        activations = "activations" + (
+            " and the gradients made in backward" if self.gradients_made else ""
+        )
         rows += [
             ("memory left for activations", f"{self.activation_memory_bytes / GIB:.2f} GiB"),
-            ("activations, keep-all peak", f"{self.keep_all_peak_bytes / GIB:.2f} GiB"),
+            (f"{activations}, keep-all peak", f"{self.keep_all_peak_bytes / GIB:.2f} GiB"),
             (
                 "smallest budget any plan reaches",
                 f"{self.smallest_budget_bytes / GIB:.2f} GiB"
@@ -115,6 +120,16 @@ class FitReport:
             "fits": self.fits,
             "verdict": self.verdict,
         }
+
+
+def _precision_line(state: dict[str, Any]) -> str:
+    compute = state.get("compute_dtype", "?")
+    if state["precision"] == "pure":
+        return f"pure {compute}: parameters, gradients and optimizer state in {compute}"
+    return (
+        f"{state['precision']}: float32 master parameters, gradients and optimizer state; "
+        f"the forward in {compute} under autocast"
+    )
 
 
 def fit(

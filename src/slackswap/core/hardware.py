@@ -18,7 +18,11 @@ class Hardware:
     ``d2h_bytes_per_s``/``h2d_bytes_per_s`` are sustained pinned-copy bandwidths, ``latency_s`` the
     fixed cost of one transfer, ``duplex`` whether both directions run at once. The compute figures
     (``peak_flops``, ``hbm_bytes_per_s`` and the efficiencies) feed the roofline op times of
-    :func:`slackswap.transformer_graph`.
+    :func:`slackswap.transformer_graph` and of fake profiles. ``peak_flops`` is the 16-bit
+    (bf16/fp16) tensor-core rate; ``fp32_flops`` and ``tf32_flops`` the rates of float32 products
+    without and with TF32 (0: the same as ``peak_flops``, for devices with one rate).
+    ``memory_bytes`` is what torch can allocate on the device (its reported total capacity less
+    the CUDA context), not the datasheet's figure.
     """
 
     name: str
@@ -41,6 +45,8 @@ class Hardware:
     # tensors smaller than this are never swapped: a copy's fixed cost (launch, host work, an
     # event) buys next to no memory (formulations/step-model.md, "Minimal plans")
     min_swap_bytes: int = 0
+    fp32_flops: float = 0.0
+    tf32_flops: float = 0.0
     sources: dict[str, Any] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -55,6 +61,8 @@ class Hardware:
             "gemm_efficiency",
             "attention_efficiency",
             "memory_efficiency",
+            "fp32_flops",
+            "tf32_flops",
         ):
             value = getattr(self, name)
             if (
@@ -70,6 +78,12 @@ class Hardware:
             value = getattr(self, name)
             if not value > 0:
                 raise ValueError(f"hardware {self.name!r}: {name} must be > 0, got {value!r}")
+        for name in ("fp32_flops", "tf32_flops"):
+            if getattr(self, name) < 0:
+                raise ValueError(
+                    f"hardware {self.name!r}: {name} must be >= 0 (0: peak_flops), got "
+                    f"{getattr(self, name)!r}"
+                )
         if self.latency_s < 0:
             raise ValueError(
                 f"hardware {self.name!r}: latency_s must be >= 0, got {self.latency_s!r}"
@@ -99,6 +113,15 @@ class Hardware:
     def h2d_time(self, nbytes: float) -> float:
         """Seconds one host-to-device transfer of ``nbytes`` occupies its lane."""
         return self.latency_s + nbytes / self.h2d_bytes_per_s
+
+    def flops_for(self, dtype: str, tf32: bool = False) -> float:
+        """The peak rate of a matrix product in ``dtype`` ("torch.float32", "float32", ...):
+        float32 at the fp32 rate, or the TF32 rate where torch enables TF32 (``tf32``); 16-bit
+        and anything else at ``peak_flops``."""
+        if dtype.removeprefix("torch.") in ("float32", "float"):
+            rate = self.tf32_flops if tf32 else self.fp32_flops
+            return rate or self.peak_flops
+        return self.peak_flops
 
     def with_link(self, **changes: Any) -> Hardware:
         """A copy with some figures changed (for sensitivity studies)."""
@@ -134,8 +157,23 @@ _MIN_SWAP_SOURCE = (
     "1024 bytes: torchtune's OffloadActivations offloads only tensors of at least "
     "min_offload_size = 1024 bytes (its default)"
 )
+GIB = 2**30
+MIB = 2**20
+# the CUDA context torch creates on first use (driver, kernels loaded lazily since CUDA 11.7):
+# about 400 MB (pytorch/pytorch#109888, #107667), not available to the caching allocator
+CUDA_CONTEXT_BYTES = 400 * MIB
+_CONTEXT_SOURCE = "CUDA context: about 400 MB with lazy module loading (pytorch/pytorch#109888)"
+
+
+def _allocatable(total_capacity_gib: float) -> int:
+    """What torch can allocate: its reported total capacity less the CUDA context."""
+    return round(total_capacity_gib * GIB) - CUDA_CONTEXT_BYTES
+
+
 _A100_SOURCES = {
     "peak_flops": "NVIDIA A100 datasheet: 312 TFLOP/s bf16 dense",
+    "fp32_flops": "NVIDIA A100 datasheet: 19.5 TFLOP/s FP32",
+    "tf32_flops": "NVIDIA A100 datasheet: 156 TFLOP/s TF32 dense",
     "gemm_efficiency": "about 0.70 of peak for large GEMMs (MosaicML llm-foundry A100 MFU table)",
     "attention_efficiency": "FlashAttention-2 paper: forward about 0.55 of peak",
     "memory_efficiency": "about 0.8 of HBM bandwidth, common roofline practice",
@@ -154,9 +192,16 @@ _PRESETS: dict[str, Hardware] = {
         duplex=True,
         peak_flops=312e12,
         hbm_bytes_per_s=2.039e12,
-        memory_bytes=80 * 10**9,
+        memory_bytes=_allocatable(79.14),
         min_swap_bytes=1024,
-        sources={**_A100_SOURCES, "hbm_bytes_per_s": "A100 80GB datasheet: 2.039 TB/s"},
+        fp32_flops=19.5e12,
+        tf32_flops=156e12,
+        sources={
+            **_A100_SOURCES,
+            "hbm_bytes_per_s": "A100 80GB datasheet: 2.039 TB/s",
+            "memory_bytes": "torch reports 79.14-79.25 GiB total capacity on A100 80GB (its OOM "
+            "messages, e.g. 79.15 GiB); the lowest taken, less the " + _CONTEXT_SOURCE,
+        },
     ),
     "a100-40gb-pcie4": Hardware(
         name="a100-40gb-pcie4",
@@ -166,9 +211,16 @@ _PRESETS: dict[str, Hardware] = {
         duplex=True,
         peak_flops=312e12,
         hbm_bytes_per_s=1.555e12,
-        memory_bytes=40 * 10**9,
+        memory_bytes=_allocatable(39.39),
         min_swap_bytes=1024,
-        sources={**_A100_SOURCES, "hbm_bytes_per_s": "A100 40GB datasheet: 1.555 TB/s"},
+        fp32_flops=19.5e12,
+        tf32_flops=156e12,
+        sources={
+            **_A100_SOURCES,
+            "hbm_bytes_per_s": "A100 40GB datasheet: 1.555 TB/s",
+            "memory_bytes": "torch reports 39.39 GiB total capacity on A100 40GB (its OOM "
+            "messages), less the " + _CONTEXT_SOURCE,
+        },
     ),
     "h100-sxm-pcie5": Hardware(
         name="h100-sxm-pcie5",
@@ -178,10 +230,16 @@ _PRESETS: dict[str, Hardware] = {
         duplex=True,
         peak_flops=989e12,
         hbm_bytes_per_s=3.35e12,
-        memory_bytes=80 * 10**9,
+        memory_bytes=_allocatable(79.14),
         min_swap_bytes=1024,
+        fp32_flops=67e12,
+        tf32_flops=494.7e12,
         sources={
             "peak_flops": "NVIDIA H100 SXM datasheet: 989 TFLOP/s bf16 dense",
+            "fp32_flops": "NVIDIA H100 SXM datasheet: 67 TFLOP/s FP32",
+            "tf32_flops": "NVIDIA H100 SXM datasheet: 989 TFLOP/s TF32 with sparsity, 494.7 dense",
+            "memory_bytes": "torch reports 79.14-79.19 GiB total capacity on 80 GB H100s (its "
+            "OOM messages); the lowest taken, less the " + _CONTEXT_SOURCE,
             "hbm_bytes_per_s": "NVIDIA H100 SXM datasheet: 3.35 TB/s",
             "d2h_bytes_per_s": "PCIe 5.0 x16: 63 GB/s per direction theoretical; 0.8 of it taken, "
             "the ratio measured on PCIe 4.0 (25.1 of 31.5 GB/s)",
@@ -197,10 +255,16 @@ _PRESETS: dict[str, Hardware] = {
         duplex=True,
         peak_flops=989e12,
         hbm_bytes_per_s=4.8e12,
-        memory_bytes=141 * 10**9,
+        memory_bytes=_allocatable(139.72),
         min_swap_bytes=1024,
+        fp32_flops=67e12,
+        tf32_flops=494.7e12,
         sources={
             "peak_flops": "NVIDIA H200 datasheet: 989 TFLOP/s bf16 dense (same die as H100)",
+            "fp32_flops": "NVIDIA H200 datasheet: 67 TFLOP/s FP32",
+            "tf32_flops": "NVIDIA H200 datasheet: 989 TFLOP/s TF32 with sparsity, 494.7 dense",
+            "memory_bytes": "torch reports 139.72-139.81 GiB total capacity on H200 (its OOM "
+            "messages, e.g. 139.80 GiB); the lowest taken, less the " + _CONTEXT_SOURCE,
             "hbm_bytes_per_s": "NVIDIA H200 datasheet: 4.8 TB/s HBM3e",
             "d2h_bytes_per_s": "PCIe 5.0 x16: 63 GB/s theoretical; 0.8 of it taken as for H100",
             "latency_s": "about 10 us per transfer (assumption)",

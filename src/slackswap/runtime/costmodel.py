@@ -8,7 +8,10 @@ or backward, is charged
 
 FLOPs come from torch's own ``FlopCounterMode`` formulas (``torch.utils.flop_counter``), plus the
 fused attention kernels it has no entry for; the efficiency is the hardware's GEMM efficiency for
-matrix products and convolutions, its attention efficiency for fused attention. Bytes are the
+matrix products and convolutions, its attention efficiency for fused attention. The peak is the
+rate of the op's dtype (``Hardware.flops_for``): 16-bit at ``peak_flops``, float32 at the fp32
+rate, or the TF32 rate where torch enables TF32 for that kind of op (convolutions by default,
+matrix products with ``torch.set_float32_matmul_precision("high")``). Bytes are the
 tensors the op reads and writes (views and metadata ops move nothing and launch nothing).
 """
 
@@ -117,6 +120,26 @@ def attention_flops(query: torch.Tensor, key: torch.Tensor) -> float:
     return 4.0 * heads * int(s_q) * int(s_k) * int(d)
 
 
+def operand_dtype(tensors) -> str:
+    """The dtype an op computes in: its first floating-point input's."""
+    for t in tensors:
+        if t.is_floating_point():
+            return str(t.dtype)
+    return "none"
+
+
+def tf32_enabled(convolution: bool) -> bool:
+    """Whether torch runs float32 products of this kind as TF32 now (cuDNN convolutions: on by
+    default; matrix products: off unless the float32 matmul precision is lowered)."""
+    backend = torch.backends.cudnn.conv if convolution else torch.backends.cuda.matmul
+    precision = getattr(backend, "fp32_precision", "none")
+    if precision != "none":
+        return precision == "tf32"
+    if convolution:
+        return bool(torch.backends.cudnn.allow_tf32)
+    return torch.get_float32_matmul_precision() != "highest"
+
+
 def tensor_bytes(tensors) -> int:
     return sum(int(t.numel()) * t.element_size() for t in tensors)
 
@@ -135,6 +158,8 @@ class CostModel:
             "model": "roofline",
             "hardware": hw.name,
             "peak_flops": hw.peak_flops,
+            "fp32_flops": hw.flops_for("float32"),
+            "tf32_flops": hw.flops_for("float32", tf32=True),
             "hbm_bytes_per_s": hw.hbm_bytes_per_s,
             "gemm_efficiency": hw.gemm_efficiency,
             "attention_efficiency": hw.attention_efficiency,
@@ -159,7 +184,8 @@ class CostModel:
             efficiency = hw.attention_efficiency
         else:
             efficiency = 1.0
-        compute = flops / (hw.peak_flops * efficiency) if flops else 0.0
+        peak = hw.flops_for(operand_dtype(ins), tf32_enabled("convolution" in name))
+        compute = flops / (peak * efficiency) if flops else 0.0
         memory = moved / (hw.hbm_bytes_per_s * hw.memory_efficiency)
         return OpCost(
             flops, moved, max(compute, memory) + self.launch_s, kind if flops else "memory"

@@ -21,7 +21,21 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..core.errors import ProfileError
 from ..core.graph import ActivationGraph
+
+# the precision regimes a step trains in: what the parameters, their gradients and the optimizer
+# state are held in, and the dtype the forward computes in (None: the parameters' own)
+PRECISIONS: dict[str, str | None] = {
+    # everything in the model's dtype (torch's default: a bf16 model has bf16 gradients and
+    # bf16 moments, zeros_like the parameters)
+    "pure": None,
+    # float32 master parameters, float32 gradients and moments, the forward under autocast in
+    # bf16 (what most bf16 training runs: HF Trainer's bf16=True, Lightning's "bf16-mixed")
+    "mixed": "bfloat16",
+    # the same with fp16 compute (a GradScaler's scale is a scalar: no bytes counted)
+    "mixed-fp16": "float16",
+}
 
 # state per trainable parameter, in parameter-sized copies
 OPTIMIZER_STATE_COPIES = {"adamw": 2, "adam": 2, "sgd-momentum": 1, "sgd": 0, "none": 0}
@@ -48,10 +62,29 @@ def optimizer_step_bytes(trainable: list[tuple[int, str]], optimizer: str, forea
     return 2 * max(nbytes for nbytes, _ in trainable)
 
 
-def model_state(model, optimizer: str, foreach: bool | None = None) -> dict[str, Any]:
+def check_precision(model, precision: str) -> None:
+    """A mixed regime keeps float32 master parameters: refuse a model whose trainable
+    parameters are another dtype, naming the first, rather than count it as it is not."""
+    if precision not in PRECISIONS:
+        raise ProfileError(f"precision must be one of {sorted(PRECISIONS)}, got {precision!r}")
+    if PRECISIONS[precision] is None:
+        return
+    for name, p in model.named_parameters():
+        if p.requires_grad and str(p.dtype) != "torch.float32":
+            raise ProfileError(
+                f"precision={precision!r} keeps float32 master parameters; parameter {name!r} is "
+                f"{str(p.dtype).removeprefix('torch.')} (a model trained in its own dtype is "
+                "precision='pure')"
+            )
+
+
+def model_state(
+    model, optimizer: str, foreach: bool | None = None, precision: str = "pure"
+) -> dict[str, Any]:
     """What plain training holds besides activations: the parameters (tied ones once), their
     gradients, the named optimizer's state, and its step's temporaries (``foreach``: None for
-    torch's default on the parameters' device)."""
+    torch's default on the parameters' device). Each is counted in the dtype torch holds it in:
+    the parameters' own, which a mixed regime (``precision``) has checked is float32."""
     seen: set[int] = set()
     params = grads = 0
     trainable: list[tuple[int, str]] = []
@@ -68,6 +101,8 @@ def model_state(model, optimizer: str, foreach: bool | None = None) -> dict[str,
     foreach = default_foreach(model) if foreach is None else bool(foreach)
     step = optimizer_step_bytes(trainable, optimizer, foreach)
     return {
+        "precision": precision,
+        "compute_dtype": PRECISIONS[precision] or _dtype_of(trainable),
         "parameter_bytes": params,
         "gradient_bytes": grads,
         "optimizer": optimizer,
@@ -78,10 +113,22 @@ def model_state(model, optimizer: str, foreach: bool | None = None) -> dict[str,
     }
 
 
+def _dtype_of(trainable: list[tuple[int, str]]) -> str:
+    """The dtype most trainable bytes are in (a pure regime computes in its parameters' dtype)."""
+    totals: dict[str, int] = {}
+    for nbytes, dtype in trainable:
+        totals[dtype] = totals.get(dtype, 0) + nbytes
+    return max(totals, key=totals.__getitem__).removeprefix("torch.") if totals else "none"
+
+
 def with_model_state(
-    graph: ActivationGraph, model, optimizer: str, foreach: bool | None = None
+    graph: ActivationGraph,
+    model,
+    optimizer: str,
+    foreach: bool | None = None,
+    precision: str = "pure",
 ) -> ActivationGraph:
     from dataclasses import replace
 
-    state = model_state(model, optimizer, foreach)
+    state = model_state(model, optimizer, foreach, precision)
     return replace(graph, extra={**graph.extra, "model_state": state})

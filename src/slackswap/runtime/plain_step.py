@@ -29,6 +29,20 @@ def call_model(model, inputs):
     )
 
 
+def under_autocast(forward, dtype: str):
+    """``forward`` (or the plain model call) inside ``torch.autocast`` on the parameters' device
+    in ``dtype``: the forward of a mixed-precision step (float32 master weights, 16-bit compute),
+    each call a region of its own as each training step is."""
+    import torch
+
+    def autocast_forward(model, inputs):
+        where = next((p.device.type for p in model.parameters()), "cpu")
+        with torch.autocast("cpu" if where == "meta" else where, dtype=getattr(torch, dtype)):
+            return (forward or call_model)(model, inputs)
+
+    return autocast_forward
+
+
 def fresh_autocast() -> None:
     """Start a forward the profile runs as a training step starts in its own autocast region:
     with no cached weight casts. Inside one region torch casts each weight once and reuses the

@@ -19,7 +19,7 @@ from ..core.graph import ActivationGraph
 from ..core.hardware import Hardware, hardware
 from .fsdp_collectives import fsdp_collectives
 from .link import calibrate_link
-from .model_state import OPTIMIZERS, with_model_state
+from .model_state import OPTIMIZERS, PRECISIONS, check_precision, with_model_state
 from .overhead import measured_overhead_bytes, with_overhead
 from .plain_step import (
     call_model,
@@ -27,6 +27,7 @@ from .plain_step import (
     metered_plain_step,
     plain_phase_times,
     scaled_to_plain,
+    under_autocast,
     with_parameter_gradients,
 )
 from .traced_graph import graph_from_traces
@@ -170,6 +171,7 @@ def profile(
     foreach: bool | None = None,
     forward: Callable | None = None,
     overhead: bool = True,
+    precision: str = "pure",
 ) -> ActivationGraph:
     """Profile ``warmup + repeat`` training steps of ``model`` and return its activation graph.
 
@@ -204,6 +206,10 @@ def profile(
     optimizer: whose state ``graph.extra["model_state"]`` counts beside the parameters and
     their gradients, and its step's temporaries (runtime/model_state.py), for :func:`slackswap.fit`;
     ``foreach`` as the optimizer is made (None: torch's default, multi-tensor on CUDA).
+    precision: the regime the step trains in (runtime/model_state.py ``PRECISIONS``): "pure"
+    (the default, torch's: parameters, gradients and optimizer state in the model's dtype) or
+    "mixed" / "mixed-fp16" (float32 master parameters, float32 gradients and moments, the forward
+    under ``torch.autocast`` in bf16 / fp16, as HF's ``bf16=True`` and Lightning's "bf16-mixed").
 
     forward: ``forward(model, inputs)`` in place of calling the model on the inputs (a trainer's
     own loss computation, which calls the model inside it); ``loss_fn`` gets what it returns.
@@ -232,14 +238,15 @@ def profile(
     import torch
 
     _check_options(fake=fake, optimizer=optimizer, gradients=gradients)
-    if gradients == "auto" and isinstance(model, torch.nn.Module):
-        gradients = gradients_of(model)
+    if isinstance(model, torch.nn.Module):
+        check_precision(model, precision)
+        gradients = gradients_of(model) if gradients == "auto" else gradients
+    if PRECISIONS.get(precision):
+        forward = under_autocast(forward, PRECISIONS[precision])
     if fake:
-        return _profile_fake(
-            model, inputs, loss_fn, device, name, group_by_module, gradients, hardware,
-            optimizer, forward, foreach,
-        )  # fmt: skip
-
+        graph = _profile_fake(model, inputs, loss_fn, device, name, gradients, hardware, forward)
+        graph = with_model_state(graph, model, optimizer, foreach, precision)
+        return _group(graph) if group_by_module else graph
     if not isinstance(model, torch.nn.Module):
         raise ProfileError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     _check_options(calibrate=calibrate, overhead=overhead, gradients=gradients)
@@ -259,7 +266,7 @@ def profile(
         forward=forward,
         overhead=overhead,
     )
-    graph = with_model_state(graph, model, optimizer, foreach)
+    graph = with_model_state(graph, model, optimizer, foreach, precision)
     return _group(graph) if group_by_module else graph
 
 
@@ -388,17 +395,7 @@ def gradients_of(model) -> str:
 
 
 def _profile_fake(
-    model,
-    inputs,
-    loss_fn,
-    device,
-    name,
-    group_by_module,
-    gradients,
-    hw,
-    optimizer,
-    forward=None,
-    foreach=None,
+    model, inputs, loss_fn, device, name, gradients, hw, forward=None
 ) -> ActivationGraph:
     """One step under FakeTensorMode, timed by the cost model (runtime/fake.py)."""
     import torch
@@ -451,9 +448,7 @@ def _profile_fake(
             "inputs": input_shapes(inputs),
         },
     )
-    graph = with_parameter_gradients(graph, gradients)
-    graph = with_model_state(graph, model, optimizer, foreach)
-    return _group(graph) if group_by_module else graph
+    return with_parameter_gradients(graph, gradients)
 
 
 def model_parameters(model) -> list[list]:
