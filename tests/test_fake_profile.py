@@ -95,6 +95,84 @@ def test_a_fake_profile_is_the_real_step_without_its_times(family, dropout):
         assert p.grad is None, name
 
 
+TRAINING_FAMILIES = ["gpt2", "bert", "llama", "mistral", "qwen2", "phi3", "gemma2", "gpt_neox"]
+
+
+def _training_path(family: str, width: int = 64):
+    """A small model of ``family`` on the path training runs: no KV cache, the model's own loss
+    through ``labels=``, token ids the real step reads (a causal mask it may skip)."""
+    from slackswap.runtime.hf_models import hf_config, model_class
+
+    fields = {
+        "num_hidden_layers": 2,
+        "hidden_size": width,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "intermediate_size": 2 * width,
+        "vocab_size": 500,
+        "max_position_embeddings": 64,
+        "use_cache": False,
+        "pad_token_id": 0,
+        "bos_token_id": 0,
+        "eos_token_id": 0,
+    }
+    if family == "gpt2":
+        fields = {"n_layer": 2, "n_embd": width, "n_head": 2, "n_positions": 64, "vocab_size": 500}
+        fields.update(use_cache=False, bos_token_id=0, eos_token_id=0)
+    if family in ("bert", "gpt_neox"):
+        fields.pop("num_key_value_heads")
+    if family == "gemma2":
+        fields["head_dim"] = 32
+    config = hf_config(family, fields)
+    cls = model_class(config)
+    config._attn_implementation = "sdpa" if getattr(cls, "_supports_sdpa", False) else "eager"
+    torch.manual_seed(0)
+    return cls(config).train()
+
+
+def _fake_and_real(family: str, mask: bool):
+    model = _training_path(family)
+    ids = torch.randint(0, 500, (2, 64), generator=torch.Generator().manual_seed(1))
+    inputs = {"input_ids": ids, "labels": ids}
+    if mask:  # an all-ones attention mask: the real step reads it and skips the causal mask
+        inputs["attention_mask"] = torch.ones_like(ids)
+    fake = ss.profile(model, inputs, lambda o: o.loss, fake=True, hardware="cpu")
+    real = ss.profile(model, inputs, lambda o: o.loss, warmup=0, repeat=1, overhead=False)
+    return fake, real
+
+
+def test_a_fake_step_reads_the_values_a_real_step_reads():
+    # Llama's mask code reads the positions (packed sequences?) and the attention mask (all
+    # ones: the causal mask is skipped for SDPA's is_causal); a fake step that cannot read them
+    # builds a mask the real step never makes (213 ops against 174 before)
+    fake, real = _fake_and_real("llama", mask=True)
+    assert [o.extra["aten"] for o in fake.ops] == [o.extra["aten"] for o in real.ops]
+    assert fake.structure_digest == real.structure_digest
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mask", [False, True], ids=["no-mask", "all-ones-mask"])
+@pytest.mark.parametrize("family", TRAINING_FAMILIES)
+def test_fake_equals_real_on_the_path_training_runs(family, mask):
+    fake, real = _fake_and_real(family, mask)
+    assert fake.structure_digest == real.structure_digest, (len(fake.ops), len(real.ops))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["gpt2", "llama", "bert"])
+def test_a_fake_keep_all_peak_is_within_3_percent_of_a_measured_profiles(family):
+    """The real profile's workspaces include what the metered plain steps hold beside the
+    graph's tensors (runtime/overhead.py: on the CPU, autograd's records, about 120 KB here);
+    the fake step's are the ops' own. A model of a few MB would put that fixed 120 KB above 3%
+    (it did at width 64: 3.1%); at width 256 the peak is about 40 MB."""
+    model = _training_path(family, width=256)
+    ids = torch.randint(0, 500, (8, 64), generator=torch.Generator().manual_seed(1))
+    inputs = {"input_ids": ids, "labels": ids}
+    fake = ss.profile(model, inputs, lambda o: o.loss, fake=True, hardware="cpu")
+    real = ss.profile(model, inputs, lambda o: o.loss, warmup=1, repeat=1)
+    assert ss.keep_all_peak(fake, "cpu") == pytest.approx(ss.keep_all_peak(real, "cpu"), rel=0.03)
+
+
 @pytest.mark.slow
 def test_faked_for_a_gpu_attention_is_the_fused_kernel_even_with_dropout():
     """BERT with attention dropout 0.1: the CPU's SDPA falls back to the unfused math (scores and

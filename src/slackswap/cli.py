@@ -360,6 +360,69 @@ class _Parser(argparse.ArgumentParser):
         raise CliError(f"{self.prog}: {message}")
 
 
+def _add_fit(sub) -> None:
+    """The fit command's options."""
+    p = sub.add_parser(
+        "fit",
+        help="will a Hugging Face model's training step fit the device? "
+        "(profiled fake: no weights, no memory)",
+    )
+    p.add_argument(
+        "model",
+        help="a model_type (gpt2, bert, llama, mistral, qwen2, gemma2, phi3, gpt_neox, ...), a "
+        "config.json or a folder holding one, or a model id in the local Hugging Face cache",
+    )
+    p.add_argument(
+        "--hf-config",
+        default=None,
+        help="JSON object of config fields, passed to the config's constructor over the "
+        "family's defaults or the file's values (derived fields follow)",
+    )
+    p.add_argument("--seq", type=int, required=True)
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument(
+        "--precision",
+        default="pure",
+        choices=("pure", "mixed", "mixed-fp16"),
+        help="pure (default, torch's): parameters, gradients and optimizer state in --dtype; "
+        "mixed: float32 master parameters, gradients and moments, the forward under autocast "
+        "in bf16 (mixed-fp16: fp16)",
+    )
+    p.add_argument(
+        "--dtype",
+        default=None,
+        choices=("float32", "bfloat16", "float16"),
+        help="the parameters' dtype under --precision pure (default bfloat16)",
+    )
+    p.add_argument("--optimizer", default="adamw", help="adamw, adam, sgd-momentum, sgd or none")
+    p.add_argument(
+        "--foreach",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="the optimizer's multi-tensor step (auto: torch's default, on for CUDA devices)",
+    )
+    p.add_argument(
+        "--gradients",
+        default="auto",
+        choices=("auto", "made", "held"),
+        help="parameter gradients made in the step (torch's zero_grad() sets them to None), or "
+        "held across steps; auto (the API's default too): made unless the model has gradients",
+    )
+    p.add_argument(
+        "--hardware", default="a100-80gb-pcie4", help="hardware preset (default %(default)s)"
+    )
+    p.add_argument(
+        "--memory", type=_memory_arg, help="device memory instead of the preset's, e.g. 24GB"
+    )
+    p.add_argument("--solver", default="cpsat")
+    p.add_argument(
+        "--time-limit", type=float, default=60.0, help="seconds for the plan (default %(default)s)"
+    )
+    p.add_argument("--out", help="write the graph JSON here")
+    p.add_argument("--plan", help="write the plan JSON here")
+    p.set_defaults(func=cmd_fit)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="slackswap",
@@ -438,65 +501,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--name")
     p.set_defaults(func=cmd_profile)
 
-    p = sub.add_parser(
-        "fit",
-        help="will a Hugging Face model's training step fit the device? "
-        "(profiled fake: no weights, no memory)",
-    )
-    p.add_argument(
-        "model",
-        help="a model_type (gpt2, bert, llama, mistral, qwen2, gemma2, phi3, gpt_neox, ...), a "
-        "config.json or a folder holding one, or a model id in the local Hugging Face cache",
-    )
-    p.add_argument(
-        "--hf-config",
-        default=None,
-        help="JSON object of config fields, passed to the config's constructor over the "
-        "family's defaults or the file's values (derived fields follow)",
-    )
-    p.add_argument("--seq", type=int, required=True)
-    p.add_argument("--batch", type=int, default=1)
-    p.add_argument(
-        "--precision",
-        default="pure",
-        choices=("pure", "mixed", "mixed-fp16"),
-        help="pure (default, torch's): parameters, gradients and optimizer state in --dtype; "
-        "mixed: float32 master parameters, gradients and moments, the forward under autocast "
-        "in bf16 (mixed-fp16: fp16)",
-    )
-    p.add_argument(
-        "--dtype",
-        default=None,
-        choices=("float32", "bfloat16", "float16"),
-        help="the parameters' dtype under --precision pure (default bfloat16)",
-    )
-    p.add_argument("--optimizer", default="adamw", help="adamw, adam, sgd-momentum, sgd or none")
-    p.add_argument(
-        "--foreach",
-        choices=("auto", "on", "off"),
-        default="auto",
-        help="the optimizer's multi-tensor step (auto: torch's default, on for CUDA devices)",
-    )
-    p.add_argument(
-        "--gradients",
-        default="auto",
-        choices=("auto", "made", "held"),
-        help="parameter gradients made in the step (torch's zero_grad() sets them to None), or "
-        "held across steps; auto (the API's default too): made unless the model has gradients",
-    )
-    p.add_argument(
-        "--hardware", default="a100-80gb-pcie4", help="hardware preset (default %(default)s)"
-    )
-    p.add_argument(
-        "--memory", type=_memory_arg, help="device memory instead of the preset's, e.g. 24GB"
-    )
-    p.add_argument("--solver", default="cpsat")
-    p.add_argument(
-        "--time-limit", type=float, default=60.0, help="seconds for the plan (default %(default)s)"
-    )
-    p.add_argument("--out", help="write the graph JSON here")
-    p.add_argument("--plan", help="write the plan JSON here")
-    p.set_defaults(func=cmd_fit)
+    _add_fit(sub)
     return parser
 
 

@@ -119,3 +119,118 @@ def fused_attention():
         yield
     finally:
         F.scaled_dot_product_attention = original
+
+
+class InputValues:
+    """The real values of what a fake step computes from its inputs alone, so that it reads a
+    value where the real step reads one and takes the same branch.
+
+    A model's own code branches on values its inputs decide (transformers' masks: skip the causal
+    mask when the attention mask is all ones, find packed sequences in the positions) and gives
+    up reading them from a fake tensor (``is_tracing``), taking the general branch a real step
+    skips. Every op whose tensor arguments all have real values (the user's inputs, or tensors
+    made from them and from constants) is also run on those values, off the dispatch stack, when
+    its result is small (``limit`` elements); reading a scalar from a fake tensor that has a value
+    (``aten._local_scalar_dense``) returns the real one. Parameters have no value, so nothing
+    computed from the weights is ever run for real.
+    """
+
+    def __init__(self, limit: int = 1 << 22):
+        self.limit = limit
+        self._real: dict[int, tuple[Any, torch.Tensor]] = {}
+
+    def add(self, fake: torch.Tensor, real: torch.Tensor) -> None:
+        import weakref
+
+        self._real[id(fake)] = (weakref.ref(fake), real)
+
+    def value_of(self, t: Any) -> torch.Tensor | None:
+        entry = self._real.get(id(t))
+        if entry is None or entry[0]() is not t:
+            return None
+        return entry[1]
+
+    def has_value(self, t: Any) -> bool:
+        return self.value_of(t) is not None
+
+    def inputs(self, fakes, reals) -> None:
+        """Pair the fake inputs with the user's real ones (a tensor, a tuple, list or dict)."""
+        if isinstance(fakes, torch.Tensor) and isinstance(reals, torch.Tensor):
+            self.add(fakes, reals.detach().to("cpu"))
+        elif isinstance(fakes, (tuple, list)):
+            for f, r in zip(fakes, reals, strict=False):
+                self.inputs(f, r)
+        elif isinstance(fakes, dict):
+            for key, f in fakes.items():
+                self.inputs(f, reals.get(key))
+
+    def call(self, func, args, kwargs):
+        """``func`` on the fakes, and on the real values where every tensor argument has one."""
+        from torch._subclasses.fake_tensor import FakeTensor
+        from torch.utils._python_dispatch import _disable_current_modes
+        from torch.utils._pytree import tree_flatten, tree_map
+
+        if func is torch.ops.aten._local_scalar_dense.default:
+            real = self.value_of(args[0])
+            if real is not None:
+                with _disable_current_modes():
+                    return real.item()
+        out = func(*args, **kwargs)
+        if torch.Tag.nondeterministic_seeded in func.tags:
+            return out  # never draw from the user's generators for a value
+        flat, _ = tree_flatten((args, kwargs))
+        fakes = [t for t in flat if isinstance(t, FakeTensor)]
+        outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+        if not all(self.has_value(t) for t in fakes):
+            for t in fakes:  # a value written by an op that cannot be run for real is stale
+                if any(t is o for o in outs):
+                    self._real.pop(id(t), None)
+            return out
+        if not outs or sum(t.numel() for t in outs) > self.limit:
+            return out
+
+        def real(x):
+            if isinstance(x, FakeTensor):
+                return self.value_of(x)
+            return torch.device("cpu") if isinstance(x, torch.device) else x
+
+        with _disable_current_modes(), torch.no_grad():
+            real_args, real_kwargs = tree_map(real, (args, kwargs))
+            try:
+                real_out = func(*real_args, **real_kwargs)
+            except Exception:  # what the CPU cannot run for real just has no value
+                return out
+        for f, r in zip(outs, tree_flatten(real_out)[0], strict=False):
+            if isinstance(r, torch.Tensor) and isinstance(f, FakeTensor) and f.shape == r.shape:
+                self.add(f, r)
+        return out
+
+
+@contextlib.contextmanager
+def values_read(values: InputValues):
+    """transformers' ``is_tracing(tensor)`` says a fake tensor with a real value is not traced,
+    so the model reads the value as a real step does (module docstring of InputValues)."""
+    import sys
+
+    patched = []
+    for name, module in list(sys.modules.items()):
+        if not name.startswith("transformers") or module is None:
+            continue
+        original = getattr(module, "__dict__", {}).get("is_tracing")
+        if not callable(original) or getattr(original, "__module__", "") != (
+            "transformers.utils.import_utils"
+        ):
+            continue
+
+        def is_tracing(tensor=None, _original=original):
+            if tensor is not None and values.has_value(tensor):
+                return _original(None)
+            return _original(tensor)
+
+        module.is_tracing = is_tracing
+        patched.append((module, original))
+    try:
+        yield
+    finally:
+        for module, original in patched:
+            module.is_tracing = original

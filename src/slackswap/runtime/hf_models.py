@@ -132,7 +132,17 @@ def meta_model(
     """(model in training mode on the meta device, its config): parameters in ``dtype``, every
     field of the config as :func:`hf_config` gives it. Attention runs as ``attention`` says where
     the class supports it, else as transformers runs that class (Gemma-2's logit soft-capping
-    has no SDPA path: eager, saving its s x s probabilities)."""
+    has no SDPA path: eager, saving its s x s probabilities).
+
+    Args:
+        model: as :func:`hf_config` takes it.
+        overrides: config fields, as :func:`hf_config` takes them.
+        dtype: the parameters' dtype (float32, bfloat16, float16).
+        attention: transformers' attention implementation where the class has it.
+
+    Returns:
+        (the model on the meta device in training mode, its config).
+    """
     import torch
 
     if dtype not in DTYPES:
@@ -148,8 +158,18 @@ def meta_model(
 
 
 def training_batch(config, seq: int, batch: int):
-    """(inputs, loss_fn): token ids of ``batch x seq`` with themselves as labels, the model's own
-    loss. The ids are real and tiny (a fake profile turns them into fakes)."""
+    """Token ids of ``batch x seq`` with themselves as labels, and the model's own loss. The ids
+    are real and tiny (a fake profile turns them into fakes, reading their values where the
+    real step reads them).
+
+    Args:
+        config: the model's config (its positions bound ``seq``).
+        seq: tokens per sequence.
+        batch: sequences per step.
+
+    Returns:
+        (inputs for the model, loss_fn of its output).
+    """
     import torch
 
     for name, value in (("seq", seq), ("batch", batch)):

@@ -65,6 +65,8 @@ def run_traced_step(
     untouched: Untouched | None = None,
     cost=None,
     forward=None,
+    *,
+    values=None,
 ):
     """One forward + backward under the tracer; returns the StepTrace. ``untouched``: what the
     step writes that plain training owns (gradients of every leaf backward reaches, state the
@@ -93,6 +95,7 @@ def run_traced_step(
         originals=None if untouched is None else untouched.state,
         cost=cost,
         fake=cost is not None,
+        values=values,
     )
     saved: list[tuple[int, str]] = []
 
@@ -402,7 +405,14 @@ def _profile_fake(
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from .costmodel import CostModel
-    from .fake import fake_device, fake_inputs, fake_model, fused_attention
+    from .fake import (
+        InputValues,
+        fake_device,
+        fake_inputs,
+        fake_model,
+        fused_attention,
+        values_read,
+    )
 
     if hw is None:
         raise ProfileError(
@@ -424,12 +434,15 @@ def _profile_fake(
         fused_attention() if fused else contextlib.nullcontext(),
     ):
         args = fake_inputs(inputs, mode, dev)
+        values = InputValues()
+        values.inputs(args, inputs)
         untouched = Untouched()
         try:
-            with mode:
+            with mode, values_read(values):
                 trace = run_traced_step(
-                    model, args, loss_fn, untouched=untouched, cost=cost, forward=forward
-                )
+                    model, args, loss_fn, untouched=untouched, cost=cost, forward=forward,
+                    values=values,
+                )  # fmt: skip
         finally:
             untouched.restore()
     graph = graph_from_traces(

@@ -216,6 +216,7 @@ class Tracer(TorchDispatchMode):
         originals: dict | None = None,
         cost=None,
         fake: bool = False,
+        values=None,
     ):
         super().__init__()
         self.clock = clock
@@ -223,6 +224,8 @@ class Tracer(TorchDispatchMode):
         # storages known by their storage objects (they have no data address)
         self.cost = cost
         self.fake = fake
+        # a fake step's InputValues (runtime/fake.py): reads the values a real step reads
+        self.values = values
         self._fake_keys: dict[str, tuple[int, int]] = {}
         # the profiler: compare the state an op reads (buffers, tensors the step did not make)
         # before and after it, since a schema need not say that the op writes it
@@ -475,7 +478,11 @@ class Tracer(TorchDispatchMode):
         state = self.state_before(in_tensors) if self.watch_state else ()
         clock = self.clock
         if self.cost is not None:
-            out = func(*args, **kwargs)
+            out = (
+                func(*args, **kwargs)
+                if self.values is None
+                else self.values.call(func, args, kwargs)
+            )
             elapsed = self.cost(func, args, kwargs, out)
         elif clock is not None:
             began = clock.mark()
