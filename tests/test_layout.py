@@ -24,6 +24,8 @@ LAYER = {
     "cnn": 3,
     "plot": 3,
     "cli": 4,
+    "cli_fit": 4,
+    "fit_search": 3,
     "demo": 4,
     "distributed": 4,
     "hf": 4,

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 from . import __version__
+from .cli_fit import add_fit
 from .core.errors import GraphError, InfeasibleBudget, PlanError
 
 
@@ -261,68 +262,6 @@ def cmd_profile(args) -> int:
     return 0
 
 
-def cmd_fit(args) -> int:
-    """Profile a Hugging Face config fake (no weights, no activation memory) and say whether its
-    training step fits the device, and how fast it runs there."""
-    from .fit import fit
-    from .runtime.hf_models import ModelSpecError, meta_model, training_batch
-    from .runtime.profiler import profile
-
-    try:
-        overrides = json.loads(args.hf_config) if args.hf_config else {}
-    except json.JSONDecodeError as exc:
-        raise CliError(f"--hf-config is not JSON: {exc}") from None
-    if not isinstance(overrides, dict):
-        raise CliError("--hf-config must be a JSON object of config fields")
-    if args.plan:
-        check_output(args.plan)
-    mixed = args.precision != "pure"
-    if mixed and args.dtype not in (None, "float32"):
-        raise CliError(
-            f"--precision {args.precision} keeps float32 master parameters; --dtype {args.dtype} "
-            "is the pure regime's (parameters, gradients and moments in one dtype)"
-        )
-    try:
-        model, config = meta_model(
-            args.model, overrides, dtype="float32" if mixed else args.dtype or "bfloat16"
-        )
-        inputs, loss_fn = training_batch(config, args.seq, args.batch)
-    except ModelSpecError as exc:
-        raise CliError(str(exc)) from None
-    with _Spinner("profiling (fake)"):
-        g = profile(
-            model,
-            inputs,
-            loss_fn,
-            fake=True,
-            hardware=args.hardware,
-            optimizer=args.optimizer,
-            foreach={"auto": None, "on": True, "off": False}[args.foreach],
-            gradients=args.gradients,
-            precision=args.precision,
-            name=f"{config.model_type}-s{args.seq}-b{args.batch}",
-        )
-    print(g.summary())
-    with _Spinner("planning"):
-        report = fit(
-            g,
-            args.hardware,
-            time_limit_s=args.time_limit,
-            solver=args.solver,
-            **({"memory_bytes": args.memory} if args.memory else {}),
-        )
-    print(report.table())
-    if args.out:
-        Path(args.out).write_text(g.to_json(indent=1))
-        print(f"wrote {args.out}")
-    if args.plan:
-        if report.plan is None:
-            raise CliError(f"--plan {args.plan}: no plan fits, nothing written")
-        Path(args.plan).write_text(report.plan.to_json(indent=1))
-        print(f"wrote {args.plan}")
-    return 0
-
-
 def _bytes(text: str) -> int:
     from .core.units import budget_bytes_from
 
@@ -358,69 +297,6 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message: str):
         raise CliError(f"{self.prog}: {message}")
-
-
-def _add_fit(sub) -> None:
-    """The fit command's options."""
-    p = sub.add_parser(
-        "fit",
-        help="will a Hugging Face model's training step fit the device? "
-        "(profiled fake: no weights, no memory)",
-    )
-    p.add_argument(
-        "model",
-        help="a model_type (gpt2, bert, llama, mistral, qwen2, gemma2, phi3, gpt_neox, ...), a "
-        "config.json or a folder holding one, or a model id in the local Hugging Face cache",
-    )
-    p.add_argument(
-        "--hf-config",
-        default=None,
-        help="JSON object of config fields, passed to the config's constructor over the "
-        "family's defaults or the file's values (derived fields follow)",
-    )
-    p.add_argument("--seq", type=int, required=True)
-    p.add_argument("--batch", type=int, default=1)
-    p.add_argument(
-        "--precision",
-        default="pure",
-        choices=("pure", "mixed", "mixed-fp16"),
-        help="pure (default, torch's): parameters, gradients and optimizer state in --dtype; "
-        "mixed: float32 master parameters, gradients and moments, the forward under autocast "
-        "in bf16 (mixed-fp16: fp16)",
-    )
-    p.add_argument(
-        "--dtype",
-        default=None,
-        choices=("float32", "bfloat16", "float16"),
-        help="the parameters' dtype under --precision pure (default bfloat16)",
-    )
-    p.add_argument("--optimizer", default="adamw", help="adamw, adam, sgd-momentum, sgd or none")
-    p.add_argument(
-        "--foreach",
-        choices=("auto", "on", "off"),
-        default="auto",
-        help="the optimizer's multi-tensor step (auto: torch's default, on for CUDA devices)",
-    )
-    p.add_argument(
-        "--gradients",
-        default="auto",
-        choices=("auto", "made", "held"),
-        help="parameter gradients made in the step (torch's zero_grad() sets them to None), or "
-        "held across steps; auto (the API's default too): made unless the model has gradients",
-    )
-    p.add_argument(
-        "--hardware", default="a100-80gb-pcie4", help="hardware preset (default %(default)s)"
-    )
-    p.add_argument(
-        "--memory", type=_memory_arg, help="device memory instead of the preset's, e.g. 24GB"
-    )
-    p.add_argument("--solver", default="cpsat")
-    p.add_argument(
-        "--time-limit", type=float, default=60.0, help="seconds for the plan (default %(default)s)"
-    )
-    p.add_argument("--out", help="write the graph JSON here")
-    p.add_argument("--plan", help="write the plan JSON here")
-    p.set_defaults(func=cmd_fit)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -501,7 +377,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--name")
     p.set_defaults(func=cmd_profile)
 
-    _add_fit(sub)
+    add_fit(sub)
     return parser
 
 

@@ -192,6 +192,10 @@ def fit(
         verdict = (
             f"does not fit: the smallest plan needs {smallest.budget_bytes / GIB:.2f} GiB "
             f"for activations, {left / GIB:.2f} GiB are left"
+            if smallest.proven or left < smallest.lower_bytes
+            else f"no plan found: the smallest found needs {smallest.budget_bytes / GIB:.2f} GiB "
+            f"for activations, {left / GIB:.2f} GiB are left (not proven: no plan fits below "
+            f"{smallest.lower_bytes / GIB:.2f} GiB)"
         )
     else:
         try:

@@ -1,5 +1,6 @@
-"""Plots: device memory over the step against the budget, and a Gantt chart of the compute
-stream and the two copy lanes (matplotlib, PNG and SVG)."""
+"""Plots: device memory over the step against the budget, a Gantt chart of the compute
+stream and the two copy lanes, and tokens per second against the batch for each strategy
+(matplotlib, PNG and SVG)."""
 
 from __future__ import annotations
 
@@ -67,6 +68,44 @@ def plot_gantt(
         ncol=5,
     )
     ax.set_title(title or f"{graph.name}: compute and copy lanes")
+    fig.tight_layout()
+    return _save(fig, path)
+
+
+def plot_throughput(
+    curve: dict, path: str | Path, dimension: str = "batch", title: str = ""
+) -> list[Path]:
+    """Tokens per second against the size (``LargestFit.curve``: per size, its strategy rows),
+    one line per strategy; filled markers where the step fits the device, hollow where not."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    labels: dict[str, str] = {}
+    for rows in curve.values():
+        for r in rows:
+            labels.setdefault(r.strategy, r.label)
+    for strategy, label in labels.items():
+        points = sorted(
+            (size, r) for size, rows in curve.items() for r in rows if r.strategy == strategy
+        )
+        xs = [size for size, _ in points]
+        ys = [r.tokens_per_s for _, r in points]
+        (line,) = ax.plot(xs, ys, "-", alpha=0.6, label=label)
+        fits = [(x, y) for (x, y), (_, r) in zip(zip(xs, ys), points) if r.fits]
+        over = [(x, y) for (x, y), (_, r) in zip(zip(xs, ys), points) if not r.fits]
+        if fits:
+            ax.plot(*zip(*fits), "o", color=line.get_color())
+        if over:
+            ax.plot(*zip(*over), "o", mfc="none", color=line.get_color())
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel(dimension)
+    ax.set_ylabel("tokens per second (predicted)")
+    ax.set_title(title or f"Throughput against {dimension} (hollow: does not fit)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
     fig.tight_layout()
     return _save(fig, path)
 

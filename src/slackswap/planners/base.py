@@ -69,6 +69,8 @@ _REGISTRY: dict[str, str] = {
     "keep-all": "slackswap.planners.baselines:KeepAll",
     "recompute-all": "slackswap.planners.baselines:RecomputeAll",
     "swap-all": "slackswap.planners.baselines:SwapAll",
+    "checkpoint-blocks": "slackswap.planners.baselines:CheckpointBlocks",
+    "checkpoint-blocks-sac": "slackswap.planners.baselines:CheckpointBlocksSavingMatmuls",
     "heuristic": "slackswap.planners.heuristic:SlackSwapHeuristic",
     "cpsat": "slackswap.planners.exact.cpsat:CpSatBackend",
     "cbc": "slackswap.planners.exact.pulp_backend:CbcBackend",

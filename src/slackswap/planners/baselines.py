@@ -1,4 +1,7 @@
-"""Baseline plans: keep everything, recompute what can be rebuilt from kept tensors, swap all."""
+"""Baseline plans: keep everything, recompute what can be rebuilt from kept tensors, swap all,
+and the checkpointing users configure by hand: every block checkpointed (HF
+``gradient_checkpointing``), and every block under torch's selective checkpointing that saves
+the matrix products and attention (torchtitan's op-level SAC list)."""
 
 from __future__ import annotations
 
@@ -9,12 +12,16 @@ import numpy as np
 from ..core.codes import keep_all_codes
 from ..core.graph import ActivationGraph
 from ..core.plan import KEEP, RECOMPUTE, SWAP, UNSAVED, SolveInfo
+from ..core.regions import numbered_blocks, op_regions
 from .base import Problem, Solution
 
 __all__ = [
+    "CheckpointBlocks",
+    "CheckpointBlocksSavingMatmuls",
     "KeepAll",
     "RecomputeAll",
     "SwapAll",
+    "checkpoint_blocks_codes",
     "keep_all_codes",
     "rebuild_cost",
     "recompute_all_codes",
@@ -86,6 +93,56 @@ def recompute_all_codes(graph: ActivationGraph) -> np.ndarray:
     return codes
 
 
+# what torchtitan's selective activation checkpointing saves in a block (its _save_list): matrix
+# products and the attention kernels; everything else in the block is rerun in backward
+SAC_SAVED_OPS = frozenset(
+    {
+        "aten.mm.default",
+        "aten.addmm.default",
+        "aten.bmm.default",
+        "aten._scaled_dot_product_flash_attention.default",
+        "aten._scaled_dot_product_efficient_attention.default",
+        "aten._scaled_dot_product_cudnn_attention.default",
+        "aten._scaled_dot_product_flash_attention_for_cpu.default",
+    }
+)
+
+
+def checkpoint_blocks_codes(
+    graph: ActivationGraph, saving: frozenset[str] = frozenset()
+) -> np.ndarray:
+    """Every block of a stack checkpointed (``core.regions``): a tensor made inside a block and
+    read only there is recomputed, unless its op is in ``saving`` (torch's selective
+    checkpointing policy); what leaves a block (its output, read by the next) stays, as the
+    checkpoint's input does. Embeddings, heads and the loss run plainly. A random group is
+    recomputed whole or kept whole."""
+    of_op = op_regions(graph)
+    blocks = numbered_blocks(of_op)
+    codes = keep_all_codes(graph)
+    producer = graph.producer.tolist()
+    readers: dict[int, set[str]] = {}
+    for i, inputs in enumerate(graph.op_inputs):
+        for t in inputs:
+            readers.setdefault(t, set()).add(of_op[i])
+    for t in graph.saved.tolist():
+        p = producer[t]
+        region = of_op[p] if p >= 0 else ""
+        if region not in blocks:
+            continue
+        inside = readers.get(t, set()) | {of_op[r] for r in graph.saved_for_index[t]}
+        if inside - {region}:
+            continue  # leaves the block: the next block's checkpoint input
+        if str(graph.ops[p].extra.get("aten", "")) in saving:
+            continue
+        codes[t] = RECOMPUTE
+    codes[(codes == RECOMPUTE) & ~graph.can_recompute] = KEEP
+    for members in graph.rng_groups.values():
+        group = list(members)
+        if (codes[group] == RECOMPUTE).any() and not (codes[group] == RECOMPUTE).all():
+            codes[group] = KEEP
+    return codes
+
+
 class _Baseline:
     name = "baseline"
     options: frozenset[str] = frozenset()
@@ -126,3 +183,16 @@ class SwapAll(_Baseline):
             None,
             SolveInfo(solver=self.name, status="baseline", wall_s=time.perf_counter() - start),
         )
+
+
+class CheckpointBlocks(_Baseline):
+    name = "checkpoint-blocks"
+    make = staticmethod(checkpoint_blocks_codes)
+
+
+class CheckpointBlocksSavingMatmuls(_Baseline):
+    name = "checkpoint-blocks-sac"
+
+    @staticmethod
+    def make(graph: ActivationGraph) -> np.ndarray:
+        return checkpoint_blocks_codes(graph, SAC_SAVED_OPS)

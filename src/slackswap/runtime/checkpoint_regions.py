@@ -10,6 +10,17 @@ from typing import NamedTuple
 
 from ..core.graph import ActivationGraph
 from ..core.plan import Plan
+from ..core.regions import op_regions as _op_regions
+from ..core.regions import region_of
+
+__all__ = [
+    "RegionOp",
+    "boundary_pins",
+    "checkpoint_graph",
+    "checkpoint_regions",
+    "op_kind",
+    "region_of",
+]
 
 # one op, several aten names: the eager profile records the kernel the device ran (batch norm as
 # native_batch_norm on CPU, cudnn_batch_norm on CUDA), torch.compile traces its functional form
@@ -32,23 +43,6 @@ def op_kind(aten_name: str) -> str:
     if packet in _SAME_OP:
         return f"{_SAME_OP[packet]}.default"
     return aten_name
-
-
-def region_of(module_path: str) -> str:
-    """The checkpoint region an op's module belongs to: its path up to and including the first
-    numbered component (``blocks.3``, ``model.layers.7``, ``layer2.1``: one block of a stack),
-    else the module itself (``transformer.wte``, ``head``). "" (the model's own ops) is no region.
-    A region that contains another (``transformer`` around ``transformer.h.0``) is dropped by
-    ``checkpoint_regions``: its own ops run unwrapped."""
-    parts = module_path.split(".") if module_path else []
-    for i, part in enumerate(parts):
-        if part.isdigit():
-            return ".".join(parts[: i + 1])
-    return module_path
-
-
-def _module_of(op) -> str:
-    return str(op.extra.get("module", op.name.split("/")[0] if "/" in op.name else ""))
 
 
 class RegionOp(NamedTuple):
@@ -144,23 +138,6 @@ def _region_reruns(graph: ActivationGraph, of_op: list[str]) -> dict[str, list[i
         ):
             out.setdefault(region, []).append(i)
     return out
-
-
-def _op_regions(graph: ActivationGraph, regions: list[str] | None) -> list[str]:
-    """Per op, the region ``checkpointed`` wraps it in ("" none): ``region_of``, or the longest of
-    ``regions`` containing its module; a region around another is not wrapped (its own ops run
-    plainly)."""
-
-    def region(path: str) -> str:
-        if regions is None:
-            return region_of(path)
-        inside = [r for r in regions if path == r or path.startswith(r + ".")]
-        return max(inside, key=len) if inside else ""
-
-    of_op = [region(_module_of(op)) for op in graph.ops]
-    names = set(of_op) - {""}
-    nested = {r for r in names if any(o != r and o.startswith(r + ".") for o in names)}
-    return ["" if r in nested else r for r in of_op]
 
 
 def boundary_pins(graph: ActivationGraph, regions: list[str] | None = None) -> dict[str, str]:

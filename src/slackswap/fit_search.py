@@ -1,0 +1,253 @@
+"""The largest micro-batch (or sequence) that fits, and the plans users compare at it.
+
+``largest_fit(graph_at, hw)`` grows the size (1, 2, 4, ...) until no plan fits the memory left
+beside the model state, then bisects: the answer is a size at which ``fit`` finds a plan and one
+above at which it finds none (the step model's prediction for ``hw``, like every figure of
+``fit``). At that size ``strategies`` compares what users would otherwise run, side by side: no
+plan, every block checkpointed (HF ``gradient_checkpointing``), the blocks under torch's
+selective checkpointing of matrix products, offloading everything, and the slackswap plan, each
+with its predicted peak, step time and tokens per second.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from .check.simulate import simulate
+from .core.errors import InfeasibleBudget
+from .core.graph import ActivationGraph
+from .core.hardware import Hardware
+from .fit import FitReport, fit
+from .solve import graph_hardware, solve
+
+GIB = 2**30
+
+# (solver name, what users call it): the plans compared at the largest size
+STRATEGIES = (
+    ("keep-all", "no plan (every activation kept)"),
+    ("checkpoint-blocks", "every block checkpointed"),
+    ("checkpoint-blocks-sac", "blocks with torch SAC (matmuls saved)"),
+    ("swap-all", "offload everything"),
+)
+
+
+@dataclass(frozen=True)
+class StrategyRow:
+    """One strategy at one size: its predicted peak of activations, step and throughput, and
+    whether the step fits the memory left beside the model state."""
+
+    strategy: str
+    label: str
+    size: int
+    peak_bytes: int
+    step_s: float
+    tokens_per_s: float
+    fits: bool
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+@dataclass(frozen=True)
+class LargestFit:
+    """The largest size that fits (0: not even 1), ``fit``'s report there and one size above
+    (where no plan fits), every size tried with its verdict, and the strategies compared."""
+
+    dimension: str  # "batch" or "seq"
+    size: int
+    report: FitReport | None
+    above: FitReport | None
+    tried: dict[int, bool] = field(default_factory=dict)
+    rows: tuple[StrategyRow, ...] = ()
+    # per size tried, the strategies there (``largest_fit(..., curve=True)``: for the plot)
+    curve: dict[int, tuple[StrategyRow, ...]] = field(default_factory=dict)
+
+    def table(self) -> str:
+        lines = [
+            f"largest {self.dimension} that fits: {self.size}"
+            + ("" if self.size else " (none: not even 1)"),
+            f"{'batch sizes' if self.dimension == 'batch' else 'sequence lengths'} tried: "
+            + ", ".join(f"{n} {'fits' if ok else 'no'}" for n, ok in sorted(self.tried.items())),
+        ]
+        if self.above is not None:
+            lines.append(f"at {self.dimension} {self.size + 1}: {self.above.verdict}")
+        if self.rows:
+            width = max(len(r.label) for r in self.rows)
+            lines.append(
+                f"{'at ' + self.dimension + ' ' + str(self.size):<{width}}  "
+                f"{'peak GiB':>9} {'step ms':>9} {'tokens/s':>10}  fits"
+            )
+            for r in self.rows:
+                lines.append(
+                    f"{r.label:<{width}}  {r.peak_bytes / GIB:9.2f} {1e3 * r.step_s:9.1f} "
+                    f"{r.tokens_per_s:10.0f}  {'yes' if r.fits else 'no'}"
+                )
+            lines.append(
+                "(every row the step model's prediction; a strategy's reruns as slackswap's "
+                "executor runs its decisions, one rebuild per tensor, not torch's replay of a "
+                "region)"
+            )
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "dimension": self.dimension,
+            "size": self.size,
+            "tried": {str(k): v for k, v in sorted(self.tried.items())},
+            "report": None if self.report is None else self.report.to_dict(),
+            "above": None if self.above is None else self.above.to_dict(),
+            "strategies": [r.to_dict() for r in self.rows],
+        }
+
+
+def _fits(report: FitReport) -> bool:
+    return report.fits
+
+
+def largest_fit(
+    graph_at: Callable[[int], ActivationGraph],
+    hardware: Hardware | str | None = None,
+    *,
+    dimension: str = "batch",
+    limit: int = 1 << 16,
+    tokens_per_size: int = 1,
+    memory_bytes: int | None = None,
+    solver: str = "cpsat",
+    progress: Callable[[str], None] | None = None,
+    curve: bool = False,
+    **options: Any,
+) -> LargestFit:
+    """The largest size in [1, ``limit``] at which ``fit(graph_at(size), ...)`` finds a plan.
+
+    Args:
+        graph_at: the step's graph at a size (a fake profile at that batch or sequence).
+        hardware: the device (default: the graphs' own).
+        dimension: what the size is ("batch" or "seq"), for the report.
+        limit: the largest size tried.
+        tokens_per_size: tokens a step holds per unit of size (the sequence length when the
+            size is the batch; the batch when it is the sequence), for tokens per second.
+        memory_bytes: the device memory instead of the hardware's.
+        solver: the planner for the slackswap plan.
+        progress: called with a line per size tried.
+        curve: compare the strategies at every size tried too (``LargestFit.curve``).
+        options: passed to ``fit`` and ``solve``.
+
+    Returns:
+        A LargestFit: the size, fit's reports at it and above it, every size tried, and the
+        strategies compared at it.
+    """
+    if dimension not in ("batch", "seq"):
+        raise ValueError(f"largest_fit: dimension must be 'batch' or 'seq', got {dimension!r}")
+    if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+        raise ValueError(f"largest_fit: limit must be a positive integer, got {limit!r}")
+    tried: dict[int, bool] = {}
+    reports: dict[int, FitReport] = {}
+    graphs: dict[int, ActivationGraph] = {}
+
+    def check(size: int) -> bool:
+        if size not in tried:
+            graphs[size] = graph_at(size)
+            report = fit(
+                graphs[size], hardware, memory_bytes=memory_bytes, solver=solver, **options
+            )
+            reports[size], tried[size] = report, _fits(report)
+            if progress is not None:
+                progress(f"{dimension} {size}: {report.verdict}")
+        return tried[size]
+
+    if not check(1):
+        return LargestFit(dimension, 0, None, reports[1], tried)
+    high: int | None
+    low, high = 1, None
+    while high is None:  # grow: 1, 2, 4, ... until one does not fit or the limit
+        nxt = min(2 * low, limit)
+        if nxt == low:
+            break
+        if check(nxt):
+            low = nxt
+        else:
+            high = nxt
+    while high is not None and high - low > 1:  # bisect (low fits, high does not)
+        mid = (low + high) // 2
+        if check(mid):
+            low = mid
+        else:
+            high = mid
+    above = None
+    if low < limit:
+        check(low + 1)
+        above = reports[low + 1]
+
+    def compared(size: int) -> tuple[StrategyRow, ...]:
+        rows = strategies(
+            graphs[size],
+            hardware,
+            reports[size],
+            size=size,
+            tokens_per_size=tokens_per_size,
+            solver=solver,
+            **options,
+        )
+        return tuple(rows)
+
+    points = {n: compared(n) for n in sorted(tried)} if curve else {}
+    rows = points.get(low) or compared(low)
+    return LargestFit(dimension, low, reports[low], above, tried, rows, points)
+
+
+def strategies(
+    graph: ActivationGraph,
+    hardware: Hardware | str | None,
+    report: FitReport,
+    *,
+    size: int,
+    tokens_per_size: int,
+    solver: str = "cpsat",
+    **options: Any,
+) -> list[StrategyRow]:
+    """Each strategy of STRATEGIES and the slackswap plan on ``graph``, within the memory
+    ``report`` leaves for activations: its predicted peak, step and tokens per second. A
+    strategy fits where its peak is within that memory and the model state fits beside it."""
+    hw, _ = graph_hardware(graph, hardware)
+    left = report.activation_memory_bytes
+    state_fits = left > 0 and "optimizer step needs" not in report.verdict
+    tokens = size * tokens_per_size
+    rows = []
+    for name, label in STRATEGIES:
+        # a baseline's decisions do not depend on the budget: planned at the keep-all peak (a
+        # budget below the smallest would be refused), its peak compared with the memory left
+        plan = solve(graph, 1.0, hw, solver=name, strict=False)
+        sim = simulate(graph, plan, hw)
+        rows.append(
+            StrategyRow(
+                name,
+                label,
+                size,
+                int(sim.peak_bytes),
+                float(sim.step_time_s),
+                tokens / sim.step_time_s,
+                bool(state_fits and sim.peak_bytes <= left),
+            )
+        )
+    plan = report.plan
+    if plan is None and state_fits:
+        try:
+            plan = solve(graph, left, hw, solver=solver, **options)
+        except InfeasibleBudget:
+            plan = None
+    if plan is not None:
+        sim = simulate(graph, plan, hw)
+        rows.append(
+            StrategyRow(
+                "slackswap",
+                f"slackswap plan ({plan.info.solver})",
+                size,
+                int(sim.peak_bytes),
+                float(sim.step_time_s),
+                tokens / sim.step_time_s,
+                bool(state_fits and sim.fits),
+            )
+        )
+    return rows

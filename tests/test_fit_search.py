@@ -1,0 +1,80 @@
+"""The largest batch that fits: a size at which fit finds a plan and one above at which it finds
+none, and the strategies users compare at it."""
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+import slackswap as ss  # noqa: E402
+from slackswap.cli import main  # noqa: E402
+from slackswap.fit_search import STRATEGIES, largest_fit  # noqa: E402
+from slackswap.runtime.hf_models import meta_model, training_batch  # noqa: E402
+
+HW = "a100-80gb-pcie4"
+SMALL = {
+    "num_hidden_layers": 2,
+    "hidden_size": 256,
+    "intermediate_size": 688,
+    "num_attention_heads": 4,
+    "vocab_size": 2000,
+    "max_position_embeddings": 512,
+}
+
+
+def _graph_at(seq):
+    model, config = meta_model("llama", SMALL)
+
+    def at(batch):
+        inputs, loss_fn = training_batch(config, seq, batch)
+        return ss.profile(model, inputs, loss_fn, fake=True, hardware=HW)
+
+    return at
+
+
+@pytest.mark.slow  # about ten fits, each with its smallest budget's exact model
+def test_the_largest_batch_fits_and_the_next_does_not():
+    at = _graph_at(256)
+    state = at(1).extra["model_state"]
+    # memory for the model state and about six batches' keep-all activations: a plan reaches
+    # further than keep-all, but not without end
+    per_batch = ss.keep_all_peak(at(2), HW) - ss.keep_all_peak(at(1), HW)
+    memory = state["total_bytes"] + state["optimizer_step_bytes"] + 6 * per_batch
+    found = largest_fit(at, HW, memory_bytes=memory, solver="heuristic", tokens_per_size=256)
+    assert found.size >= 6  # keep-all alone fits six
+    assert found.report is not None and found.report.fits
+    assert found.above is not None and not found.above.fits
+    # fit agrees at both sizes, asked directly
+    assert ss.fit(at(found.size), HW, memory_bytes=memory, solver="heuristic").fits
+    assert not ss.fit(at(found.size + 1), HW, memory_bytes=memory, solver="heuristic").fits
+    assert found.tried[found.size] and not found.tried[found.size + 1]
+    # every strategy is compared at the answer; the slackswap plan fits there
+    names = [r.strategy for r in found.rows]
+    assert names == [name for name, _ in STRATEGIES] + ["slackswap"]
+    assert found.rows[-1].fits
+    keep = found.rows[0]
+    assert keep.tokens_per_s == pytest.approx(found.size * 256 / keep.step_s)
+
+
+def test_a_device_too_small_for_one_batch_says_so():
+    at = _graph_at(128)
+    state = at(1).extra["model_state"]
+    found = largest_fit(at, HW, memory_bytes=state["total_bytes"] + 1, solver="heuristic")
+    assert found.size == 0 and found.report is None and not found.above.fits
+
+
+@pytest.mark.slow
+def test_the_command_line_searches_compares_and_plots(tmp_path, capsys):
+    import json
+
+    out, plot = tmp_path / "search.json", tmp_path / "throughput"
+    config = json.dumps(SMALL)
+    argv = ["fit", "llama", "--hf-config", config, "--seq", "256", "--memory", "200MB"]
+    argv += ["--solver", "heuristic", "--max-batch", "--out", str(out), "--plot", str(plot)]
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    found = json.loads(out.read_text())
+    assert f"largest batch that fits: {found['size']}" in printed
+    assert found["report"]["fits"] and not found["above"]["fits"]
+    assert (tmp_path / "throughput.png").stat().st_size > 0
+    assert main(["fit", "llama", "--seq", "16", "--plot", str(plot)]) == 2
