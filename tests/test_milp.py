@@ -330,3 +330,19 @@ def test_the_exact_plan_is_never_slower_than_its_start_on_tiny_op_times():
         best = ss.simulate(g, ss.solve(g, budget, LINK, solver="cpsat", gap=0.0), LINK)
         heuristic = ss.simulate(g, ss.solve(g, budget, LINK, solver="heuristic"), LINK)
         assert best.step_time_s <= heuristic.step_time_s * (1 + 1e-9)
+
+
+def test_highs_at_a_work_limit_returns_its_incumbent_and_bound(caplog):
+    """HiGHS through highspy: a node limit ends the search with the incumbent and HiGHS's dual
+    bound (PuLP's interface raised KeyError: HighsModelStatus.kSolutionLimit and lost both)."""
+    import logging
+
+    if not ss.is_available("highs"):
+        pytest.skip("highspy is not installed")
+    g = ss.cnn_graph("resnet50")
+    with caplog.at_level(logging.WARNING, logger="slackswap"):
+        plan = ss.solve(g, 0.6, "a100-80gb-pcie4", solver="highs", work_s=0.05, time_limit_s=60)
+    assert plan.info.status in ("feasible", "optimal")
+    assert plan.info.bound is not None and plan.info.bound <= plan.info.objective + 1e-12
+    assert ss.validate(g, plan).ok
+    assert "KeyError" not in caplog.text and "Traceback" not in caplog.text

@@ -74,7 +74,7 @@ _REGISTRY: dict[str, str] = {
     "heuristic": "slackswap.planners.heuristic:SlackSwapHeuristic",
     "cpsat": "slackswap.planners.exact.cpsat:CpSatBackend",
     "cbc": "slackswap.planners.exact.pulp_backend:CbcBackend",
-    "highs": "slackswap.planners.exact.pulp_backend:HighsBackend",
+    "highs": "slackswap.planners.exact.highs_backend:HighsBackend",
     "scip": "slackswap.planners.exact.scip_backend:ScipBackend",
 }
 

@@ -251,9 +251,11 @@ class LinearModel:
         max_nodes: int | None = None,
         max_iterations: int | None = None,
         highs_options: dict[str, Any] | None = None,
+        start: dict[int, float] | None = None,
     ):
         """The same model with ``integer_vars`` integral (HiGHS branch and bound), in a child
-        process (planners/native.py): a crash is an error, the deadline holds.
+        process (planners/native.py): a crash is an error, the deadline holds. ``start``: values
+        of some variables, HiGHS's starting solution (it completes the rest).
         ``improving_solutions`` (improving solutions), ``max_nodes`` (branch-and-bound nodes) and
         ``max_iterations`` (simplex iterations over the whole search, the root node's included)
         are work limits, the same on any machine; the time limit is only a cap."""
@@ -263,6 +265,9 @@ class LinearModel:
         integrality = np.zeros(self.n)
         integrality[integer_vars] = 1
         arrays = {**self._arrays(), "integrality": integrality}
+        if start:
+            arrays["start_index"] = np.array(sorted(start), dtype=np.int64)
+            arrays["start_value"] = np.array([float(start[i]) for i in sorted(start)])
         limit = max(0.1, float(time_limit_s))
         options: dict[str, Any] = {"time_limit_s": limit, "gap": gap}
         if abs_gap is not None:
@@ -286,6 +291,7 @@ class LinearModel:
                 and max_nodes is None
                 and max_iterations is None
                 and not highs_options
+                and not start
             ):
                 answer = run_in_child(
                     "scipy", {"problem": "milp", "options": options}, arrays, kill

@@ -164,6 +164,9 @@ def solve_highs_mip(req: dict, folder: Path) -> dict:
     for name, value in opts.get("highs", {}).items():  # further HiGHS options, by name
         h.setOptionValue(name, value)
     h.passModel(lp)
+    if "start_index" in data.files:  # a partial starting solution: HiGHS completes it
+        index = data["start_index"].astype(np.int32)
+        h.setSolution(len(index), index, data["start_value"].astype(float))
     h.run()
     status = h.getModelStatus()
     ms = highspy.HighsModelStatus

@@ -1,4 +1,4 @@
-"""CBC and HiGHS through PuLP: the same formulation, enforcement literals turned into big-M rows
+"""CBC through PuLP (HiGHS has its own interface: highs_backend.py): the same formulation, enforcement literals turned into big-M rows
 whose M comes from the variables' bounds (formulations/milp.md, "Backends"), each solved in a
 child process (planners/native.py)."""
 
@@ -159,8 +159,3 @@ class CbcBackend(_PulpBackend):
             again.cbc_options = ("preprocess off",)
             result = _PulpBackend.run(again, f, left, seed, workers, options, fixed)
         return result
-
-
-class HighsBackend(_PulpBackend):
-    name = "highs"
-    solver = "highs"
