@@ -483,11 +483,10 @@ def test_checkpointed_refuses_a_plan_for_another_model_or_a_longer_input(setup):
         loss_fn(model(x[:, :64])).backward()
 
 
-def test_the_plans_own_policy_method_is_a_deprecated_alias(setup):
+def test_the_plan_is_data_with_no_policy_method_of_its_own(setup):
     _, _, graph, plan = setup
-    with pytest.warns(DeprecationWarning, match="ss.checkpoint_policy|slackswap.checkpoint_policy"):
-        policy = plan.as_checkpoint_policy(graph)
-    assert callable(policy)
+    assert not hasattr(plan, "as_checkpoint_policy")  # the runtime's: ss.checkpoint_policy
+    assert callable(ss.checkpoint_policy(plan, graph))
 
 
 def test_a_whole_model_policy_refuses_swaps_by_name(setup):

@@ -104,13 +104,11 @@ def test_the_default_runs_every_phase_on_work_limits():
     assert limits["relax_cap_s"] == float("inf") and limits["search_cap_s"] is None
     assert plan.info.extra["clock_stopped"] == []
     assert ss.validate(g, plan).ok
-    # deterministic=True, the older switch, is the default; False is anytime
-    same = ss.solve(
-        g, budget, LINK, solver="cpsat", time_limit_s=120, work_s=20, deterministic=True
-    )
-    assert same.decisions == plan.decisions and same.info.status == plan.info.status
-    anytime = ss.solve(g, budget, LINK, solver="cpsat", time_limit_s=5, deterministic=False)
+    # anytime=True lets the clock stop the phases instead; the old switch is gone, by name
+    anytime = ss.solve(g, budget, LINK, solver="cpsat", time_limit_s=5, anytime=True)
     assert anytime.info.extra["work_limits"]["anytime"] is True
+    with pytest.raises(ValueError, match="deterministic"):
+        ss.solve(g, budget, LINK, solver="cpsat", deterministic=True)
 
 
 @pytest.mark.slow

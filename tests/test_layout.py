@@ -51,8 +51,7 @@ CHECKER_MAY_IMPORT = {
     "core.errors",
     "core.units",
 }
-# none: the plan's torch policy is the runtime's (ss.checkpoint_policy); Plan.as_checkpoint_policy,
-# its deprecated alias for one release, finds it by name at call time
+# none: the plan's torch policy is the runtime's (ss.checkpoint_policy)
 ALLOWED_UPWARD: set[tuple[str, str]] = set()
 
 

@@ -49,7 +49,6 @@ def host_allowed(hw: Hardware, allowed) -> tuple[Any, bool]:
 BOOLEAN_OPTIONS = (
     "warm_start",
     "polish",
-    "deterministic",
     "coarse",
     "departure",
     "full",

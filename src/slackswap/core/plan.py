@@ -296,26 +296,6 @@ class Plan:
         """The decisions alone (an open plan: schedule and hardware dropped)."""
         return replace(self, schedule=None, hardware=None)
 
-    def as_checkpoint_policy(self, graph: ActivationGraph) -> Any:
-        """A torch selective-checkpoint policy with this plan's recomputes: see
-        :func:`slackswap.runtime.checkpoint.checkpoint_policy` (imported lazily: torch stays out
-        of the core). For the plan's peak, run the model inside ``slackswap.checkpointed(model,
-        plan, graph)`` instead (one checkpointed region per block).
-
-        Deprecated: use ``slackswap.checkpoint_policy(plan, graph)`` (the plan is data; its torch
-        policy is the runtime's). This alias goes in the next release."""
-        import importlib
-        import warnings
-
-        warnings.warn(
-            "Plan.as_checkpoint_policy is deprecated: use slackswap.checkpoint_policy(plan, graph)",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        return importlib.import_module("slackswap.runtime.checkpoint").checkpoint_policy(
-            self, graph
-        )
-
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = dict(self.extra)
         out.update(

@@ -44,7 +44,6 @@ class ExactBackend:
             "coarse",
             "log",
             "linearization_level",
-            "deterministic",
             "departure",
             "anytime",
             "work_s",
@@ -76,7 +75,6 @@ class ExactBackend:
         full: bool | None = None,
         strategy: str = "auto",
         polish: bool = True,
-        deterministic: bool | None = None,
         coarse: bool = True,
         departure: bool = True,
         anytime: bool = False,
@@ -92,15 +90,12 @@ class ExactBackend:
         Args:
             problem: the graph, hardware, budget and restrictions (planners/base.py).
             time_limit_s: the hard cap on the wall clock, from solve()'s entry.
-            deterministic: the older switch: False is ``anytime=True``.
             options: the backend's own (``gap``, ``log``, ``linearization_level``).
 
         Returns:
             A :class:`Solution`: decisions, schedule (None: the warm start's, simulated) and
             the :class:`SolveInfo` with the status, bound and gap that are true of it.
         """
-        if deterministic is not None:
-            anytime = anytime or not deterministic
         settings = SearchSettings(
             time_limit_s=time_limit_s,
             seed=seed,
