@@ -131,7 +131,9 @@ def operand_dtype(tensors) -> str:
 def tf32_enabled(convolution: bool) -> bool:
     """Whether torch runs float32 products of this kind as TF32 now (cuDNN convolutions: on by
     default; matrix products: off unless the float32 matmul precision is lowered)."""
-    backend = torch.backends.cudnn.conv if convolution else torch.backends.cuda.matmul
+    backend = (
+        getattr(torch.backends.cudnn, "conv", None) if convolution else torch.backends.cuda.matmul
+    )
     precision = getattr(backend, "fp32_precision", "none")
     if precision != "none":
         return precision == "tf32"

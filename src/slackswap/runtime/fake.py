@@ -227,10 +227,10 @@ def values_read(values: InputValues):
                 return _original(None)
             return _original(tensor)
 
-        module.is_tracing = is_tracing
+        vars(module)["is_tracing"] = is_tracing
         patched.append((module, original))
     try:
         yield
     finally:
         for module, original in patched:
-            module.is_tracing = original
+            vars(module)["is_tracing"] = original

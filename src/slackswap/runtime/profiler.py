@@ -244,8 +244,9 @@ def profile(
     if isinstance(model, torch.nn.Module):
         check_precision(model, precision)
         gradients = gradients_of(model) if gradients == "auto" else gradients
-    if PRECISIONS.get(precision):
-        forward = under_autocast(forward, PRECISIONS[precision])
+    compute = PRECISIONS.get(precision)
+    if compute is not None:
+        forward = under_autocast(forward, compute)
     if fake:
         graph = _profile_fake(model, inputs, loss_fn, device, name, gradients, hardware, forward)
         graph = with_model_state(graph, model, optimizer, foreach, precision)
