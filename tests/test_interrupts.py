@@ -148,7 +148,11 @@ def test_ctrl_c_at_any_moment_of_a_cpsat_solve_is_a_keyboard_interrupt(after_s, 
     time.sleep(after_s)  # a moment, not a speed: each moment is a case that must hold
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=120)
-    assert proc.returncode == 0, err[-2000:]
-    assert out.strip().splitlines()[-1] in ("KeyboardInterrupt", "returned"), (out, err[-2000:])
+    # the process ends by KeyboardInterrupt (caught: exit 0) or by SIGINT's own default action
+    # (-2: an interpreter that ends on an interrupt re-raises the signal), never by an abort
+    # (-6, SIGABRT: "terminate called without an active exception")
+    assert proc.returncode in (0, -signal.SIGINT), (proc.returncode, err[-2000:])
+    if proc.returncode == 0:
+        assert out.strip().splitlines()[-1] in ("KeyboardInterrupt", "returned"), (out, err)
     assert "Abort" not in err and "terminate called" not in err
     assert not workers_in(tmp_path)

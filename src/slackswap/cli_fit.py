@@ -64,6 +64,11 @@ def add_fit(sub) -> None:
     p.add_argument(
         "--memory", type=_memory_arg, help="device memory instead of the preset's, e.g. 24GB"
     )
+    p.add_argument(
+        "--host-memory",
+        type=_memory_arg,
+        help="host memory swapped tensors may take instead of the preset's, e.g. 64GB",
+    )
     p.add_argument("--solver", default="cpsat")
     p.add_argument(
         "--time-limit", type=float, default=60.0, help="seconds for the plan (default %(default)s)"
@@ -146,6 +151,7 @@ def cmd_fit(args) -> int:
             args.hardware,
             time_limit_s=args.time_limit,
             solver=args.solver,
+            host_memory_bytes=args.host_memory,
             **({"memory_bytes": args.memory} if args.memory else {}),
         )
     print(report.table())
@@ -184,6 +190,7 @@ def _largest(args, config, graph_at) -> int:
         limit=limit,
         tokens_per_size=per,
         memory_bytes=args.memory or None,
+        host_memory_bytes=args.host_memory,
         solver=args.solver,
         time_limit_s=args.time_limit,
         progress=lambda line: print(line, file=sys.stderr, flush=True),

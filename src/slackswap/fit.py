@@ -11,7 +11,7 @@ its predicted step against the ideal one. Every figure is the step model's predi
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from .check.simulate import simulate
@@ -44,6 +44,10 @@ class FitReport:
     retention: float | None  # ideal step / planned step
     verdict: str
     gradients_made: bool = False  # parameter gradients counted in backward, not beside
+    # host memory the plan's swapped tensors take (the executor's pool holds each for the
+    # step), and what the hardware has for them (0: no limit)
+    host_bytes: int = 0
+    host_memory_bytes: int = 0
 
     @property
     def fits(self) -> bool:
@@ -90,8 +94,12 @@ class FitReport:
         ]
         if self.plan is not None and self.step_s is not None and self.retention is not None:
             counts = ", ".join(f"{self.plan.count(d)} {d}" for d in ("keep", "swap", "recompute"))
+            host = f"{self.host_bytes / GIB:.2f} GiB" + (
+                f" of {self.host_memory_bytes / GIB:.2f} GiB" if self.host_memory_bytes else ""
+            )
             rows += [
                 ("plan", f"{self.plan.info.solver}, {self.plan.info.status}: {counts}"),
+                ("host memory the plan needs", host),
                 (
                     "predicted step",
                     f"{1e3 * self.step_s:.1f} ms, {100 * self.retention:.2f}% of ideal",
@@ -119,6 +127,8 @@ class FitReport:
             "retention": self.retention,
             "fits": self.fits,
             "verdict": self.verdict,
+            "host_bytes": self.host_bytes,
+            "host_memory_bytes": self.host_memory_bytes,
         }
 
 
@@ -137,6 +147,7 @@ def fit(
     hardware: Hardware | str | None = None,
     *,
     memory_bytes: int | None = None,
+    host_memory_bytes: int | None = None,
     solver: str = "cpsat",
     **options: Any,
 ) -> FitReport:
@@ -147,6 +158,8 @@ def fit(
         graph: the step, profiled with its model state (``graph.extra["model_state"]``).
         hardware: the device (default: the graph's own).
         memory_bytes: the device memory to fit in (default: the hardware's).
+        host_memory_bytes: the host memory swapped tensors may take (default: the
+            hardware's; 0: no limit).
         solver: the planner for the activations' budget.
         options: passed to ``solve``.
 
@@ -157,6 +170,8 @@ def fit(
     if not isinstance(graph, ActivationGraph):
         raise TypeError(f"fit: graph must be an ActivationGraph, got {type(graph).__name__}")
     hw, _ = graph_hardware(graph, hardware)
+    if host_memory_bytes is not None:
+        hw = replace(hw, host_memory_bytes=host_memory_bytes)
     memory = hw.memory_bytes if memory_bytes is None else memory_bytes
     if isinstance(memory, bool) or not isinstance(memory, int) or memory <= 0:
         raise ValueError(f"fit: hardware {hw.name!r} has no memory_bytes; pass memory_bytes=...")
@@ -178,6 +193,7 @@ def fit(
     ideal = graph.ideal_step_time_s
     plan = None
     step = retention = None
+    host = 0
     if left <= 0:
         verdict = (
             f"does not fit: the model state alone needs {outside / GIB:.2f} "
@@ -204,7 +220,7 @@ def fit(
             verdict = f"does not fit: {exc}"
         else:
             sim = simulate(graph, plan, hw)
-            step, retention = sim.step_time_s, sim.retention
+            step, retention, host = sim.step_time_s, sim.retention, sim.swapped_bytes
             verdict = (
                 "fits as it is: every activation kept"
                 if keep_all <= left
@@ -225,4 +241,6 @@ def fit(
         retention=retention,
         verdict=verdict,
         gradients_made=made,
+        host_bytes=int(host),
+        host_memory_bytes=int(hw.host_memory_bytes),
     )

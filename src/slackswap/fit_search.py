@@ -12,7 +12,7 @@ with its predicted peak, step time and tokens per second.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from .check.simulate import simulate
@@ -114,6 +114,7 @@ def largest_fit(
     limit: int = 1 << 16,
     tokens_per_size: int = 1,
     memory_bytes: int | None = None,
+    host_memory_bytes: int | None = None,
     solver: str = "cpsat",
     progress: Callable[[str], None] | None = None,
     curve: bool = False,
@@ -129,6 +130,7 @@ def largest_fit(
         tokens_per_size: tokens a step holds per unit of size (the sequence length when the
             size is the batch; the batch when it is the sequence), for tokens per second.
         memory_bytes: the device memory instead of the hardware's.
+        host_memory_bytes: the host memory for swapped tensors instead of the hardware's.
         solver: the planner for the slackswap plan.
         progress: called with a line per size tried.
         curve: compare the strategies at every size tried too (``LargestFit.curve``).
@@ -181,9 +183,12 @@ def largest_fit(
         above = reports[low + 1]
 
     def compared(size: int) -> tuple[StrategyRow, ...]:
+        hw, _ = graph_hardware(graphs[size], hardware)
+        if host_memory_bytes is not None:
+            hw = replace(hw, host_memory_bytes=host_memory_bytes)
         rows = strategies(
             graphs[size],
-            hardware,
+            hw,
             reports[size],
             size=size,
             tokens_per_size=tokens_per_size,
@@ -195,6 +200,11 @@ def largest_fit(
     points = {n: compared(n) for n in sorted(tried)} if curve else {}
     rows = points.get(low) or compared(low)
     return LargestFit(dimension, low, reports[low], above, tried, rows, points)
+
+
+def _host_holds(hw: Hardware, sim) -> bool:
+    """The swapped tensors fit the host memory the hardware has for them (0: no limit)."""
+    return not hw.host_memory_bytes or sim.swapped_bytes <= hw.host_memory_bytes
 
 
 def strategies(
@@ -228,7 +238,7 @@ def strategies(
                 int(sim.peak_bytes),
                 float(sim.step_time_s),
                 tokens / sim.step_time_s,
-                bool(state_fits and sim.peak_bytes <= left),
+                bool(state_fits and sim.peak_bytes <= left and _host_holds(hw, sim)),
             )
         )
     plan = report.plan

@@ -24,7 +24,7 @@ from .core.errors import InfeasibleBudget, PlanError
 from .core.graph import ActivationGraph
 from .core.hardware import Hardware
 from .core.hardware import hardware as get_hardware
-from .core.plan import KEEP, Plan, overhead_gap
+from .core.plan import KEEP, Plan, SolveInfo, overhead_gap
 from .core.restrict import first_forbidden, parse_allowed, restricted
 from .core.units import is_smallest
 from .planners.base import (
@@ -214,6 +214,7 @@ def solve(
     if getattr(planner, "honours_restrictions", False):
         # nothing moved or rebuilt that the budget does not need (a baseline is what it is)
         plan, sim = _minimal(graph, hw, budget_bytes, plan, expansion, sim, mask)
+        plan, sim = _within_host(req, plan, sim)
     if implied:
         plan = plan.with_info(allowed_from="hardware")
     plan = plan.with_info(
@@ -229,6 +230,16 @@ def _fitting(req: _Request, plan: Plan, fits: bool, planner, strict: bool) -> Pl
     the smallest-budget plan when that fits (said so in its info), else InfeasibleBudget."""
     graph, hw, budget_bytes, mask = req.graph, req.hw, req.budget_bytes, req.mask
     check = validate(graph, plan)
+    host = [v for v in check.violations if v.kind == "host_memory"]
+    if host and strict:
+        raise InfeasibleBudget(
+            f"solver {req.solver!r} found no plan for graph {graph.name!r} within {budget_bytes} "
+            f"bytes of device memory and {hw.host_memory_bytes} of host memory: {host[0]} "
+            "(a larger device budget needs fewer swaps; or give the host more, "
+            "host_memory_bytes / --host-memory)",
+            min_budget_bytes=smallest_budget_of(graph, hw, mask).budget_bytes,
+            budget_bytes=budget_bytes,
+        )
     if not fits and strict:
         # the planner's plan does not fit: where the smallest-budget plan does, it is returned
         # (a plan exists at every budget min_budget reports), said so in its info; strict=False
@@ -238,7 +249,7 @@ def _fitting(req: _Request, plan: Plan, fits: bool, planner, strict: bool) -> Pl
             planner, "honours_restrictions", False
         ):
             # (a baseline's plan is what it is: keep-all does not fit, it is not replaced)
-            return _smallest_plan(req, smallest, plan)
+            return _fitting(req, _smallest_plan(req, smallest, plan), True, planner, strict)
         raise _infeasible(req, f"solver {req.solver!r} found no plan: {check.violations[0]}; ")
     if strict and not check.ok:
         raise InfeasibleBudget(
@@ -325,6 +336,56 @@ def _closed(graph: ActivationGraph, solution, hw: Hardware, budget_bytes: int):
             graph, solution.codes, solution.schedule, hw, budget_bytes, solution.info
         )
     return plan, expansion, simulated
+
+
+def _within_host(req: _Request, plan: Plan, sim: SimResult) -> tuple[Plan, SimResult]:
+    """A plan whose swapped tensors need more host memory than the hardware has
+    (``host_memory_bytes``) gives up swaps, cheapest to rebuild per byte first, each rebuilt
+    where it may be (kept otherwise, and a random group's member kept), until the rest fit the
+    host; the step model then says whether it still fits the budget (else solve refuses it,
+    naming both figures). The exact planner's model has the row already (host_memory)."""
+    from .core.codes import decision_codes
+    from .core.plan import RECOMPUTE, SWAP
+    from .planners.base import Solution
+    from .planners.baselines import rebuild_cost
+
+    graph, hw, mask = req.graph, req.hw, req.mask
+    limit = hw.host_memory_bytes
+    if not limit or sim.swapped_bytes <= limit:
+        return plan, sim
+    codes = decision_codes(graph, plan)
+    nbytes = graph.tensor_bytes
+    swapped = np.flatnonzero(codes == SWAP)
+    cost = rebuild_cost(graph)
+    order = sorted(swapped.tolist(), key=lambda t: (cost[t] / max(int(nbytes[t]), 1), t))
+    held = int(nbytes[swapped].sum())
+    given_up = 0
+    for t in order:
+        if held <= limit:
+            break
+        rebuild = (
+            graph.can_recompute[t]
+            and graph.tensors[t].group is None
+            and (mask is None or mask[t, RECOMPUTE])
+        )
+        if not rebuild and mask is not None and not mask[t, KEEP]:
+            continue  # may neither stay nor be rebuilt: the refusal below names the figures
+        codes[t] = RECOMPUTE if rebuild else KEEP
+        held -= int(nbytes[t])
+        given_up += 1
+    info = plan.info.to_dict()
+    if info.get("status") == "optimal":
+        info["status"] = "feasible"
+    extra = dict(info.get("extra") or {})
+    extra["host_memory"] = (
+        f"{given_up} swaps rebuilt or kept instead: the swapped tensors needed "
+        f"{sim.swapped_bytes} bytes of host memory, the hardware has {limit}"
+    )
+    info["extra"] = extra
+    solution = Solution(codes, None, SolveInfo.from_dict(info))
+    closed, expansion, _ = _closed(graph, solution, hw, req.budget_bytes)
+    closed = _with_extras(req.recorded(closed), graph)
+    return closed, run_timeline(graph, expansion, hw, req.budget_bytes)
 
 
 def _with_extras(plan: Plan, graph: ActivationGraph) -> Plan:

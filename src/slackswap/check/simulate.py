@@ -192,6 +192,12 @@ def run_timeline(graph: ActivationGraph, exp: Expansion, hw: Hardware, budget: i
     peak = int(mem.max()) if mem.size else 0
     tensors_only = interval_memory(exp, with_workspace=False)
     violations = tuple(memory_violations(graph, exp, mem, budget))
+    host = int(nbytes[swapped].sum())
+    if hw.host_memory_bytes and host > hw.host_memory_bytes:
+        violations += (
+            f"host memory: the swapped tensors need {host} bytes of host memory, "
+            f"hardware {hw.name!r} has {hw.host_memory_bytes} (host_memory_bytes)",
+        )
     ideal = graph.ideal_step_time_s
     recomputed = np.flatnonzero(codes == RECOMPUTE)
     return SimResult(
@@ -204,7 +210,7 @@ def run_timeline(graph: ActivationGraph, exp: Expansion, hw: Hardware, budget: i
         fits=not violations,
         violations=violations,
         recompute_s=float(recompute_s),
-        swapped_bytes=int(nbytes[swapped].sum()),
+        swapped_bytes=host,
         recomputed_bytes=int(nbytes[recomputed].sum()),
         memory_time_s=point_time,
         memory_bytes=mem,

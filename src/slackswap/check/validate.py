@@ -112,6 +112,7 @@ def validate(
         return Validation(False, tuple(violations), 0, limit)
     peak, over = step.memory(walk, limit)
     violations.extend(over)
+    violations.extend(_host_memory(graph, plan, hw))
     step_time, stall, recompute = step_timeline(step, walk, decisions, plan, hw)
     claimed = plan.info.predicted_step_time_s
     same_hw = plan.hardware is None or plan.hardware == hw
@@ -130,6 +131,27 @@ def validate(
     if same_hw:
         violations.extend(_proof_claims(graph, plan, step_time, fits=not over))
     return Validation(not violations, tuple(violations), peak, limit, step_time, stall, recompute)
+
+
+def _host_memory(graph: ActivationGraph, plan: Plan, hw: Hardware) -> list[Violation]:
+    """What the plan holds on the host: the executor's pool keeps a buffer for every swapped
+    tensor through the step, so the swapped tensors' bytes together, against the hardware's
+    ``host_memory_bytes`` (0: no limit)."""
+    limit = hw.host_memory_bytes
+    if not limit:
+        return []
+    sizes = {t.name: t.bytes for t in graph.tensors}
+    held = sum(sizes[name] for name, d in plan.decisions.items() if d == "swap" and name in sizes)
+    if held <= limit:
+        return []
+    return [
+        Violation(
+            "host_memory",
+            f"the plan swaps {held} bytes of tensors; hardware {hw.name!r} has "
+            f"{limit} bytes of host memory for them (host_memory_bytes)",
+            bytes_over=held - limit,
+        )
+    ]
 
 
 def _proof_claims(

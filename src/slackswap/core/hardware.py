@@ -47,6 +47,10 @@ class Hardware:
     min_swap_bytes: int = 0
     fp32_flops: float = 0.0
     tf32_flops: float = 0.0
+    # host memory a rank may hold swapped tensors in (pinned; 0: no limit). The executor's
+    # pool holds one buffer per swapped tensor for the step, so a plan needs the sum of its
+    # swapped tensors' bytes (formulations/step-model.md, "Host memory")
+    host_memory_bytes: int = 0
     sources: dict[str, Any] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -98,7 +102,7 @@ class Hardware:
                     f"hardware {self.name!r}: {name} must be true or false, got "
                     f"{getattr(self, name)!r}"
                 )
-        for name in ("memory_bytes", "min_swap_bytes"):
+        for name in ("memory_bytes", "min_swap_bytes", "host_memory_bytes"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
                 raise ValueError(
@@ -163,6 +167,9 @@ MIB = 2**20
 # about 400 MB (pytorch/pytorch#109888, #107667), not available to the caching allocator
 CUDA_CONTEXT_BYTES = 400 * MIB
 _CONTEXT_SOURCE = "CUDA context: about 400 MB with lazy module loading (pytorch/pytorch#109888)"
+# host memory per GPU: a node's RAM shared by its 8 GPUs' ranks
+_HOST_A100 = "NVIDIA DGX A100 datasheet: 1 TB system memory for 8 GPUs, 128 GB a rank"
+_HOST_H100 = "NVIDIA DGX H100/H200 datasheets: 2 TB system memory for 8 GPUs, 256 GB a rank"
 
 
 def _allocatable(total_capacity_gib: float) -> int:
@@ -196,8 +203,10 @@ _PRESETS: dict[str, Hardware] = {
         min_swap_bytes=1024,
         fp32_flops=19.5e12,
         tf32_flops=156e12,
+        host_memory_bytes=128 * 10**9,
         sources={
             **_A100_SOURCES,
+            "host_memory_bytes": _HOST_A100,
             "hbm_bytes_per_s": "A100 80GB datasheet: 2.039 TB/s",
             "memory_bytes": "torch reports 79.14-79.25 GiB total capacity on A100 80GB (its OOM "
             "messages, e.g. 79.15 GiB); the lowest taken, less the " + _CONTEXT_SOURCE,
@@ -215,8 +224,10 @@ _PRESETS: dict[str, Hardware] = {
         min_swap_bytes=1024,
         fp32_flops=19.5e12,
         tf32_flops=156e12,
+        host_memory_bytes=128 * 10**9,
         sources={
             **_A100_SOURCES,
+            "host_memory_bytes": _HOST_A100,
             "hbm_bytes_per_s": "A100 40GB datasheet: 1.555 TB/s",
             "memory_bytes": "torch reports 39.39 GiB total capacity on A100 40GB (its OOM "
             "messages), less the " + _CONTEXT_SOURCE,
@@ -234,7 +245,9 @@ _PRESETS: dict[str, Hardware] = {
         min_swap_bytes=1024,
         fp32_flops=67e12,
         tf32_flops=494.7e12,
+        host_memory_bytes=256 * 10**9,
         sources={
+            "host_memory_bytes": _HOST_H100,
             "peak_flops": "NVIDIA H100 SXM datasheet: 989 TFLOP/s bf16 dense",
             "fp32_flops": "NVIDIA H100 SXM datasheet: 67 TFLOP/s FP32",
             "tf32_flops": "NVIDIA H100 SXM datasheet: 989 TFLOP/s TF32 with sparsity, 494.7 dense",
@@ -259,7 +272,9 @@ _PRESETS: dict[str, Hardware] = {
         min_swap_bytes=1024,
         fp32_flops=67e12,
         tf32_flops=494.7e12,
+        host_memory_bytes=256 * 10**9,
         sources={
+            "host_memory_bytes": _HOST_H100,
             "peak_flops": "NVIDIA H200 datasheet: 989 TFLOP/s bf16 dense (same die as H100)",
             "fp32_flops": "NVIDIA H200 datasheet: 67 TFLOP/s FP32",
             "tf32_flops": "NVIDIA H200 datasheet: 989 TFLOP/s TF32 with sparsity, 494.7 dense",

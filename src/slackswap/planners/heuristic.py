@@ -73,8 +73,9 @@ def hideable_swaps(graph: ActivationGraph, hw: Hardware, order: np.ndarray) -> n
             if c.h2d_bytes and k >= n:
                 slack_h[k - n :] -= hw.h2d_time(c.h2d_bytes)
     chosen = []
+    host_left = hw.host_memory_bytes or np.inf  # the pool holds every swapped tensor
     for t in order:
-        if nbytes[t] == 0:
+        if nbytes[t] == 0 or nbytes[t] > host_left:
             continue
         q = int(graph.producer[t])
         pd = p_d2h[t]
@@ -91,6 +92,7 @@ def hideable_swaps(graph: ActivationGraph, hw: Hardware, order: np.ndarray) -> n
             continue
         slack_d[: q + 1] -= pd
         slack_h[need:] -= ph
+        host_left -= nbytes[t]
         chosen.append(int(t))
     return np.array(chosen, dtype=np.int64)
 
@@ -124,7 +126,7 @@ def heuristic_codes(
     ``single_cover``: where one unit covers a position's excess alone more cheaply than the
     per-byte greedy set, it is taken instead (False: the published rule alone)."""
     saved = graph.saved
-    cover = _Cover(graph, mask, bundle_reruns)
+    cover = _Cover(graph, mask, bundle_reruns, hw.host_memory_bytes)
     codes = keep_all_codes(graph)
     if mask is not None:  # a tensor that may not stay starts where it must go
         for t in saved:
@@ -164,8 +166,15 @@ class _Cover:
     tensors alive there, cheapest rebuild per byte first (a greedy set cover), else swap the
     largest; position memory kept up to date as tensors move (exact without rebuild chains)."""
 
-    def __init__(self, graph: ActivationGraph, mask: np.ndarray | None, bundle_reruns: bool):
+    def __init__(
+        self,
+        graph: ActivationGraph,
+        mask: np.ndarray | None,
+        bundle_reruns: bool,
+        host_memory_bytes: int = 0,
+    ):
         self.graph, self.mask, self.bundle_reruns = graph, mask, bundle_reruns
+        self.host_memory_bytes = host_memory_bytes
         nbytes = self.nbytes = graph.tensor_bytes
         cost = self.cost = rebuild_cost(graph)
         may_recompute = self.may_recompute = (
@@ -205,6 +214,9 @@ class _Cover:
         # than the test on 50,000-op graphs); ``code_list`` follows every change to ``codes``
         self.code_list = codes.tolist()
         self.can_list = graph.can_recompute.tolist()
+        # host memory the swaps may still take (the executor's pool holds every swapped tensor)
+        swapped = int(self.nbytes[codes == SWAP].sum())
+        self.host_left = (self.host_memory_bytes - swapped) if self.host_memory_bytes else np.inf
 
     def can_rebuild(self, t: int, chains: bool = False) -> bool:
         code_list, frontier = self.code_list, self.graph.rerun_frontier
@@ -310,10 +322,11 @@ class _Cover:
             moved = True
         if position_mem[s] > budget and not moved:
             for t in removable[np.argsort(-self.nbytes[removable], kind="stable")]:
-                if not self.may_swap[t]:
+                if not self.may_swap[t] or self.nbytes[t] > self.host_left:
                     continue
                 if position_mem[s] <= budget:
                     break
+                self.host_left -= int(self.nbytes[t])
                 self.move(int(t), SWAP, -1)
                 stats["exposed_swaps"] += 1
                 moved = True
@@ -336,7 +349,11 @@ def fit_to_budget(
     may_recompute = graph.can_recompute if mask is None else mask[:, RECOMPUTE]
     nbytes = graph.tensor_bytes
     members = graph.group_of
+    host = hw.host_memory_bytes
     for _ in range(50):
+        if host:  # what the host can still take: larger tensors may no longer be swapped
+            host_left = host - int(nbytes[codes == SWAP].sum())
+            may_swap = may_swap & (nbytes <= host_left)
         exp = expand(graph, codes, None, hw, budget_bytes=budget)
         mem = exp.memory()
         over_points = np.flatnonzero(mem > budget)
@@ -370,10 +387,15 @@ def fit_to_budget(
                     break
             continue
         live = live[may_swap[live]]
+        room = host - int(nbytes[codes == SWAP].sum()) if host else None
         for t in live[np.argsort(-nbytes[live], kind="stable")]:
-            for m in members(int(t)):
-                if may_swap[m]:
-                    codes[m] = SWAP
+            group = [m for m in members(int(t)) if may_swap[m]]
+            grown = int(nbytes[group].sum())
+            if room is not None:
+                if grown > room:
+                    continue
+                room -= grown
+            codes[group] = SWAP
             excess -= nbytes[t]
             if excess <= 0:
                 break

@@ -37,7 +37,11 @@ class SearchResult:
 
 
 def _key(sim: SimResult, budget: int) -> tuple[int, float, int]:
-    return (max(0, sim.peak_bytes - budget), round(sim.step_time_s, 15), sim.peak_bytes)
+    """Bytes over the device budget and over the host memory (a move that fills the host past
+    ``host_memory_bytes`` is as unfit as one over the budget), then the step, then the peak."""
+    host = sim.hardware.host_memory_bytes if sim.hardware is not None else 0
+    over_host = max(0, sim.swapped_bytes - host) if host else 0
+    return (max(0, sim.peak_bytes - budget) + over_host, round(sim.step_time_s, 15), sim.peak_bytes)
 
 
 def _units(graph: ActivationGraph) -> dict[int, tuple[int, ...]]:

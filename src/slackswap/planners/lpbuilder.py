@@ -155,6 +155,12 @@ class LPBoundBuilder:
                 for var, code in ((K[i], 0), (W[i], 1), (R[i], 2)):
                     if not mask[t, code]:
                         lp.ub[var] = 0.0
+        limit = hardware(hw).host_memory_bytes
+        sizes = [float(graph.tensor_bytes[t]) for t in saved]
+        if limit and sum(sizes) > limit:
+            # host_memory: the swapped bytes together within the host's (the executor's pool
+            # holds each swapped tensor for the step)
+            lp.le(list(W), sizes, float(limit))
         column = {int(t): i for i, t in enumerate(saved)}
         for group in graph.rng_groups.values():
             members = [column[t] for t in group]

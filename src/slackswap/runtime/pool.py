@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 
+from ..core.errors import PlanError
 from ..core.plan import Plan
 
 
@@ -16,16 +17,29 @@ class HostPool:
     training allocates no host memory, and steps alive together (gradient accumulation,
     retain_graph) never share one."""
 
-    def __init__(self, pinned: bool):
+    def __init__(self, pinned: bool, limit: int = 0):
         self.pinned = pinned
+        # host memory the pool may hold (the hardware's host_memory_bytes; 0: no limit)
+        self.limit = limit
         self.free: dict[str, list[torch.UntypedStorage]] = {}
         self.total = 0
         self.sized: dict[str, int] = {}  # per name, the largest buffer made for it
 
     def reserve_missing(self, sizes: dict[str, int]) -> None:
         """One slab for the tensors of ``sizes`` that have no buffer of their size yet: a plan
-        run before on this graph left the rest."""
+        run before on this graph left the rest. Where the host memory would not hold both, the
+        buffers made for earlier plans are let go first (the pool never holds more than its
+        limit)."""
+        need = sum(sizes.values())
+        if self.limit and need > self.limit:
+            raise PlanError(
+                f"the plan swaps {need} bytes of tensors; the hardware has {self.limit} bytes "
+                "of host memory for them (host_memory_bytes): plan with it"
+            )
         missing = {n: b for n, b in sizes.items() if self.sized.get(n, -1) < b}
+        if self.limit and self.total + sum(missing.values()) > self.limit:
+            self.free, self.sized, self.total = {}, {}, 0
+            missing = dict(sizes)
         self.reserve(missing)
 
     def get(self, name: str, nbytes: int) -> torch.UntypedStorage:
@@ -33,6 +47,11 @@ class HostPool:
         for i, buf in enumerate(bufs):
             if buf.nbytes() >= nbytes:
                 return bufs.pop(i)
+        if self.limit and self.total + nbytes > self.limit:
+            raise PlanError(
+                f"host pool: {name!r} needs {nbytes} more bytes beside the {self.total} it holds; "
+                f"the hardware has {self.limit} bytes of host memory (host_memory_bytes)"
+            )
         t = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pinned)
         self.total += nbytes
         self.sized[name] = max(self.sized.get(name, 0), nbytes)
@@ -69,8 +88,9 @@ def host_pool(plan: Plan, device, pinned: bool) -> HostPool:
     """The host pool for ``plan``'s graph on ``device``: the one an earlier context used, for
     this plan or another of the same graph, if any (pinned allocation costs about a second per
     few GB, far more than a training step)."""
-    key = (plan.graph_digest, str(device), pinned)
-    pool = POOLS.pop(key, None) or HostPool(pinned=pinned)
+    limit = plan.hardware.host_memory_bytes if plan.hardware is not None else 0
+    key = (plan.graph_digest, str(device), pinned, limit)
+    pool = POOLS.pop(key, None) or HostPool(pinned=pinned, limit=limit)
     POOLS[key] = pool
     while len(POOLS) > POOLS_KEPT:
         POOLS.pop(next(iter(POOLS)))

@@ -69,6 +69,7 @@ def formulate(
         fine_time=fine_time,
     )
     build.decisions()
+    build.host_memory()
     build.reruns()
     build.rebuild_dependencies()
     build.memory()
@@ -128,6 +129,18 @@ class MilpBuilder:
             objective_offset_s=graph.optimizer_s,
             full=bool(full),
         )
+
+    def host_memory(self) -> None:
+        """host_memory: the swapped tensors' bytes together within the hardware's host memory
+        (the executor's pool holds each for the step), sizes rounded up and the limit down to
+        the byte unit, so no plan the model admits needs more. Only where the limit can bind."""
+        graph, f, limit = self.graph, self.f, self.f.hw.host_memory_bytes
+        nbytes = graph.tensor_bytes
+        if not limit or int(sum(int(nbytes[t]) for t in self.saved)) <= limit:
+            return
+        unit = f.scaling.byte_unit
+        terms = [(f.swap[t], -(-int(nbytes[t]) // unit)) for t in self.saved]
+        self.m.le("host_memory", terms, int(limit) // unit)
 
     def decisions(self) -> None:
         """keep / swap / recompute, exactly one (one_decision), their schedule positions
