@@ -10,12 +10,9 @@ import sys
 from pathlib import Path
 
 from . import __version__
+from .cli_errors import CliError
 from .cli_fit import add_fit
 from .core.errors import GraphError, InfeasibleBudget, PlanError
-
-
-class CliError(Exception):
-    """Bad input on the command line: one line to the user, exit status 2."""
 
 
 def _graph(spec: str, hw):

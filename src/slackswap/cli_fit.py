@@ -69,6 +69,12 @@ def add_fit(sub) -> None:
         type=_memory_arg,
         help="host memory swapped tensors may take instead of the preset's, e.g. 64GB",
     )
+    p.add_argument(
+        "--ranks",
+        type=int,
+        default=1,
+        help="FSDP2 ranks the model state is sharded over (fully_shard); says the fewest that fit",
+    )
     p.add_argument("--solver", default="cpsat")
     p.add_argument(
         "--time-limit", type=float, default=60.0, help="seconds for the plan (default %(default)s)"
@@ -94,7 +100,8 @@ def add_fit(sub) -> None:
 def cmd_fit(args) -> int:
     """Profile a Hugging Face config fake (no weights, no activation memory) and say whether its
     training step fits the device, and how fast it runs there."""
-    from .cli import CliError, _Spinner, check_output
+    from .cli import _Spinner, check_output
+    from .cli_errors import CliError
     from .fit import fit
     from .runtime.hf_models import ModelSpecError, meta_model, training_batch
     from .runtime.profiler import profile
@@ -112,6 +119,13 @@ def cmd_fit(args) -> int:
         raise CliError(
             f"--precision {args.precision} keeps float32 master parameters; --dtype {args.dtype} "
             "is the pure regime's (parameters, gradients and moments in one dtype)"
+        )
+    if args.ranks < 1:
+        raise CliError(f"--ranks must be a positive integer, got {args.ranks}")
+    if args.ranks > 1 and args.gradients == "made":
+        raise CliError(
+            "--ranks: FSDP2 reduce-scatters gradients into shards held beside the step; "
+            "--gradients made counts whole ones in backward"
         )
     if args.max_batch and args.max_seq:
         raise CliError("--max-batch and --max-seq: one size at a time")
@@ -135,7 +149,8 @@ def cmd_fit(args) -> int:
             hardware=args.hardware,
             optimizer=args.optimizer,
             foreach={"auto": None, "on": True, "off": False}[args.foreach],
-            gradients=args.gradients,
+            # FSDP2 reduce-scatters the gradients into shards: counted beside, not in backward
+            gradients="held" if args.ranks > 1 else args.gradients,
             precision=args.precision,
             name=f"{config.model_type}-s{seq}-b{batch}",
         )
@@ -152,6 +167,7 @@ def cmd_fit(args) -> int:
             time_limit_s=args.time_limit,
             solver=args.solver,
             host_memory_bytes=args.host_memory,
+            ranks=args.ranks,
             **({"memory_bytes": args.memory} if args.memory else {}),
         )
     print(report.table())
@@ -170,7 +186,7 @@ def _largest(args, config, graph_at) -> int:
     """--max-batch / --max-seq: the search, the strategies at its answer, the plot."""
     import sys
 
-    from .cli import CliError
+    from .cli_errors import CliError
     from .fit_search import largest_fit
     from .plot import plot_throughput
 
@@ -191,6 +207,7 @@ def _largest(args, config, graph_at) -> int:
         tokens_per_size=per,
         memory_bytes=args.memory or None,
         host_memory_bytes=args.host_memory,
+        ranks=args.ranks,
         solver=args.solver,
         time_limit_s=args.time_limit,
         progress=lambda line: print(line, file=sys.stderr, flush=True),

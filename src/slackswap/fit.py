@@ -20,6 +20,7 @@ from .core.errors import InfeasibleBudget
 from .core.graph import ActivationGraph
 from .core.hardware import Hardware
 from .core.plan import Plan
+from .sharding import sharded_model_state
 from .solve import graph_hardware, smallest_budget, solve
 
 GIB = 2**30
@@ -48,6 +49,10 @@ class FitReport:
     # step), and what the hardware has for them (0: no limit)
     host_bytes: int = 0
     host_memory_bytes: int = 0
+    # FSDP2: the ranks the model state is sharded over, and the fewest at which the step fits
+    # (None: not within MAX_RANKS; only asked where ranks > 1)
+    ranks: int = 1
+    fewest_ranks: int | None = None
 
     @property
     def fits(self) -> bool:
@@ -56,6 +61,11 @@ class FitReport:
     def rows(self) -> list[tuple[str, str]]:
         state = self.model_state
         rows = [("device", f"{self.hardware}, {self.memory_bytes / GIB:.2f} GiB")]
+        if self.ranks > 1:
+            fewest = "none up to 1024" if self.fewest_ranks is None else str(self.fewest_ranks)
+            rows.append(
+                ("ranks (FSDP2)", f"{self.ranks}: model state per rank; fewest that fit: {fewest}")
+            )
         if state:
             grads = f"{state['gradient_bytes'] / GIB:.2f} GiB" + (
                 " (made in backward: counted with the activations)" if self.gradients_made else ""
@@ -70,6 +80,13 @@ class FitReport:
                     f"{state['optimizer_state_bytes'] / GIB:.2f} GiB",
                 ),
             ]
+            if state.get("unsharded_bytes"):
+                rows.append(
+                    (
+                        "FSDP2's unsharded buffers",
+                        f"{state['unsharded_bytes'] / GIB:.2f} GiB (3 x the largest block)",
+                    )
+                )
             if state.get("optimizer_step_bytes"):
                 how = "foreach" if state.get("foreach") else "one parameter at a time"
                 rows.append(
@@ -129,6 +146,8 @@ class FitReport:
             "verdict": self.verdict,
             "host_bytes": self.host_bytes,
             "host_memory_bytes": self.host_memory_bytes,
+            "ranks": self.ranks,
+            "fewest_ranks": self.fewest_ranks,
         }
 
 
@@ -148,6 +167,7 @@ def fit(
     *,
     memory_bytes: int | None = None,
     host_memory_bytes: int | None = None,
+    ranks: int = 1,
     solver: str = "cpsat",
     **options: Any,
 ) -> FitReport:
@@ -160,6 +180,8 @@ def fit(
         memory_bytes: the device memory to fit in (default: the hardware's).
         host_memory_bytes: the host memory swapped tensors may take (default: the
             hardware's; 0: no limit).
+        ranks: FSDP2 ranks the model state is sharded over (sharding.py); the graph is one
+            rank's step, profiled with ``gradients="held"`` (FSDP2 reduce-scatters them).
         solver: the planner for the activations' budget.
         options: passed to ``solve``.
 
@@ -181,8 +203,18 @@ def fit(
     # gradients made in the step (zero_grad() sets them to None) are in the graph's backward
     # workspaces already (profile(gradients="made")); held ones are there for the whole step
     made = graph.extra.get("parameter_gradients") == "made"
-    outside = int(state.get("total_bytes", 0)) - (
-        int(state.get("gradient_bytes", 0)) if made else 0
+    if ranks != 1:
+        if made:
+            raise ValueError(
+                f"fit(ranks={ranks}): graph {graph.name!r} counts whole parameter gradients in "
+                "its backward (gradients='made'); FSDP2 reduce-scatters them into shards: "
+                "profile with gradients='held'"
+            )
+        state = sharded_model_state(graph, ranks)
+    outside = (
+        int(state.get("total_bytes", 0))
+        + int(state.get("unsharded_bytes", 0))
+        - (int(state.get("gradient_bytes", 0)) if made else 0)
     )
     left = memory - outside
     # optimizer.step() runs once backward has freed the activations: parameters, gradients and
@@ -190,6 +222,7 @@ def fit(
     optimizer_step = int(state.get("total_bytes", 0)) + int(state.get("optimizer_step_bytes", 0))
     keep_all = keep_all_peak(graph, hw)
     smallest = smallest_budget(graph, hw)
+    fewest = _fewest_ranks(graph, memory, smallest.budget_bytes) if ranks != 1 else None
     ideal = graph.ideal_step_time_s
     plan = None
     step = retention = None
@@ -243,4 +276,21 @@ def fit(
         gradients_made=made,
         host_bytes=int(host),
         host_memory_bytes=int(hw.host_memory_bytes),
+        ranks=ranks,
+        fewest_ranks=fewest,
     )
+
+
+MAX_RANKS = 1024
+
+
+def _fewest_ranks(graph: ActivationGraph, memory: int, smallest: int) -> int | None:
+    """The fewest FSDP2 ranks at which one rank's model state, its unsharded buffers and the
+    smallest activation budget fit ``memory``, and the optimizer step too (the graph, hence the
+    smallest budget, is the same at every count)."""
+    for n in range(1, MAX_RANKS + 1):
+        st = sharded_model_state(graph, n)
+        beside = st["total_bytes"] + st["unsharded_bytes"]
+        if memory - beside >= smallest and st["total_bytes"] + st["optimizer_step_bytes"] <= memory:
+            return n
+    return None

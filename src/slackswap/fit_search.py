@@ -115,6 +115,7 @@ def largest_fit(
     tokens_per_size: int = 1,
     memory_bytes: int | None = None,
     host_memory_bytes: int | None = None,
+    ranks: int = 1,
     solver: str = "cpsat",
     progress: Callable[[str], None] | None = None,
     curve: bool = False,
@@ -131,6 +132,7 @@ def largest_fit(
             size is the batch; the batch when it is the sequence), for tokens per second.
         memory_bytes: the device memory instead of the hardware's.
         host_memory_bytes: the host memory for swapped tensors instead of the hardware's.
+        ranks: FSDP2 ranks the model state is sharded over (``fit``'s).
         solver: the planner for the slackswap plan.
         progress: called with a line per size tried.
         curve: compare the strategies at every size tried too (``LargestFit.curve``).

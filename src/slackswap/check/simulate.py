@@ -95,13 +95,23 @@ def lane_start(lane_free_at: float, earliest: float) -> float:
     return max(lane_free_at, earliest)
 
 
+def host_violations(hw: Hardware, host: int) -> tuple[str, ...]:
+    """The swapped tensors' bytes (the executor's pool holds each for the step) against the
+    hardware's ``host_memory_bytes`` (0: no limit)."""
+    if not hw.host_memory_bytes or host <= hw.host_memory_bytes:
+        return ()
+    return (
+        f"host memory: the swapped tensors need {host} bytes of host memory, "
+        f"hardware {hw.name!r} has {hw.host_memory_bytes} (host_memory_bytes)",
+    )
+
+
 def run_timeline(graph: ActivationGraph, exp: Expansion, hw: Hardware, budget: int) -> SimResult:
     """The step of an expansion (decisions with their complete schedule) on one compute stream
     and the copy lanes (formulations/step-model.md): when each point runs, every stall and rerun,
     each copy's interval, and memory at every point against ``budget``."""
     _refuse_swaps_without_host(graph, exp, hw)
-    n = graph.n_ops
-    S = graph.n_positions
+    n, S = graph.n_ops, graph.n_positions
     codes = exp.codes
     fwd = graph.forward_s
     bwd = graph.backward_s
@@ -191,13 +201,8 @@ def run_timeline(graph: ActivationGraph, exp: Expansion, hw: Hardware, budget: i
     mem = exp.memory()
     peak = int(mem.max()) if mem.size else 0
     tensors_only = interval_memory(exp, with_workspace=False)
-    violations = tuple(memory_violations(graph, exp, mem, budget))
     host = int(nbytes[swapped].sum())
-    if hw.host_memory_bytes and host > hw.host_memory_bytes:
-        violations += (
-            f"host memory: the swapped tensors need {host} bytes of host memory, "
-            f"hardware {hw.name!r} has {hw.host_memory_bytes} (host_memory_bytes)",
-        )
+    violations = tuple(memory_violations(graph, exp, mem, budget)) + host_violations(hw, host)
     ideal = graph.ideal_step_time_s
     recomputed = np.flatnonzero(codes == RECOMPUTE)
     return SimResult(

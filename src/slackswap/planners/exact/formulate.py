@@ -24,6 +24,7 @@ from ..scaling import (  # noqa: F401 - the MILP's scaling, named here for its u
 from .candidates import candidates
 from .formulation import Formulation
 from .hint import apply_hint
+from .host_row import host_memory_row
 from .lane_cuts import lane_capacity_cuts
 from .limits import FULL_CELLS
 from .model import Model
@@ -69,7 +70,7 @@ def formulate(
         fine_time=fine_time,
     )
     build.decisions()
-    build.host_memory()
+    host_memory_row(build.f, build.saved)
     build.reruns()
     build.rebuild_dependencies()
     build.memory()
@@ -129,18 +130,6 @@ class MilpBuilder:
             objective_offset_s=graph.optimizer_s,
             full=bool(full),
         )
-
-    def host_memory(self) -> None:
-        """host_memory: the swapped tensors' bytes together within the hardware's host memory
-        (the executor's pool holds each for the step), sizes rounded up and the limit down to
-        the byte unit, so no plan the model admits needs more. Only where the limit can bind."""
-        graph, f, limit = self.graph, self.f, self.f.hw.host_memory_bytes
-        nbytes = graph.tensor_bytes
-        if not limit or int(sum(int(nbytes[t]) for t in self.saved)) <= limit:
-            return
-        unit = f.scaling.byte_unit
-        terms = [(f.swap[t], -(-int(nbytes[t]) // unit)) for t in self.saved]
-        self.m.le("host_memory", terms, int(limit) // unit)
 
     def decisions(self) -> None:
         """keep / swap / recompute, exactly one (one_decision), their schedule positions

@@ -1,0 +1,102 @@
+"""Model state per rank under FSDP2 (``fully_shard``), for ``fit(..., ranks=N)``.
+
+``fully_shard`` splits every parameter on its first dimension into N equal shards (padded to a
+multiple of N rows), and so its gradient and the optimizer's state, which the optimizer makes
+``zeros_like`` the sharded parameter. A rank holds
+
+- its shards: ``sum ceil(rows / N) * row_bytes`` over the parameters, the same for their
+  gradients (reduce-scattered into shards) and ``copies`` times for the optimizer state;
+- beside them, while a block runs, FSDP2's unsharded buffers: the all-gathered parameters of the
+  block running and of the one prefetched after it, and the block's unsharded gradients before
+  their reduce-scatter: three times the largest group (each numbered block of a stack is a
+  group, ``core/regions.py``; the rest of the model one more), in the dtype the step computes in
+  (a mixed regime gathers its float32 masters in bf16, as ``MixedPrecisionPolicy(param_dtype=
+  torch.bfloat16)`` does).
+
+The collectives' copies are not on the graph's lanes here: a graph profiled on one device has
+none (a real FSDP2 profile does, ``profile`` on a sharded model, and ``plan_for_ranks`` plans
+it). The figures are the model's arithmetic, stated in formulations/cost-model.md.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from .core.graph import ActivationGraph
+from .core.regions import region_of
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8, "int64": 8, "int32": 4}
+OPTIMIZER_COPIES = {"adamw": 2, "adam": 2, "sgd-momentum": 1, "sgd": 0, "none": 0}
+
+
+def _params(graph: ActivationGraph) -> list[tuple[str, list[int], int]]:
+    found = graph.extra.get("parameters")
+    if not found:
+        raise ValueError(
+            f"fit(ranks=...): graph {graph.name!r} records no parameters (graph.extra"
+            "['parameters']); profile the model with slackswap.profile"
+        )
+    out = []
+    for name, shape, dtype in found:
+        if dtype not in DTYPE_BYTES:
+            raise ValueError(f"fit(ranks=...): parameter {name!r} has an unknown dtype {dtype!r}")
+        out.append((str(name), [int(n) for n in shape], DTYPE_BYTES[dtype]))
+    return out
+
+
+def shard_bytes(shape: list[int], element: int, ranks: int) -> int:
+    """One rank's shard of a parameter: ceil(rows / N) rows (fully_shard pads dim 0 to N)."""
+    if not shape:
+        return element  # a scalar: one element on every rank
+    rows = math.ceil(shape[0] / ranks)
+    return rows * math.prod(shape[1:]) * element
+
+
+def sharded_model_state(graph: ActivationGraph, ranks: int) -> dict[str, Any]:
+    """``graph.extra["model_state"]`` as one rank of ``ranks`` holds it under FSDP2 (module
+    docstring), with ``unsharded_bytes``: the all-gathered and unsharded-gradient buffers beside
+    the activations."""
+    if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 1:
+        raise ValueError(f"fit: ranks must be a positive integer, got {ranks!r}")
+    state = dict(graph.extra.get("model_state") or {})
+    if not state:
+        raise ValueError(f"fit(ranks=...): graph {graph.name!r} records no model state")
+    params = _params(graph)
+    total = sum(math.prod(s) * e if s else e for _, s, e in params)
+    if total != int(state["parameter_bytes"]):
+        raise ValueError(
+            f"fit(ranks=...): graph {graph.name!r}'s parameters ({total} bytes) are not its model "
+            f"state's ({state['parameter_bytes']}): profiled from another model?"
+        )
+    trainable = int(state["gradient_bytes"]) / total if total else 0.0
+    shards = sum(shard_bytes(s, e, ranks) for _, s, e in params)
+    copies = OPTIMIZER_COPIES.get(str(state.get("optimizer", "adamw")), 2)
+    grads = round(shards * trainable)
+    optimizer_state = copies * grads
+    step = 0
+    if state.get("optimizer_step_bytes"):
+        step = (
+            grads
+            if state.get("foreach")
+            else 2 * max(shard_bytes(s, e, ranks) for _, s, e in params)
+        )
+    compute = DTYPE_BYTES.get(str(state.get("compute_dtype", "")), 0)
+    groups: dict[str, int] = {}
+    for name, shape, element in params:
+        region = region_of(name.rsplit(".", 1)[0])
+        key = region if region.split(".")[-1:] and region.split(".")[-1].isdigit() else ""
+        size = math.prod(shape) if shape else 1
+        groups[key] = groups.get(key, 0) + size * (compute or element)
+    unsharded = 3 * max(groups.values()) if ranks > 1 else 0
+    return {
+        **state,
+        "ranks": ranks,
+        "parameter_bytes": shards,
+        "gradient_bytes": grads,
+        "optimizer_state_bytes": optimizer_state,
+        "optimizer_step_bytes": step,
+        "unsharded_bytes": unsharded,
+        "total_bytes": shards + grads + optimizer_state,
+        "unsharded_groups": len(groups),
+    }
