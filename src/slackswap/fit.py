@@ -161,6 +161,44 @@ def _precision_line(state: dict[str, Any]) -> str:
     )
 
 
+def memory_beside_state(
+    graph: ActivationGraph,
+    hardware: Hardware | str | None,
+    memory_bytes: int | None,
+    host_memory_bytes: int | None,
+    ranks: int,
+) -> tuple[Hardware, int, dict[str, Any], int, bool]:
+    """(hardware, device memory, the model state one rank holds, the bytes held beside the
+    activations, whether the graph counts gradients made in backward): what ``fit`` plans the
+    activations beside, for it and for the searches that ask it many times."""
+    hw, _ = graph_hardware(graph, hardware)
+    if host_memory_bytes is not None:
+        hw = replace(hw, host_memory_bytes=host_memory_bytes)
+    memory = hw.memory_bytes if memory_bytes is None else memory_bytes
+    if isinstance(memory, bool) or not isinstance(memory, int) or memory <= 0:
+        raise ValueError(f"fit: hardware {hw.name!r} has no memory_bytes; pass memory_bytes=...")
+    state = dict(graph.extra.get("model_state") or {})
+    if state and not isinstance(state.get("total_bytes"), int):
+        raise ValueError("fit: graph.extra['model_state'] has no integer total_bytes")
+    # gradients made in the step (zero_grad() sets them to None) are in the graph's backward
+    # workspaces already (profile(gradients="made")); held ones are there for the whole step
+    made = graph.extra.get("parameter_gradients") == "made"
+    if ranks != 1:
+        if made:
+            raise ValueError(
+                f"fit(ranks={ranks}): graph {graph.name!r} counts whole parameter gradients in "
+                "its backward (gradients='made'); FSDP2 reduce-scatters them into shards: "
+                "profile with gradients='held'"
+            )
+        state = sharded_model_state(graph, ranks)
+    outside = (
+        int(state.get("total_bytes", 0))
+        + int(state.get("unsharded_bytes", 0))
+        - (int(state.get("gradient_bytes", 0)) if made else 0)
+    )
+    return hw, int(memory), state, outside, made
+
+
 def fit(
     graph: ActivationGraph,
     hardware: Hardware | str | None = None,
@@ -191,30 +229,8 @@ def fit(
     """
     if not isinstance(graph, ActivationGraph):
         raise TypeError(f"fit: graph must be an ActivationGraph, got {type(graph).__name__}")
-    hw, _ = graph_hardware(graph, hardware)
-    if host_memory_bytes is not None:
-        hw = replace(hw, host_memory_bytes=host_memory_bytes)
-    memory = hw.memory_bytes if memory_bytes is None else memory_bytes
-    if isinstance(memory, bool) or not isinstance(memory, int) or memory <= 0:
-        raise ValueError(f"fit: hardware {hw.name!r} has no memory_bytes; pass memory_bytes=...")
-    state = dict(graph.extra.get("model_state") or {})
-    if state and not isinstance(state.get("total_bytes"), int):
-        raise ValueError("fit: graph.extra['model_state'] has no integer total_bytes")
-    # gradients made in the step (zero_grad() sets them to None) are in the graph's backward
-    # workspaces already (profile(gradients="made")); held ones are there for the whole step
-    made = graph.extra.get("parameter_gradients") == "made"
-    if ranks != 1:
-        if made:
-            raise ValueError(
-                f"fit(ranks={ranks}): graph {graph.name!r} counts whole parameter gradients in "
-                "its backward (gradients='made'); FSDP2 reduce-scatters them into shards: "
-                "profile with gradients='held'"
-            )
-        state = sharded_model_state(graph, ranks)
-    outside = (
-        int(state.get("total_bytes", 0))
-        + int(state.get("unsharded_bytes", 0))
-        - (int(state.get("gradient_bytes", 0)) if made else 0)
+    hw, memory, state, outside, made = memory_beside_state(
+        graph, hardware, memory_bytes, host_memory_bytes, ranks
     )
     left = memory - outside
     # optimizer.step() runs once backward has freed the activations: parameters, gradients and

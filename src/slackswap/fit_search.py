@@ -16,10 +16,11 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from .check.simulate import simulate
+from .core.budget import keep_all_peak, offload_floor
 from .core.errors import InfeasibleBudget
 from .core.graph import ActivationGraph
 from .core.hardware import Hardware
-from .fit import FitReport, fit
+from .fit import FitReport, fit, memory_beside_state
 from .solve import graph_hardware, solve
 
 GIB = 2**30
@@ -150,19 +151,49 @@ def largest_fit(
     reports: dict[int, FitReport] = {}
     graphs: dict[int, ActivationGraph] = {}
 
-    def check(size: int) -> bool:
-        if size not in tried:
-            graphs[size] = graph_at(size)
-            report = fit(
-                graphs[size], hardware, memory_bytes=memory_bytes, solver=solver, **options
+    def settled(size: int) -> bool | None:
+        """Whether ``fit`` would find a plan, where it follows without the smallest budget
+        (keep-all fits, or less is left than even offloading everything needs), else None."""
+        graph = graphs[size]
+        hw, memory, state, outside, _ = memory_beside_state(
+            graph, hardware, memory_bytes, host_memory_bytes, ranks
+        )
+        left = memory - outside
+        step = int(state.get("total_bytes", 0)) + int(state.get("optimizer_step_bytes", 0))
+        if left <= 0 or step > memory or left < offload_floor(graph, hw, None):
+            return False
+        return True if keep_all_peak(graph, hw) <= left else None
+
+    def report_at(size: int) -> FitReport:
+        if size not in reports:
+            reports[size] = fit(
+                graphs[size],
+                hardware,
+                memory_bytes=memory_bytes,
+                host_memory_bytes=host_memory_bytes,
+                ranks=ranks,
+                solver=solver,
+                **options,
             )
-            reports[size], tried[size] = report, _fits(report)
-            if progress is not None:
-                progress(f"{dimension} {size}: {report.verdict}")
+            tried[size] = _fits(reports[size])
+        return reports[size]
+
+    def check(size: int) -> bool:
+        if size in tried:
+            return tried[size]
+        graphs[size] = graph_at(size)
+        quick = settled(size)
+        if quick is None:
+            verdict = report_at(size).verdict
+        else:
+            tried[size] = quick
+            verdict = "fits as it is" if quick else "does not fit (settled without a plan)"
+        if progress is not None:
+            progress(f"{dimension} {size}: {verdict}")
         return tried[size]
 
     if not check(1):
-        return LargestFit(dimension, 0, None, reports[1], tried)
+        return LargestFit(dimension, 0, None, report_at(1), tried)
     high: int | None
     low, high = 1, None
     while high is None:  # grow: 1, 2, 4, ... until one does not fit or the limit
@@ -182,7 +213,7 @@ def largest_fit(
     above = None
     if low < limit:
         check(low + 1)
-        above = reports[low + 1]
+        above = report_at(low + 1)
 
     def compared(size: int) -> tuple[StrategyRow, ...]:
         hw, _ = graph_hardware(graphs[size], hardware)
@@ -191,7 +222,7 @@ def largest_fit(
         rows = strategies(
             graphs[size],
             hw,
-            reports[size],
+            report_at(size),
             size=size,
             tokens_per_size=tokens_per_size,
             solver=solver,
@@ -201,7 +232,7 @@ def largest_fit(
 
     points = {n: compared(n) for n in sorted(tried)} if curve else {}
     rows = points.get(low) or compared(low)
-    return LargestFit(dimension, low, reports[low], above, tried, rows, points)
+    return LargestFit(dimension, low, report_at(low), above, tried, rows, points)
 
 
 def _host_holds(hw: Hardware, sim) -> bool:
