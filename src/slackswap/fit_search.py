@@ -151,19 +151,6 @@ def largest_fit(
     reports: dict[int, FitReport] = {}
     graphs: dict[int, ActivationGraph] = {}
 
-    def settled(size: int) -> bool | None:
-        """Whether ``fit`` would find a plan, where it follows without the smallest budget
-        (keep-all fits, or less is left than even offloading everything needs), else None."""
-        graph = graphs[size]
-        hw, memory, state, outside, _ = memory_beside_state(
-            graph, hardware, memory_bytes, host_memory_bytes, ranks
-        )
-        left = memory - outside
-        step = int(state.get("total_bytes", 0)) + int(state.get("optimizer_step_bytes", 0))
-        if left <= 0 or step > memory or left < offload_floor(graph, hw, None):
-            return False
-        return True if keep_all_peak(graph, hw) <= left else None
-
     def report_at(size: int) -> FitReport:
         if size not in reports:
             reports[size] = fit(
@@ -182,7 +169,7 @@ def largest_fit(
         if size in tried:
             return tried[size]
         graphs[size] = graph_at(size)
-        quick = settled(size)
+        quick = _settled(graphs[size], hardware, memory_bytes, host_memory_bytes, ranks)
         if quick is None:
             verdict = report_at(size).verdict
         else:
@@ -233,6 +220,19 @@ def largest_fit(
     points = {n: compared(n) for n in sorted(tried)} if curve else {}
     rows = points.get(low) or compared(low)
     return LargestFit(dimension, low, report_at(low), above, tried, rows, points)
+
+
+def _settled(graph, hardware, memory_bytes, host_memory_bytes, ranks) -> bool | None:
+    """Whether ``fit`` would find a plan, where it follows without the smallest budget
+    (keep-all fits, or less is left than even offloading everything needs), else None."""
+    hw, memory, state, outside, _ = memory_beside_state(
+        graph, hardware, memory_bytes, host_memory_bytes, ranks
+    )
+    left = memory - outside
+    step = int(state.get("total_bytes", 0)) + int(state.get("optimizer_step_bytes", 0))
+    if left <= 0 or step > memory or left < offload_floor(graph, hw, None):
+        return False
+    return True if keep_all_peak(graph, hw) <= left else None
 
 
 def _host_holds(hw: Hardware, sim) -> bool:
