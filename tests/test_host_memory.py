@@ -47,7 +47,10 @@ def test_the_checker_counts_every_swapped_tensor_against_the_host():
     assert not [v for v in ss.validate(g, over, LINK).violations if v.kind == "host_memory"]
 
 
-@pytest.mark.parametrize("solver", ["heuristic", "cpsat"])
+@pytest.mark.parametrize(
+    "solver",
+    ["heuristic", pytest.param("cpsat", marks=pytest.mark.slow)],  # BERT-Large: 12 s
+)
 def test_every_planner_keeps_its_swaps_within_the_host(solver):
     g = ss.workload("bert-large")
     hw = ss.hardware("a100-80gb-pcie4")
