@@ -454,3 +454,22 @@ def test_the_command_line_fits_a_config(tmp_path, capsys):
     assert "has no field 'n_layers'" in capsys.readouterr().err
     assert main(["fit", "gpt2", "--seq", "4096"]) == 2  # GPT-2 has 1024 positions
     assert "longer than the config's 1024 positions" in capsys.readouterr().err
+
+
+def test_a_fake_profile_leaves_the_users_inputs_as_they_were():
+    """The fake step runs input-only ops on the values too; an in-place write there (token ids
+    clamped in place) lands on a copy, never on the user's tensor."""
+
+    class Clamping(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = torch.nn.Embedding(50, 8)
+
+        def forward(self, ids):
+            ids.masked_fill_(ids >= 50, 0)  # in place, on what the caller passed
+            return self.emb(ids)
+
+    ids = torch.arange(100).reshape(2, 50)
+    before = ids.clone()
+    ss.profile(Clamping(), ids, lambda o: o.sum(), fake=True, hardware="cpu")
+    assert torch.equal(ids, before)

@@ -385,7 +385,12 @@ def _within_host(req: _Request, plan: Plan, sim: SimResult) -> tuple[Plan, SimRe
     solution = Solution(codes, None, SolveInfo.from_dict(info))
     closed, expansion, _ = _closed(graph, solution, hw, req.budget_bytes)
     closed = _with_extras(req.recorded(closed), graph)
-    return closed, run_timeline(graph, expansion, hw, req.budget_bytes)
+    sim = run_timeline(graph, expansion, hw, req.budget_bytes)
+    bound = closed.info.bound
+    if bound is not None:  # the planner's bound holds; its gap was of the plan before
+        gap = max(0.0, (sim.step_time_s - bound) / sim.step_time_s) if sim.step_time_s else 0.0
+        closed = closed.with_info(gap=gap)
+    return closed, sim
 
 
 def _with_extras(plan: Plan, graph: ActivationGraph) -> Plan:

@@ -156,7 +156,8 @@ class InputValues:
     def inputs(self, fakes, reals) -> None:
         """Pair the fake inputs with the user's real ones (a tensor, a tuple, list or dict)."""
         if isinstance(fakes, torch.Tensor) and isinstance(reals, torch.Tensor):
-            self.add(fakes, reals.detach().to("cpu"))
+            # a copy: an in-place op the step runs on its input must not write the user's tensor
+            self.add(fakes, reals.detach().to("cpu", copy=True))
         elif isinstance(fakes, (tuple, list)):
             for f, r in zip(fakes, reals, strict=False):
                 self.inputs(f, r)
