@@ -1,6 +1,9 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+# pytest-xdist workers: one per core (at most 8); WORKERS=0 runs the suite in one process
+WORKERS ?= auto
+XDIST := -n $(WORKERS) --maxprocesses=8
 
 .PHONY: demo test test-fast lint bench clean
 
@@ -16,10 +19,10 @@ demo: $(STAMP)
 	$(PY) -m slackswap.demo
 
 test: $(STAMP)
-	$(PY) -m pytest
+	$(PY) -m pytest $(XDIST)
 
 test-fast: $(STAMP)
-	$(PY) -m pytest -m "not slow"
+	$(PY) -m pytest $(XDIST) -m "not slow"
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks examples
