@@ -239,8 +239,7 @@ def test_the_interior_point_bound_is_the_simplex_bound_lowered(solver, case):
     """Large graphs get their LP bound from PIQP's interior point method, and from HiGHS's IPX
     without crossover when PIQP fails: the same optimum as dual simplex, lowered by IPM_MARGIN
     of itself, never above it (so every plan respects it as it respects the simplex bound)."""
-    from slackswap.planners import lpmodel
-    from slackswap.planners.exact import limits
+    from slackswap.planners import limits, lpmodel
 
     g, budget = case
     simplex = ss.lp_bound(g, budget, LINK)
@@ -266,7 +265,7 @@ def test_the_interior_point_bound_stays_below_a_zero_overhead_optimum(monkeypatc
     """One op of 1 s saves a 1-byte tensor for its own backward, two ops of no time follow; at a
     1-byte budget it is kept (overhead 0). PIQP's answer was 1e-7 of the step above 0 (its tolerances are absolute on its
     own scaling): the margin of 1e-6 of the step keeps the bound at or below the optimum."""
-    from slackswap.planners.exact import limits
+    from slackswap.planners import limits
 
     g = graph(
         [

@@ -49,6 +49,7 @@ CHECKER_MAY_IMPORT = {
     "core.graph",
     "core.graph_rules",
     "core.plan",
+    "core.status",
     "core.hardware",
     "core.errors",
     "core.units",
@@ -270,7 +271,7 @@ def _numeric_constants(path: Path) -> list[str]:
 
 
 def test_the_planners_tuning_constants_live_in_one_module():
-    """A planner's calibrated number (a size limit, a rate, a share) is in planners/exact/
+    """A planner's calibrated number (a size limit, a rate, a share) is in planners/
     limits.py with its reason, its measurement in docs/tuning.md: found anywhere else in
     planners/, it fails here."""
     planners = ROOT / "planners"
@@ -289,3 +290,67 @@ def test_the_constant_finder_sees_a_number_and_not_a_name(tmp_path):
     module = tmp_path / "m.py"
     module.write_text('LIMIT = 1_500\nFLOOR = -1e-3\nNAME = "x"\nALIAS = LIMIT\nlower = 3\n')
     assert _numeric_constants(module) == ["LIMIT", "FLOOR"]
+
+
+def test_the_exact_planner_is_one_way():
+    """planners/exact/ builds on the rest of planners/, never the other way: no module that
+    exact/ imports (or what that imports in turn) imports anything under exact/."""
+    mods = _modules()
+    exact = {m for m in mods if m.startswith("planners.exact")}
+    todo = [d for m in exact for d in mods[m] if d.startswith("planners.") and d not in exact]
+    seen: set[str] = set()
+    while todo:
+        mod = todo.pop()
+        if mod in seen or mod not in mods:
+            continue
+        seen.add(mod)
+        todo.extend(d for d in mods[mod] if d.startswith("planners.") and d not in exact)
+    back = sorted(f"{m} imports {d}" for m in seen for d in mods[m] if d in exact)
+    assert seen and not back, back
+
+
+def _bare_status_words(path: Path) -> list[str]:
+    """String literals in code (not docstrings, not text inside an f-string) that spell a
+    status: each should be core.status.Status."""
+    from slackswap.core.status import Status
+
+    # "heuristic" and "baseline" also name planners; the words that are statuses alone
+    words = {str(s) for s in Status} - {Status.HEURISTIC, Status.BASELINE}
+    tree = ast.parse(path.read_text())
+    skip: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.JoinedStr):
+            skip.update(id(v) for v in ast.walk(node))
+        body = getattr(node, "body", None)
+        if isinstance(body, list) and body and isinstance(body[0], ast.Expr):
+            if isinstance(body[0].value, ast.Constant) and isinstance(body[0].value.value, str):
+                skip.add(id(body[0].value))
+    return [
+        f"{path.relative_to(ROOT)}:{node.lineno}: {node.value!r}"
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Constant)
+        and isinstance(node.value, str)
+        and node.value in words
+        and id(node) not in skip
+    ]
+
+
+def test_every_status_is_the_status_type():
+    """A status is written as ``Status.X`` wherever code sets or compares one (core/status.py
+    alone spells the words)."""
+    found = [
+        hit
+        for path in sorted(ROOT.rglob("*.py"))
+        if path.name != "status.py"
+        for hit in _bare_status_words(path)
+    ]
+    assert not found, found
+
+
+def test_the_status_finder_sees_a_bare_word(tmp_path):
+    module = ROOT / "core" / "_probe_status.py"
+    module.write_text('"""doc: optimal"""\nx = "optimal"\ny = f"{x} optimal"\n')
+    try:
+        assert [h.split(": ", 1)[1] for h in _bare_status_words(module)] == ["'optimal'"]
+    finally:
+        module.unlink()

@@ -107,8 +107,8 @@ def test_random_groups_move_together():
 
 @pytest.mark.slow
 def test_warm_start_is_never_worse_than_the_heuristic():
-    from slackswap.planners.exact.limits import WorkLimits
     from slackswap.planners.exact.warmstart import warm_start
+    from slackswap.planners.limits import WorkLimits
 
     g = ss.workload("bert-large", "a100-80gb-pcie4")
     hw = ss.hardware("a100-80gb-pcie4")

@@ -64,8 +64,7 @@ def test_the_deadline_kills_the_solver_and_its_children(tmp_path, monkeypatch):
 def test_a_crashing_interior_point_solver_leaves_the_lp_bound_to_highs(tmp_path, monkeypatch):
     """PIQP (large graphs' LP bound) dies in its child: HiGHS's interior point method answers,
     with the simplex bound lowered by a millionth, not an error and not a wrong bound."""
-    from slackswap.planners import lpmodel
-    from slackswap.planners.exact import limits
+    from slackswap.planners import limits, lpmodel
 
     g = seeded_graph(5, n_ops=10)
     simplex = ss.lp_bound(g, 0.5, LINK)

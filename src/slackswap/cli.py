@@ -13,6 +13,7 @@ from . import __version__
 from .cli_errors import CliError
 from .cli_fit import add_fit
 from .core.errors import GraphError, InfeasibleBudget, PlanError
+from .core.status import Status
 
 
 def _graph(spec: str, hw):
@@ -111,7 +112,7 @@ def cmd_compare(args) -> int:
         f"{'stall ms':>9} {'solve s':>8} {'gap':>8}"
     )
     for r in rows:
-        if r.get("status") == "infeasible" and "retention" not in r:
+        if r.get("status") == Status.INFEASIBLE and "retention" not in r:
             print(f"{r['solver']:<14} infeasible  {r.get('error', '')}")
             continue
         fit = "" if r["fits"] else "  (over budget)"

@@ -14,6 +14,7 @@ from .core.graph import ActivationGraph
 from .core.hardware import Hardware
 from .core.plan import Plan
 from .core.restrict import restricted
+from .core.status import Status
 from .planners.base import (
     get_planner,
 )
@@ -81,7 +82,7 @@ def infeasible_row(solver: str, exc: InfeasibleBudget, **context: Any) -> dict[s
     row.update({k: None for k in RESULT_FIELDS})
     row.update(
         solver=solver,
-        status="infeasible",
+        status=Status.INFEASIBLE,
         fits=False,
         wall_s=0.0,
         error=str(exc),

@@ -26,6 +26,7 @@ from .core.hardware import Hardware
 from .core.hardware import hardware as get_hardware
 from .core.plan import KEEP, Plan, SolveInfo, overhead_gap
 from .core.restrict import first_forbidden, parse_allowed, restricted
+from .core.status import Status
 from .core.units import is_smallest
 from .planners.base import (
     Problem,
@@ -374,8 +375,8 @@ def _within_host(req: _Request, plan: Plan, sim: SimResult) -> tuple[Plan, SimRe
         held -= int(nbytes[t])
         given_up += 1
     info = plan.info.to_dict()
-    if info.get("status") == "optimal":
-        info["status"] = "feasible"
+    if info.get("status") == Status.OPTIMAL:
+        info["status"] = Status.FEASIBLE
     extra = dict(info.get("extra") or {})
     extra["host_memory"] = (
         f"{given_up} swaps rebuilt or kept instead: the swapped tensors needed "
@@ -490,7 +491,7 @@ def _smallest_plan(req: _Request, smallest: MinPeak, planned: Plan) -> Plan:
 
     info = SolveInfo(
         solver=planned.info.solver,
-        status="feasible",
+        status=Status.FEASIBLE,
         extra={
             **planned.info.extra,
             "plan_from": f"smallest budget ({smallest.method}): the planner's plan did not fit",
@@ -540,7 +541,7 @@ def smallest_budget(
     """The smallest budget and a plan that fits it (planners/minpeak.py): where every tensor
     that is not pinned to stay may be offloaded, the all-offloaded peak (exact); otherwise the
     heuristic's smallest fitting plan by bisection, then, on graphs of at most MIN_PEAK_CELLS
-    (planners/exact/limits.py) positions x saved tensors, the exact planner's model with the budget a variable to minimise (CP-SAT,
+    (planners/limits.py) positions x saved tensors, the exact planner's model with the budget a variable to minimise (CP-SAT,
     one worker, fixed deterministic time). ``proven``: no plan fits less (``lower_bytes``, the
     offload floor or the model's bound, is the same figure).
 

@@ -19,6 +19,7 @@ from ..core.errors import PlanError
 from ..core.graph import ActivationGraph
 from ..core.hardware import Hardware, hardware
 from ..core.plan import Plan
+from ..core.status import Status
 from ..core.units import budget_bytes_from
 from .timeline import step_timeline
 from .violation import Violation
@@ -166,7 +167,7 @@ def _proof_claims(
     info = plan.info
     out: list[Violation] = []
     if not fits:  # a bound holds for the plans that fit; one that does not is no optimum
-        if info.status == "optimal":
+        if info.status == Status.OPTIMAL:
             out.append(
                 Violation("claim", "plan claims status 'optimal' but does not fit its budget")
             )
@@ -204,7 +205,7 @@ def _proof_claims(
                     f" its step and bound make it {derived!r}",
                 )
             )
-    if info.status == "optimal":
+    if info.status == Status.OPTIMAL:
         tolerance = max(OVERHEAD_TARGET * max(step_s - ideal, 0.0), STEP_FLOOR * step_s)
         if bound is None or step_s - bound > tolerance * (1 + 1e-9) + 1e-15:
             out.append(

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from .errors import PlanError
 from .hardware import Hardware
+from .status import PLAN_STATUSES, Status
 
 if TYPE_CHECKING:
     from .graph import ActivationGraph
@@ -26,7 +27,7 @@ if TYPE_CHECKING:
 PLAN_FORMAT = "slackswap.plan/2"
 PLAN_FORMATS = ("slackswap.plan/1", PLAN_FORMAT)  # /1: no hardware, schedule optional
 DECISIONS = ("keep", "swap", "recompute")
-STATUSES = ("optimal", "feasible", "timeout", "heuristic", "baseline")
+STATUSES = PLAN_STATUSES  # what info.status may be (core/status.py)
 
 # "optimal" means: the plan's step is proven within OVERHEAD_TARGET of its overhead (step time
 # less the ideal step, what the user pays) of a valid bound, or within STEP_FLOOR of the step,
@@ -132,7 +133,7 @@ class SolveInfo:
     """How a planner fared; the same type whatever the planner, so rows compare directly."""
 
     solver: str
-    status: str
+    status: Status  # a plain word is taken and turned into its Status
     objective: float | None = None
     bound: float | None = None
     gap: float | None = None
@@ -147,7 +148,9 @@ class SolveInfo:
         if not isinstance(self.solver, str):
             raise PlanError(f"plan: info.solver must be a string, got {self.solver!r}")
         if self.status not in STATUSES:
-            raise PlanError(f"plan: info.status must be one of {STATUSES}, got {self.status!r}")
+            words = tuple(str(s) for s in STATUSES)
+            raise PlanError(f"plan: info.status must be one of {words}, got {self.status!r}")
+        object.__setattr__(self, "status", Status(self.status))
         for name in (
             "objective",
             "bound",
@@ -174,7 +177,7 @@ class SolveInfo:
         d = dict(self.extra)
         d.update(
             solver=self.solver,
-            status=self.status,
+            status=str(self.status),
             objective=self.objective,
             bound=self.bound,
             gap=self.gap,
@@ -199,7 +202,7 @@ class SolveInfo:
         )
         return cls(
             solver=data.get("solver", "unknown"),
-            status=data.get("status", "feasible"),
+            status=data.get("status", Status.FEASIBLE),
             objective=data.get("objective"),
             bound=data.get("bound"),
             gap=data.get("gap"),
@@ -219,7 +222,9 @@ class Plan:
     budget_bytes: int
     decisions: Mapping[str, str]
     schedule: Schedule | None = None
-    info: SolveInfo = field(default_factory=lambda: SolveInfo(solver="user", status="feasible"))
+    info: SolveInfo = field(
+        default_factory=lambda: SolveInfo(solver="user", status=Status.FEASIBLE)
+    )
     extra: Mapping[str, Any] = field(default_factory=dict, compare=False)
     hardware: Hardware | None = None
 

@@ -13,6 +13,7 @@ from ..core.codes import keep_all_codes
 from ..core.graph import ActivationGraph
 from ..core.plan import KEEP, RECOMPUTE, SWAP, UNSAVED, SolveInfo
 from ..core.regions import numbered_blocks, op_regions
+from ..core.status import Status
 from .base import Problem, Solution
 
 __all__ = [
@@ -157,7 +158,7 @@ class _Baseline:
         return Solution(
             codes,
             None,
-            SolveInfo(solver=self.name, status="baseline", wall_s=time.perf_counter() - start),
+            SolveInfo(solver=self.name, status=Status.BASELINE, wall_s=time.perf_counter() - start),
         )
 
 
@@ -181,7 +182,7 @@ class SwapAll(_Baseline):
         return Solution(
             codes,
             None,
-            SolveInfo(solver=self.name, status="baseline", wall_s=time.perf_counter() - start),
+            SolveInfo(solver=self.name, status=Status.BASELINE, wall_s=time.perf_counter() - start),
         )
 
 

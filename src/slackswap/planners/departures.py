@@ -27,8 +27,10 @@ from ..core.codes import keep_all_codes
 from ..core.graph import ActivationGraph
 from ..core.hardware import Hardware, hardware
 from ..core.plan import KEEP
+from ..core.status import Status
 from .departure_model import DepartureData, DepartureModel
-from .exact.limits import (  # tuning constants: docs/tuning.md
+from .interrupts import solve_cpsat
+from .limits import (  # tuning constants: docs/tuning.md
     ADDED_POSITIONS,
     DTIME_PER_S,
     FIRST_POSITIONS,
@@ -37,7 +39,6 @@ from .exact.limits import (  # tuning constants: docs/tuning.md
     ROUND_S_PER_BINARY,
     ROUND_SHARE,
 )
-from .interrupts import solve_cpsat
 
 
 @dataclass(frozen=True)
@@ -216,7 +217,7 @@ class _Rounds:
             )
         if data.binaries(data.critical) > max_binaries:
             return self.result(
-                "skipped",
+                Status.SKIPPED,
                 note=f"{data.binaries(data.critical)} departed_by binaries (over {max_binaries})",
                 positions=len(data.critical),
                 binaries=data.binaries(data.critical),
@@ -264,7 +265,7 @@ class _Rounds:
             >= 0.95 * self.time_limit_s
         ):
             return self.result(
-                "timeout",
+                Status.TIMEOUT,
                 self.best_bound,
                 self.codes,
                 note=f"{self.rounds - 1} rounds",
@@ -273,7 +274,7 @@ class _Rounds:
         if self.work_left is not None and self.work_left <= ROUND_S_PER_BINARY * binaries:
             # its model alone would pass the work left: the bound so far (its work, not a clock)
             return self.result(
-                "feasible",
+                Status.FEASIBLE,
                 self.best_bound,
                 self.codes,
                 note=f"{self.rounds - 1} rounds, work spent",
@@ -348,9 +349,9 @@ class _Rounds:
                 # units (its point has at most ceil(overhead / unit)); not "no plan fits"
                 note = f"no plan is as fast as incumbent_s ({rounds} rounds)"
                 bound = ideal + cap * data.tu
-                return self.result("feasible", bound, self.codes, note=note, **sizes), None
+                return self.result(Status.FEASIBLE, bound, self.codes, note=note, **sizes), None
             note = "no plan fits the budget at some position"
-            return self.result("infeasible", note=note, **sizes), None
+            return self.result(Status.INFEASIBLE, note=note, **sizes), None
         # the integer optimum is at most ceil(true overhead / unit): one unit below its bound is
         # below every plan's overhead (and fewer positions only relax: each round's is a bound)
         found = ideal + max(0.0, (solver.best_objective_bound - 1) * data.tu)
@@ -360,10 +361,12 @@ class _Rounds:
         codes = self.codes
         broken = model.broken_positions(solver) if status == cp_model.OPTIMAL else None
         if broken == {}:
-            return self.result("optimal", best_bound, codes, note=f"{rounds} rounds", **sizes), None
+            return self.result(
+                Status.OPTIMAL, best_bound, codes, note=f"{rounds} rounds", **sizes
+            ), None
         if self.enough_s is not None and best_bound >= self.enough_s:
             note = f"enough_s reached ({rounds} rounds)"
-            return self.result("feasible", best_bound, codes, note=note, **sizes), None
+            return self.result(Status.FEASIBLE, best_bound, codes, note=note, **sizes), None
         total = self.deterministic_time_s
         spent_out = (total is not None and self.spent >= total * (1 - 1e-9)) or (
             self.work_left is not None and self.work_left <= 0.01
@@ -372,7 +375,7 @@ class _Rounds:
         if whole or spent_out or clocked or late:
             clocked = clocked or not spent_out and not whole
             stopped = self.result(
-                "timeout" if clocked else "feasible",
+                Status.TIMEOUT if clocked else Status.FEASIBLE,
                 best_bound,
                 codes,
                 note=f"{rounds} rounds",

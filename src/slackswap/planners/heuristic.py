@@ -38,10 +38,11 @@ from ..core.graph import ActivationGraph
 from ..core.hardware import Hardware
 from ..core.plan import KEEP, RECOMPUTE, SWAP, SolveInfo
 from ..core.restrict import first_forbidden
+from ..core.status import Status
 from ..core.stepmodel import expand, nominal_position_times
 from .base import Problem, Solution
 from .baselines import rebuild_cost, swap_all_codes
-from .exact.limits import (  # tuning constants: docs/tuning.md
+from .limits import (  # tuning constants: docs/tuning.md
     BUNDLED_UP_TO_POSITIONS,
     POLISH_EVALUATIONS_PER_TENSOR,
     POLISH_POSITIONS,
@@ -524,6 +525,6 @@ class SlackSwapHeuristic:
         return Solution(
             codes,
             None,
-            SolveInfo(solver=self.name, status="heuristic", wall_s=wall, extra=stats),
+            SolveInfo(solver=self.name, status=Status.HEURISTIC, wall_s=wall, extra=stats),
             simulation=simulation,
         )

@@ -14,9 +14,10 @@ from ..core.budget import min_budget, parse_budget
 from ..core.codes import keep_all_codes
 from ..core.graph import ActivationGraph
 from ..core.hardware import Hardware, hardware
+from ..core.status import Status
 from ..core.stepmodel import expand
-from .exact import limits  # IPM_FROM_POSITIONS read at each call (one place to change it)
-from .exact.limits import LATENCY_ROW_SHARE, PULL_CELLS
+from . import limits  # IPM_FROM_POSITIONS read at each call (one place to change it)
+from .limits import LATENCY_ROW_SHARE, PULL_CELLS
 from .lpmodel import LinearModel
 from .rebuild_pulls import add_to, rebuild_pulls
 from .scaling import SMALLEST, lp_units, relax_small
@@ -450,7 +451,7 @@ class LPBoundBuilder:
             if res.status == 2:
                 return self.infeasible(res.message)
             if res.status not in (0, 1):
-                return self.no_bound("unsolved", f"HiGHS status {res.status}: {res.message}")
+                return self.no_bound(Status.UNSOLVED, f"HiGHS status {res.status}: {res.message}")
             dual = res.mip_dual_bound
             if res.x is None:  # a limit before any integral point: the bound alone, if any
                 bound_units = (
@@ -462,7 +463,7 @@ class LPBoundBuilder:
                     step,
                     ideal,
                     budget_bytes,
-                    "timeout",
+                    Status.TIMEOUT,
                     wall,
                     {},
                     {},
@@ -479,7 +480,7 @@ class LPBoundBuilder:
                 dual = objective * (1.0 - gap) if res.status == 0 else 0.0
             bound_units = max(0.0, min(objective, float(dual)))
             mip_gap = max(0.0, (objective - bound_units) / max(ideal / tu + objective, 1e-12))
-            status = "optimal" if res.status == 0 else "timeout"
+            status = Status.OPTIMAL if res.status == 0 else Status.TIMEOUT
         else:
             # dual simplex is fastest on small models; past IPM_FROM_POSITIONS positions PIQP's interior
             # point method, several times faster there than HiGHS's (docs/tuning.md)
@@ -500,13 +501,13 @@ class LPBoundBuilder:
                 return self.infeasible(res.message)
             if res.status == 1:
                 return replace(
-                    self.no_bound("timeout", f"LP stopped at its limit: {res.message}"),
+                    self.no_bound(Status.TIMEOUT, f"LP stopped at its limit: {res.message}"),
                     clock_stopped=res.timed_out,
                 )
             if res.status != 0 or res.fun is None or not np.isfinite(res.fun):
-                return self.no_bound("unsolved", f"HiGHS status {res.status}: {res.message}")
+                return self.no_bound(Status.UNSOLVED, f"HiGHS status {res.status}: {res.message}")
             bound_units = max(0.0, float(res.fun))
-            status = "optimal"
+            status = Status.OPTIMAL
         x = res.x
         step = ideal + bound_units * tu
         return LPBound(
@@ -553,7 +554,7 @@ class LPBoundBuilder:
                 np.inf,
                 self.graph.ideal_step_time_s,
                 self.budget_bytes,
-                "infeasible",
+                Status.INFEASIBLE,
                 time.perf_counter() - self.start_clock,
                 {},
                 {},
@@ -561,5 +562,5 @@ class LPBoundBuilder:
                 integral=self.integral,
             )
         return self.no_bound(
-            "unsolved", f"HiGHS reported infeasible at a feasible budget ({reason})"
+            Status.UNSOLVED, f"HiGHS reported infeasible at a feasible budget ({reason})"
         )

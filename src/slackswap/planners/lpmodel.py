@@ -14,6 +14,7 @@ import numpy as np
 from scipy.optimize import linprog
 from scipy.sparse import coo_matrix
 
+from ..core.status import Status
 from .scaling import MODEL_SCALE
 
 # an interior point method's value is lowered by this share of the step (MODEL_SCALE units, or
@@ -207,7 +208,7 @@ class LinearModel:
         conjugate gradients need ever more iterations as the chains grow. The value is the
         smaller of PIQP's primal and dual objectives, lowered by IPM_MARGIN of the step; a solve
         whose relative duality gap is above PIQP_GAP is not believed (status 4)."""
-        from .exact.limits import GRACE_S
+        from .limits import GRACE_S
         from .native import NativeSolverError, NativeTimeout, run_in_child
 
         options = {} if max_iterations is None else {"max_iterations": int(max_iterations)}
@@ -221,7 +222,7 @@ class LinearModel:
         # its own iteration limit (250) reached on a degenerate LP, or "infeasible" (seen on
         # feasible tiny LPs), is a failure, which HiGHS then answers; only a limit the caller set
         # is a limit
-        code = {"optimal": 0, "work limit": 1 if max_iterations is not None else 4}.get(
+        code = {Status.OPTIMAL: 0, "work limit": 1 if max_iterations is not None else 4}.get(
             answer["status"], 4
         )
         if code != 0:
@@ -259,7 +260,7 @@ class LinearModel:
         ``improving_solutions`` (improving solutions), ``max_nodes`` (branch-and-bound nodes) and
         ``max_iterations`` (simplex iterations over the whole search, the root node's included)
         are work limits, the same on any machine; the time limit is only a cap."""
-        from .exact.limits import GRACE_S
+        from .limits import GRACE_S
         from .native import NativeSolverError, NativeTimeout, run_in_child
 
         integrality = np.zeros(self.n)
@@ -296,8 +297,8 @@ class LinearModel:
                 answer = run_in_child(
                     "scipy", {"problem": "milp", "options": options}, arrays, kill
                 )
-                answer["status"] = {0: "optimal", 1: "time limit", 2: "infeasible"}.get(
-                    answer["status"], "failed"
+                answer["status"] = {0: Status.OPTIMAL, 1: "time limit", 2: Status.INFEASIBLE}.get(
+                    answer["status"], Status.FAILED
                 )
             else:
                 answer = run_in_child("highs-mip", {"options": options}, arrays, kill)
@@ -305,7 +306,7 @@ class LinearModel:
             return LinearResult(1, "killed at the deadline", None, None, None, True)
         except NativeSolverError as exc:
             return LinearResult(4, str(exc), None, None, None)
-        code = {"optimal": 0, "infeasible": 2, "time limit": 1, "work limit": 1}.get(
+        code = {Status.OPTIMAL: 0, Status.INFEASIBLE: 2, "time limit": 1, "work limit": 1}.get(
             answer["status"], 4
         )
         x = None if answer["x"] is None else np.array(answer["x"])

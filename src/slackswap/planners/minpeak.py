@@ -31,7 +31,7 @@ from ..core.hardware import Hardware
 from ..core.plan import KEEP, RECOMPUTE, SWAP, Schedule
 from ..core.stepmodel import expand
 from .base import Problem
-from .exact.limits import BISECTION_STEPS, MIN_PEAK_CELLS, MIN_PEAK_DTIME, MIN_PEAK_NONZEROS
+from .limits import BISECTION_STEPS, MIN_PEAK_CELLS, MIN_PEAK_DTIME, MIN_PEAK_NONZEROS
 
 
 @dataclass(frozen=True)
@@ -171,7 +171,7 @@ def _exact(
     """The exact planner's model over every position with the budget a variable: minimise it."""
     from ortools.sat.python import cp_model
 
-    from .exact.cpsat import _build
+    from .exact.cpsat import build_model
     from .exact.decode import decode
     from .exact.formulate import formulate
     from .exact.hint import complete_hint
@@ -202,7 +202,7 @@ def _exact(
             c.hi = c.hi - budget_u
     m.objective = [(b, 1)]
     m.objective_offset = 0
-    model, x = _build(f)
+    model, x = build_model(f)
     if hint:
         for v, val in hint.items():
             model.add_hint(x[v], val)

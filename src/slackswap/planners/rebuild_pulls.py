@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..core.graph import ActivationGraph
-from .exact.limits import PULL_DEPTH, PULL_VARS_PER_TENSOR
+from .limits import PULL_DEPTH, PULL_VARS_PER_TENSOR
 from .lpmodel import LinearModel
 
 

@@ -26,7 +26,7 @@ import numpy as np
 from ..core.errors import GraphError
 from ..core.graph import ActivationGraph, Collective
 from ..core.plan import KEEP, RECOMPUTE, SWAP
-from .exact.limits import REPEATS_MAX_NARROWED, REPEATS_MAX_PERIOD, REPEATS_MIN_BLOCKS
+from .limits import REPEATS_MAX_NARROWED, REPEATS_MAX_PERIOD, REPEATS_MIN_BLOCKS
 
 
 @dataclass(frozen=True)

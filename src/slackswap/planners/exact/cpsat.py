@@ -10,10 +10,9 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from ...core.status import Status
 from ..interrupts import solve_cpsat
-from .driver import ExactBackend
-from .formulation import Formulation
-from .limits import (  # tuning constants: docs/tuning.md
+from ..limits import (  # tuning constants: docs/tuning.md
     CPSAT_BUILD_S_PER_NONZERO,
     INTERLEAVE,
     MIN_ROUND_DTIME,
@@ -21,10 +20,14 @@ from .limits import (  # tuning constants: docs/tuning.md
     PROOF_SUBSOLVERS,
     STOP_S_PER_NONZERO,
 )
-from .result import BackendResult, BackendStatus
+from .driver import ExactBackend
+from .formulation import Formulation
+from .result import BackendResult
 
 
-def _build(f: Formulation, fixed: dict[int, int] | None = None):
+def build_model(f: Formulation, fixed: dict[int, int] | None = None):
+    """The formulation as a CP-SAT model and its decision variables (the smallest-budget search
+    builds on it with the budget a variable)."""
     from ortools.sat.python import cp_model
 
     m = f.model
@@ -80,23 +83,19 @@ class CpSatBackend(ExactBackend):
 
         deadline = time.perf_counter() + float(time_limit_s)
         if time_limit_s < CPSAT_BUILD_S_PER_NONZERO * f.model.size()["nonzeros"]:
-            return BackendResult(
-                BackendStatus.TIMEOUT
-            )  # building the model alone would pass the limit
+            return BackendResult(Status.TIMEOUT)  # building the model alone would pass the limit
         dtime = options.get("deterministic_time_s")
         if (
             dtime is not None
             and dtime < MIN_ROUND_DTIME
             and f.model.size()["nonzeros"] >= PROBING_OFF_FROM_NONZEROS
         ):
-            return BackendResult(
-                BackendStatus.TIMEOUT
-            )  # its work ends in presolve: no search to run
+            return BackendResult(Status.TIMEOUT)  # its work ends in presolve: no search to run
         gap_limit = float(options.get("gap", 1e-3))
         hint = dict(options.get("complete_hint") or f.model.hint)
         if fixed and any(hint.get(v, val) != val for v, val in fixed.items()):
             hint = {}  # a hint that contradicts the fixings would only mislead
-        model, x = _build(f, fixed=fixed)
+        model, x = build_model(f, fixed=fixed)
         dtime = options.get("deterministic_time_s")
         interleave = INTERLEAVE and dtime is not None and workers > 1
         if interleave and hint:
@@ -130,14 +129,14 @@ class CpSatBackend(ExactBackend):
             solver.parameters.log_search_progress = True
         status = solve_cpsat(solver, model)
         if status == cp_model.INFEASIBLE:
-            return BackendResult(BackendStatus.INFEASIBLE)
+            return BackendResult(Status.INFEASIBLE)
         if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-            return BackendResult(BackendStatus.TIMEOUT)
+            return BackendResult(Status.TIMEOUT)
         obj, bound = solver.objective_value, solver.best_objective_bound
         gap = abs(obj - bound) / max(1.0, abs(obj))
         proven = status == cp_model.OPTIMAL or gap <= gap_limit
         return BackendResult(
-            BackendStatus.OPTIMAL if proven else BackendStatus.TIMEOUT,
+            Status.OPTIMAL if proven else Status.TIMEOUT,
             lambda v: int(fixed[v]) if fixed and v in fixed else solver.value(x[v]),
             obj,
             bound,

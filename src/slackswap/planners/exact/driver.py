@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
+from ...core.status import Status
 from ..base import Problem, Solution
 from .formulation import Formulation
 from .result import BackendResult
@@ -115,11 +116,11 @@ class ExactBackend:
         if (
             not extra.get("anytime")
             and extra.get("clock_stopped")
-            and solution.info.status != "timeout"
+            and solution.info.status != Status.TIMEOUT
         ):
             info = replace(
                 solution.info,
-                status="timeout",
+                status=Status.TIMEOUT,
                 extra={**extra, "status_before_clock": solution.info.status},
             )
             solution = replace(solution, info=info)

@@ -14,6 +14,7 @@ import numpy as np
 
 from ...core.graph import ActivationGraph
 from ...core.hardware import Hardware
+from ..limits import FULL_CELLS
 from ..scaling import (  # noqa: F401 - the MILP's scaling, named here for its users
     BYTE_RANGE,
     TIME_RANGE,
@@ -26,7 +27,6 @@ from .formulation import Formulation
 from .hint import apply_hint
 from .host_row import host_memory_row
 from .lane_cuts import lane_capacity_cuts
-from .limits import FULL_CELLS
 from .model import Model
 from .running_sum import running_sum
 

@@ -11,10 +11,11 @@ from typing import Any
 
 import numpy as np
 
+from ...core.status import Status
+from ..limits import CHILD_START_S, GRACE_S
 from .driver import ExactBackend
 from .formulation import Formulation
-from .limits import CHILD_START_S, GRACE_S
-from .result import BackendResult, BackendStatus
+from .result import BackendResult
 
 
 def linear_model(f: Formulation, fixed: dict[int, int] | None = None):
@@ -79,14 +80,14 @@ class HighsBackend(ExactBackend):
     ) -> BackendResult:
         start = time.perf_counter()
         if time_limit_s < CHILD_START_S:
-            return BackendResult(BackendStatus.TIMEOUT)
+            return BackendResult(Status.TIMEOUT)
         lm, integer = linear_model(f, fixed)
         hint = f.model.hint
         if fixed and not all(hint.get(v, val) == val for v, val in fixed.items()):
             hint = {}
         left = time_limit_s - (time.perf_counter() - start) - CHILD_START_S
         if left <= 0:
-            return BackendResult(BackendStatus.TIMEOUT)
+            return BackendResult(Status.TIMEOUT)
         nodes = options.get("max_nodes")
         result = lm.solve_integral(
             integer,
@@ -99,16 +100,14 @@ class HighsBackend(ExactBackend):
         )
         offset = f.model.objective_offset
         if result.status == 2:
-            return BackendResult(BackendStatus.INFEASIBLE)
+            return BackendResult(Status.INFEASIBLE)
         if result.x is None:
-            return BackendResult(
-                BackendStatus.FAILED if result.status == 4 else BackendStatus.TIMEOUT
-            )
+            return BackendResult(Status.FAILED if result.status == 4 else Status.TIMEOUT)
         values = [float(v) for v in result.x]
         objective = float(result.fun) + offset
         if result.status == 0:
-            return BackendResult(BackendStatus.OPTIMAL, lambda v: values[v], objective, objective)
+            return BackendResult(Status.OPTIMAL, lambda v: values[v], objective, objective)
         bound = None if result.mip_dual_bound is None else float(result.mip_dual_bound) + offset
         # stopped by a node limit (work: the same on any machine) or by the clock
-        status = BackendStatus.TIMEOUT if result.timed_out else BackendStatus.FEASIBLE
+        status = Status.TIMEOUT if result.timed_out else Status.FEASIBLE
         return BackendResult(status, lambda v: values[v], objective, bound)

@@ -7,8 +7,9 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any
 
+from ...core.status import Status
+from ..limits import MIN_PROOF_S, PROOF_CELLS, PROOF_NONZEROS
 from .formulate import formulate
-from .limits import MIN_PROOF_S, PROOF_CELLS, PROOF_NONZEROS
 
 if TYPE_CHECKING:
     from .strategy import SolveState
@@ -34,11 +35,11 @@ def prove(state: SolveState) -> None:
         state.bound_s = proof["bound_s"] if bound_s is None else max(bound_s, proof["bound_s"])
     best = state.best
     if best is not None and state.within(best.step_time_s, state.bound_s):
-        state.status = "optimal"
+        state.status = Status.OPTIMAL
     elif best is None and state.within(warm_time, state.bound_s):
-        state.status = "optimal"  # the warm start, proven (returned by the fallback)
+        state.status = Status.OPTIMAL  # the warm start, proven (returned by the fallback)
     elif proof.get("clock_stopped"):
-        state.status = "timeout"
+        state.status = Status.TIMEOUT
     if proof.get("clock_stopped"):
         state.clock.stop("proof_round")
 
@@ -55,7 +56,7 @@ def _proof_round(state: SolveState) -> dict[str, Any] | None:
     if g.n_positions * len(g.saved) > PROOF_CELLS:
         return None
     if state.left() < (MIN_PROOF_S if work.anytime else 0.05):
-        return {"skipped": "no time left", "clock_stopped": True}
+        return {Status.SKIPPED: "no time left", "clock_stopped": True}
     if hw.collectives_on_link and g.collectives:
         return None  # its bound is no proof there (milp.md, "Collectives")
     if best is not None:
@@ -84,7 +85,7 @@ def _proof_round(state: SolveState) -> dict[str, Any] | None:
     )
     size = pf.model.size()
     if size["nonzeros"] > PROOF_NONZEROS:
-        return {"skipped": f"{size['nonzeros']} nonzeros"}
+        return {Status.SKIPPED: f"{size['nonzeros']} nonzeros"}
     # its work, fixed by the work allowed alone (the backend's own limit)
     from .strategy import work_options
 
@@ -109,6 +110,6 @@ def _proof_round(state: SolveState) -> dict[str, Any] | None:
         "status": status,
         "bound_s": proven,
         "wall_s": time.perf_counter() - began,
-        "clock_stopped": status not in ("optimal", "infeasible")
+        "clock_stopped": status not in (Status.OPTIMAL, Status.INFEASIBLE)
         and time.perf_counter() - began >= 0.95 * max(remaining, 0.0),
     }

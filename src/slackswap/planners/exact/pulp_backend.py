@@ -8,10 +8,11 @@ import logging
 import time
 from typing import Any
 
+from ...core.status import Status
+from ..limits import CHILD_START_S, PULP_BUILD_S_PER_NONZERO
 from .driver import ExactBackend
 from .formulation import Formulation
-from .limits import CHILD_START_S, PULP_BUILD_S_PER_NONZERO
-from .result import BackendResult, BackendStatus
+from .result import BackendResult
 
 log = logging.getLogger("slackswap")
 
@@ -82,13 +83,11 @@ class _PulpBackend(ExactBackend):
 
         import pulp
 
+        from ..limits import GRACE_S
         from ..native import NativeSolverError, NativeTimeout, run_in_child
-        from .limits import GRACE_S
 
         if time_limit_s < CHILD_START_S + PULP_BUILD_S_PER_NONZERO * f.model.size()["nonzeros"]:
-            return BackendResult(
-                BackendStatus.TIMEOUT
-            )  # building and starting it would pass the limit
+            return BackendResult(Status.TIMEOUT)  # building and starting it would pass the limit
         start = time.perf_counter()
         with warnings.catch_warnings():
             # PuLP 3 warns about its own 4.0 API; the calls used here work in both
@@ -114,30 +113,28 @@ class _PulpBackend(ExactBackend):
         try:
             left = time_limit_s - (time.perf_counter() - start)
             if left < CHILD_START_S:
-                return BackendResult(BackendStatus.TIMEOUT)
+                return BackendResult(Status.TIMEOUT)
             request["options"]["time_limit_s"] = left - CHILD_START_S
             answer = run_in_child("pulp", request, None, left + GRACE_S)
         except NativeTimeout:
-            return BackendResult(
-                BackendStatus.TIMEOUT
-            )  # killed at the deadline: no solution to read
+            return BackendResult(Status.TIMEOUT)  # killed at the deadline: no solution to read
         except NativeSolverError as exc:
             log.warning("%s: %s", self.name, exc)
-            return BackendResult(BackendStatus.FAILED)
+            return BackendResult(Status.FAILED)
         status = answer["status"]
         if status == "Infeasible":
-            return BackendResult(BackendStatus.INFEASIBLE)
+            return BackendResult(Status.INFEASIBLE)
         # only a solution the solver vouches for: optimal, or integer-feasible at the time limit
         values = [answer["values"].get(v.name) for v in x]
         if answer["solution"] is None or any(v is None for v in values):
-            return BackendResult(BackendStatus.TIMEOUT)
+            return BackendResult(Status.TIMEOUT)
         for var, value in zip(x, values):
             var.varValue = value
         obj = pulp.value(prob.objective)  # here: the child's copy of the model drops its constant
-        optimal = status == "Optimal" and answer["solution"] == "optimal"
+        optimal = status == "Optimal" and answer["solution"] == Status.OPTIMAL
         bound = obj if optimal else None
         return BackendResult(
-            BackendStatus.OPTIMAL if optimal else BackendStatus.TIMEOUT,
+            Status.OPTIMAL if optimal else Status.TIMEOUT,
             lambda v: values[v],
             obj,
             bound,
@@ -152,7 +149,7 @@ class CbcBackend(_PulpBackend):
         start = time.perf_counter()
         result = super().run(f, time_limit_s, seed, workers, options, fixed)
         left = time_limit_s - (time.perf_counter() - start)
-        if result.status is BackendStatus.INFEASIBLE and left > 0.5:
+        if result.status is Status.INFEASIBLE and left > 0.5:
             # CBC's integer preprocessing wrongly reports some degenerate models infeasible
             # (all times zero, say); confirm without it before believing it
             again = CbcBackend()

@@ -8,10 +8,11 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from ...core.status import Status
+from ..limits import SCIP_BUILD_S_PER_NONZERO
 from .driver import ExactBackend
 from .formulation import Formulation
-from .limits import SCIP_BUILD_S_PER_NONZERO
-from .result import BackendResult, BackendStatus
+from .result import BackendResult
 
 
 def _scip_model(f: Formulation, fixed: dict[int, int] | None):
@@ -85,9 +86,7 @@ class ScipBackend(ExactBackend):
 
         deadline = time.perf_counter() + float(time_limit_s)
         if time_limit_s < SCIP_BUILD_S_PER_NONZERO * f.model.size()["nonzeros"]:
-            return BackendResult(
-                BackendStatus.TIMEOUT
-            )  # building the model alone would pass the limit
+            return BackendResult(Status.TIMEOUT)  # building the model alone would pass the limit
         solver, x = _scip_model(f, fixed)
         gap = float(options.get("gap", 1e-3))
         params = [f"randomization/randomseedshift = {int(seed)}", f"limits/gap = {gap}"]
@@ -98,19 +97,19 @@ class ScipBackend(ExactBackend):
         solver.SetNumThreads(1)
         left = deadline - time.perf_counter()
         if left <= 0.05:
-            return BackendResult(BackendStatus.TIMEOUT)
+            return BackendResult(Status.TIMEOUT)
         solver.SetTimeLimit(int(1000 * left))
         status = solver.Solve()
         if status == pywraplp.Solver.INFEASIBLE:
-            return BackendResult(BackendStatus.INFEASIBLE)
+            return BackendResult(Status.INFEASIBLE)
         if status not in (pywraplp.Solver.OPTIMAL, pywraplp.Solver.FEASIBLE):
-            return BackendResult(BackendStatus.TIMEOUT)
+            return BackendResult(Status.TIMEOUT)
         values = [v.solution_value() for v in x]
         obj = solver.Objective().Value()
         bound = solver.Objective().BestBound()
         optimal = status == pywraplp.Solver.OPTIMAL
         return BackendResult(
-            BackendStatus.OPTIMAL if optimal else BackendStatus.TIMEOUT,
+            Status.OPTIMAL if optimal else Status.TIMEOUT,
             lambda v: values[v],
             obj,
             bound if optimal else None,

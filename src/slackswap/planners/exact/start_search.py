@@ -15,9 +15,9 @@ from typing import Any
 import numpy as np
 
 from ...core.plan import STEP_FLOOR, SWAP, proof_tolerance_s
+from ...core.status import Status
 from ..base import Problem
-from ..local_search import improve
-from .limits import (
+from ..limits import (
     COARSE_MIN_OPS,
     COARSE_MIN_S,
     DEPARTURE_CELLS,
@@ -34,6 +34,7 @@ from .limits import (
     Clock,
     WorkLimits,
 )
+from ..local_search import improve
 from .warmstart import (
     Background,
     WarmStart,
@@ -118,13 +119,13 @@ class StartSearch:
         if not anytime and g.n_positions * len(g.saved) > work.relax_cells:
             # its root node alone would pass the work allowed (decided by size, not the clock)
             notes[label] = {
-                "status": "skipped",
+                "status": Status.SKIPPED,
                 "reason": "model too large for the work",
                 "clock_stopped": False,
             }
             return None
         if self.left() <= (RELAXATION_MIN_S + 2 * 4e-4 * g.n_positions if anytime else 0.1):
-            notes[label] = {"status": "skipped", "reason": "deadline", "clock_stopped": True}
+            notes[label] = {"status": Status.SKIPPED, "reason": "deadline", "clock_stopped": True}
             return None
         planning_hw = (
             hw
@@ -165,7 +166,7 @@ class StartSearch:
         if (
             lanes == 1.0
             and tight
-            and relaxation.status in ("optimal", "timeout")
+            and relaxation.status in (Status.OPTIMAL, Status.TIMEOUT)
             and np.isfinite(relaxation.step_time_s)
         ):
             self.raise_bound(relaxation.step_time_s)  # the real lanes: a valid bound
@@ -186,7 +187,7 @@ class StartSearch:
             return
         if self.left() <= (DEPARTURE_MIN_S if anytime else 0.05):
             notes["departure_bound"] = {
-                "status": "skipped",
+                "status": Status.SKIPPED,
                 "reason": "deadline",
                 "clock_stopped": True,
             }
@@ -233,7 +234,7 @@ class StartSearch:
             return None
         found = background.result()
         if found is None:  # a failed phase, like a native solver's crash: the others go on
-            self.notes["departure_bound"] = {"status": "failed", "error": background.error}
+            self.notes["departure_bound"] = {"status": Status.FAILED, "error": background.error}
             log.warning("departure bound failed: %s", background.error)
             return None
         self.first_departure.append(found)
@@ -258,7 +259,7 @@ class StartSearch:
             and best.sim.fits
             and found.step_time_s > best.step_time_s * (1 + 1e-9)
         )
-        if (found.status == "infeasible" or beaten) and best.sim.fits:
+        if (found.status == Status.INFEASIBLE or beaten) and best.sim.fits:
             # a plan fits and is this fast: the relaxation cannot say otherwise; a fault of the
             # bound, not a proof
             log.warning(
@@ -267,7 +268,7 @@ class StartSearch:
                 best.step_time_s,
             )
             return None
-        if found.step_time_s is not None and found.status != "skipped":
+        if found.step_time_s is not None and found.status != Status.SKIPPED:
             self.raise_bound(found.step_time_s)
         codes = found.codes
         if (
@@ -291,12 +292,12 @@ class StartSearch:
         if not self.first_departure or not best.sim.fits:
             return None
         first = self.first_departure[0].status
-        stopped_in_gap = first == "optimal" and self.departure_gap["gap"] > 0
-        if first not in ("feasible", "timeout") and not stopped_in_gap:
+        stopped_in_gap = first == Status.OPTIMAL and self.departure_gap["gap"] > 0
+        if first not in (Status.FEASIBLE, Status.TIMEOUT) and not stopped_in_gap:
             return None
         if self.left() <= (DEPARTURE_MIN_S if anytime else 0.05):
             self.notes["departure_bound_from_best"] = {
-                "status": "skipped",
+                "status": Status.SKIPPED,
                 "reason": "deadline",
                 "clock_stopped": True,
             }
@@ -334,7 +335,7 @@ class StartSearch:
         if limit < COARSE_MIN_S:
             if clocked:
                 self.notes["coarse"] = {
-                    "status": "skipped",
+                    "status": Status.SKIPPED,
                     "reason": "deadline",
                     "clock_stopped": True,
                 }

@@ -36,12 +36,11 @@ from ...core.plan import (
     SolveInfo,
     proof_tolerance_s,
 )
+from ...core.status import Status
 from ...core.stepmodel import expand
+from .. import limits  # IPM_FROM_POSITIONS read at each call, as lpbuilder reads it
 from ..base import Problem, Solution
-from . import limits  # IPM_FROM_POSITIONS read at each call, as lpbuilder reads it
-from .formulate import formulate
-from .formulation import Formulation
-from .limits import (
+from ..limits import (
     ANYTIME_FORMULATE_S_PER_POSITION,
     ANYTIME_LP_S_PER_POSITION,
     ANYTIME_LP_SHARE,
@@ -52,8 +51,9 @@ from .limits import (
     Clock,
     WorkLimits,
 )
+from .formulate import formulate
+from .formulation import Formulation
 from .proof_round import prove
-from .result import BackendStatus
 
 if TYPE_CHECKING:
     from .driver import ExactBackend
@@ -114,7 +114,7 @@ class SolveState:
     model: Formulation | None = None
     strategy: str = "auto"
     best: Incumbent | None = None
-    status: str = "timeout"
+    status: Status = Status.TIMEOUT
 
     def left(self) -> float:
         return self.deadline - time.perf_counter()
@@ -146,7 +146,7 @@ class SolveState:
 
     def run_backend(
         self, remaining: float, form: Formulation, fixed=None, options=None
-    ) -> tuple[str, Any, Any, Any]:
+    ) -> tuple[Status, Any, Any, Any]:
         """The backend on ``form``; notes when the clock, not its work limit, stopped it.
         Returns (status, value, objective, bound)."""
         s = self.settings
@@ -157,15 +157,15 @@ class SolveState:
         status = answer.status
         stopped = self.clock.stopped
         if (
-            status not in (BackendStatus.OPTIMAL, BackendStatus.INFEASIBLE)
+            status not in (Status.OPTIMAL, Status.INFEASIBLE)
             and time.perf_counter() - began >= 0.95 * remaining
         ):
             stopped.append(f"{self.backend.name}_round_{len(stopped) + 1}")
-        elif status is BackendStatus.TIMEOUT:
+        elif status is Status.TIMEOUT:
             # its work limit ended the search, not the clock: "timeout" would say the time
             # limit stopped it (a longer limit, not the same one again, may do better)
-            status = BackendStatus.FEASIBLE
-        return status.value, answer.value, answer.objective, answer.bound
+            status = Status.FEASIBLE
+        return status, answer.value, answer.objective, answer.bound
 
 
 def lp_fixings(f: Formulation, lp, threshold: float = 0.999, agree_with=None) -> dict[int, int]:
@@ -272,7 +272,7 @@ def _skipped_bound(graph, budget: int, why: str):
     from ..lpbuilder import LPBound
 
     ideal = graph.ideal_step_time_s
-    return LPBound(1.0, ideal, ideal, budget, "skipped", 0.0, {}, {}, {}, note=why)
+    return LPBound(1.0, ideal, ideal, budget, Status.SKIPPED, 0.0, {}, {}, {}, note=why)
 
 
 def warm(state: SolveState) -> None:
@@ -281,7 +281,7 @@ def warm(state: SolveState) -> None:
     from .warmstart import warm_start
 
     s, lp, clock = state.settings, state.lp, state.clock
-    lp_s = lp.step_time_s if lp.status == "optimal" else None
+    lp_s = lp.step_time_s if lp.status == Status.OPTIMAL else None
     backend = state.backend
     ws = warm_start(
         state.problem,
@@ -324,7 +324,7 @@ def warm(state: SolveState) -> None:
     for name, note in ws.notes.items():
         if isinstance(note, dict) and note.get("clock_stopped"):
             clock.stop(name)
-    if lp.clock_stopped or (s.anytime and lp.status in ("timeout", "skipped")):
+    if lp.clock_stopped or (s.anytime and lp.status in (Status.TIMEOUT, Status.SKIPPED)):
         clock.stopped.insert(0, "lp_bound")
     state.base_extra["clock_stopped"] = clock.stopped
     state.base_extra["anytime"] = s.anytime
@@ -354,7 +354,7 @@ def shortcut(state: SolveState) -> Solution | None:
         assert bound_s is not None
         info = SolveInfo(
             solver=state.backend.name,
-            status="optimal" if state.within(warm_time, bound_s) else "feasible",
+            status=Status.OPTIMAL if state.within(warm_time, bound_s) else Status.FEASIBLE,
             objective=warm_time,
             bound=min(bound_s, warm_time),
             gap=max(0.0, (warm_time - bound_s) / warm_time),
@@ -365,18 +365,18 @@ def shortcut(state: SolveState) -> Solution | None:
         return Solution(state.ws.codes, None, info, simulation=state.ws.sim)
     if hw.collectives_on_link and g.collectives and not hw.duplex and finite:
         why = "the MILP does not model collectives on a half-duplex link; the warm start's plan"
-        return fallback(state, "feasible", {**state.base_extra, "reason": why})
+        return fallback(state, Status.FEASIBLE, {**state.base_extra, "reason": why})
     if state.settings.anytime:
         skip = state.left() < MIN_SEARCH_S + 2 * ANYTIME_FORMULATE_S_PER_POSITION * g.n_positions
     else:
         skip = state.clock.passed(MIN_SEARCH_S)
         if not state.work.builds(g.n_positions) and finite:
             why = "the MILP's model is too large for the work allowed"
-            return fallback(state, "feasible", {**state.base_extra, "reason": why})
+            return fallback(state, Status.FEASIBLE, {**state.base_extra, "reason": why})
     if skip and finite:
         state.clock.stopped.append("milp_skipped")
         return fallback(
-            state, "timeout", {**state.base_extra, "reason": "no time left for the MILP"}
+            state, Status.TIMEOUT, {**state.base_extra, "reason": "no time left for the MILP"}
         )
     return None
 
@@ -451,8 +451,12 @@ def search_whole(state: SolveState) -> None:
         state.info_extra["milp_bound_s"] = milp_bound
     candidates = [b for b in (milp_bound, state.bound_s) if b is not None]
     state.bound_s = max(candidates) if candidates else None
-    if status != "optimal" and best is not None and state.within(best.step_time_s, state.bound_s):
-        status = "optimal"
+    if (
+        status != Status.OPTIMAL
+        and best is not None
+        and state.within(best.step_time_s, state.bound_s)
+    ):
+        status = Status.OPTIMAL
     state.status = status
 
 
@@ -468,7 +472,7 @@ def search_lp_guided(state: SolveState) -> None:
         if remaining <= (MIN_SEARCH_S if state.settings.anytime else 0.05):
             stopped.append("milp_rounds_skipped")
             break
-        fixed = lp_fixings(f, lp, threshold, agree) if lp.status == "optimal" else {}
+        fixed = lp_fixings(f, lp, threshold, agree) if lp.status == Status.OPTIMAL else {}
         status, value, obj, _ = state.run_backend(remaining, f, fixed=fixed)
         state.info_extra.setdefault("rounds", []).append(
             {"threshold": threshold, "fixed_tensors": len(fixed) // 3, "status": status}
@@ -486,9 +490,9 @@ def search_lp_guided(state: SolveState) -> None:
         and state.bound_s is not None
         and state.within(best.step_time_s, state.bound_s)
     ):
-        state.status = "optimal"
+        state.status = Status.OPTIMAL
     else:
-        state.status = "timeout" if len(stopped) > stopped_before else "feasible"
+        state.status = Status.TIMEOUT if len(stopped) > stopped_before else Status.FEASIBLE
 
 
 def finish(state: SolveState) -> Solution:
@@ -507,12 +511,12 @@ def finish(state: SolveState) -> Solution:
             if bound is None
             else (max(0.0, (predicted - bound) / predicted) if predicted > 0 else 0.0)
         )
-        if status == "optimal" and not state.within(predicted, bound):
+        if status == Status.OPTIMAL and not state.within(predicted, bound):
             # "optimal" is a proof against a valid bound, not the model's word: a model over
             # windows, or with rounded-up sizes, is a restriction of the problem
-            status = "feasible"
-        elif status not in ("optimal", "timeout"):
-            status = "feasible"
+            status = Status.FEASIBLE
+        elif status not in (Status.OPTIMAL, Status.TIMEOUT):
+            status = Status.FEASIBLE
         info = SolveInfo(
             solver=name,
             status=status,
@@ -531,14 +535,14 @@ def finish(state: SolveState) -> Solution:
         if best is None
         else "solver's best was not better than the warm start",
     )
-    if status == "infeasible" and np.isfinite(warm_time):
+    if status == Status.INFEASIBLE and np.isfinite(warm_time):
         # the warm start fits, so a plan exists: the backend's "infeasible" is its own failure
         # (tolerances, presolve); the warm start is returned under an honest status
         extra["backend_failure"] = (
             f"{name} reported the model infeasible, but the warm start is a valid plan"
         )
         log.warning("%s: %s", name, extra["backend_failure"])
-    elif status == "infeasible":
+    elif status == Status.INFEASIBLE:
         # nothing fits: with restricted decisions (keep and recompute only) the budget can be
         # below the smallest feasible one, which solve() computes with swaps allowed
         extra["reason"] = (
@@ -556,11 +560,11 @@ def fallback(state: SolveState, status: str, extra: dict[str, Any]) -> Solution:
         bound_s = min(bound_s, warm_time)
         gap = max(0.0, (warm_time - bound_s) / warm_time) if warm_time > 0 else 0.0
     if gap is not None and state.within(warm_time, bound_s):
-        final = "optimal"  # the warm start is itself within the target of a valid bound
-    elif status == "timeout":
-        final = "timeout"  # the time limit stopped the search
+        final = Status.OPTIMAL  # the warm start is itself within the target of a valid bound
+    elif status == Status.TIMEOUT:
+        final = Status.TIMEOUT  # the time limit stopped the search
     else:
-        final = "feasible"  # the search ended without proving the warm start optimal
+        final = Status.FEASIBLE  # the search ended without proving the warm start optimal
     info = SolveInfo(
         solver=state.backend.name,
         status=final,

@@ -26,7 +26,7 @@ import numpy as np
 from ...check.simulate import SimResult, simulate_decisions
 from ...core.plan import KEEP, OVERHEAD_TARGET, RECOMPUTE, SWAP
 from ..base import Problem
-from .limits import (
+from ..limits import (
     COARSE_MAX_OPS,
     COARSE_MIN_BLOCKS,
     COARSE_MIN_OPS,
