@@ -55,7 +55,6 @@ def keep_what_fits(
     if keepable is None:
         keepable = np.ones(len(codes), dtype=bool)
     d2h, h2d, rec = _positions(exp)
-    kept_back: list[int] = []
     if keepable[moved].all():
         # the budget holds the keep-all peak: keep-all is the minimal plan and the fastest
         all_kept = np.where(codes == UNSAVED, UNSAVED, KEEP).astype(codes.dtype)
@@ -64,29 +63,103 @@ def keep_what_fits(
         whole_sim = run_timeline(graph, whole, hw, budget)
         if whole_sim.fits and whole_sim.step_time_s <= sim.step_time_s * (1 + SAME_STEP):
             return Minimal(all_kept, whole, whole_sim, tuple(int(t) for t in moved))
-    memory = exp.memory()
+    state = _Demotions(graph, hw, budget, exp, sim, d2h, h2d, rec)
     while True:
-        changed = False
-        for unit in _units(graph, exp.codes, keepable):
-            if not _may_fit(graph, exp, memory, unit, budget):
-                continue
-            trial = exp.codes.copy()
-            trial[list(unit)] = KEEP
-            td2h, th2d, trec = d2h.copy(), h2d.copy(), rec.copy()
-            for t in unit:
-                td2h[t] = th2d[t] = trec[t] = -1
-            texp = expand_positions(graph, trial, td2h, th2d, trec, hw, None)
-            tsim = run_timeline(graph, texp, hw, budget)
-            if tsim.fits and tsim.step_time_s <= sim.step_time_s * (1 + SAME_STEP):
-                exp, sim, d2h, h2d, rec = texp, tsim, td2h, th2d, trec
-                memory = exp.memory()
-                kept_back.extend(unit)
-                changed = True
-        if not changed:
+        taken = 0
+        remaining = _units(graph, state.exp.codes, keepable)
+        while remaining:
+            batch, remaining = state.batch(remaining)
+            taken += state.take(batch)
+        if not taken:
             break
-    if not kept_back:
+    if not state.kept_back:
         return None
-    return Minimal(exp.codes, exp, sim, tuple(kept_back))
+    return Minimal(state.exp.codes, state.exp, state.sim, tuple(state.kept_back))
+
+
+class _Demotions:
+    """The plan being made minimal: its expansion, simulation and positions, and the moves back
+    to keep taken so far. Moves are tried in batches (a batch is simulated once; one that does
+    not fit or lengthens the step is halved until its parts do, down to single moves), so a plan
+    that turns many tensors back to keep costs a few simulations, not one per tensor; a pass
+    with nothing taken has tried every move alone, so the result is the same kind of minimal."""
+
+    def __init__(self, graph, hw, budget, exp, sim, d2h, h2d, rec) -> None:
+        self.graph, self.hw, self.budget = graph, hw, budget
+        self.kept_back: list[int] = []
+        self._set(exp, sim, d2h, h2d, rec)
+
+    def _set(self, exp: Expansion, sim: SimResult, d2h, h2d, rec) -> None:
+        self.exp, self.sim, self.d2h, self.h2d, self.rec = exp, sim, d2h, h2d, rec
+        self.memory = exp.memory()
+        self.gaps = _GapIndex(exp)
+
+    def batch(
+        self, units: list[tuple[int, ...]]
+    ) -> tuple[list[tuple[int, ...]], list[tuple[int, ...]]]:
+        """The next batch, in order: each unit that may fit on top of the ones before it (from
+        memory alone, ``_may_fit``); units that may fit alone but not with the batch are left
+        for the next; units that cannot fit alone are dropped for this pass."""
+        extra = np.zeros(self.exp.n_points, dtype=np.int64)
+        nbytes = self.graph.tensor_bytes
+        batch, rest = [], []
+        for unit in units:
+            gaps = [(self.gaps.gap(t), int(nbytes[t])) for t in unit]
+            if not _may_fit(gaps, self.memory, self.budget):
+                continue
+            if not batch or _may_fit(gaps, self.memory + extra, self.budget):
+                batch.append(unit)
+                for gap, size in gaps:
+                    extra[gap] += size
+            else:
+                rest.append(unit)
+        return batch, rest
+
+    def take(self, batch: list[tuple[int, ...]]) -> int:
+        """Turn the batch back to keep if the plan still fits at the same or a lower step, else
+        its halves in turn (with the moves already taken); returns how many units were taken."""
+        if not batch:
+            return 0
+        tensors = [t for unit in batch for t in unit]
+        trial = self.exp.codes.copy()
+        trial[tensors] = KEEP
+        d2h, h2d, rec = self.d2h.copy(), self.h2d.copy(), self.rec.copy()
+        d2h[tensors] = h2d[tensors] = rec[tensors] = -1
+        exp = expand_positions(self.graph, trial, d2h, h2d, rec, self.hw, None)
+        sim = run_timeline(self.graph, exp, self.hw, self.budget)
+        if sim.fits and sim.step_time_s <= self.sim.step_time_s * (1 + SAME_STEP):
+            self._set(exp, sim, d2h, h2d, rec)
+            self.kept_back.extend(tensors)
+            return len(batch)
+        if len(batch) == 1:
+            return 0
+        half = len(batch) // 2
+        return self.take(batch[:half]) + self.take(batch[half:])
+
+
+class _GapIndex:
+    """Per tensor, the forward and backward points where it is off the device but would be held
+    if kept (its intervals found once per expansion, not by a scan per tensor)."""
+
+    def __init__(self, exp: Expansion) -> None:
+        self.exp = exp
+        self.order = np.argsort(exp.iv_tensor, kind="stable")
+        self.sorted_tensor = exp.iv_tensor[self.order]
+        self.main = exp.point_kind != 1
+
+    def gap(self, t: int) -> np.ndarray:
+        exp = self.exp
+        lo, hi = np.searchsorted(self.sorted_tensor, [t, t + 1])
+        mine = self.order[lo:hi]
+        gap = np.zeros(exp.n_points, dtype=bool)
+        if len(mine) == 0:
+            return gap
+        first, last = int(exp.iv_start[mine].min()), int(exp.iv_end[mine].max())
+        gap[first : last + 1] = True
+        for i in mine:
+            if not exp.iv_transient[i]:
+                gap[exp.iv_start[i] : exp.iv_end[i] + 1] = False
+        return gap & self.main
 
 
 def _positions(exp: Expansion) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -115,26 +188,10 @@ def _units(
     return sorted(units, key=lambda u: (-units[u], u))
 
 
-def _may_fit(
-    graph: ActivationGraph, exp: Expansion, memory: np.ndarray, unit: tuple[int, ...], budget: int
-) -> bool:
+def _may_fit(gaps: list[tuple[np.ndarray, int]], memory: np.ndarray, budget: int) -> bool:
     """A necessary condition, from memory alone: at every forward and backward point where a
-    tensor of ``unit`` is off the device but would be held if kept, the memory there plus its
-    bytes stays within the budget (the other tensors' lives are unchanged at those points; only
-    rerun points, which a demotion may remove, are left out)."""
-    main = exp.point_kind != 1
-    for t in unit:
-        mine = np.flatnonzero(exp.iv_tensor == t)
-        if len(mine) == 0:
-            continue
-        held = np.zeros(exp.n_points, dtype=bool)
-        for i in mine:
-            if not exp.iv_transient[i]:
-                held[exp.iv_start[i] : exp.iv_end[i] + 1] = True
-        first, last = int(exp.iv_start[mine].min()), int(exp.iv_end[mine].max())
-        gap = np.zeros(exp.n_points, dtype=bool)
-        gap[first : last + 1] = True
-        gap &= ~held & main
-        if gap.any() and int(memory[gap].max()) + int(graph.tensor_bytes[t]) > budget:
-            return False
-    return True
+    tensor of a unit is off the device but would be held if kept (``gaps``: per tensor, those
+    points and its bytes), the memory there plus its bytes stays within the budget (the other
+    tensors' lives are unchanged at those points; only rerun points, which a demotion may
+    remove, are left out)."""
+    return all(not gap.any() or int(memory[gap].max()) + size <= budget for gap, size in gaps)
