@@ -227,7 +227,9 @@ def test_timeout_returns_a_plan_no_worse_than_heuristic():
     assert p.info.status in ("timeout", "feasible", "optimal")
     assert ss.validate(g, p, hw).ok
     assert ss.simulate(g, p, hw).retention >= ss.simulate(g, h, hw).retention - 1e-12
-    assert p.info.gap is not None and p.info.bound is not None
+    # a bound, unless the clock (1 s, on a loaded machine) stopped the LP bound, which says so
+    stopped = p.info.extra.get("clock_stopped") or ()
+    assert (p.info.gap is not None and p.info.bound is not None) or "lp_bound" in stopped, stopped
 
 
 def test_infeasible_budget_names_the_minimum():

@@ -102,7 +102,8 @@ class _Demotions:
         for the next; units that cannot fit alone are dropped for this pass."""
         extra = np.zeros(self.exp.n_points, dtype=np.int64)
         nbytes = self.graph.tensor_bytes
-        batch, rest = [], []
+        batch: list[tuple[int, ...]] = []
+        rest: list[tuple[int, ...]] = []
         for unit in units:
             gaps = [(self.gaps.gap(t), int(nbytes[t])) for t in unit]
             if not _may_fit(gaps, self.memory, self.budget):

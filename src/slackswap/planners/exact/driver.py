@@ -33,23 +33,7 @@ class ExactBackend:
     work_limit = "nodes"
     # it starts from a value for every variable (hint.complete_hint), not only the decisions'
     takes_complete_hint = False
-    options = frozenset(
-        {
-            "seed",
-            "workers",
-            "warm_start",
-            "full",
-            "strategy",
-            "polish",
-            "gap",
-            "coarse",
-            "log",
-            "linearization_level",
-            "departure",
-            "anytime",
-            "work_s",
-        }
-    )
+    options = SearchSettings.names()
 
     def is_available(self) -> bool:
         return True
@@ -69,17 +53,6 @@ class ExactBackend:
         self,
         problem: Problem,
         time_limit_s: float | None = None,
-        *,
-        seed: int = 0,
-        workers: int = 2,
-        warm_start: bool = True,
-        full: bool | None = None,
-        strategy: str = "auto",
-        polish: bool = True,
-        coarse: bool = True,
-        departure: bool = True,
-        anytime: bool = False,
-        work_s: float | None = None,
         **options: Any,
     ) -> Solution:
         """The best plan found within the work allowed (``work_s``, default the time limit;
@@ -91,26 +64,14 @@ class ExactBackend:
         Args:
             problem: the graph, hardware, budget and restrictions (planners/base.py).
             time_limit_s: the hard cap on the wall clock, from solve()'s entry.
-            options: the backend's own (``gap``, ``log``, ``linearization_level``).
+            options: SearchSettings' fields (strategy.py), and the backend's own (``gap``,
+                ``log``, ``linearization_level``).
 
         Returns:
             A :class:`Solution`: decisions, schedule (None: the warm start's, simulated) and
             the :class:`SolveInfo` with the status, bound and gap that are true of it.
         """
-        settings = SearchSettings(
-            time_limit_s=time_limit_s,
-            seed=seed,
-            workers=workers,
-            warm_start=warm_start,
-            full=full,
-            strategy=strategy,
-            polish=polish,
-            coarse=coarse,
-            departure=departure,
-            anytime=anytime,
-            work_s=work_s,
-            options=options,
-        )
+        settings = SearchSettings.of(time_limit_s, options)
         solution = search(self, problem, settings)
         extra = solution.info.extra
         if (

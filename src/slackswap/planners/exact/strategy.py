@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass, field, fields
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
@@ -77,6 +77,27 @@ class SearchSettings:
     anytime: bool = False
     work_s: float | None = None
     options: dict[str, Any] = field(default_factory=dict)  # passed on to the backend
+
+    # the backend's own options, passed on in ``options``
+    BACKEND_OPTIONS: ClassVar[frozenset[str]] = frozenset({"gap", "log", "linearization_level"})
+
+    @classmethod
+    def names(cls) -> frozenset[str]:
+        """Every keyword the exact planners take besides the time limit: solve() refuses any
+        other by name."""
+        own = {f.name for f in fields(cls)} - {"time_limit_s", "options"}
+        return frozenset(own) | cls.BACKEND_OPTIONS
+
+    @classmethod
+    def of(cls, time_limit_s: float | None, options: dict[str, Any]) -> SearchSettings:
+        """The settings of a solve's keywords: the search's own as fields, the rest (the
+        backend's) in ``options``."""
+        unknown = set(options) - cls.names()
+        if unknown:
+            raise TypeError(f"exact planner: unknown options {sorted(unknown)}")
+        own = {k: v for k, v in options.items() if k not in cls.BACKEND_OPTIONS}
+        passed = {k: v for k, v in options.items() if k in cls.BACKEND_OPTIONS}
+        return cls(time_limit_s=time_limit_s, options=passed, **own)
 
 
 @dataclass
