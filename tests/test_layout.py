@@ -341,7 +341,8 @@ def test_every_status_is_the_status_type():
     found = [
         hit
         for path in sorted(ROOT.rglob("*.py"))
-        if path.name != "status.py"
+        # the solver child's script speaks JSON to its parent and imports nothing of the package
+        if path.name not in ("status.py", "native_worker.py")
         for hit in _bare_status_words(path)
     ]
     assert not found, found

@@ -330,6 +330,13 @@ MIN_PEAK_CELLS = 20_000
 MIN_PEAK_NONZEROS = 400_000
 MIN_PEAK_DTIME = 4.0
 BISECTION_STEPS = 12
+# the heuristic's fit is not monotone in the budget (a plan can fit a budget below one where the
+# rules failed): below the bisection's answer the full heuristic (its polish and local search)
+# is tried at these fractions of the best peak so far (the largest step first), restarting from
+# each better plan, at most
+# DESCENT_ROUNDS times (SegNet recompute-only: 2.30 GB by bisection, 2.07 GB found below it)
+DESCENT_FRACTIONS = (0.8, 0.9, 0.95, 0.98, 0.99, 0.995, 0.999)
+DESCENT_ROUNDS = 6
 # repeated blocks (planners/repeats.py): fewer repeats than this are not worth a coarse problem;
 # a block has at most this many ops (a transformer layer at the aten level: hundreds); at most
 # this many shape runs are narrowed by their references (each a pass over the ops)

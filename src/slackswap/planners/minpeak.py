@@ -9,7 +9,9 @@ recomputed but not offloaded (keep and recompute only, a CPU device, pins), that
 lower bound: recomputing everything rebuilds chains at once in backward, so the smallest budget is
 a choice of what to keep. It is found by
 
-1. a bisection over budgets with the heuristic (a plan it finds fits: an upper bound), then
+1. a bisection over budgets with the heuristic (a plan it finds fits: an upper bound), then a
+   descent below it: the full heuristic (polish and local search) at fractions of the best peak,
+   restarting from each better plan (the heuristic's fit is not monotone in the budget), then
 2. on graphs of at most MIN_PEAK_CELLS positions x saved tensors, the exact planner's model over
    every schedule position with the budget a variable to minimise (CP-SAT, one worker, a fixed
    deterministic time): where CP-SAT proves its optimum, the minimum is exact up to the byte
@@ -31,7 +33,14 @@ from ..core.hardware import Hardware
 from ..core.plan import KEEP, RECOMPUTE, SWAP, Schedule
 from ..core.stepmodel import expand
 from .base import Problem
-from .limits import BISECTION_STEPS, MIN_PEAK_CELLS, MIN_PEAK_DTIME, MIN_PEAK_NONZEROS
+from .limits import (
+    BISECTION_STEPS,
+    DESCENT_FRACTIONS,
+    DESCENT_ROUNDS,
+    MIN_PEAK_CELLS,
+    MIN_PEAK_DTIME,
+    MIN_PEAK_NONZEROS,
+)
 
 
 @dataclass(frozen=True)
@@ -102,8 +111,8 @@ def min_peak(
             time.perf_counter() - began,
         )
     codes, peak = _bisect(graph, hw, mask, floor)
-    best = MinPeak(
-        peak, floor, peak <= floor, "heuristic", codes, None, time.perf_counter() - began
+    best = _descend(
+        graph, hw, mask, floor, MinPeak(peak, floor, peak <= floor, "heuristic", codes, None, 0.0)
     )
     if (
         exact
@@ -165,6 +174,32 @@ def _bisect(graph: ActivationGraph, hw: Hardware, mask, floor: int) -> tuple[np.
     return best
 
 
+def _descend(graph: ActivationGraph, hw: Hardware, mask, floor: int, best: MinPeak) -> MinPeak:
+    """Below ``best``: the full heuristic (its polish, its local search) at DESCENT_FRACTIONS of
+    the best peak so far, restarting from each plan with a lower peak, for DESCENT_ROUNDS."""
+    from .heuristic import SlackSwapHeuristic
+
+    heuristic = SlackSwapHeuristic()
+    for _ in range(DESCENT_ROUNDS):
+        improved = False
+        for fraction in DESCENT_FRACTIONS:
+            budget = int(best.budget_bytes * fraction)
+            if budget < floor:
+                break
+            found = heuristic.solve(Problem(graph, hw, budget, mask))
+            exp = expand(graph, found.codes, found.schedule, hw, budget_bytes=budget)
+            peak = int(exp.memory().max())
+            if peak <= budget:
+                # every position fixed: the plan fits its peak whatever budget it is closed at
+                schedule = exp.schedule(graph)
+                best = MinPeak(peak, floor, peak <= floor, "heuristic", found.codes, schedule, 0.0)
+                improved = True
+                break
+        if not improved:
+            break
+    return best
+
+
 def _exact(
     graph: ActivationGraph, hw: Hardware, mask, floor: int, start: MinPeak, time_limit_s: float
 ) -> MinPeak | None:
@@ -187,7 +222,7 @@ def _exact(
     # the budget becomes a variable: every memory row's right-hand side is its cap less the
     # budget (memory_budget, memory_budget_rerun of milp.md)
     hint = {}
-    exp = expand(graph, start.codes, None, hw, budget_bytes=start.budget_bytes)
+    exp = expand(graph, start.codes, start.schedule, hw, budget_bytes=start.budget_bytes)
     free = {int(t): int(exp.d2h_free[t]) for t in graph.saved if start.codes[t] == SWAP}
     issue = {int(t): int(exp.h2d_issue[t]) for t in graph.saved if start.codes[t] == SWAP}
     rebuild = {

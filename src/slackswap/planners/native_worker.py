@@ -12,8 +12,6 @@ import os
 import sys
 from pathlib import Path
 
-from ..core.status import Status
-
 
 def solve_pulp(req: dict) -> dict:
     import warnings
@@ -49,7 +47,7 @@ def solve_pulp(req: dict) -> dict:
     prob.solve(solver)
     return {
         "status": pulp.LpStatus.get(prob.status, "Undefined"),
-        "solution": {1: Status.OPTIMAL, 2: Status.FEASIBLE}.get(getattr(prob, "sol_status", 0)),
+        "solution": {1: "optimal", 2: "feasible"}.get(getattr(prob, "sol_status", 0)),
         "values": {name: v.varValue for name, v in variables.items()},
         "objective": pulp.value(prob.objective),
     }
@@ -175,11 +173,11 @@ def solve_highs_mip(req: dict, folder: Path) -> dict:
     info = h.getInfo()
     has_x = info.primal_solution_status == 2  # a feasible point
     x = list(map(float, h.getSolution().col_value)) if has_x else None
-    kind: str | None = {ms.kOptimal: Status.OPTIMAL, ms.kInfeasible: Status.INFEASIBLE}.get(status)
+    kind: str | None = {ms.kOptimal: "optimal", ms.kInfeasible: "infeasible"}.get(status)
     if kind is None:
         limits = {ms.kTimeLimit: "time", ms.kSolutionLimit: "work", ms.kIterationLimit: "work"}
         limits[getattr(ms, "kNodeLimit", ms.kSolutionLimit)] = "work"
-        kind = f"{limits[status]} limit" if status in limits else Status.FAILED
+        kind = f"{limits[status]} limit" if status in limits else "failed"
     return {
         "status": kind,
         "message": h.modelStatusToString(status),
@@ -231,11 +229,11 @@ def solve_piqp(req: dict, folder: Path) -> dict:
     status = solver.solve()
     info = solver.result.info
     kind = {
-        piqp.Status.PIQP_SOLVED: Status.OPTIMAL,
-        piqp.Status.PIQP_PRIMAL_INFEASIBLE: Status.INFEASIBLE,
+        piqp.Status.PIQP_SOLVED: "optimal",
+        piqp.Status.PIQP_PRIMAL_INFEASIBLE: "infeasible",
         piqp.Status.PIQP_MAX_ITER_REACHED: "work limit",
-    }.get(status, Status.FAILED)
-    solved = kind == Status.OPTIMAL
+    }.get(status, "failed")
+    solved = kind == "optimal"
     return {
         "status": kind,
         "message": str(status).split(".")[-1],
