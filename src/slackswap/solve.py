@@ -474,7 +474,8 @@ def _infeasible(req: _Request, prefix: str) -> InfeasibleBudget:
     how = (
         "proven"
         if smallest.proven
-        else f"the smallest found; no plan fits below {smallest.lower_bytes} bytes"
+        else f"the smallest found, unproven: no plan fits below {smallest.lower_bytes} bytes, "
+        f"{100 * (1 - smallest.lower_bytes / max(1, smallest.budget_bytes)):.1f}% less"
     )
     return InfeasibleBudget(
         f"{prefix}graph {graph.name!r} cannot fit {budget_bytes} bytes with {decisions} on "
