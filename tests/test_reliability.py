@@ -134,13 +134,15 @@ def test_time_limits_must_be_finite_seconds(limit):
 def test_the_time_limit_holds(solver, limit):
     """solve() returns within max(0.5 s, 10%) of its limit (solver libraries already loaded),
     with the best plan found so far. After the cap the plan is still closed (its minimal pass,
-    the checker): that work is allowed for as twice a heuristic solve of the same graph takes
-    on this machine now, so a loaded machine does not fail a cap that holds."""
+    the checker; for HiGHS and CBC, a child process ended and read): that work is allowed for as
+    four heuristic solves of the same graph take on this machine now (0.5 s idle), so a loaded
+    machine does not fail a cap that holds (HiGHS at 1 s took 2.45 s beside two busy processes
+    and the suite's other worker) while a cap ignored still fails by seconds to minutes."""
     g = ss.workload("bert-large", "a100-80gb-pcie4")
     ss.solve(g, 0.3, "a100-80gb-pcie4", solver=solver, time_limit_s=0.01)  # imports, caches
     start = time.perf_counter()
     ss.solve(g, 0.3, "a100-80gb-pcie4", solver="heuristic")
-    closing = 2 * (time.perf_counter() - start)
+    closing = 4 * (time.perf_counter() - start)
     start = time.perf_counter()
     plan = ss.solve(g, 0.3, "a100-80gb-pcie4", solver=solver, time_limit_s=limit)
     assert time.perf_counter() - start <= limit + max(0.5, 0.1 * limit) + closing
