@@ -107,7 +107,8 @@ def rerun_closures(
             write_closure[i] = (frozenset(own), frozenset(own_frontier))
     # sorted once per op: an op's outputs share its closure, unless written in place
     rerun_with = graph.op_rerun_with
-    if any(rerun_with):
+    reruns_with = any(rerun_with)  # once: a scan of every op, not one per tensor
+    if reruns_with:
         # an op that runs again brings the ops it reruns with (Op.rerun_with), each with its
         # own closure: once over the whole set, so a rebuild runs each op once
         base = dict(op_closure)
@@ -137,7 +138,7 @@ def rerun_closures(
             t_ops, t_front = tensor_closure(t, end)
             t_front.discard(t)
             per_tensor.append((tuple(sorted(t_ops)), tuple(sorted(t_front))))
-        elif any(rerun_with) and t in op_closure[p][1]:
+        elif reruns_with and t in op_closure[p][1]:
             # an op it reruns with reads it: the rerun makes it first
             s_ops, s_front = sorted_closure[p]
             per_tensor.append((s_ops, tuple(f for f in s_front if f != t)))

@@ -93,27 +93,36 @@ class _Demotions:
         self.exp, self.sim, self.d2h, self.h2d, self.rec = exp, sim, d2h, h2d, rec
         self.memory = exp.memory()
         self.gaps = _GapIndex(exp)
+        # rerun points left out of the memory test (a demotion may remove them)
+        self.peaks = _RangeMax(np.where(self.gaps.main, self.memory, np.iinfo(np.int64).min // 2))
 
     def batch(
         self, units: list[tuple[int, ...]]
     ) -> tuple[list[tuple[int, ...]], list[tuple[int, ...]]]:
         """The next batch, in order: each unit that may fit on top of the ones before it (from
-        memory alone, ``_may_fit``); units that may fit alone but not with the batch are left
+        memory alone: module docstring); units that may fit alone but not with the batch are left
         for the next; units that cannot fit alone are dropped for this pass."""
-        extra = np.zeros(self.exp.n_points, dtype=np.int64)
         nbytes = self.graph.tensor_bytes
+        # the memory with the batch's units kept, rerun points left out
+        combined = self.peaks.levels[0].copy()
         batch: list[tuple[int, ...]] = []
         rest: list[tuple[int, ...]] = []
         for unit in units:
-            gaps = [(self.gaps.gap(t), int(nbytes[t])) for t in unit]
-            if not _may_fit(gaps, self.memory, self.budget):
+            stretches = [(self.gaps.stretches(t), int(nbytes[t])) for t in unit]
+            # alone: a range maximum per stretch (most units stop here)
+            if not all(self.peaks.fits(st, size, self.budget) for st, size in stretches):
                 continue
-            if not batch or _may_fit(gaps, self.memory + extra, self.budget):
-                batch.append(unit)
-                for gap, size in gaps:
-                    extra[gap] += size
-            else:
+            if batch and not all(
+                int(combined[a : b + 1].max()) + size <= self.budget
+                for st, size in stretches
+                for a, b in st
+            ):
                 rest.append(unit)
+                continue
+            batch.append(unit)
+            for st, size in stretches:
+                for a, b in st:
+                    combined[a : b + 1] += size
         return batch, rest
 
     def take(self, batch: list[tuple[int, ...]]) -> int:
@@ -148,19 +157,49 @@ class _GapIndex:
         self.sorted_tensor = exp.iv_tensor[self.order]
         self.main = exp.point_kind != 1
 
-    def gap(self, t: int) -> np.ndarray:
+    def stretches(self, t: int) -> list[tuple[int, int]]:
+        """The gap as inclusive (first, last) point ranges: from the tensor's first point to its
+        last, less the points where it is held (rerun points included; the memory test leaves
+        them out)."""
         exp = self.exp
         lo, hi = np.searchsorted(self.sorted_tensor, [t, t + 1])
         mine = self.order[lo:hi]
-        gap = np.zeros(exp.n_points, dtype=bool)
         if len(mine) == 0:
-            return gap
+            return []
         first, last = int(exp.iv_start[mine].min()), int(exp.iv_end[mine].max())
-        gap[first : last + 1] = True
-        for i in mine:
-            if not exp.iv_transient[i]:
-                gap[exp.iv_start[i] : exp.iv_end[i] + 1] = False
-        return gap & self.main
+        held = sorted(
+            (int(exp.iv_start[i]), int(exp.iv_end[i])) for i in mine if not exp.iv_transient[i]
+        )
+        out, at = [], first
+        for start, end in held:
+            if start > at:
+                out.append((at, start - 1))
+            at = max(at, end + 1)
+        if at <= last:
+            out.append((at, last))
+        return out
+
+
+class _RangeMax:
+    """The largest value over any range of an array in constant time (a sparse table: the
+    maximum of every power-of-two run), built once per expansion."""
+
+    def __init__(self, values: np.ndarray) -> None:
+        self.levels = [values]
+        span = 1
+        while 2 * span <= len(values):
+            prev = self.levels[-1]
+            self.levels.append(np.maximum(prev[:-span], prev[span:]))
+            span *= 2
+
+    def most(self, first: int, last: int) -> int:
+        k = (last - first + 1).bit_length() - 1
+        level = self.levels[k]
+        return int(max(level[first], level[last - (1 << k) + 1]))
+
+    def fits(self, stretches: list[tuple[int, int]], size: int, budget: int) -> bool:
+        """``size`` more bytes over these ranges stay within ``budget``."""
+        return all(self.most(a, b) + size <= budget for a, b in stretches)
 
 
 def _positions(exp: Expansion) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -187,12 +226,3 @@ def _units(
         if keepable[list(unit)].all():
             units[unit] = int(sum(int(nbytes[u]) for u in unit))
     return sorted(units, key=lambda u: (-units[u], u))
-
-
-def _may_fit(gaps: list[tuple[np.ndarray, int]], memory: np.ndarray, budget: int) -> bool:
-    """A necessary condition, from memory alone: at every forward and backward point where a
-    tensor of a unit is off the device but would be held if kept (``gaps``: per tensor, those
-    points and its bytes), the memory there plus its bytes stays within the budget (the other
-    tensors' lives are unchanged at those points; only rerun points, which a demotion may
-    remove, are left out)."""
-    return all(not gap.any() or int(memory[gap].max()) + size <= budget for gap, size in gaps)
