@@ -101,7 +101,33 @@ def test_the_heuristic_is_near_the_optimum_on_cnn_shaped_graphs(g, fraction, all
     _check(g, fraction, allowed)
 
 
+COLLAPSE = (
+    "known collapse (docs/known-limits.md): on a 2-block transformer-shaped graph the heuristic "
+    "swaps a norm output and recomputes a qkv product where the optimum swaps the softmax output "
+    "and reruns the norm; single-tensor local-search moves cannot reach it"
+)
+
+
 @pytest.mark.slow
+@pytest.mark.xfail(strict=True, reason=COLLAPSE)
+def test_the_heuristic_is_near_the_optimum_on_the_recorded_transformer_case():
+    """The case the property below found (tests/data/heuristic_collapse_transformer.json, budget
+    280 bytes on the test link, every decision): the optimum's overhead is 0.035 s of a 10.13 s
+    step (n1 and g0 rerun: 0.0117 + 0.0234 s), the heuristic's 0.375 s (q1 rerun: 0.35 s, and
+    the rest). Strict: once the heuristic is within 2x + 1% here, this fails until the mark goes."""
+    from pathlib import Path
+
+    g = ss.load_graph(Path(__file__).parent / "data" / "heuristic_collapse_transformer.json")
+    exact = ss.solve(g, 280, LINK, solver="cpsat", time_limit_s=CAP)
+    assert exact.info.status == "optimal"
+    heuristic = ss.solve(g, 280, LINK, solver="heuristic")
+    ideal = g.ideal_step_time_s
+    h_over = heuristic.info.predicted_step_time_s - ideal
+    assert h_over <= 2 * (exact.info.predicted_step_time_s - ideal) + 0.01 * ideal
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(strict=True, reason=COLLAPSE)
 @settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     transformer_graphs(),
