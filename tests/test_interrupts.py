@@ -156,3 +156,23 @@ def test_ctrl_c_at_any_moment_of_a_cpsat_solve_is_a_keyboard_interrupt(after_s, 
         assert out.strip().splitlines()[-1] in ("KeyboardInterrupt", "returned"), (out, err)
     assert "Abort" not in err and "terminate called" not in err
     assert not workers_in(tmp_path)
+
+
+def test_a_ctrl_c_while_a_solver_library_loads_is_not_a_missing_library(tmp_path, monkeypatch):
+    """pybind11 extension modules (OR-Tools) turn an interrupt during their initialisation into
+    ImportError("initialization failed"): a Ctrl-C while cpsat loads on a busy machine was
+    reported as "solver 'cpsat' is not available here". It stays a KeyboardInterrupt; an
+    ImportError of its own is still a missing library."""
+    from slackswap.planners.base import installed
+
+    (tmp_path / "interrupted_ext.py").write_text(
+        "try:\n    raise KeyboardInterrupt\n"
+        "except KeyboardInterrupt as exc:\n"
+        "    raise ImportError('initialization failed') from exc\n"
+    )
+    (tmp_path / "missing_ext.py").write_text("raise ImportError('no such library')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(KeyboardInterrupt):
+        installed("interrupted_ext")
+    assert installed("missing_ext") is False
+    assert installed("json") is True

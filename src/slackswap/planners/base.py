@@ -127,12 +127,37 @@ def get_planner(name: str) -> Planner:
     try:
         mod = importlib.import_module(module)
     except ImportError as exc:
+        _reraise_interrupt(exc)
         raise ImportError(f"solver {name!r} needs a package that is not installed: {exc}") from exc
     planner = getattr(mod, cls)()
     available = getattr(planner, "is_available", None)
     if available is not None and not available():
         raise ImportError(f"solver {name!r} is not available here (its solver library is missing)")
     return planner
+
+
+def installed(module: str) -> bool:
+    """Whether ``module`` imports. A Ctrl-C during the import stays a KeyboardInterrupt:
+    extension modules built with pybind11 (OR-Tools) turn any error in their initialisation,
+    an interrupt included, into ImportError("initialization failed"), which would otherwise
+    read as a solver library that is missing."""
+    try:
+        importlib.import_module(module)
+    except ImportError as exc:
+        _reraise_interrupt(exc)
+        return False
+    return True
+
+
+def _reraise_interrupt(exc: BaseException) -> None:
+    """Raise KeyboardInterrupt if one caused ``exc`` (its cause or context, at any depth)."""
+    seen: set[int] = set()
+    cause: BaseException | None = exc
+    while cause is not None and id(cause) not in seen:
+        if isinstance(cause, KeyboardInterrupt):
+            raise KeyboardInterrupt from exc
+        seen.add(id(cause))
+        cause = cause.__cause__ or cause.__context__
 
 
 def is_available(name: str) -> bool:

@@ -11,6 +11,7 @@ import time
 from typing import Any
 
 from ...core.status import Status
+from ..base import installed
 from ..interrupts import solve_cpsat
 from ..limits import (  # tuning constants: docs/tuning.md
     CPSAT_BUILD_S_PER_NONZERO,
@@ -64,11 +65,7 @@ class CpSatBackend(ExactBackend):
     takes_complete_hint = True
 
     def is_available(self) -> bool:
-        try:
-            from ortools.sat.python import cp_model  # noqa: F401
-        except ImportError:
-            return False
-        return True
+        return installed("ortools.sat.python.cp_model")
 
     def run(
         self,

@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 
 from ...core.status import Status
+from ..base import installed
 from ..limits import CHILD_START_S, GRACE_S
 from .driver import ExactBackend
 from .formulation import Formulation
@@ -63,11 +64,7 @@ class HighsBackend(ExactBackend):
     solver = "highs"
 
     def is_available(self) -> bool:
-        try:
-            import highspy  # noqa: F401
-        except ImportError:
-            return False
-        return True
+        return installed("highspy")
 
     def run(
         self,

@@ -9,6 +9,7 @@ import time
 from typing import Any
 
 from ...core.status import Status
+from ..base import installed
 from ..limits import CHILD_START_S, PULP_BUILD_S_PER_NONZERO
 from .driver import ExactBackend
 from .formulation import Formulation
@@ -62,10 +63,10 @@ class _PulpBackend(ExactBackend):
     cbc_options: tuple[str, ...] = ()
 
     def is_available(self) -> bool:
-        try:
-            import pulp
-        except ImportError:
+        if not installed("pulp"):
             return False
+        import pulp
+
         if self.solver == "cbc":
             return bool(pulp.PULP_CBC_CMD(msg=False).available())
         return bool(pulp.HiGHS(msg=False).available())

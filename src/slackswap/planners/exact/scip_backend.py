@@ -9,6 +9,7 @@ import time
 from typing import Any
 
 from ...core.status import Status
+from ..base import installed
 from ..limits import SCIP_BUILD_S_PER_NONZERO
 from .driver import ExactBackend
 from .formulation import Formulation
@@ -67,10 +68,10 @@ class ScipBackend(ExactBackend):
     name = "scip"
 
     def is_available(self) -> bool:
-        try:
-            from ortools.linear_solver import pywraplp
-        except ImportError:
+        if not installed("ortools.linear_solver.pywraplp"):
             return False
+        from ortools.linear_solver import pywraplp
+
         return pywraplp.Solver.CreateSolver("SCIP") is not None
 
     def run(
