@@ -101,33 +101,47 @@ def test_the_heuristic_is_near_the_optimum_on_cnn_shaped_graphs(g, fraction, all
     _check(g, fraction, allowed)
 
 
-COLLAPSE = (
-    "known collapse (docs/known-limits.md): on a 2-block transformer-shaped graph the heuristic "
-    "swaps a norm output and recomputes a qkv product where the optimum swaps the softmax output "
-    "and reruns the norm; single-tensor local-search moves cannot reach it"
+WIDE_COLLAPSE = (
+    "known collapse (docs/known-limits.md): the lanes hold an up-projection's copy where the "
+    "optimum copies a qkv product; no move of up to three tensors from the heuristic's plan "
+    "improves it"
 )
 
 
-@pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason=COLLAPSE)
-def test_the_heuristic_is_near_the_optimum_on_the_recorded_transformer_case():
-    """The case the property below found (tests/data/heuristic_collapse_transformer.json, budget
-    280 bytes on the test link, every decision): the optimum's overhead is 0.035 s of a 10.13 s
-    step (n1 and g0 rerun: 0.0117 + 0.0234 s), the heuristic's 0.375 s (q1 rerun: 0.35 s, and
-    the rest). Strict: once the heuristic is within 2x + 1% here, this fails until the mark goes."""
+def _within_bound(name: str, budget: int) -> None:
     from pathlib import Path
 
-    g = ss.load_graph(Path(__file__).parent / "data" / "heuristic_collapse_transformer.json")
-    exact = ss.solve(g, 280, LINK, solver="cpsat", time_limit_s=CAP)
+    g = ss.load_graph(Path(__file__).parent / "data" / name)
+    exact = ss.solve(g, budget, LINK, solver="cpsat", time_limit_s=CAP)
     assert exact.info.status == "optimal"
-    heuristic = ss.solve(g, 280, LINK, solver="heuristic")
+    heuristic = ss.solve(g, budget, LINK, solver="heuristic")
     ideal = g.ideal_step_time_s
     h_over = heuristic.info.predicted_step_time_s - ideal
     assert h_over <= 2 * (exact.info.predicted_step_time_s - ideal) + 0.01 * ideal
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason=COLLAPSE)
+def test_the_heuristic_is_near_the_optimum_on_the_recorded_transformer_case():
+    """The case the property below found (tests/data/heuristic_collapse_transformer.json, budget
+    280 bytes on the test link, every decision): the optimum's overhead is 0.035 s of a 10.13 s
+    step (n1 and g0 rerun: 0.0117 + 0.0234 s). The rules rerun q1 (0.35 s): keeping it alone
+    tops the budget, so only an exchange (q1 kept, n1 recomputed) reaches a plan within
+    2 x 0.035 + 0.101 s (formulations/local-search.md, "Exchanges"); the heuristic's is 0.092 s."""
+    _within_bound("heuristic_collapse_transformer.json", 280)
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(strict=True, reason=WIDE_COLLAPSE)
+def test_the_heuristic_is_near_the_optimum_on_the_recorded_wide_transformer_case():
+    """Found by the property below at 100 examples (tests/data/
+    heuristic_collapse_transformer_wide.json, budget 380 bytes, every decision): the optimum's
+    overhead is 0.07 s of an 11.16 s step (it copies q1 and keeps u0, rerunning n1, g0 and g1);
+    the heuristic copies u0 and reruns q1 (0.3 s): 0.32 s against the 0.25 s allowed. Strict:
+    once the heuristic is within the bound, this fails until the mark goes."""
+    _within_bound("heuristic_collapse_transformer_wide.json", 380)
+
+
+@pytest.mark.slow
 @settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     transformer_graphs(),

@@ -144,3 +144,33 @@ def test_a_work_limit_gives_the_same_plan_whatever_the_clock():
     assert np.array_equal(runs[0].codes, runs[1].codes)
     assert runs[0].evaluations == runs[1].evaluations and runs[0].moves == runs[1].moves
     assert not runs[0].complete and work <= runs[0].work <= work + g.n_positions
+
+
+def test_an_exchange_trades_a_dear_rerun_for_a_cheap_one():
+    """tests/data/heuristic_collapse_transformer.json at 280 bytes, from the plan the rules end
+    with: q1 (60 bytes) is rerun for 0.35 s; n1 (20 bytes) and both softmax outputs are copied.
+    Keeping or copying q1 alone makes copies wait (no faster) and no single move improves it; the exchange (q1 back, n1 rerun for
+    0.0117 s instead) does, and the search ends with q1 no longer rerun, at least 0.2 s faster."""
+    from pathlib import Path
+
+    from slackswap.core.plan import SWAP
+
+    g = ss.load_graph(Path(__file__).parent / "data" / "heuristic_collapse_transformer.json")
+    index = g.tensor_index
+    from slackswap.core.codes import keep_all_codes
+
+    start = keep_all_codes(g)
+    start[[index["q1"], index["g0"]]] = RECOMPUTE
+    for name in ("n0", "q0", "a0", "o0", "u0", "d0", "n1", "a1", "o1"):
+        start[index[name]] = SWAP
+    before = simulate_decisions(g, start, LINK, 280)
+    assert before.fits
+    for target in (KEEP, SWAP):  # q1 alone back: its copies wait, the step is no faster
+        alone = start.copy()
+        alone[index["q1"]] = target
+        assert simulate_decisions(g, alone, LINK, 280).step_time_s >= before.step_time_s
+    result = improve(g, LINK, 280, start, time_limit_s=float("inf"))
+    assert result.codes[index["q1"]] != RECOMPUTE
+    assert result.codes[index["n1"]] == RECOMPUTE
+    assert result.sim.fits
+    assert result.sim.step_time_s <= before.step_time_s - 0.2

@@ -7,8 +7,10 @@ here: a move changes one tensor's decision (a whole RNG group when recompute is 
 plan is expanded with its default schedule (yielding to the budget) and simulated, and the move
 is kept when it lowers (bytes over the budget, step time, peak). Moves are tried latest-produced
 tensor first; while the plan stalls or tops the budget the best move of a tier is taken (below),
-otherwise the first improving one, until no move improves or time runs out.
-formulations/local-search.md has the moves and why they are the ones tried.
+otherwise the first improving one, until no move improves or time runs out. At a local optimum
+of single moves, exchanges follow: a recomputed tensor takes a cheaper-to-rerun tensor's keep or
+swap and that one is recomputed instead (one move alone tops the budget or the lanes; the pair
+does not). formulations/local-search.md has the moves and why they are the ones tried.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from ..check.simulate import SimResult, simulate_decisions
 from ..core.graph import ActivationGraph
 from ..core.hardware import Hardware
 from ..core.plan import KEEP, RECOMPUTE, SWAP
+from .baselines import rebuild_cost
 
 
 @dataclass(frozen=True)
@@ -36,12 +39,19 @@ class SearchResult:
     clock_stopped: bool = False  # the clock cap, not the work limit, ended it
 
 
-def _key(sim: SimResult, budget: int) -> tuple[int, float, int]:
+def _key(sim: SimResult, budget: int) -> tuple[int, float, int, int]:
     """Bytes over the device budget and over the host memory (a move that fills the host past
-    ``host_memory_bytes`` is as unfit as one over the budget), then the step, then the peak."""
+    ``host_memory_bytes`` is as unfit as one over the budget), then the step, then the peak, then
+    the bytes copied: a copy that buys neither time nor headroom is dropped (its lane time is
+    what an exchange needs)."""
     host = sim.hardware.host_memory_bytes if sim.hardware is not None else 0
     over_host = max(0, sim.swapped_bytes - host) if host else 0
-    return (max(0, sim.peak_bytes - budget) + over_host, round(sim.step_time_s, 15), sim.peak_bytes)
+    return (
+        max(0, sim.peak_bytes - budget) + over_host,
+        round(sim.step_time_s, 15),
+        sim.peak_bytes,
+        sim.swapped_bytes,
+    )
 
 
 def _units(graph: ActivationGraph) -> dict[int, tuple[int, ...]]:
@@ -61,6 +71,38 @@ _TIERS = (
     {RECOMPUTE: (KEEP, SWAP), SWAP: (), KEEP: (SWAP, RECOMPUTE)},
 )
 STALL_TOLERANCE_S = 1e-9
+
+
+def _exchanges(
+    graph: ActivationGraph,
+    codes: np.ndarray,
+    cost: np.ndarray,
+    units: dict[int, tuple[int, ...]],
+    mask: np.ndarray | None,
+) -> list[tuple[int, int]]:
+    """Pairs (t, u): recomputed ``t`` is kept or swapped and ``u`` (kept or swapped) is
+    recomputed instead, where ``u``'s rerun is the cheaper, dearest saving first (formulations/
+    local-search.md, "Exchanges"). One tensor of each RNG group stands for the group."""
+    recomputed = sorted(
+        {min(units[int(t)]) for t in graph.saved if codes[t] == RECOMPUTE},
+        key=lambda t: (-cost[t], t),
+    )
+    if not recomputed:
+        return []
+    can = graph.can_recompute
+    others = [
+        min(units[int(u)])
+        for u in graph.saved
+        if codes[u] != RECOMPUTE
+        and int(u) == min(units[int(u)])
+        and all(can[m] and (mask is None or mask[m, RECOMPUTE]) for m in units[int(u)])
+        and all(codes[m] == codes[u] for m in units[int(u)])
+    ]
+    others.sort(key=lambda u: (cost[u], u))
+    group_cost = {t: float(sum(cost[m] for m in units[t])) for t in [*recomputed, *others]}
+    pairs = [(t, u) for t in recomputed for u in others if group_cost[u] < group_cost[t]]
+    pairs.sort(key=lambda p: (group_cost[p[1]] - group_cost[p[0]], p))
+    return pairs
 
 
 def _gaps(sim: SimResult) -> dict[int, tuple[int, int]]:
@@ -108,6 +150,7 @@ def improve(
     per_evaluation = graph.n_positions
     codes = np.array(codes, dtype=np.int8, copy=True)
     units = _units(graph)
+    rerun_cost = rebuild_cost(graph)
     can_recompute = graph.can_recompute
     order = sorted((int(t) for t in graph.saved), key=lambda t: (-int(graph.producer[t]), t))
     best_sim = simulate_decisions(graph, codes, hw, budget)
@@ -152,6 +195,26 @@ def improve(
         evaluations += 1
         return trial, sim, _key(sim, budget)
 
+    def exchange() -> tuple | None:
+        """The first exchange that improves the plan (None: none does, or out of work)."""
+        nonlocal evaluations
+        for t, u in _exchanges(graph, codes, rerun_cost, units, mask):
+            # keep first (no copy), then swap (where keeping tops the budget)
+            for target in (KEEP, SWAP):
+                if mask is not None and not all(mask[m, target] for m in units[t]):
+                    continue
+                if out_of_time():
+                    return None
+                trial = codes.copy()
+                trial[list(units[u])] = RECOMPUTE
+                trial[list(units[t])] = target
+                sim = simulate_decisions(graph, trial, hw, budget)
+                evaluations += 1
+                value = _key(sim, budget)
+                if value < best_key:
+                    return trial, sim, value
+        return None
+
     position = 0  # where the clean scan resumes
     unimproved = 0  # clean moves tried in a row without improvement
     while not out_of_time():
@@ -159,7 +222,15 @@ def improve(
         candidate = None
         if clean:
             if unimproved >= len(order):
-                break  # a full cycle found nothing: a local optimum
+                # a full cycle of single moves found nothing: the exchanges, then a local optimum
+                candidate = exchange()
+                if candidate is None:
+                    break
+                codes, best_sim, best_key = candidate
+                gaps = _gaps(best_sim)
+                moves += 1
+                unimproved = 0
+                continue
             t = order[position]
             position = (position + 1) % len(order)
             unimproved += 1
