@@ -107,3 +107,65 @@ def test_llama_2_70b_on_8_ranks(tmp_path, capsys):
         assert state[key] == pytest.approx(copies * hand, rel=0.01), key
     assert math.isclose(state["parameter_bytes"], hand, rel_tol=1e-4)  # padding: a few rows
     assert ss.validate(g, ss.load_plan(str(plan), graph=g)).ok
+
+
+def test_a_ranks_step_carries_fsdp2s_collectives_by_hand():
+    """The small Llama over 4 ranks (bf16): each block's all-gather receives 3/4 of its 395,776
+    bytes = 296,832 as its first op runs, again as its backward starts, and its reduce-scatter
+    sends as much once its backward is done; the root (512,256 bytes: embeddings, head, final
+    norm) gathers 384,192 once (FSDP2 does not reshard it) and reduces as much at the end."""
+    from slackswap.fit import rank_graph
+    from slackswap.sharding import fsdp_collectives_of
+
+    g = _small()
+    found = {c.name: c for c in fsdp_collectives_of(g, 4)}
+    block, root = 296_832, 384_192
+    assert len(found) == 2 + 2 * 3
+    assert found["model.all_gather"].h2d_bytes == root
+    assert found["model.all_gather"].op == g.ops[0].name
+    assert found["model.reduce_scatter"].d2h_bytes == root
+    assert "model.all_gather.backward" not in found
+    for i in range(2):
+        unit = f"model.layers.{i}"
+        first = found[f"{unit}.all_gather"]
+        again = found[f"{unit}.all_gather.backward"]
+        reduced = found[f"{unit}.reduce_scatter"]
+        assert (first.h2d_bytes, again.h2d_bytes, reduced.d2h_bytes) == (block, block, block)
+        assert (first.phase, again.phase, reduced.phase) == ("forward", "backward", "backward")
+        inside = [
+            op.name
+            for op in g.ops
+            if (m := op.extra.get("module", "")) == unit or m.startswith(unit + ".")
+        ]
+        assert first.op == inside[0] and reduced.op == inside[0] and again.op == inside[-1]
+    assert rank_graph(g, 1) is g
+    ranked = rank_graph(g, 4)
+    assert rank_graph(ranked, 4) is ranked  # a graph with its own collectives stays as it is
+
+
+def test_collectives_on_the_link_take_the_swaps_lanes_in_fit():
+    """With the collectives on the host link, fit plans the rank's step with them on the copy
+    lanes: the plan is for the graph with the collectives, the checker accepts it there, and
+    the report states the traffic."""
+    from dataclasses import replace
+
+    from slackswap.fit import rank_graph
+
+    g = _small()
+    hw = replace(ss.hardware(HW), collectives_on_link=True)
+    state = sharded_model_state(g, 4)
+    keep_all = ss.keep_all_peak(g, hw)
+    memory = state["total_bytes"] + state["unsharded_bytes"] + keep_all * 6 // 10
+    report = ss.fit(g, hw, memory_bytes=memory, ranks=4, solver="heuristic")
+    assert report.fits and report.collectives_on_link
+    assert (report.gathered_bytes, report.reduced_bytes) == (1_571_520, 977_856)
+    assert "all-gathers" in report.table() and "on the copy lanes" in report.table()
+    ranked = rank_graph(g, 4)
+    assert ss.validate(ranked, report.plan, hw).ok
+    assert report.plan.graph_digest == ranked.digest != g.digest  # not one device's graph
+
+
+def test_collectives_on_link_needs_ranks(capsys):
+    argv = ["fit", "llama", "--seq", "64", "--collectives-on-link"]
+    assert main(argv) != 0
+    assert "--ranks 2 or more" in capsys.readouterr().err

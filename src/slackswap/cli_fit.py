@@ -75,6 +75,12 @@ def add_fit(sub) -> None:
         default=1,
         help="FSDP2 ranks the model state is sharded over (fully_shard); says the fewest that fit",
     )
+    p.add_argument(
+        "--collectives-on-link",
+        action="store_true",
+        help="with --ranks: FSDP2's all-gathers and reduce-scatters cross the same host link as "
+        "the swaps (PCIe nodes without NVLink), so they share its copy lanes",
+    )
     p.add_argument("--solver", default="cpsat")
     p.add_argument(
         "--time-limit", type=float, default=60.0, help="seconds for the plan (default %(default)s)"
@@ -97,12 +103,22 @@ def add_fit(sub) -> None:
     p.set_defaults(func=cmd_fit)
 
 
+def _fit_hardware(args):
+    """The preset, with the collectives on its copy lanes where --collectives-on-link says so."""
+    from dataclasses import replace
+
+    from .core.hardware import hardware
+
+    hw = hardware(args.hardware)
+    return replace(hw, collectives_on_link=True) if args.collectives_on_link else hw
+
+
 def cmd_fit(args) -> int:
     """Profile a Hugging Face config fake (no weights, no activation memory) and say whether its
     training step fits the device, and how fast it runs there."""
     from .cli import _Spinner, check_output
     from .cli_errors import CliError
-    from .fit import fit
+    from .fit import fit, rank_graph
     from .runtime.hf_models import ModelSpecError, meta_model, training_batch
     from .runtime.profiler import profile
 
@@ -127,6 +143,8 @@ def cmd_fit(args) -> int:
             "--ranks: FSDP2 reduce-scatters gradients into shards held beside the step; "
             "--gradients made counts whole ones in backward"
         )
+    if args.collectives_on_link and args.ranks < 2:
+        raise CliError("--collectives-on-link needs --ranks 2 or more (one device has none)")
     if args.max_batch and args.max_seq:
         raise CliError("--max-batch and --max-seq: one size at a time")
     if args.plot and not (args.max_batch or args.max_seq):
@@ -163,7 +181,7 @@ def cmd_fit(args) -> int:
     with _Spinner("planning"):
         report = fit(
             g,
-            args.hardware,
+            _fit_hardware(args),
             time_limit_s=args.time_limit,
             solver=args.solver,
             host_memory_bytes=args.host_memory,
@@ -171,8 +189,8 @@ def cmd_fit(args) -> int:
             **({"memory_bytes": args.memory} if args.memory else {}),
         )
     print(report.table())
-    if args.out:
-        Path(args.out).write_text(g.to_json(indent=1))
+    if args.out:  # the graph the plan was made for: one rank's, with its collectives
+        Path(args.out).write_text(rank_graph(g, args.ranks).to_json(indent=1))
         print(f"wrote {args.out}")
     if args.plan:
         if report.plan is None:
@@ -201,7 +219,7 @@ def _largest(args, config, graph_at) -> int:
         limit = int(positions) if positions else 1 << 20
     found = largest_fit(
         at,
-        args.hardware,
+        _fit_hardware(args),
         dimension=dimension,
         limit=limit,
         tokens_per_size=per,

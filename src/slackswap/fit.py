@@ -20,7 +20,7 @@ from .core.errors import InfeasibleBudget
 from .core.graph import ActivationGraph
 from .core.hardware import Hardware
 from .core.plan import Plan
-from .sharding import sharded_model_state
+from .sharding import fsdp_collectives_of, sharded_model_state
 from .solve import graph_hardware, smallest_budget, solve
 
 GIB = 2**30
@@ -53,6 +53,11 @@ class FitReport:
     # (None: not within MAX_RANKS; only asked where ranks > 1)
     ranks: int = 1
     fewest_ranks: int | None = None
+    # FSDP2's traffic in one rank's step (received by all-gathers, sent by reduce-scatters), and
+    # whether it shares the copy lanes with the swaps (Hardware.collectives_on_link)
+    gathered_bytes: int = 0
+    reduced_bytes: int = 0
+    collectives_on_link: bool = False
 
     @property
     def fits(self) -> bool:
@@ -65,6 +70,14 @@ class FitReport:
             fewest = "none up to 1024" if self.fewest_ranks is None else str(self.fewest_ranks)
             rows.append(
                 ("ranks (FSDP2)", f"{self.ranks}: model state per rank; fewest that fit: {fewest}")
+            )
+            lanes = "on the copy lanes" if self.collectives_on_link else "beside the copy lanes"
+            rows.append(
+                (
+                    "collectives per step",
+                    f"all-gathers {self.gathered_bytes / GIB:.2f} GiB in, reduce-scatters "
+                    f"{self.reduced_bytes / GIB:.2f} GiB out ({lanes})",
+                )
             )
         if state:
             grads = f"{state['gradient_bytes'] / GIB:.2f} GiB" + (
@@ -148,6 +161,9 @@ class FitReport:
             "host_memory_bytes": self.host_memory_bytes,
             "ranks": self.ranks,
             "fewest_ranks": self.fewest_ranks,
+            "gathered_bytes": self.gathered_bytes,
+            "reduced_bytes": self.reduced_bytes,
+            "collectives_on_link": self.collectives_on_link,
         }
 
 
@@ -199,6 +215,16 @@ def memory_beside_state(
     return hw, int(memory), state, outside, made
 
 
+def rank_graph(graph: ActivationGraph, ranks: int) -> ActivationGraph:
+    """One rank's step under ``fully_shard`` over ``ranks``: ``graph`` with the all-gathers and
+    reduce-scatters FSDP2 issues (sharding.fsdp_collectives_of), which take the copy lanes where
+    the hardware's collectives cross the host link. A graph that records its own (profiled on a
+    sharded model) and a single rank's are returned as they are."""
+    if ranks == 1 or graph.collectives:
+        return graph
+    return replace(graph, collectives=fsdp_collectives_of(graph, ranks))
+
+
 def fit(
     graph: ActivationGraph,
     hardware: Hardware | str | None = None,
@@ -233,6 +259,7 @@ def fit(
         graph, hardware, memory_bytes, host_memory_bytes, ranks
     )
     left = memory - outside
+    graph = rank_graph(graph, ranks)
     # optimizer.step() runs once backward has freed the activations: parameters, gradients and
     # state, and what the step itself allocates (runtime/model_state.py)
     optimizer_step = int(state.get("total_bytes", 0)) + int(state.get("optimizer_step_bytes", 0))
@@ -294,6 +321,9 @@ def fit(
         host_memory_bytes=int(hw.host_memory_bytes),
         ranks=ranks,
         fewest_ranks=fewest,
+        gathered_bytes=sum(c.h2d_bytes for c in graph.collectives),
+        reduced_bytes=sum(c.d2h_bytes for c in graph.collectives),
+        collectives_on_link=bool(hw.collectives_on_link and graph.collectives),
     )
 
 

@@ -20,7 +20,7 @@ from .core.budget import keep_all_peak, offload_floor
 from .core.errors import InfeasibleBudget
 from .core.graph import ActivationGraph
 from .core.hardware import Hardware
-from .fit import FitReport, fit, memory_beside_state
+from .fit import FitReport, fit, memory_beside_state, rank_graph
 from .solve import graph_hardware, solve
 
 GIB = 2**30
@@ -168,7 +168,7 @@ def largest_fit(
     def check(size: int) -> bool:
         if size in tried:
             return tried[size]
-        graphs[size] = graph_at(size)
+        graphs[size] = rank_graph(graph_at(size), ranks)
         quick = _settled(graphs[size], hardware, memory_bytes, host_memory_bytes, ranks)
         if quick is None:
             verdict = report_at(size).verdict

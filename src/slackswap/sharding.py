@@ -13,9 +13,11 @@ multiple of N rows), and so its gradient and the optimizer's state, which the op
   (a mixed regime gathers its float32 masters in bf16, as ``MixedPrecisionPolicy(param_dtype=
   torch.bfloat16)`` does).
 
-The collectives' copies are not on the graph's lanes here: a graph profiled on one device has
-none (a real FSDP2 profile does, ``profile`` on a sharded model, and ``plan_for_ranks`` plans
-it). The figures are the model's arithmetic, stated in formulations/cost-model.md.
+A graph profiled on one device has no collectives; ``fsdp_collectives_of`` gives it the ones
+``fully_shard`` issues with one unit per block (the same rule as a real FSDP2 profile's,
+runtime/fsdp_collectives.py), so they take the copy lanes where ``Hardware.collectives_on_link``
+says they cross the host link. The figures are the model's arithmetic, stated in
+formulations/cost-model.md.
 """
 
 from __future__ import annotations
@@ -23,8 +25,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from .core.graph import ActivationGraph
-from .core.regions import region_of
+from .core.graph import ActivationGraph, Collective
+from .core.regions import op_regions, region_of
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8, "int64": 8, "int32": 4}
 OPTIMIZER_COPIES = {"adamw": 2, "adam": 2, "sgd-momentum": 1, "sgd": 0, "none": 0}
@@ -43,6 +45,67 @@ def _params(graph: ActivationGraph) -> list[tuple[str, list[int], int]]:
             raise ValueError(f"fit(ranks=...): parameter {name!r} has an unknown dtype {dtype!r}")
         out.append((str(name), [int(n) for n in shape], DTYPE_BYTES[dtype]))
     return out
+
+
+def _block_key(module_path: str) -> str:
+    """The FSDP2 unit a module's parameters belong to with one ``fully_shard`` per block: the
+    numbered block (``model.layers.7``), else the root ("")."""
+    region = region_of(module_path)
+    return region if region and region.split(".")[-1].isdigit() else ""
+
+
+def _unit_bytes(graph: ActivationGraph, params: list[tuple[str, list[int], int]]) -> dict[str, int]:
+    """Per unit, its parameters' bytes as gathered: in the dtype the step computes in (a mixed
+    regime gathers its float32 masters in bf16), else their own."""
+    state = graph.extra.get("model_state") or {}
+    compute = DTYPE_BYTES.get(str(state.get("compute_dtype", "")), 0)
+    groups: dict[str, int] = {}
+    for name, shape, element in params:
+        key = _block_key(name.rsplit(".", 1)[0])
+        size = math.prod(shape) if shape else 1
+        groups[key] = groups.get(key, 0) + size * (compute or element)
+    return groups
+
+
+def fsdp_collectives_of(graph: ActivationGraph, ranks: int) -> tuple[Collective, ...]:
+    """The all-gathers and reduce-scatters one rank of ``ranks`` issues in ``graph``'s step with
+    ``fully_shard`` on every numbered block and on the model (formulations/step-model.md,
+    "Collectives on the copy lanes"): each unit's forward all-gather receives (N-1)/N of its
+    gathered bytes as its first op is reached; a block's backward all-gathers them again as its
+    backward starts (reshard after forward, FSDP2's default; the root keeps its parameters);
+    the gradients' reduce-scatter sends (N-1)/N of their bytes (the trainable share, in the
+    gathered dtype: ``MixedPrecisionPolicy``'s default reduce dtype) once its backward is done.
+    A unit none of whose ops the graph records issues nothing."""
+    if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 2:
+        raise ValueError(f"fsdp collectives need ranks >= 2, got {ranks!r}")
+    params = _params(graph)
+    state = graph.extra.get("model_state") or {}
+    total = sum(math.prod(s) * e if s else e for _, s, e in params)
+    trainable = int(state.get("gradient_bytes", total)) / total if total else 0.0
+    units = _unit_bytes(graph, params)
+    regions = op_regions(graph)
+    ops_of: dict[str, list[int]] = {}
+    for i, region in enumerate(regions):
+        key = region if region and region.split(".")[-1].isdigit() else ""
+        ops_of.setdefault(key, []).append(i)
+    share = (ranks - 1) / ranks
+    out: list[Collective] = []
+    # the root's forward all-gather comes first: the model's forward starts it
+    for key in sorted(units, key=lambda k: (k != "", min(ops_of.get(k, [graph.n_ops])))):
+        inside = ops_of.get(key) if key else list(range(graph.n_ops))
+        if not inside:
+            continue
+        gathered = int(share * units[key])
+        reduced = int(share * units[key] * trainable)
+        unit = key or "model"
+        first, last = graph.ops[min(inside)].name, graph.ops[max(inside)].name
+        if gathered:
+            out.append(Collective(f"{unit}.all_gather", first, "forward", 0, gathered))
+            if key:
+                out.append(Collective(f"{unit}.all_gather.backward", last, "backward", 0, gathered))
+        if reduced:
+            out.append(Collective(f"{unit}.reduce_scatter", first, "backward", reduced, 0))
+    return tuple(out)
 
 
 def shard_bytes(shape: list[int], element: int, ranks: int) -> int:
@@ -81,13 +144,7 @@ def sharded_model_state(graph: ActivationGraph, ranks: int) -> dict[str, Any]:
             if state.get("foreach")
             else 2 * max(shard_bytes(s, e, ranks) for _, s, e in params)
         )
-    compute = DTYPE_BYTES.get(str(state.get("compute_dtype", "")), 0)
-    groups: dict[str, int] = {}
-    for name, shape, element in params:
-        region = region_of(name.rsplit(".", 1)[0])
-        key = region if region.split(".")[-1:] and region.split(".")[-1].isdigit() else ""
-        size = math.prod(shape) if shape else 1
-        groups[key] = groups.get(key, 0) + size * (compute or element)
+    groups = _unit_bytes(graph, params)
     unsharded = 3 * max(groups.values()) if ranks > 1 else 0
     return {
         **state,
