@@ -21,6 +21,8 @@ class Status(StrEnum):
     FAILED = "failed"  # the solver failed (a crash in its child process)
     UNSOLVED = "unsolved"  # a bound's solver returned no answer it could trust
     SKIPPED = "skipped"  # a bound or phase not run (no time or work left for it)
+    TRIVIAL = "trivial"  # a bound with nothing to bound: keeping everything fits (the ideal step)
+    STOPPED = "stopped"  # a phase the planner stopped itself once its answer was no longer needed
 
 
 # the statuses a plan can carry: a plan exists, so none of the failures

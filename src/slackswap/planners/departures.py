@@ -28,6 +28,7 @@ from ..core.graph import ActivationGraph
 from ..core.hardware import Hardware, hardware
 from ..core.plan import KEEP
 from ..core.status import Status
+from .base import Problem
 from .departure_model import DepartureData, DepartureModel
 from .interrupts import solve_cpsat
 from .limits import (  # tuning constants: docs/tuning.md
@@ -120,21 +121,76 @@ def departure_bound(
     Raises:
         ValueError: a gap, min_gap_s, enough_s or hint of the wrong form.
     """
-    began = time.perf_counter()
     hw = hardware(hw)
     budget_bytes = parse_budget(budget, graph, hw)
     if mask is None and (allowed is not None or pins):
         from ..core.restrict import decision_mask
 
-        mask = decision_mask(graph, allowed, pins, hardware(hw).min_swap_bytes)
-    for name, value in (("gap", gap), ("min_gap_s", min_gap_s)):
-        if (
-            isinstance(value, bool)
-            or not isinstance(value, numbers.Real)
-            or not math.isfinite(value)
-            or value < 0
-        ):
-            raise ValueError(f"departure_bound: {name} must be a finite number >= 0, got {value!r}")
+        mask = decision_mask(graph, allowed, pins, hw.min_swap_bytes)
+    settings = DepartureSettings(
+        time_limit_s=time_limit_s,
+        deterministic_time_s=deterministic_time_s,
+        work_s=work_s,
+        workers=workers,
+        seed=seed,
+        max_binaries=max_binaries,
+        gap=gap,
+        min_gap_s=min_gap_s,
+    )
+    return departure_bound_of(
+        Problem(graph, hw, budget_bytes, mask),
+        settings,
+        incumbent_s=incumbent_s,
+        hint=hint,
+        enough_s=enough_s,
+        on_start=on_start,
+    )
+
+
+@dataclass(frozen=True)
+class DepartureSettings:
+    """How the departure bound searches (``departure_bound``'s keywords, documented there),
+    apart from the problem it bounds: checked once here."""
+
+    time_limit_s: float = 10.0
+    deterministic_time_s: float | None = None
+    work_s: float | None = None
+    workers: int = 1
+    seed: int = 0
+    max_binaries: int = MAX_BINARIES
+    gap: float = 0.0
+    min_gap_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        for name in ("gap", "min_gap_s"):
+            value = getattr(self, name)
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, numbers.Real)
+                or not math.isfinite(value)
+                or value < 0
+            ):
+                raise ValueError(
+                    f"departure_bound: {name} must be a finite number >= 0, got {value!r}"
+                )
+
+
+def departure_bound_of(
+    problem: Problem,
+    settings: DepartureSettings | None = None,
+    *,
+    incumbent_s: float | None = None,
+    hint: np.ndarray | None = None,
+    enough_s: float | None = None,
+    on_start: Callable[[Any], None] | None = None,
+) -> DepartureBound:
+    """The departure bound of a resolved problem (hardware, budget in bytes and decision mask as
+    the planners hold them): what the exact planner calls, with nothing parsed again. The clock
+    cap counts from this call. ``incumbent_s``, ``hint``, ``enough_s``, ``on_start``: as for
+    ``departure_bound``."""
+    began = time.perf_counter()
+    settings = settings or DepartureSettings()
+    graph = problem.graph
     if enough_s is not None and (
         isinstance(enough_s, bool) or not isinstance(enough_s, numbers.Real) or math.isnan(enough_s)
     ):
@@ -147,20 +203,20 @@ def departure_bound(
                 f"({len(graph.tensors)}), got shape {hint.shape}"
             )
     rounds = _Rounds(
-        DepartureData(graph, budget_bytes, hw, mask),
+        DepartureData(graph, problem.budget_bytes, problem.hardware, problem.mask),
         began=began,
-        time_limit_s=time_limit_s,
-        deterministic_time_s=deterministic_time_s,
-        work_s=work_s,
-        workers=workers,
-        seed=seed,
-        gap=gap,
-        min_gap_s=min_gap_s,
+        time_limit_s=settings.time_limit_s,
+        deterministic_time_s=settings.deterministic_time_s,
+        work_s=settings.work_s,
+        workers=settings.workers,
+        seed=settings.seed,
+        gap=settings.gap,
+        min_gap_s=settings.min_gap_s,
         enough_s=enough_s,
         hint=hint,
         on_start=on_start,
     )
-    return rounds.run(incumbent_s, max_binaries)
+    return rounds.run(incumbent_s, settings.max_binaries)
 
 
 class _Rounds:
@@ -210,7 +266,7 @@ class _Rounds:
             keep_all = None  # a tensor may not be kept: keeping everything is no start
         if not data.critical:
             return self.result(
-                "trivial",
+                Status.TRIVIAL,
                 ideal,
                 keep_all,
                 note="keeping every tensor fits the budget at every position",
@@ -223,7 +279,7 @@ class _Rounds:
                 binaries=data.binaries(data.critical),
             )
         if not data.tu > 0:
-            return self.result("trivial", ideal, keep_all, note="a step of no time")
+            return self.result(Status.TRIVIAL, ideal, keep_all, note="a step of no time")
         if incumbent_s is not None and np.isfinite(incumbent_s):
             self.cap = data.up(incumbent_s - ideal) + 1  # every plan no slower fits under it
         # positions_added: the positions most over the budget first; a round's optimum is a

@@ -254,6 +254,9 @@ class Clock:
             self.stopped.append(phase)
 
 
+# the integral LP relaxation's clock cap where its caller gives none (lpbuilder.LPSettings)
+INTEGRAL_TIME_LIMIT_S = 10.0
+
 # --- the heuristic (planners/heuristic.py) ---
 # the bundled variant is tried up to this many positions: past it, it would cost a third of the
 # heuristic's time goal (benchmarks/solve_scaling.py --size-goals; docs/tuning.md)

@@ -73,6 +73,25 @@ _TIERS = (
 STALL_TOLERANCE_S = 1e-9
 
 
+def _exchange_trials(
+    graph: ActivationGraph,
+    codes: np.ndarray,
+    cost: np.ndarray,
+    units: dict[int, tuple[int, ...]],
+    mask: np.ndarray | None,
+):
+    """The decisions of each exchange in the order tried: for each pair of ``_exchanges``, ``t``
+    kept first (no copy), then swapped (where keeping tops the budget)."""
+    for t, u in _exchanges(graph, codes, cost, units, mask):
+        for target in (KEEP, SWAP):
+            if mask is not None and not all(mask[m, target] for m in units[t]):
+                continue
+            trial = codes.copy()
+            trial[list(units[u])] = RECOMPUTE
+            trial[list(units[t])] = target
+            yield trial
+
+
 def _exchanges(
     graph: ActivationGraph,
     codes: np.ndarray,
@@ -140,135 +159,146 @@ def improve(
     max_work: int | None = None,
     mask: np.ndarray | None = None,
 ) -> SearchResult:
-    """Descent from ``codes`` until no single move improves; never worse than the start.
-    ``mask``: the decisions each tensor may take (moves to others are never tried).
+    """Descent from ``codes`` until no single move nor exchange improves; never worse than the
+    start. ``mask``: the decisions each tensor may take (moves to others are never tried).
 
     ``max_work`` bounds the positions simulated in all (each evaluation simulates the step's
     ``2n`` positions): a limit on work, the same on any machine, so the same start gives the same
     plan; ``time_limit_s`` is only a cap on the clock."""
-    start = time.perf_counter()
-    per_evaluation = graph.n_positions
-    codes = np.array(codes, dtype=np.int8, copy=True)
-    units = _units(graph)
-    rerun_cost = rebuild_cost(graph)
-    can_recompute = graph.can_recompute
-    order = sorted((int(t) for t in graph.saved), key=lambda t: (-int(graph.producer[t]), t))
-    best_sim = simulate_decisions(graph, codes, hw, budget)
-    best_key = _key(best_sim, budget)
-    evaluations, moves = 1, 0
+    return _Descent(graph, hw, budget, codes, time_limit_s, max_work, mask).run()
 
-    nbytes = graph.tensor_bytes
-    gaps = _gaps(best_sim)
 
-    def trial_of(t: int, target: int) -> np.ndarray | None:
-        members = units[t] if RECOMPUTE in (target, int(codes[t])) else (t,)
+class _Descent:
+    """One local search: it owns the plan so far (decisions, simulation, value) and the count of
+    plans simulated; each move is judged by ``attempt`` against the value."""
+
+    def __init__(self, graph, hw, budget, codes, time_limit_s, max_work, mask) -> None:
+        self.start = time.perf_counter()
+        self.graph, self.hw, self.budget, self.mask = graph, hw, budget, mask
+        self.time_limit_s, self.max_work = time_limit_s, max_work
+        self.units = _units(graph)
+        self.rerun_cost = rebuild_cost(graph)
+        self.order = sorted(
+            (int(t) for t in graph.saved), key=lambda t: (-int(graph.producer[t]), t)
+        )
+        self.codes = np.array(codes, dtype=np.int8, copy=True)
+        self.evaluations, self.moves = 0, 0
+        self.timed_out = self.clock = False
+        sim = self.simulate(self.codes)
+        self.take((self.codes, sim, _key(sim, budget)))
+        self.moves = 0
+
+    def simulate(self, codes: np.ndarray) -> SimResult:
+        self.evaluations += 1
+        return simulate_decisions(self.graph, codes, self.hw, self.budget)
+
+    def take(self, candidate: tuple) -> None:
+        self.codes, self.sim, self.value = candidate
+        self.gaps = _gaps(self.sim)
+        self.moves += 1
+
+    def out_of_time(self) -> bool:
+        if not self.timed_out:
+            if (
+                self.max_work is not None
+                and self.evaluations * self.graph.n_positions >= self.max_work
+            ):
+                self.timed_out = True
+            elif time.perf_counter() - self.start > self.time_limit_s:
+                self.timed_out = self.clock = True
+        return self.timed_out
+
+    def trial_of(self, t: int, target: int) -> np.ndarray | None:
+        codes, mask, graph = self.codes, self.mask, self.graph
+        members = self.units[t] if RECOMPUTE in (target, int(codes[t])) else (t,)
         if mask is not None and not all(mask[m, target] for m in members):
             return None
-        if target == RECOMPUTE and not all(can_recompute[m] for m in members):
+        if target == RECOMPUTE and not all(graph.can_recompute[m] for m in members):
             return None
+        nbytes = graph.tensor_bytes
         if target == KEEP and not all(
-            _keeping_fits(best_sim, gaps, m, int(nbytes[m]), budget) for m in members
+            _keeping_fits(self.sim, self.gaps, m, int(nbytes[m]), self.budget) for m in members
         ):
             return None
         trial = codes.copy()
         trial[list(members)] = target
         return trial
 
-    timed_out = clock = False
-
-    def out_of_time() -> bool:
-        nonlocal timed_out, clock
-        if not timed_out:
-            if max_work is not None and evaluations * per_evaluation >= max_work:
-                timed_out = True
-            elif time.perf_counter() - start > time_limit_s:
-                timed_out = clock = True
-        return timed_out
-
-    def attempt(t: int, target: int):
+    def attempt(self, t: int, target: int) -> tuple | None:
         """(decisions, simulation, value) of one move, or None if it is not worth simulating."""
-        nonlocal evaluations
-        trial = trial_of(t, target)
+        trial = self.trial_of(t, target)
         if trial is None:
             return None
-        sim = simulate_decisions(graph, trial, hw, budget)
-        evaluations += 1
-        return trial, sim, _key(sim, budget)
+        sim = self.simulate(trial)
+        return trial, sim, _key(sim, self.budget)
 
-    def exchange() -> tuple | None:
+    def exchange(self) -> tuple | None:
         """The first exchange that improves the plan (None: none does, or out of work)."""
-        nonlocal evaluations
-        for t, u in _exchanges(graph, codes, rerun_cost, units, mask):
-            # keep first (no copy), then swap (where keeping tops the budget)
-            for target in (KEEP, SWAP):
-                if mask is not None and not all(mask[m, target] for m in units[t]):
-                    continue
-                if out_of_time():
-                    return None
-                trial = codes.copy()
-                trial[list(units[u])] = RECOMPUTE
-                trial[list(units[t])] = target
-                sim = simulate_decisions(graph, trial, hw, budget)
-                evaluations += 1
-                value = _key(sim, budget)
-                if value < best_key:
-                    return trial, sim, value
+        for trial in _exchange_trials(
+            self.graph, self.codes, self.rerun_cost, self.units, self.mask
+        ):
+            if self.out_of_time():
+                return None
+            sim = self.simulate(trial)
+            if _key(sim, self.budget) < self.value:
+                return trial, sim, _key(sim, self.budget)
         return None
 
-    position = 0  # where the clean scan resumes
-    unimproved = 0  # clean moves tried in a row without improvement
-    while not out_of_time():
-        clean = best_key[0] == 0 and best_sim.stall_s <= STALL_TOLERANCE_S
+    def best_of_tiers(self) -> tuple | None:
+        """Stalled or over the budget: the best improving move of the first tier that has one."""
         candidate = None
-        if clean:
-            if unimproved >= len(order):
+        for tier in _TIERS:
+            for t in self.order:
+                if self.out_of_time():
+                    break
+                for target in tier[int(self.codes[t])]:
+                    tried = self.attempt(t, target)
+                    if (
+                        tried is not None
+                        and tried[2] < self.value
+                        and (candidate is None or tried[2] < candidate[2])
+                    ):
+                        candidate = tried
+            if candidate is not None:
+                return candidate
+        return None
+
+    def run(self) -> SearchResult:
+        order = self.order
+        position = 0  # where the clean scan resumes
+        unimproved = 0  # clean moves tried in a row without improvement
+        while not self.out_of_time():
+            clean = self.value[0] == 0 and self.sim.stall_s <= STALL_TOLERANCE_S
+            candidate = None
+            if not clean:
+                candidate = self.best_of_tiers()
+                if candidate is None:
+                    break  # no move helps: a local optimum (or out of time)
+            elif unimproved >= len(order):
                 # a full cycle of single moves found nothing: the exchanges, then a local optimum
-                candidate = exchange()
+                candidate = self.exchange()
                 if candidate is None:
                     break
-                codes, best_sim, best_key = candidate
-                gaps = _gaps(best_sim)
-                moves += 1
-                unimproved = 0
-                continue
-            t = order[position]
-            position = (position + 1) % len(order)
-            unimproved += 1
-            for target in _CLEAN[int(codes[t])]:
-                tried = attempt(t, target)
-                if tried is not None and tried[2] < best_key:
-                    candidate = tried
-                    break
-            if candidate is None:
-                continue
-        else:
-            for tier in _TIERS:
-                for t in order:
-                    if out_of_time():
+            else:
+                t = order[position]
+                position = (position + 1) % len(order)
+                unimproved += 1
+                for target in _CLEAN[int(self.codes[t])]:
+                    tried = self.attempt(t, target)
+                    if tried is not None and tried[2] < self.value:
+                        candidate = tried
                         break
-                    for target in tier[int(codes[t])]:
-                        tried = attempt(t, target)
-                        if (
-                            tried is not None
-                            and tried[2] < best_key
-                            and (candidate is None or tried[2] < candidate[2])
-                        ):
-                            candidate = tried
-                if candidate is not None:
-                    break
-            if candidate is None:
-                break  # no move helps: a local optimum (or out of time)
-        codes, best_sim, best_key = candidate
-        gaps = _gaps(best_sim)
-        moves += 1
-        unimproved = 0
-    return SearchResult(
-        codes=codes,
-        sim=best_sim,
-        moves=moves,
-        evaluations=evaluations,
-        wall_s=time.perf_counter() - start,
-        complete=not timed_out,
-        work=evaluations * per_evaluation,
-        clock_stopped=clock,
-    )
+                if candidate is None:
+                    continue
+            self.take(candidate)
+            unimproved = 0
+        return SearchResult(
+            codes=self.codes,
+            sim=self.sim,
+            moves=self.moves,
+            evaluations=self.evaluations,
+            wall_s=time.perf_counter() - self.start,
+            complete=not self.timed_out,
+            work=self.evaluations * self.graph.n_positions,
+            clock_stopped=self.clock,
+        )

@@ -14,9 +14,11 @@ from typing import Any
 
 import numpy as np
 
+from ..core.budget import parse_budget
 from ..core.graph import ActivationGraph
-from ..core.hardware import Hardware
-from .lpbuilder import LPBound, LPBoundBuilder
+from ..core.hardware import Hardware, hardware
+from .base import Problem
+from .lpbuilder import LPBound, LPBoundBuilder, LPSettings
 
 
 def lp_bound(
@@ -82,10 +84,12 @@ def lp_bound(
     Raises:
         ValueError: whole_departures without integral, or not a non-negative integer.
     """
-    build = LPBoundBuilder(
-        graph,
-        budget,
-        hw,
+    hw = hardware(hw)
+    if mask is None and (allowed is not None or pins):
+        from ..core.restrict import decision_mask
+
+        mask = decision_mask(graph, allowed, pins, hw.min_swap_bytes)
+    settings = LPSettings(
         integral=integral,
         time_limit_s=time_limit_s,
         gap=gap,
@@ -95,12 +99,17 @@ def lp_bound(
         gap_on_step=gap_on_step,
         kill_after_s=kill_after_s,
         max_nodes=max_nodes,
-        allowed=allowed,
-        pins=pins,
-        mask=mask,
         whole_departures=whole_departures,
         highs_options=highs_options,
     )
+    return lp_bound_of(Problem(graph, hw, parse_budget(budget, graph, hw), mask), settings)
+
+
+def lp_bound_of(problem: Problem, settings: LPSettings | None = None) -> LPBound:
+    """The LP bound of a resolved problem (hardware, budget in bytes and decision mask as the
+    planners hold them), solved as ``settings`` say: what the exact planner calls, with nothing
+    parsed again."""
+    build = LPBoundBuilder(problem, settings or LPSettings())
     build.decisions()
     build.reruns()
     build.lanes()

@@ -10,14 +10,13 @@ from typing import Any
 
 import numpy as np
 
-from ..core.budget import min_budget, parse_budget
+from ..core.budget import min_budget
 from ..core.codes import keep_all_codes
-from ..core.graph import ActivationGraph
-from ..core.hardware import Hardware, hardware
 from ..core.status import Status
 from ..core.stepmodel import expand
 from . import limits  # IPM_FROM_POSITIONS read at each call (one place to change it)
-from .limits import LATENCY_ROW_SHARE, PULL_CELLS
+from .base import Problem
+from .limits import INTEGRAL_TIME_LIMIT_S, LATENCY_ROW_SHARE, PULL_CELLS
 from .lpmodel import LinearModel
 from .rebuild_pulls import add_to, rebuild_pulls
 from .scaling import SMALLEST, lp_units, relax_small
@@ -42,52 +41,47 @@ class LPBound:
     iterations: int | None = None  # simplex (or interior point) iterations, where known
 
 
+@dataclass(frozen=True)
+class LPSettings:
+    """How the LP bound is solved (``lp_bound``'s keywords, documented there), apart from the
+    problem it bounds: checked once here."""
+
+    integral: bool = False
+    time_limit_s: float | None = None
+    gap: float = 1e-4
+    producer_delay: bool = True
+    improving_solutions: int | None = None
+    max_iterations: int | None = None
+    gap_on_step: bool = True
+    kill_after_s: float | None = None
+    max_nodes: int | None = None
+    whole_departures: int = 0
+    highs_options: dict[str, Any] | None = None
+
+    def __post_init__(self) -> None:
+        w = self.whole_departures
+        if isinstance(w, bool) or not isinstance(w, int | np.integer) or w < 0:
+            raise ValueError(
+                f"lp_bound: whole_departures must be a whole number of positions >= 0, got {w!r}"
+            )
+        if w and not self.integral:
+            # its rows need integral decisions and binaries: without them it would be ignored
+            raise ValueError(
+                "lp_bound: whole_departures needs integral=True (its rows are binaries)"
+            )
+
+
 class LPBoundBuilder:
     """The LP bound's model under construction, one method per section of formulations/lp-bound.md,
     and what the sections share: the scaled sizes and times (Section "Scaling") and the variables
     made so far."""
 
-    def __init__(
-        self,
-        graph: ActivationGraph,
-        budget,
-        hw: Hardware | str,
-        *,
-        integral: bool,
-        time_limit_s: float | None,
-        gap: float,
-        producer_delay: bool,
-        improving_solutions: int | None,
-        max_iterations: int | None,
-        gap_on_step: bool,
-        kill_after_s: float | None,
-        max_nodes: int | None,
-        allowed,
-        pins,
-        mask: np.ndarray | None,
-        whole_departures: int,
-        highs_options: dict[str, Any] | None,
-    ) -> None:
-        # every argument as lp_bound() was given it: its defaults are lp_bound's alone
+    def __init__(self, problem: Problem, settings: LPSettings) -> None:
         start_clock = time.perf_counter()
-        if (
-            isinstance(whole_departures, bool)
-            or not isinstance(whole_departures, int | np.integer)
-            or whole_departures < 0
-        ):
-            raise ValueError(
-                f"lp_bound: whole_departures must be a whole number of positions >= 0, "
-                f"got {whole_departures!r}"
-            )
-        if whole_departures and not integral:
-            # its rows need integral decisions and binaries: without them it would be ignored
-            raise ValueError(
-                "lp_bound: whole_departures needs integral=True (its rows are binaries)"
-            )
-        hw = hardware(hw)
-        budget_bytes = parse_budget(budget, graph, hw)
+        graph, hw, budget_bytes = problem.graph, problem.hardware, problem.budget_bytes
+        integral, time_limit_s = settings.integral, settings.time_limit_s
         if integral and time_limit_s is None:
-            time_limit_s = 10.0
+            time_limit_s = INTEGRAL_TIME_LIMIT_S
         n = graph.n_ops
         S = graph.n_positions
         saved = graph.saved
@@ -105,49 +99,42 @@ class LPBoundBuilder:
         u_position = np.array([graph.bwd_position(int(u)) for u in graph.first_backward_use[saved]])
         lb_position = np.array([graph.bwd_position(int(v)) for v in graph.last_backward_use[saved]])
         self.S = S
-        self.allowed = allowed
         self.bu = bu
         self.budget_bytes = budget_bytes
         self.fwd_s = fwd_s
-        self.gap = gap
-        self.gap_on_step = gap_on_step
+        self.gap = settings.gap
+        self.gap_on_step = settings.gap_on_step
         self.graph = graph
-        self.highs_options = highs_options
+        self.highs_options = settings.highs_options
         self.hw = hw
-        self.improving_solutions = improving_solutions
+        self.improving_solutions = settings.improving_solutions
         self.integral = integral
-        self.kill_after_s = kill_after_s
+        self.kill_after_s = settings.kill_after_s
         self.last_fwd = last_fwd
         self.lb_position = lb_position
         self.m = m
-        self.mask = mask
-        self.max_iterations = max_iterations
-        self.max_nodes = max_nodes
+        self.mask = problem.mask
+        self.max_iterations = settings.max_iterations
+        self.max_nodes = settings.max_nodes
         self.n = n
         self.nbytes = nbytes
-        self.pins = pins
         self.prod = prod
-        self.producer_delay = producer_delay
+        self.producer_delay = settings.producer_delay
         self.saved = saved
         self.start_clock = start_clock
         self.time_limit_s = time_limit_s
         self.tu = tu
         self.u_position = u_position
-        self.whole_departures = whole_departures
+        self.whole_departures = settings.whole_departures
 
     def decisions(self) -> None:
         """keep (K), swap (W) and recompute (R) fractions per saved tensor, summing to one;
         restrictions fix a fraction to 0; a random group is recomputed together."""
-        allowed, graph, hw, m, mask = self.allowed, self.graph, self.hw, self.m, self.mask
-        pins, saved = self.pins, self.saved
+        graph, m, mask, saved = self.graph, self.m, self.mask, self.saved
         lp = LinearModel()
         K = lp.vars(m, ub=1.0)
         W = lp.vars(m, ub=1.0)  # swap
         R = lp.vars(m, ub=1.0)
-        if mask is None and (allowed is not None or pins):
-            from ..core.restrict import decision_mask
-
-            mask = decision_mask(graph, allowed, pins, hardware(hw).min_swap_bytes)
         for i, t in enumerate(saved):
             lp.eq([K[i], W[i], R[i]], [1, 1, 1], 1.0)
             if not graph.can_recompute[t]:
@@ -156,7 +143,7 @@ class LPBoundBuilder:
                 for var, code in ((K[i], 0), (W[i], 1), (R[i], 2)):
                     if not mask[t, code]:
                         lp.ub[var] = 0.0
-        limit = hardware(hw).host_memory_bytes
+        limit = self.hw.host_memory_bytes
         sizes = [float(graph.tensor_bytes[t]) for t in saved]
         if limit and sum(sizes) > limit:
             # host_memory: the swapped bytes together within the host's (the executor's pool

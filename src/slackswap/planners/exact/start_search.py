@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -112,10 +113,10 @@ class StartSearch:
     ) -> np.ndarray | None:
         """The integral relaxation's decisions (lpbound.py, ``integral=True``); on the real lanes
         and with the producer delay its bound joins the proof."""
-        from ..lpbound import lp_bound
+        from ..lpbound import LPSettings, lp_bound_of
 
         problem, work, anytime, notes = self.problem, self.work, self.anytime, self.notes
-        g, hw, budget = problem.graph, problem.hardware, problem.budget_bytes
+        g, hw = problem.graph, problem.hardware
         if not anytime and g.n_positions * len(g.saved) > work.relax_cells:
             # its root node alone would pass the work allowed (decided by size, not the clock)
             notes[label] = {
@@ -138,21 +139,20 @@ class StartSearch:
         left = self.left()
         cap = max(0.1, min(work.relax_cap_s, 0.6 * left)) if anytime else max(0.1, left)
         deadline = self.clock.deadline
-        relaxation = lp_bound(
-            g,
-            budget,
-            planning_hw,
-            integral=True,
-            mask=problem.mask,
-            time_limit_s=cap,
-            gap=RELAXATION_GAP,
-            max_nodes=work.relax_nodes,
-            highs_options=None if anytime else RELAXATION_HIGHS,
-            producer_delay=tight,
-            gap_on_step=False,
-            kill_after_s=None
-            if deadline is None
-            else max(0.1, self.left() - (1.0 if anytime else 0.0)),
+        relaxation = lp_bound_of(
+            replace(problem, hardware=planning_hw),
+            LPSettings(
+                integral=True,
+                time_limit_s=cap,
+                gap=RELAXATION_GAP,
+                max_nodes=work.relax_nodes,
+                highs_options=None if anytime else RELAXATION_HIGHS,
+                producer_delay=tight,
+                gap_on_step=False,
+                kill_after_s=None
+                if deadline is None
+                else max(0.1, self.left() - (1.0 if anytime else 0.0)),
+            ),
         )
         notes[label] = {
             "status": relaxation.status,
@@ -178,7 +178,7 @@ class StartSearch:
         processes; its answer is taken at a fixed place among the starts (after theirs), so the
         plan does not depend on which finished first."""
         problem, notes, anytime = self.problem, self.notes, self.anytime
-        g, hw, budget = problem.graph, problem.hardware, problem.budget_bytes
+        g = problem.graph
         # with no tensor allowed to swap there is no copy lane for it to see: the LP bound and
         # the integral relaxation cover that case
         swappable = problem.mask is None or bool(problem.mask[g.saved, SWAP].any())
@@ -192,7 +192,7 @@ class StartSearch:
                 "clock_stopped": True,
             }
             return
-        from ..departures import departure_bound
+        from ..departures import DepartureSettings, departure_bound_of
 
         best = self.best
         fits = best.sim.fits
@@ -210,20 +210,19 @@ class StartSearch:
         gaps = self.departure_gap
         self.background = Background()
         self.background.start(
-            lambda on_start: departure_bound(
-                g,
-                budget,
-                hw,
-                mask=problem.mask,
+            lambda on_start: departure_bound_of(
+                problem,
+                DepartureSettings(
+                    deterministic_time_s=work_s,
+                    time_limit_s=cap_s,
+                    work_s=full_work_s,
+                    gap=gaps["gap"],
+                    min_gap_s=gaps["min_gap_s"],
+                ),
                 incumbent_s=incumbent,
                 hint=hint,
-                deterministic_time_s=work_s,
-                time_limit_s=cap_s,
                 on_start=on_start,
                 enough_s=enough,
-                work_s=full_work_s,
-                gap=gaps["gap"],
-                min_gap_s=gaps["min_gap_s"],
             )
         )
 
@@ -302,23 +301,22 @@ class StartSearch:
                 "clock_stopped": True,
             }
             return None
-        from ..departures import departure_bound
+        from ..departures import DepartureSettings, departure_bound_of
 
         g = problem.graph
         assert self.departure_work_s is not None  # a first run was taken
         tolerance = proof_tolerance_s(best.step_time_s, g.ideal_step_time_s, self.gap)
-        found = departure_bound(
-            g,
-            problem.budget_bytes,
-            problem.hardware,
-            mask=problem.mask,
+        found = departure_bound_of(
+            problem,
+            DepartureSettings(
+                deterministic_time_s=DEPARTURE_CLOSING_WORK * self.departure_work_s,
+                time_limit_s=DEPARTURE_CLOCK_SHARE * self.left() if anytime else self.left(),
+                work_s=None if anytime else DEPARTURE_CLOSING_SHARE_OF_WORK * self.work.departure_s,
+                gap=self.departure_gap["gap"],
+                min_gap_s=self.departure_gap["min_gap_s"],
+            ),
             hint=best.codes,
             incumbent_s=best.step_time_s - DEPARTURE_CLOSING_SHARE * tolerance,
-            deterministic_time_s=DEPARTURE_CLOSING_WORK * self.departure_work_s,
-            time_limit_s=DEPARTURE_CLOCK_SHARE * self.left() if anytime else self.left(),
-            work_s=None if anytime else DEPARTURE_CLOSING_SHARE_OF_WORK * self.work.departure_s,
-            gap=self.departure_gap["gap"],
-            min_gap_s=self.departure_gap["min_gap_s"],
         )
         return self.take_departure(found, "departure_bound_from_best")
 
@@ -450,6 +448,6 @@ class StartSearch:
         background = self.background
         if background is not None and not background.taken:
             background.stop()  # the starts ended first (a proof, the work, the clock)
-            notes["departure_bound"] = {"status": "stopped", "clock_stopped": False}
+            notes["departure_bound"] = {"status": Status.STOPPED, "clock_stopped": False}
         self.best.notes = notes
         return self.best

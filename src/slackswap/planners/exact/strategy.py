@@ -231,7 +231,7 @@ def search(backend: ExactBackend, problem: Problem, settings: SearchSettings) ->
 
 def begin(backend: ExactBackend, problem: Problem, settings: SearchSettings) -> SolveState:
     """The clock, the work limits, the heuristic's plan and the LP bound."""
-    from ..lpbound import lp_bound
+    from ..lpbound import LPSettings, lp_bound_of
     from .warmstart import heuristic_start
 
     start = time.perf_counter()
@@ -267,15 +267,14 @@ def begin(backend: ExactBackend, problem: Problem, settings: SearchSettings) -> 
         if not run_lp and state.clock.passed():
             state.clock.stop("lp_bound")
     if run_lp:
-        state.lp = lp_bound(
-            g,
-            problem.budget_bytes,
-            problem.hardware,
-            mask=problem.mask,
-            max_iterations=state.work.lp_iterations
-            if g.n_positions <= limits.IPM_FROM_POSITIONS
-            else None,
-            time_limit_s=max(0.01, (ANYTIME_LP_SHARE if anytime else 1.0) * state.left()),
+        state.lp = lp_bound_of(
+            problem,
+            LPSettings(
+                max_iterations=state.work.lp_iterations
+                if g.n_positions <= limits.IPM_FROM_POSITIONS
+                else None,
+                time_limit_s=max(0.01, (ANYTIME_LP_SHARE if anytime else 1.0) * state.left()),
+            ),
         )
     else:  # no time (anytime) or work to build it: no bound, and no proof
         state.lp = _skipped_bound(
