@@ -258,12 +258,13 @@ def test_it_proves_cnn_plans_with_swaps_in_the_time_limit():
 
 @pytest.mark.slow
 def test_run_again_from_the_best_plan_it_proves_what_its_first_run_could_not():
-    """VGG16 at 80% with swaps, the default work (10 s): the first run (from the heuristic's
-    plan, 1.863% overhead) ends on its work after 3 rounds with 1.108% proven; the starts then
-    find 1.227%, and the second run, capped just under that plan, solves its model in half a
-    unit: the plan is its optimum."""
+    """VGG19 at 80% with swaps, the default work (10 s): the first run ends on its work after 3
+    rounds, 12.4% of the plan's overhead (1.03% of the step) short of it; the second run, capped
+    just under the plan the starts found, finds no point under the cap in 3 rounds: the plan is
+    proven within 0.89%. (VGG16 at 80%, the case this was written for, is now proven by the
+    first run alone: with the local search's exchanges the starts hand it a closer incumbent.)"""
     hw = ss.hardware("a100-80gb-pcie4")
-    g = ss.cnn_graph("vgg16", hw, batch=16)
+    g = ss.cnn_graph("vgg19", hw, batch=16)
     p = ss.solve(g, 0.8, hw, solver="cpsat", work_s=10.0, time_limit_s=CAP)
     first, again = p.info.extra["departure_bound"], p.info.extra["departure_bound_from_best"]
     ideal = g.ideal_step_time_s
