@@ -55,3 +55,21 @@ def test_the_exact_planner_calls_the_bounds_with_its_problem():
                 f"{path.name} calls {keyword_call}...) with keywords: the resolved problem "
                 "goes to lp_bound_of / departure_bound_of"
             )
+
+
+def test_a_tensor_that_may_not_swap_weighs_a_quarter_of_a_relaxation_cell():
+    """The recorded transformer graph: 34 positions, 14 saved tensors. All may swap: 34 x 14 =
+    476 cells. Keep and recompute only: 34 x 14 x 0.25 = 119 (no lane rows). Half of them (7)
+    kept off the lanes: 34 x (7 + 7 x 0.25) = 297.5."""
+    from slackswap.planners.exact.start_search import relaxation_cells
+    from slackswap.planners.limits import RELAX_CELL_WEIGHT_WITHOUT_SWAP
+
+    assert RELAX_CELL_WEIGHT_WITHOUT_SWAP == 0.25
+    g = _graph()
+    assert (g.n_positions, len(g.saved)) == (34, 14)
+    assert relaxation_cells(Problem(g, LINK, 280)) == 476
+    keep_recompute = decision_mask(g, ("keep", "recompute"), None, LINK.min_swap_bytes)
+    assert relaxation_cells(Problem(g, LINK, 280, keep_recompute)) == 119
+    half = decision_mask(g, None, None, LINK.min_swap_bytes)
+    half[g.saved[:7], 1] = False
+    assert relaxation_cells(Problem(g, LINK, 280, half)) == 297.5

@@ -43,6 +43,10 @@ RELAX_NODES_PER_S = 5
 # positions x saved tensors an integral relaxation's root node handles per second of work: a
 # larger model is not started (its root alone would pass the work allowed)
 RELAX_CELLS_PER_S = 125_000
+# a tensor that may not swap weighs this share of a cell: it has no lane rows (HF Llama and
+# GPT-2 of 12 layers, 376,000-492,000 cells, a root node of 0.35 s keep/recompute only against
+# 1.45-1.47 s with swaps)
+RELAX_CELL_WEIGHT_WITHOUT_SWAP = 0.25
 # simplex iterations per second of the LP bound (dual simplex; a limit that a model it can solve
 # in its share never reaches)
 LP_ITERATIONS_PER_S = 200_000

@@ -29,6 +29,7 @@ from ..limits import (
     DEPARTURE_GAP_SHARE,
     DEPARTURE_MIN_S,
     LANE_HEADROOM,
+    RELAX_CELL_WEIGHT_WITHOUT_SWAP,
     RELAXATION_GAP,
     RELAXATION_HIGHS,
     RELAXATION_MIN_S,
@@ -56,6 +57,15 @@ NOT_RELAXATIONS = (
     "departure bound",
     "departure bound from the best plan",
 )
+
+
+def relaxation_cells(problem: Problem) -> float:
+    """The integral relaxation's size in cells (positions x saved tensors), a tensor that may
+    not swap weighing RELAX_CELL_WEIGHT_WITHOUT_SWAP of one that may (it has no lane rows)."""
+    g, mask = problem.graph, problem.mask
+    swappable = len(g.saved) if mask is None else int(mask[g.saved, SWAP].sum())
+    others = len(g.saved) - swappable
+    return g.n_positions * (swappable + RELAX_CELL_WEIGHT_WITHOUT_SWAP * others)
 
 
 class StartSearch:
@@ -117,7 +127,7 @@ class StartSearch:
 
         problem, work, anytime, notes = self.problem, self.work, self.anytime, self.notes
         g, hw = problem.graph, problem.hardware
-        if not anytime and g.n_positions * len(g.saved) > work.relax_cells:
+        if not anytime and relaxation_cells(problem) > work.relax_cells:
             # its root node alone would pass the work allowed (decided by size, not the clock)
             notes[label] = {
                 "status": Status.SKIPPED,
