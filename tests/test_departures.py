@@ -262,7 +262,8 @@ def test_run_again_from_the_best_plan_it_proves_what_its_first_run_could_not():
     rounds, 12.4% of the plan's overhead (1.03% of the step) short of it; the second run, capped
     just under the plan the starts found, finds no point under the cap in 3 rounds: the plan is
     proven within 0.89%. (VGG16 at 80%, the case this was written for, is now proven by the
-    first run alone: with the local search's exchanges the starts hand it a closer incumbent.)"""
+    first run alone: the local search now drops copies that buy neither time nor headroom, and
+    the starts hand it a closer incumbent.)"""
     hw = ss.hardware("a100-80gb-pcie4")
     g = ss.cnn_graph("vgg19", hw, batch=16)
     p = ss.solve(g, 0.8, hw, solver="cpsat", work_s=10.0, time_limit_s=CAP)

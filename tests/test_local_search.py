@@ -169,7 +169,9 @@ def test_an_exchange_trades_a_dear_rerun_for_a_cheap_one():
         alone = start.copy()
         alone[index["q1"]] = target
         assert simulate_decisions(g, alone, LINK, 280).step_time_s >= before.step_time_s
-    result = improve(g, LINK, 280, start, time_limit_s=float("inf"))
+    alone = improve(g, LINK, 280, start, time_limit_s=float("inf"))  # single moves only
+    assert alone.codes[index["q1"]] == RECOMPUTE
+    result = improve(g, LINK, 280, start, time_limit_s=float("inf"), exchanges=True)
     assert result.codes[index["q1"]] != RECOMPUTE
     assert result.codes[index["n1"]] == RECOMPUTE
     assert result.sim.fits

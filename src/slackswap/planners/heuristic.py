@@ -518,6 +518,7 @@ class SlackSwapHeuristic:
                     time_limit_s=float("inf"),
                     max_work=evaluations * g.n_positions,
                     mask=problem.mask,
+                    exchanges=True,
                 )
                 stats["polish_moves"] = result.moves
                 codes, simulation = result.codes, result.sim
