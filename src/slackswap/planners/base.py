@@ -37,6 +37,23 @@ class Problem:
     def may(self, t: int, code: int) -> bool:
         return self.mask is None or bool(self.mask[t, code])
 
+    @classmethod
+    def resolve(
+        cls, graph: ActivationGraph, budget, hw, allowed=None, pins=None, mask=None
+    ) -> Problem:
+        """The problem of the public keyword calls (``lp_bound``, ``departure_bound``): hardware
+        by name or object, the budget as ``solve`` reads it, ``allowed``/``pins`` or a ready
+        ``mask``, each resolved once."""
+        from ..core.budget import parse_budget
+        from ..core.hardware import hardware
+
+        hw = hardware(hw)
+        if mask is None and (allowed is not None or pins):
+            from ..core.restrict import decision_mask
+
+            mask = decision_mask(graph, allowed, pins, hw.min_swap_bytes)
+        return cls(graph, hw, parse_budget(budget, graph, hw), mask)
+
 
 @dataclass(frozen=True)
 class Solution:

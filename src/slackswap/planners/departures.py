@@ -22,10 +22,9 @@ from typing import Any
 
 import numpy as np
 
-from ..core.budget import parse_budget
 from ..core.codes import keep_all_codes
 from ..core.graph import ActivationGraph
-from ..core.hardware import Hardware, hardware
+from ..core.hardware import Hardware
 from ..core.plan import KEEP
 from ..core.status import Status
 from .base import Problem
@@ -121,12 +120,6 @@ def departure_bound(
     Raises:
         ValueError: a gap, min_gap_s, enough_s or hint of the wrong form.
     """
-    hw = hardware(hw)
-    budget_bytes = parse_budget(budget, graph, hw)
-    if mask is None and (allowed is not None or pins):
-        from ..core.restrict import decision_mask
-
-        mask = decision_mask(graph, allowed, pins, hw.min_swap_bytes)
     settings = DepartureSettings(
         time_limit_s=time_limit_s,
         deterministic_time_s=deterministic_time_s,
@@ -138,7 +131,7 @@ def departure_bound(
         min_gap_s=min_gap_s,
     )
     return departure_bound_of(
-        Problem(graph, hw, budget_bytes, mask),
+        Problem.resolve(graph, budget, hw, allowed, pins, mask),
         settings,
         incumbent_s=incumbent_s,
         hint=hint,

@@ -14,9 +14,8 @@ from typing import Any
 
 import numpy as np
 
-from ..core.budget import parse_budget
 from ..core.graph import ActivationGraph
-from ..core.hardware import Hardware, hardware
+from ..core.hardware import Hardware
 from .base import Problem
 from .lpbuilder import LPBound, LPBoundBuilder, LPSettings
 
@@ -84,11 +83,6 @@ def lp_bound(
     Raises:
         ValueError: whole_departures without integral, or not a non-negative integer.
     """
-    hw = hardware(hw)
-    if mask is None and (allowed is not None or pins):
-        from ..core.restrict import decision_mask
-
-        mask = decision_mask(graph, allowed, pins, hw.min_swap_bytes)
     settings = LPSettings(
         integral=integral,
         time_limit_s=time_limit_s,
@@ -102,7 +96,7 @@ def lp_bound(
         whole_departures=whole_departures,
         highs_options=highs_options,
     )
-    return lp_bound_of(Problem(graph, hw, parse_budget(budget, graph, hw), mask), settings)
+    return lp_bound_of(Problem.resolve(graph, budget, hw, allowed, pins, mask), settings)
 
 
 def lp_bound_of(problem: Problem, settings: LPSettings | None = None) -> LPBound:
