@@ -245,3 +245,76 @@ def mismatch_case(rank: int, world: int, port: int, fault: str, out_dir: str) ->
     finally:
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps(out))
         dist.destroy_process_group()
+
+
+def mixed_policy_case(rank: int, world: int, port: int, out_dir: str) -> None:
+    """One AdamW step of a tiny HF Llama under ``fully_shard`` with FSDP2's
+    ``MixedPrecisionPolicy(param_dtype=bfloat16)``: what torch allocates on this rank (local
+    shards of parameters, gradients and moments), the dtype the forward sees its parameters in,
+    and the profile of the sharded step (its saved tensors) for the parent to compare with
+    slackswap's "fsdp-mixed" regime."""
+    import transformers
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    out: dict = {}
+    try:
+        torch.manual_seed(0)
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**MIXED_POLICY_CONFIG))
+        model.train()
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+        for block in model.model.layers:
+            fully_shard(block, mp_policy=policy)
+        fully_shard(model, mp_policy=policy)
+        seen: list[str] = []
+        # inside a unit's forward, its modules hold the gathered parameters
+        model.model.layers[0].self_attn.q_proj.register_forward_pre_hook(
+            lambda module, _: seen.append(str(module.weight.dtype))
+        )
+        ids = torch.randint(0, MIXED_POLICY_CONFIG["vocab_size"], (2, 16))
+        batch = {"input_ids": ids, "labels": ids}
+        graph = ss.profile(model, batch, lambda o: o.loss, precision="fsdp-mixed")
+        out["saved_bytes"] = sorted(int(graph.tensor_bytes[t]) for t in graph.saved)
+        out["profile_state"] = graph.extra["model_state"]
+        opt = torch.optim.AdamW(model.parameters(), foreach=False)
+        opt.zero_grad(set_to_none=True)
+        model(**batch).loss.backward()
+        opt.step()
+
+        def local(t):
+            return t.to_local() if hasattr(t, "to_local") else t
+
+        def nbytes(ts):
+            return sum(local(t).numel() * local(t).element_size() for t in ts)
+
+        params = list(model.parameters())
+        state = [
+            t
+            for s in opt.state.values()
+            for k, t in s.items()
+            if torch.is_tensor(t) and k != "step"
+        ]
+        out.update(
+            parameter_bytes=nbytes(params),
+            gradient_bytes=nbytes(p.grad for p in params),
+            optimizer_state_bytes=nbytes(state),
+            dtypes=sorted({str(local(t).dtype) for t in params + [p.grad for p in params] + state}),
+            gathered_dtypes=sorted(set(seen)),
+        )
+    except Exception:  # noqa: BLE001 - reported to the parent
+        out["error"] = traceback.format_exc()
+    finally:
+        Path(out_dir, f"rank{rank}.json").write_text(json.dumps(out))
+        dist.destroy_process_group()
+
+
+MIXED_POLICY_CONFIG = {
+    "num_hidden_layers": 2,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 300,
+    "max_position_embeddings": 64,
+}

@@ -118,3 +118,45 @@ def test_a_rank_that_differs_or_crashes_fails_every_rank_without_a_hang(fault, m
         assert "a user's bug in forward" in ranks[0]["error"]
     if fault == "late":  # a RankError naming the late rank, not torch's raw store timeout
         assert all(out["error"].startswith("RankError") for out in ranks), ranks
+
+
+@pytest.mark.skipif(not HAS_HF, reason="transformers")
+def test_the_fsdp_mixed_regime_counts_what_fully_shard_with_a_mixed_policy_allocates(tmp_path):
+    """Under ``MixedPrecisionPolicy(param_dtype=bfloat16)`` each rank holds float32 shards of
+    the parameters, their gradients and AdamW's two moments, and the forward runs on bf16
+    parameters: fit's rows for precision="fsdp-mixed" (profiled on one process, fake) equal
+    the bytes torch allocates on every rank after one step, and the single-process profile
+    saves the tensors the sharded step saves."""
+    import transformers
+
+    import slackswap as ss
+    from slackswap.runtime.model_state import model_state
+    from slackswap.sharding import sharded_model_state
+
+    ranks = _spawn(dist_workers.mixed_policy_case, (), tmp_path, timeout_s=300)
+    for out in ranks:
+        assert "error" not in out, out.get("error")
+    cfg = transformers.LlamaConfig(**dist_workers.MIXED_POLICY_CONFIG)
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(cfg)
+    ids = torch.randint(0, cfg.vocab_size, (2, 16))
+    batch = {"input_ids": ids, "labels": ids}
+    fake = ss.profile(
+        model, batch, lambda o: o.loss, fake=True, hardware="cpu", precision="fsdp-mixed"
+    )
+    counted = sharded_model_state(fake, WORLD)
+    # every dimension is even: a rank holds exactly half of each parameter, in float32
+    whole = model_state(model, "adamw", precision="fsdp-mixed")
+    assert counted["parameter_bytes"] == whole["parameter_bytes"] // WORLD
+    for out in ranks:
+        assert out["parameter_bytes"] == counted["parameter_bytes"]
+        assert out["gradient_bytes"] == counted["gradient_bytes"]
+        assert out["optimizer_state_bytes"] == counted["optimizer_state_bytes"]
+        assert out["dtypes"] == ["torch.float32"]  # shards, gradients and moments
+        assert out["gathered_dtypes"] == ["torch.bfloat16"]  # what the forward computes on
+        assert out["profile_state"]["gathered_dtype"] == "bfloat16"
+    # the unsharded buffers beside the step are counted in bf16 (the policy's param_dtype):
+    # the largest group is the root's embeddings and untied head, 2 x 300 x 64, and its norm
+    assert counted["unsharded_bytes"] == 3 * (2 * 300 * 64 + 64) * 2
+    # the single-process fake step saves what the sharded step saves, tensor for tensor
+    assert sorted(int(fake.tensor_bytes[t]) for t in fake.saved) == ranks[0]["saved_bytes"]

@@ -234,6 +234,71 @@ def test_a_mixed_profile_runs_its_forward_under_autocast_and_refuses_16_bit_mast
         ss.profile(_tiny_llama(torch.bfloat16), inputs, lambda o: o.loss, precision="mixed")
 
 
+def test_the_fsdp_mixed_regime_runs_on_bf16_copies_and_leaves_the_model_as_it_was():
+    """precision="fsdp-mixed" profiles the step FSDP2's MixedPrecisionPolicy runs (the forward
+    on bf16 parameters, no autocast), counts float32 masters, and hands back the user's
+    float32 parameters untouched: same objects, same values, no gradient."""
+    model = _tiny_llama(torch.float32)
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    ids = torch.randint(0, 300, (2, 16))
+    inputs = {"input_ids": ids, "labels": ids}
+    g = ss.profile(model, inputs, lambda o: o.loss, precision="fsdp-mixed", overhead=False)
+    for name, p in model.named_parameters():
+        assert p.dtype == torch.float32 and p.grad is None
+        assert torch.equal(p, before[name]), name
+    state = g.extra["model_state"]
+    assert (state["compute_dtype"], state["gathered_dtype"]) == ("bfloat16", "bfloat16")
+    assert state["parameter_bytes"] == sum(p.numel() * 4 for p in model.parameters())
+    assert g.extra["parameter_gradients"] == "held"  # shards beside the step, not in backward
+    assert {dtype for _, _, dtype in g.extra["parameters"]} == {"float32"}
+    # no autocast: the norms run in bf16 too, so every floating saved tensor is bf16 but the
+    # loss's float32 upcast of the logits and what the rotary embedding makes in float32
+    saved = [g.tensors[int(t)] for t in g.saved]
+    assert sum(t.extra.get("dtype") == "bfloat16" for t in saved) > len(saved) // 2
+    # a fake profile of the same model saves the same tensors
+    fake = ss.profile(
+        model, inputs, lambda o: o.loss, fake=True, hardware="cpu", precision="fsdp-mixed"
+    )
+    assert sorted(map(int, fake.tensor_bytes[fake.saved])) == sorted(
+        map(int, g.tensor_bytes[g.saved])
+    )
+    with pytest.raises(ProfileError, match="gradients='made'"):
+        ss.profile(model, inputs, lambda o: o.loss, precision="fsdp-mixed", gradients="made")
+    with pytest.raises(ProfileError, match="float32 master parameters"):
+        ss.profile(_tiny_llama(torch.bfloat16), inputs, lambda o: o.loss, precision="fsdp-mixed")
+
+
+def test_fit_under_fsdp_mixed_counts_the_gathered_copies_on_one_rank(capsys):
+    """One rank under MixedPrecisionPolicy holds float32 masters (4 + 4 + 8 bytes a parameter
+    with AdamW) and, beside them, the bf16 copies FSDP2 gathers: the CLI and the API say the
+    same, and --gradients made is refused."""
+    tiny = json.dumps(
+        {"num_hidden_layers": 2, "hidden_size": 128, "intermediate_size": 344,
+         "num_attention_heads": 4, "vocab_size": 1000}
+    )  # fmt: skip
+    argv = ["fit", "llama", "--hf-config", tiny, "--seq", "64", "--solver", "heuristic"]
+    assert main([*argv, "--precision", "fsdp-mixed"]) == 0
+    printed = capsys.readouterr().out
+    model, config = meta_model("llama", json.loads(tiny), dtype="float32")
+    inputs, loss_fn = training_batch(config, 64, 1)
+    g = ss.profile(
+        model, inputs, loss_fn, fake=True, hardware="a100-80gb-pcie4", precision="fsdp-mixed"
+    )
+    report = ss.fit(g, "a100-80gb-pcie4", solver="heuristic")
+    rows = dict(report.rows())
+    assert "MixedPrecisionPolicy" in rows["precision"]
+    # the root's group (embeddings and untied head, 2 x 1000 x 128, the final norm 128) in
+    # bf16, three of it: 3 x 256,128 x 2 = 1,536,768 bytes
+    assert report.model_state["unsharded_bytes"] == 3 * 256_128 * 2
+    n = sum(p.numel() for p in model.parameters())
+    assert report.model_state["total_bytes"] == 16 * n
+    for key, value in report.rows():
+        if key != "plan":
+            assert key in printed and value in printed, (key, value)
+    assert main([*argv, "--precision", "fsdp-mixed", "--gradients", "made"]) == 2
+    assert "--precision fsdp-mixed: FSDP2 reduce-scatters" in capsys.readouterr().err
+
+
 def test_the_api_and_the_command_line_give_one_answer(tmp_path, capsys):
     path = tmp_path / "config.json"
     path.write_text(

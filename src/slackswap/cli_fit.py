@@ -33,10 +33,11 @@ def add_fit(sub) -> None:
     p.add_argument(
         "--precision",
         default="pure",
-        choices=("pure", "mixed", "mixed-fp16"),
+        choices=("pure", "mixed", "mixed-fp16", "fsdp-mixed"),
         help="pure (default, torch's): parameters, gradients and optimizer state in --dtype; "
         "mixed: float32 master parameters, gradients and moments, the forward under autocast "
-        "in bf16 (mixed-fp16: fp16)",
+        "in bf16 (mixed-fp16: fp16); fsdp-mixed: FSDP2's MixedPrecisionPolicy(param_dtype="
+        "bfloat16), float32 shards and the forward on parameters gathered in bf16",
     )
     p.add_argument(
         "--dtype",
@@ -138,9 +139,11 @@ def cmd_fit(args) -> int:
         )
     if args.ranks < 1:
         raise CliError(f"--ranks must be a positive integer, got {args.ranks}")
-    if args.ranks > 1 and args.gradients == "made":
+    sharded = args.ranks > 1 or args.precision == "fsdp-mixed"
+    if sharded and args.gradients == "made":
+        flag = "--ranks" if args.ranks > 1 else "--precision fsdp-mixed"
         raise CliError(
-            "--ranks: FSDP2 reduce-scatters gradients into shards held beside the step; "
+            f"{flag}: FSDP2 reduce-scatters gradients into shards held beside the step; "
             "--gradients made counts whole ones in backward"
         )
     if args.collectives_on_link and args.ranks < 2:
@@ -168,7 +171,7 @@ def cmd_fit(args) -> int:
             optimizer=args.optimizer,
             foreach={"auto": None, "on": True, "off": False}[args.foreach],
             # FSDP2 reduce-scatters the gradients into shards: counted beside, not in backward
-            gradients="held" if args.ranks > 1 else args.gradients,
+            gradients="held" if sharded else args.gradients,
             precision=args.precision,
             name=f"{config.model_type}-s{seq}-b{batch}",
         )

@@ -20,7 +20,7 @@ from .core.errors import InfeasibleBudget
 from .core.graph import ActivationGraph
 from .core.hardware import Hardware
 from .core.plan import Plan
-from .sharding import fsdp_collectives_of, sharded_model_state
+from .sharding import casts_as_gathered, fsdp_collectives_of, graph_parameters, sharded_model_state
 from .solve import graph_hardware, smallest_budget, solve
 
 GIB = 2**30
@@ -168,13 +168,14 @@ class FitReport:
 
 
 def _precision_line(state: dict[str, Any]) -> str:
+    from .runtime.model_state import PRECISIONS
+
     compute = state.get("compute_dtype", "?")
-    if state["precision"] == "pure":
-        return f"pure {compute}: parameters, gradients and optimizer state in {compute}"
-    return (
-        f"{state['precision']}: float32 master parameters, gradients and optimizer state; "
-        f"the forward in {compute} under autocast"
-    )
+    regime = PRECISIONS.get(state["precision"])
+    if regime is None:
+        return f"{state['precision']}: forward in {compute}"
+    name = f"pure {compute}" if state["precision"] == "pure" else state["precision"]
+    return f"{name}: " + regime.description.format(compute=compute)
 
 
 def memory_beside_state(
@@ -199,7 +200,11 @@ def memory_beside_state(
     # gradients made in the step (zero_grad() sets them to None) are in the graph's backward
     # workspaces already (profile(gradients="made")); held ones are there for the whole step
     made = graph.extra.get("parameter_gradients") == "made"
-    if ranks != 1:
+    # FSDP2's MixedPrecisionPolicy gathers parameters cast: one rank holds the copies too
+    gathered = bool(state and graph.extra.get("parameters")) and casts_as_gathered(
+        state, graph_parameters(graph)
+    )
+    if ranks != 1 or gathered:
         if made:
             raise ValueError(
                 f"fit(ranks={ranks}): graph {graph.name!r} counts whole parameter gradients in "

@@ -9,9 +9,10 @@ multiple of N rows), and so its gradient and the optimizer's state, which the op
 - beside them, while a block runs, FSDP2's unsharded buffers: the all-gathered parameters of the
   block running and of the one prefetched after it, and the block's unsharded gradients before
   their reduce-scatter: three times the largest group (each numbered block of a stack is a
-  group, ``core/regions.py``; the rest of the model one more), in the dtype the step computes in
-  (a mixed regime gathers its float32 masters in bf16, as ``MixedPrecisionPolicy(param_dtype=
-  torch.bfloat16)`` does).
+  group, ``core/regions.py``; the rest of the model one more), in the dtype FSDP2 gathers them
+  in (the model state's ``gathered_dtype``: bf16 under ``MixedPrecisionPolicy(param_dtype=
+  torch.bfloat16)``, the "fsdp-mixed" regime, which holds these buffers on one rank too; else
+  the parameters' own: autocast casts float32 masters op by op, after the gather).
 
 A graph profiled on one device has no collectives; ``fsdp_collectives_of`` gives it the ones
 ``fully_shard`` issues with one unit per block (the same rule as a real FSDP2 profile's,
@@ -32,7 +33,7 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8, "int64":
 OPTIMIZER_COPIES = {"adamw": 2, "adam": 2, "sgd-momentum": 1, "sgd": 0, "none": 0}
 
 
-def _params(graph: ActivationGraph) -> list[tuple[str, list[int], int]]:
+def graph_parameters(graph: ActivationGraph) -> list[tuple[str, list[int], int]]:
     found = graph.extra.get("parameters")
     if not found:
         raise ValueError(
@@ -55,10 +56,10 @@ def _block_key(module_path: str) -> str:
 
 
 def _unit_bytes(graph: ActivationGraph, params: list[tuple[str, list[int], int]]) -> dict[str, int]:
-    """Per unit, its parameters' bytes as gathered: in the dtype the step computes in (a mixed
-    regime gathers its float32 masters in bf16), else their own."""
+    """Per unit, its parameters' bytes as gathered: in the model state's ``gathered_dtype``
+    (module docstring), else their own."""
     state = graph.extra.get("model_state") or {}
-    compute = DTYPE_BYTES.get(str(state.get("compute_dtype", "")), 0)
+    compute = DTYPE_BYTES.get(str(state.get("gathered_dtype", "")), 0)
     groups: dict[str, int] = {}
     for name, shape, element in params:
         key = _block_key(name.rsplit(".", 1)[0])
@@ -78,7 +79,7 @@ def fsdp_collectives_of(graph: ActivationGraph, ranks: int) -> tuple[Collective,
     A unit none of whose ops the graph records issues nothing."""
     if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 2:
         raise ValueError(f"fsdp collectives need ranks >= 2, got {ranks!r}")
-    params = _params(graph)
+    params = graph_parameters(graph)
     state = graph.extra.get("model_state") or {}
     total = sum(math.prod(s) * e if s else e for _, s, e in params)
     trainable = int(state.get("gradient_bytes", total)) / total if total else 0.0
@@ -108,6 +109,13 @@ def fsdp_collectives_of(graph: ActivationGraph, ranks: int) -> tuple[Collective,
     return tuple(out)
 
 
+def casts_as_gathered(state: dict[str, Any], params: list[tuple[str, list[int], int]]) -> bool:
+    """Whether FSDP2 gathers the parameters in another dtype than they are held in (its
+    ``MixedPrecisionPolicy``), so that even one rank holds gathered copies of them."""
+    gathered = DTYPE_BYTES.get(str(state.get("gathered_dtype", "")))
+    return gathered is not None and any(element != gathered for _, _, element in params)
+
+
 def shard_bytes(shape: list[int], element: int, ranks: int) -> int:
     """One rank's shard of a parameter: ceil(rows / N) rows (fully_shard pads dim 0 to N)."""
     if not shape:
@@ -125,7 +133,7 @@ def sharded_model_state(graph: ActivationGraph, ranks: int) -> dict[str, Any]:
     state = dict(graph.extra.get("model_state") or {})
     if not state:
         raise ValueError(f"fit(ranks=...): graph {graph.name!r} records no model state")
-    params = _params(graph)
+    params = graph_parameters(graph)
     total = sum(math.prod(s) * e if s else e for _, s, e in params)
     if total != int(state["parameter_bytes"]):
         raise ValueError(
@@ -145,7 +153,7 @@ def sharded_model_state(graph: ActivationGraph, ranks: int) -> dict[str, Any]:
             else 2 * max(shard_bytes(s, e, ranks) for _, s, e in params)
         )
     groups = _unit_bytes(graph, params)
-    unsharded = 3 * max(groups.values()) if ranks > 1 else 0
+    unsharded = 3 * max(groups.values()) if ranks > 1 or casts_as_gathered(state, params) else 0
     return {
         **state,
         "ranks": ranks,

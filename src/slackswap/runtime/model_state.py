@@ -19,22 +19,72 @@ allocate them:
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from ..core.errors import ProfileError
 from ..core.graph import ActivationGraph
 
-# the precision regimes a step trains in: what the parameters, their gradients and the optimizer
-# state are held in, and the dtype the forward computes in (None: the parameters' own)
-PRECISIONS: dict[str, str | None] = {
+
+@dataclass(frozen=True)
+class Precision:
+    """A regime a step trains in: what its parameters, gradients and optimizer state are held
+    in, the dtype its forward computes in, and how it gets there."""
+
+    # the dtype the forward computes in (None: the parameters' own)
+    compute_dtype: str | None
+    # float32 master parameters (and so float32 gradients and moments)
+    masters: bool
+    # the forward runs under ``torch.autocast`` (else, with masters, on parameters cast to
+    # ``compute_dtype`` as FSDP2's ``MixedPrecisionPolicy`` all-gathers them)
+    autocast: bool
+    # the dtype FSDP2 all-gathers the parameters in and reduce-scatters their gradients in
+    # (None: the parameters' own)
+    gathered_dtype: str | None
+    # what the report says of it
+    description: str
+
+
+PRECISIONS: dict[str, Precision] = {
     # everything in the model's dtype (torch's default: a bf16 model has bf16 gradients and
     # bf16 moments, zeros_like the parameters)
-    "pure": None,
+    "pure": Precision(
+        None, False, False, None, "parameters, gradients and optimizer state in {compute}"
+    ),
     # float32 master parameters, float32 gradients and moments, the forward under autocast in
-    # bf16 (what most bf16 training runs: HF Trainer's bf16=True, Lightning's "bf16-mixed")
-    "mixed": "bfloat16",
+    # bf16 (what most bf16 training runs: HF Trainer's bf16=True, Lightning's "bf16-mixed");
+    # under fully_shard without a policy the float32 parameters are gathered as they are and
+    # autocast casts them op by op
+    "mixed": Precision(
+        "bfloat16",
+        True,
+        True,
+        None,
+        "float32 master parameters, gradients and optimizer state; the forward in {compute} "
+        "under autocast",
+    ),
     # the same with fp16 compute (a GradScaler's scale is a scalar: no bytes counted)
-    "mixed-fp16": "float16",
+    "mixed-fp16": Precision(
+        "float16",
+        True,
+        True,
+        None,
+        "float32 master parameters, gradients and optimizer state; the forward in {compute} "
+        "under autocast",
+    ),
+    # FSDP2's ``MixedPrecisionPolicy(param_dtype=torch.bfloat16)``: float32 sharded parameters,
+    # gradients and moments; each unit's parameters all-gathered in bf16 and the forward run on
+    # them in bf16 (no autocast: norms and softmax in bf16 too), the floating inputs cast to
+    # bf16 (``cast_forward_inputs``); the bf16 gradients reduce-scattered in bf16 (the policy's
+    # default ``reduce_dtype``) into float32 shards
+    "fsdp-mixed": Precision(
+        "bfloat16",
+        True,
+        False,
+        "bfloat16",
+        "float32 master parameters, gradients and optimizer state, sharded by fully_shard; the "
+        "forward in {compute} on parameters gathered in {compute} (MixedPrecisionPolicy)",
+    ),
 }
 
 # state per trainable parameter, in parameter-sized copies
@@ -67,7 +117,7 @@ def check_precision(model, precision: str) -> None:
     parameters are another dtype, naming the first, rather than count it as it is not."""
     if precision not in PRECISIONS:
         raise ProfileError(f"precision must be one of {sorted(PRECISIONS)}, got {precision!r}")
-    if PRECISIONS[precision] is None:
+    if not PRECISIONS[precision].masters:
         return
     for name, p in model.named_parameters():
         if p.requires_grad and str(p.dtype) != "torch.float32":
@@ -85,6 +135,7 @@ def model_state(
     gradients, the named optimizer's state, and its step's temporaries (``foreach``: None for
     torch's default on the parameters' device). Each is counted in the dtype torch holds it in:
     the parameters' own, which a mixed regime (``precision``) has checked is float32."""
+    regime = PRECISIONS[precision]
     seen: set[int] = set()
     params = grads = 0
     trainable: list[tuple[int, str]] = []
@@ -102,7 +153,8 @@ def model_state(
     step = optimizer_step_bytes(trainable, optimizer, foreach)
     return {
         "precision": precision,
-        "compute_dtype": PRECISIONS[precision] or _dtype_of(trainable),
+        "compute_dtype": regime.compute_dtype or _dtype_of(trainable),
+        "gathered_dtype": regime.gathered_dtype or _dtype_of(trainable),
         "parameter_bytes": params,
         "gradient_bytes": grads,
         "optimizer": optimizer,

@@ -6,6 +6,7 @@ gradients"). torch is imported lazily.
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
 
@@ -41,6 +42,61 @@ def under_autocast(forward, dtype: str):
             return (forward or call_model)(model, inputs)
 
     return autocast_forward
+
+
+def with_inputs_cast(forward, dtype: str):
+    """``forward`` (or the plain model call) on its inputs' floating tensors cast to ``dtype``,
+    as FSDP2's root casts them under ``MixedPrecisionPolicy(cast_forward_inputs=True)``."""
+    import torch
+
+    target = getattr(torch, dtype)
+
+    def cast(x):
+        if isinstance(x, torch.Tensor):
+            return x.to(target) if x.is_floating_point() else x
+        if isinstance(x, tuple):
+            return tuple(cast(v) for v in x)
+        if isinstance(x, list):
+            return [cast(v) for v in x]
+        if isinstance(x, dict):
+            return {k: cast(v) for k, v in x.items()}
+        return x
+
+    def cast_forward(model, inputs):
+        return (forward or call_model)(model, cast(inputs))
+
+    return cast_forward
+
+
+@contextlib.contextmanager
+def parameters_cast(model, dtype: str):
+    """The model with every parameter replaced by a leaf copy in ``dtype`` (tied ones stay
+    tied, ``requires_grad`` kept) for the block, its own put back after: the parameters one
+    step of FSDP2's ``MixedPrecisionPolicy(param_dtype=...)`` computes on (the all-gathered,
+    cast ones), without touching the user's. Buffers keep their dtype, as FSDP2 leaves them."""
+    import torch
+
+    target = getattr(torch, dtype)
+    swapped: list[tuple[dict, str, object]] = []
+    copies: dict[int, torch.nn.Parameter] = {}
+    try:
+        for module in model.modules():
+            table = module._parameters
+            for key, value in list(table.items()):
+                if value is None:
+                    continue
+                copy = copies.get(id(value))
+                if copy is None:
+                    with torch.no_grad():
+                        data = value.detach().to(target)
+                    copy = torch.nn.Parameter(data, requires_grad=value.requires_grad)
+                    copies[id(value)] = copy
+                swapped.append((table, key, value))
+                table[key] = copy
+        yield model
+    finally:
+        for table, key, value in reversed(swapped):
+            table[key] = value
 
 
 def fresh_autocast() -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import gc
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 from ..core.errors import ProfileError
@@ -25,9 +26,11 @@ from .plain_step import (
     call_model,
     fresh_autocast,
     metered_plain_step,
+    parameters_cast,
     plain_phase_times,
     scaled_to_plain,
     under_autocast,
+    with_inputs_cast,
     with_parameter_gradients,
 )
 from .traced_graph import graph_from_traces
@@ -240,36 +243,50 @@ def profile(
     """
     import torch
 
-    _check_options(fake=fake, optimizer=optimizer, gradients=gradients)
-    if isinstance(model, torch.nn.Module):
-        check_precision(model, precision)
-        gradients = gradients_of(model) if gradients == "auto" else gradients
-    compute = PRECISIONS.get(precision)
-    if compute is not None:
-        forward = under_autocast(forward, compute)
-    if fake:
-        graph = _profile_fake(model, inputs, loss_fn, device, name, gradients, hardware, forward)
-        graph = with_model_state(graph, model, optimizer, foreach, precision)
-        return _group(graph) if group_by_module else graph
+    _check_options(fake=fake, optimizer=optimizer, gradients=gradients, precision=precision)
     if not isinstance(model, torch.nn.Module):
         raise ProfileError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    check_precision(model, precision)
+    regime = PRECISIONS[precision]
+    cast: Callable[[Any], Any] = lambda _: contextlib.nullcontext()  # noqa: E731
+    if regime.gathered_dtype is not None:  # FSDP2's MixedPrecisionPolicy
+        gradients = _sharded_gradients(gradients, precision)
+        if not is_sharded(model):  # the step FSDP2 runs: on parameters cast as it gathers them
+            forward = with_inputs_cast(forward, regime.gathered_dtype)
+            dtype = regime.gathered_dtype
+            cast = lambda m: parameters_cast(m, dtype)  # noqa: E731
+    gradients = gradients_of(model) if gradients == "auto" else gradients
+    if regime.autocast and regime.compute_dtype is not None:
+        forward = under_autocast(forward, regime.compute_dtype)
+    if fake:
+        with cast(model):
+            graph = _profile_fake(
+                model, inputs, loss_fn, device, name, gradients, hardware, forward
+            )
+        # the model's own parameters (the masters), not the cast ones the step ran on
+        graph = replace(graph, extra={**graph.extra, "parameters": model_parameters(model)})
+        graph = with_model_state(graph, model, optimizer, foreach, precision)
+        return _group(graph) if group_by_module else graph
     _check_options(calibrate=calibrate, overhead=overhead, gradients=gradients)
     if repeat < 1 or warmup < 0:
         raise ProfileError("repeat must be >= 1 and warmup >= 0")
     model, inputs = _on_device(model, inputs, device)
-    graph = _measured_graph(
-        model,
-        inputs,
-        loss_fn,
-        device,
-        warmup=warmup,
-        repeat=repeat,
-        name=name,
-        calibrate=calibrate,
-        gradients=gradients,
-        forward=forward,
-        overhead=overhead,
-    )
+    with cast(model):
+        graph = _measured_graph(
+            model,
+            inputs,
+            loss_fn,
+            device,
+            warmup=warmup,
+            repeat=repeat,
+            name=name,
+            calibrate=calibrate,
+            gradients=gradients,
+            forward=forward,
+            overhead=overhead,
+        )
+    # the model's own parameters (the masters), not the cast ones the step ran on
+    graph = replace(graph, extra={**graph.extra, "parameters": model_parameters(model)})
     graph = with_model_state(graph, model, optimizer, foreach, precision)
     return _group(graph) if group_by_module else graph
 
@@ -298,6 +315,32 @@ def _check_options(**options) -> None:
         )
     if "gradients" in options and options["gradients"] not in GRADIENTS:
         raise ProfileError(f"gradients must be one of {GRADIENTS}, got {options['gradients']!r}")
+    if "precision" in options and options["precision"] not in PRECISIONS:
+        raise ProfileError(
+            f"precision must be one of {sorted(PRECISIONS)}, got {options['precision']!r}"
+        )
+
+
+def _sharded_gradients(gradients: str, precision: str) -> str:
+    """Under FSDP2 a unit's gradients are reduce-scattered into shards and the unsharded ones
+    freed as its backward ends: the shards are held beside the step ("held"), never whole
+    gradients made in backward."""
+    if gradients == "made":
+        raise ProfileError(
+            f"precision={precision!r}: FSDP2 reduce-scatters each unit's gradients into shards "
+            "held beside the step; gradients='made' counts whole ones in backward (use 'held' "
+            "or 'auto')"
+        )
+    return "held"
+
+
+def is_sharded(model) -> bool:
+    """Whether FSDP2 (``fully_shard``) wraps the model or one of its modules."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # a torch without distributed
+        return False
+    return any(isinstance(m, FSDPModule) for m in model.modules())
 
 
 def _measured_graph(
@@ -366,8 +409,6 @@ def _measured_graph(
         gradients = "held" if collectives else gradients
         graph = with_parameter_gradients(graph, gradients)
         if collectives:
-            from dataclasses import replace
-
             graph = replace(graph, collectives=collectives)
         elif overhead:
             # what the plain step holds beside the graph's tensors (runtime/overhead.py)
