@@ -168,14 +168,11 @@ class FitReport:
 
 
 def _precision_line(state: dict[str, Any]) -> str:
-    from .runtime.model_state import PRECISIONS
-
     compute = state.get("compute_dtype", "?")
-    regime = PRECISIONS.get(state["precision"])
-    if regime is None:
-        return f"{state['precision']}: forward in {compute}"
     name = f"pure {compute}" if state["precision"] == "pure" else state["precision"]
-    return f"{name}: " + regime.description.format(compute=compute)
+    if "holds" in state:
+        return f"{name}: {state['holds']}"
+    return f"{name}: the forward in {compute}"  # (a graph saved before regimes said it)
 
 
 def memory_beside_state(

@@ -5,7 +5,7 @@ the planners' baselines and the runtime's checkpoint policy.
 
 from __future__ import annotations
 
-from .graph import ActivationGraph
+from .graph import ActivationGraph, Op
 
 
 def region_of(module_path: str) -> str:
@@ -21,7 +21,7 @@ def region_of(module_path: str) -> str:
     return module_path
 
 
-def module_of(op) -> str:
+def module_of(op: Op) -> str:
     """The module path an op ran in (recorded by the profiler; a workload's op names it before
     a "/")."""
     return str(op.extra.get("module", op.name.split("/")[0] if "/" in op.name else ""))

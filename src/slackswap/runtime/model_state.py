@@ -149,11 +149,14 @@ def model_state(
             grads += nbytes
             trainable.append((nbytes, str(p.dtype)))
     state = OPTIMIZER_STATE_COPIES[optimizer] * grads
+    compute = regime.compute_dtype or _dtype_of(trainable)
     foreach = default_foreach(model) if foreach is None else bool(foreach)
     step = optimizer_step_bytes(trainable, optimizer, foreach)
     return {
         "precision": precision,
-        "compute_dtype": regime.compute_dtype or _dtype_of(trainable),
+        "compute_dtype": compute,
+        # what the regime holds in which dtype, as the report says it
+        "holds": regime.description.format(compute=compute),
         "gathered_dtype": regime.gathered_dtype or _dtype_of(trainable),
         "parameter_bytes": params,
         "gradient_bytes": grads,

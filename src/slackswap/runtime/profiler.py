@@ -247,17 +247,7 @@ def profile(
     if not isinstance(model, torch.nn.Module):
         raise ProfileError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     check_precision(model, precision)
-    regime = PRECISIONS[precision]
-    cast: Callable[[Any], Any] = lambda _: contextlib.nullcontext()  # noqa: E731
-    if regime.gathered_dtype is not None:  # FSDP2's MixedPrecisionPolicy
-        gradients = _sharded_gradients(gradients, precision)
-        if not is_sharded(model):  # the step FSDP2 runs: on parameters cast as it gathers them
-            forward = with_inputs_cast(forward, regime.gathered_dtype)
-            dtype = regime.gathered_dtype
-            cast = lambda m: parameters_cast(m, dtype)  # noqa: E731
-    gradients = gradients_of(model) if gradients == "auto" else gradients
-    if regime.autocast and regime.compute_dtype is not None:
-        forward = under_autocast(forward, regime.compute_dtype)
+    gradients, forward, cast = _in_regime(model, precision, gradients, forward)
     if fake:
         with cast(model):
             graph = _profile_fake(
@@ -319,6 +309,27 @@ def _check_options(**options) -> None:
         raise ProfileError(
             f"precision must be one of {sorted(PRECISIONS)}, got {options['precision']!r}"
         )
+
+
+def _in_regime(
+    model, precision: str, gradients: str, forward: Callable | None
+) -> tuple[str, Callable | None, Callable[[Any], Any]]:
+    """The step as ``precision`` trains it: (gradients, the forward, a context manager of the
+    model to profile it in). Autocast wraps the forward; FSDP2's MixedPrecisionPolicy runs it on
+    parameters cast as it gathers them (unless FSDP2 wraps the model, which casts them itself),
+    its gradients shards held beside the step."""
+    regime = PRECISIONS[precision]
+    cast: Callable[[Any], Any] = lambda _: contextlib.nullcontext()  # noqa: E731
+    if regime.gathered_dtype is not None:
+        gradients = _sharded_gradients(gradients, precision)
+        if not is_sharded(model):
+            forward = with_inputs_cast(forward, regime.gathered_dtype)
+            dtype = regime.gathered_dtype
+            cast = lambda m: parameters_cast(m, dtype)  # noqa: E731
+    gradients = gradients_of(model) if gradients == "auto" else gradients
+    if regime.autocast and regime.compute_dtype is not None:
+        forward = under_autocast(forward, regime.compute_dtype)
+    return gradients, forward, cast
 
 
 def _sharded_gradients(gradients: str, precision: str) -> str:
