@@ -28,6 +28,7 @@ LAYER = {
     "cli_errors": 4,
     "fit_search": 3,
     "sharding": 3,
+    "pipeline": 3,
     "demo": 4,
     "distributed": 4,
     "hf": 4,
@@ -42,6 +43,7 @@ RUNTIME = "runtime"
 # the data types, with the graph's own rules (core/graph_rules.py: checked when a graph is made),
 # and the checker's own parts
 CHECKER_MAY_IMPORT = {
+    "check.validate",
     "check.walk",
     "check.timeline",
     "check.schedule_checks",
@@ -53,6 +55,7 @@ CHECKER_MAY_IMPORT = {
     "core.hardware",
     "core.errors",
     "core.units",
+    "core.pipeline",
 }
 # none: the plan's torch policy is the runtime's (ss.checkpoint_policy)
 ALLOWED_UPWARD: set[tuple[str, str]] = set()
@@ -131,10 +134,12 @@ def test_no_import_goes_up_the_chain():
 
 
 def test_checker_imports_only_core_data_types():
-    """Everything check/validate.py imports (lazily too), and what those load with them."""
+    """Everything check/validate.py and check/validate_stage.py import (lazily too), and what
+    those load with them."""
     mods = _modules(top_only=True)
-    seen, todo = set(), ["check.validate"]
+    seen, todo = set(), ["check.validate", "check.validate_stage"]
     mods["check.validate"] = _imports(ROOT / "check" / "validate.py")
+    mods["check.validate_stage"] = _imports(ROOT / "check" / "validate_stage.py")
     while todo:
         mod = todo.pop()
         for dep in mods[mod]:

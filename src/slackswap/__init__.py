@@ -7,7 +7,14 @@ planners, solve; runtime (profiler, executor; torch) depends on core only and lo
 """
 
 from .check.simulate import SimResult, simulate
+from .check.simulate_stage import (
+    PipelineSimResult,
+    StageSimResult,
+    simulate_pipeline,
+    simulate_stage,
+)
 from .check.validate import Validation, validate
+from .check.validate_stage import StageValidation, validate_stage
 from .check.violation import Violation
 from .cnn import CNN_SHAPES, cnn_graph
 from .compare import compare, result_row
@@ -16,8 +23,10 @@ from .core.complete import complete, load_plan
 from .core.errors import GraphError, InfeasibleBudget, PlanError
 from .core.graph import ActivationGraph, Op, Tensor, load_graph
 from .core.hardware import Hardware, hardware, hardware_names
+from .core.pipeline import PipelineSchedule, StagePlan
 from .core.plan import Decision, Plan, Schedule, SolveInfo
 from .fit import FitReport, fit
+from .pipeline import keep_all_stage_peak, plan_for_stages, plan_stage
 from .planners.base import is_available
 from .solve import (
     min_budget,
@@ -26,7 +35,14 @@ from .solve import (
     solve,
     solver_names,
 )
-from .workloads import WORKLOADS, TransformerConfig, transformer_graph, workload
+from .workloads import (
+    WORKLOADS,
+    TransformerConfig,
+    stage_graph,
+    transformer_graph,
+    workload,
+    workload_stages,
+)
 
 __version__ = "0.2.0"
 
@@ -39,11 +55,16 @@ __all__ = [
     "Hardware",
     "InfeasibleBudget",
     "Op",
+    "PipelineSchedule",
+    "PipelineSimResult",
     "Plan",
     "PlanError",
     "Schedule",
     "SimResult",
     "SolveInfo",
+    "StagePlan",
+    "StageSimResult",
+    "StageValidation",
     "Tensor",
     "TransformerConfig",
     "Validation",
@@ -57,19 +78,27 @@ __all__ = [
     "hardware_names",
     "is_available",
     "keep_all_peak",
+    "keep_all_stage_peak",
     "load_graph",
     "load_plan",
     "min_budget",
     "parse_budget",
+    "plan_for_stages",
+    "plan_stage",
     "register_solver",
     "result_row",
     "simulate",
+    "simulate_pipeline",
+    "simulate_stage",
     "smallest_budget",
     "solve",
     "solver_names",
+    "stage_graph",
     "transformer_graph",
     "validate",
+    "validate_stage",
     "workload",
+    "workload_stages",
 ]
 
 _LAZY = {

@@ -7,7 +7,7 @@ max(FLOPs / (eta_c * peak), bytes / (eta_m * HBM)) with the hardware preset's fi
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from .core.graph import ActivationGraph, Collective, Op, Tensor
 from .core.hardware import Hardware, hardware
@@ -419,7 +419,6 @@ def workload(
     graph = transformer_graph(config, hw, name=name)
     if fsdp_world is None:
         return graph
-    from dataclasses import replace
 
     return replace(
         graph,
@@ -431,3 +430,92 @@ def workload(
             "reshard_after_forward": reshard_after_forward,
         },
     )
+
+
+def stage_graph(
+    config: TransformerConfig,
+    hw: Hardware | str,
+    stage: int,
+    stages: int,
+    name: str | None = None,
+) -> ActivationGraph:
+    """One pipeline stage's step for one micro-batch (formulations/pipeline.md): the layers
+    ``stage`` holds when ``config.layers`` are split evenly over ``stages`` (the first stages
+    take one more where they do not divide), the embedding on the first stage, the final norm,
+    the head and the loss on the last. A later stage starts from the activation it receives
+    (``recv``: made by the previous stage, so it cannot be rebuilt here), which its first norm
+    saves for backward; a stage before the last ends with its last layer's output, sent on.
+
+    Args:
+        config: the whole model's shapes.
+        hw: the hardware whose roofline times the ops.
+        stage: which stage (from 0).
+        stages: how many.
+        name: the graph's name (default from the config and the stage).
+
+    Returns:
+        The graph, with ``extra["pipeline_stage"]`` naming the stage.
+    """
+    if isinstance(stages, bool) or not isinstance(stages, int) or stages < 1:
+        raise ValueError(f"stage_graph: stages must be a positive integer, got {stages!r}")
+    if isinstance(stage, bool) or not isinstance(stage, int) or not 0 <= stage < stages:
+        raise ValueError(f"stage_graph: stage must be 0..{stages - 1}, got {stage!r}")
+    if stages > config.layers:
+        raise ValueError(f"stage_graph: {stages} stages for {config.layers} layers")
+    hw = hardware(hw)
+    c = config
+    per, extra_layers = divmod(c.layers, stages)
+    first = stage * per + min(stage, extra_layers)
+    count = per + (1 if stage < extra_layers else 0)
+    B = _Builder(c, hw)
+    d, sbh = c.dtype_bytes, B.sbh
+    if stage == 0:
+        x = B.tensor("embed.out", d * sbh)
+        B.elementwise("embed", ["tokens"], [x], 2 * d * sbh, 2 * d * sbh)
+    else:
+        # the received activation: its buffer is the stage's input, not something to rerun
+        x = B.tensor("recv.out", d * sbh)
+        B.elementwise("recv", ["stage_input"], [x], d * sbh, d * sbh)
+        B.ops[-1] = replace(B.ops[-1], recomputable=False)
+    for layer in range(first, first + count):
+        x = B.layer(f"L{layer}.", x)
+    if stage == stages - 1:
+        B.head(x)
+    tensors = tuple(Tensor(name=n, bytes=v[0], saved_for=tuple(v[1])) for n, v in B.tensors.items())
+    return ActivationGraph(
+        name=name or f"transformer-{c.layers}x{c.hidden}-stage{stage}of{stages}",
+        ops=tuple(B.ops),
+        tensors=tensors,
+        optimizer_s=0.0,
+        extra={
+            "config": c.to_dict(),
+            "hardware": hw.name,
+            "pipeline_stage": stage,
+            "pipeline_stages": stages,
+            "layers": [first, first + count],
+        },
+    )
+
+
+def workload_stages(
+    name: str, stages: int, hw: Hardware | str = "a100-80gb-pcie4"
+) -> list[ActivationGraph]:
+    """A reference workload split into ``stages`` pipeline stages (``stage_graph``).
+
+    Args:
+        name: a workload's name (WORKLOADS).
+        stages: how many stages.
+        hw: the hardware whose roofline times the ops.
+
+    Returns:
+        The stages' graphs, in order.
+    """
+    try:
+        config = WORKLOADS[name]
+    except KeyError:
+        raise ValueError(
+            f"unknown workload {name!r}; known: {', '.join(sorted(WORKLOADS))}"
+        ) from None
+    return [
+        stage_graph(config, hw, s, stages, name=f"{name}-stage{s}of{stages}") for s in range(stages)
+    ]

@@ -10,10 +10,17 @@ from .walk import StepWalk, Walk
 
 
 def step_timeline(
-    step: StepWalk, walk: Walk, decisions: list[str | None], plan: Plan, hw: Hardware
+    step: StepWalk,
+    walk: Walk,
+    decisions: list[str | None],
+    plan: Plan,
+    hw: Hardware,
+    marks: dict[str, float] | None = None,
 ) -> tuple[float, float, float]:
     """Step time on one compute stream and the D2H / H2D lanes (one transfer at a time each,
-    or one link when not full duplex): the ideal time, plus every stall, plus every rerun."""
+    or one link when not full duplex): the ideal time, plus every stall, plus every rerun.
+    ``marks`` (a dict) gets "forward_end" (the clock when the last forward op ends) and
+    "offloads_end" (when the last offload ends), for a pipeline stage's phases."""
     g, n = step.graph, step.n
     S = 2 * n
     schedule = plan.schedule
@@ -82,6 +89,8 @@ def step_timeline(
                 d2h_free_at = offloaded[t]
                 if not hw.duplex:
                     h2d_free_at = offloaded[t]
+            if k == n - 1 and marks is not None:
+                marks["forward_end"] = clock
         else:
             for q in reruns[k]:
                 clock += g.ops[q].forward_s
@@ -89,5 +98,7 @@ def step_timeline(
             clock += g.ops[S - 1 - k].backward_s
     if comms and max(d2h_free_at, h2d_free_at) > clock:
         stall += max(d2h_free_at, h2d_free_at) - clock  # the optimizer waits for the lanes
+    if marks is not None:
+        marks["offloads_end"] = max(offloaded.values(), default=0.0)
     ideal = sum(op.forward_s + op.backward_s for op in g.ops) + g.optimizer_s
     return ideal + stall + rerun, stall, rerun

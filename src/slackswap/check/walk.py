@@ -423,8 +423,27 @@ class StepWalk:
                     )
 
     # ------------------------------------------------------------------ memory
+    def point_memory(self, walk: Walk) -> list[int]:
+        """Bytes on the device at every point of a walked step."""
+        return self._point_memory(walk, None)[0]
+
+    def rest_bytes(self, walk: Walk) -> int:
+        """The bytes of the tensors resident across the forward's end (from a forward point to
+        a backward one): what the step holds between its forward and its backward."""
+        points, intervals = walk.points, walk.intervals
+        assert points is not None and intervals is not None  # a walked step has both
+        first_backward = next(p for p, (k, _, _) in enumerate(points) if k >= self.n)
+        return sum(self.nbytes[t] for t, a, b in intervals if a < first_backward <= b)
+
     def memory(self, walk: Walk, limit: int | None) -> tuple[int, list[Violation]]:
-        """Bytes on the device at every point (live tensors and the running op's workspace)."""
+        """Bytes on the device at every point (live tensors and the running op's workspace):
+        the peak, and a violation for each point over ``limit``."""
+        now_at, over = self._point_memory(walk, limit)
+        return max(now_at, default=0), self._memory_violations(walk, over, limit)
+
+    def _point_memory(
+        self, walk: Walk, limit: int | None
+    ) -> tuple[list[int], list[tuple[int, int]]]:
         g = self.graph
         points, intervals = walk.points, walk.intervals
         assert points is not None and intervals is not None  # a walked step has both
@@ -441,7 +460,7 @@ class StepWalk:
         rerun_ws = [int(op.rerun_workspace_bytes) for op in g.ops]
         back_op = [self.n * 2 - 1 - k for k in range(2 * self.n)]
         live = 0
-        peak = 0
+        now_at: list[int] = []
         over: list[tuple[int, int]] = []  # (point, bytes) where the budget is topped
         for p, (_, op, kind) in enumerate(points):
             live += comes[p]
@@ -451,11 +470,18 @@ class StepWalk:
                 now = live + fwd_ws[op] + rerun_ws[back_op[points[p][0]]]
             else:
                 now = live + fwd_ws[op]
-            if now > peak:
-                peak = now
+            now_at.append(now)
             if limit is not None and now > limit and len(over) < _MAX_MEMORY_VIOLATIONS:
                 over.append((p, now))
             live -= goes[p]
+        return now_at, over
+
+    def _memory_violations(
+        self, walk: Walk, over: list[tuple[int, int]], limit: int | None
+    ) -> list[Violation]:
+        g = self.graph
+        points, intervals = walk.points, walk.intervals
+        assert points is not None and intervals is not None  # a walked step has both
         out: list[Violation] = []
         for p, now in over:
             assert limit is not None  # only a limit is topped
@@ -474,4 +500,4 @@ class StepWalk:
                     now - limit,
                 )
             )
-        return peak, out
+        return out
