@@ -1,0 +1,182 @@
+"""Pipeline stages (formulations/pipeline.md): the schedules as torch runs them, a stage's peak
+and time under a schedule worked by hand, the checker against the simulator on random graphs,
+and plans for every stage of a split workload."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from helpers import LINK, graph, op, plan, random_plans, tensor
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import slackswap as ss
+from slackswap.core.pipeline import PipelineSchedule, StagePlan
+
+# Link: 100 bytes/s each way, no latency: a 100-byte copy takes 1 s.
+
+
+def chain_graph():
+    # A -> a (100 B, saved for B); B reads a -> b (10 B); C reads b -> c (10 B).
+    # Times: A 1 s, B 1 s, C 3 s, the same in backward: forward 5 s, backward 5 s.
+    return graph(
+        [
+            op("A", 1.0, 1.0, ["batch"], ["a"]),
+            op("B", 1.0, 1.0, ["a"], ["b"]),
+            op("C", 3.0, 3.0, ["b"], ["c"]),
+        ],
+        [tensor("a", 100, ["B"]), tensor("b", 10), tensor("c", 10)],
+    )
+
+
+def _names(schedule, stage):
+    return " ".join(str(a) for a in schedule.actions(stage))
+
+
+def test_the_schedules_run_as_torchs_do():
+    # Schedule1F1B: stage s runs min(M, P - s) forwards, then a backward and a forward in turn,
+    # then the backwards left; ScheduleGPipe: every forward, then every backward
+    one_f_one_b = PipelineSchedule("1f1b", 2, 4)
+    assert _names(one_f_one_b, 0) == "F0 F1 B0 F2 B1 F3 B2 B3"
+    assert _names(one_f_one_b, 1) == "F0 B0 F1 B1 F2 B2 F3 B3"
+    assert _names(PipelineSchedule("gpipe", 2, 4), 1) == "F0 F1 F2 F3 B0 B1 B2 B3"
+    four = PipelineSchedule("1f1b", 4, 8)
+    assert _names(four, 1) == "F0 F1 F2 B0 F3 B1 F4 B2 F5 B3 F6 B4 F7 B5 B6 B7"
+    # stage 0 holds as many micro-batches as there are stages, the last one
+    assert [four.in_flight(s) for s in range(4)] == [4, 3, 2, 1]
+    assert PipelineSchedule("1f1b", 4, 2).in_flight(0) == 2  # fewer micro-batches than stages
+    with pytest.raises(ValueError, match="interleaved"):
+        PipelineSchedule("interleaved1f1b", 2, 4)
+    with pytest.raises(ValueError, match="stage must be 0..1"):
+        one_f_one_b.actions(2)
+
+
+def test_two_stages_four_micro_batches_1f1b_by_hand():
+    g = chain_graph()
+    schedule = PipelineSchedule("1f1b", 2, 4)
+    keep = ss.solve(g, 1.0, LINK, solver="keep-all")
+    # One micro-batch, keep-all: forward A 100, B 110, C 120; backward C 100, B 100, A 0. What it
+    # holds across its forward's end: a, 100 bytes (b and c are freed after C).
+    # Stage 0 runs F0 F1 B0 F2 B1 F3 B2 B3:
+    #   F0: 120 alone; F1: 120 + 100 (micro-batch 0 at rest) = 220; B0: 100 + 100 (1 at rest);
+    #   F2: 120 + 100 (1) = 220; B1: 200; F3: 220; B2: 200; B3: 100 alone. Peak 220.
+    # Stage 1 runs F0 B0 F1 B1 ...: one micro-batch at a time, peak 120.
+    stage0 = ss.simulate_stage(g, StagePlan(0, schedule, (keep,) * 4, 1000))
+    assert [a.peak_bytes for a in stage0.actions] == [120, 220, 200, 220, 200, 220, 200, 100]
+    assert stage0.peak_bytes == 220 and stage0.rest_bytes == (100,) * 4
+    assert ss.simulate_stage(g, StagePlan(1, schedule, (keep,) * 4, 1000)).peak_bytes == 120
+    # Swapping a: offloaded 1..2 s (behind B), freed after B, prefetched at backward C's start
+    # (5..6 s, behind C): forward A 100, B 110, C 20; backward 100, 100, 0, no stall. Nothing
+    # crosses the forward's end, so no micro-batch holds anything at rest: stage 0's peak is
+    # one micro-batch's, 110.
+    swap = plan(g, {"a": "swap"}, 120)
+    stage0 = ss.simulate_stage(g, StagePlan(0, schedule, (swap,) * 4, 150))
+    assert [a.peak_bytes for a in stage0.actions] == [110, 110, 100, 110, 100, 110, 100, 100]
+    assert stage0.fits and stage0.rest_bytes == (0,) * 4
+    # a budget of 200 refuses keep-all on stage 0 (F1 holds 220), as the checker says too
+    tight = StagePlan(0, schedule, (keep,) * 4, 200)
+    assert not ss.simulate_stage(g, tight).fits
+    checked = ss.validate_stage(g, tight)
+    assert not checked.ok and "forward of micro-batch 1 holds 220 bytes" in str(
+        checked.violations[0]
+    )
+    # Time: each stage is busy 4 x (5 + 5) = 40 s. The pipeline: stage 1's F0 waits for stage
+    # 0's F0 (5 s), every backward of stage 0 for stage 1's: (M + P - 1) x 10 s = 50 s.
+    plans = [StagePlan(s, schedule, (swap,) * 4, 150) for s in range(2)]
+    pipeline = ss.simulate_pipeline([g, g], plans)
+    assert pipeline.step_s == pytest.approx(50.0) and pipeline.ideal_step_s == pytest.approx(50.0)
+    assert [s.busy_s for s in pipeline.stages] == pytest.approx([40.0, 40.0])
+    assert pipeline.starts[1][:2] == pytest.approx((5.0, 10.0))  # stage 1: F0 at 5, B0 at 10
+    assert pipeline.starts[0][2] == pytest.approx(15.0)  # stage 0's B0 waits for stage 1's
+
+
+def test_gpipe_holds_every_micro_batch():
+    g = chain_graph()
+    keep = ss.solve(g, 1.0, LINK, solver="keep-all")
+    # F3 runs with micro-batches 0, 1 and 2 at rest: 120 + 3 x 100 = 420
+    result = ss.simulate_stage(g, StagePlan(0, PipelineSchedule("gpipe", 2, 4), (keep,) * 4, 10**6))
+    assert result.peak_bytes == 420
+    # a micro-batch's own received activation, held from its forward to its backward's end:
+    # F3 then holds 4 x 7 more
+    held = StagePlan(0, PipelineSchedule("gpipe", 2, 4), (keep,) * 4, 10**6, held_bytes=7)
+    assert ss.simulate_stage(g, held).peak_bytes == 420 + 4 * 7
+    assert ss.validate_stage(g, held).peak_bytes == 420 + 4 * 7
+
+
+def test_a_plan_each_micro_batch():
+    g = chain_graph()
+    keep = ss.solve(g, 1.0, LINK, solver="keep-all")
+    swap = plan(g, {"a": "swap"}, 120)
+    # stage 0 of 1F1B (F0 F1 B0 F2 B1 F3 B2 B3), micro-batches 0..2 swapped and 3 kept:
+    # F0 110, F1 110 + 0, B0 100 + 0, F2 110, B1 100, F3 120 (kept) + 0, B2 100 + micro-batch
+    # 3 at rest (100) = 200, B3 100
+    plans = (swap, swap, swap, keep)
+    stage_plan = StagePlan(0, PipelineSchedule("1f1b", 2, 4), plans, 200)
+    result = ss.simulate_stage(g, stage_plan)
+    assert [a.peak_bytes for a in result.actions] == [110, 110, 100, 110, 100, 120, 200, 100]
+    assert result.fits and result.rest_bytes == (0, 0, 0, 100)
+    checked = ss.validate_stage(g, stage_plan)
+    assert checked.ok and checked.peak_bytes == 200
+
+
+def test_plan_stage_fits_the_whole_schedule_or_names_what_it_needs():
+    g = chain_graph()
+    schedule = PipelineSchedule("1f1b", 2, 4)
+    stages = ss.plan_for_stages([g, g], 150, schedule, LINK)
+    assert stages[0].plans[0].decisions["a"] == "swap"  # keep-all holds 220 on stage 0
+    assert stages[1].plans[0].decisions["a"] == "keep"  # 120 fits on stage 1
+    for s, stage_plan in enumerate(stages):
+        assert ss.validate_stage(g, stage_plan).ok
+        assert ss.simulate_stage(g, stage_plan).peak_bytes <= 150
+    assert ss.keep_all_stage_peak(g, schedule, 0, LINK) == 220
+    with pytest.raises(ss.InfeasibleBudget, match="holds 110 bytes") as info:
+        ss.plan_stage(g, 50, schedule, 0, LINK)
+    assert info.value.min_budget_bytes == 110
+    named = dataclasses.replace(g, extra={**g.extra, "pipeline_stage": 1})
+    with pytest.raises(ValueError, match="is stage 1's, given as stage 0"):
+        ss.plan_for_stages([named, g], 150, schedule, LINK)
+    with pytest.raises(ValueError, match="1 stage graphs for a schedule of 2"):
+        ss.plan_for_stages([g], 150, schedule, LINK)
+
+
+def test_a_stage_plan_travels_as_json():
+    g = chain_graph()
+    stage_plan = ss.plan_for_stages([g, g], 150, PipelineSchedule("1f1b", 2, 4), LINK)[0]
+    again = StagePlan.from_dict(__import__("json").loads(stage_plan.to_json()))
+    assert again == stage_plan
+
+
+def test_the_split_workload_plans_every_stage_within_its_budget():
+    graphs = ss.workload_stages("gpt2-xl", 4, "a100-80gb-pcie4")
+    # 48 layers: 12 each; the embedding on stage 0, the head and loss on stage 3, a received
+    # activation (not to be rerun) at the start of the others
+    assert [g.extra["layers"] for g in graphs] == [[0, 12], [12, 24], [24, 36], [36, 48]]
+    assert graphs[1].ops[0].name == "recv" and not graphs[1].ops[0].recomputable
+    schedule = PipelineSchedule("1f1b", 4, 8)
+    peaks = [ss.keep_all_stage_peak(g, schedule, s) for s, g in enumerate(graphs)]
+    assert peaks[0] > peaks[1] > peaks[2] > peaks[3]  # 4, 3, 2, 1 micro-batches in flight
+    budget = peaks[0] // 2
+    stages = ss.plan_for_stages(graphs, budget, schedule)
+    result = ss.simulate_pipeline(graphs, stages)
+    assert result.fits
+    for g, stage_plan, stage in zip(graphs, stages, result.stages):
+        assert ss.validate_stage(g, stage_plan).peak_bytes == stage.peak_bytes <= budget
+    assert result.step_s >= result.ideal_step_s
+
+
+@settings(max_examples=40, deadline=None, derandomize=True)
+@given(random_plans(), st.sampled_from(["gpipe", "1f1b"]), st.integers(1, 3), st.integers(1, 5))
+def test_the_checker_and_the_simulator_agree_on_every_stage(drawn, kind, stages, micro_batches):
+    """On random graphs and random keep/swap/recompute plans, the checker's composition (its
+    own walk of each step) and the simulator's give the same peak for every stage, and the same
+    busy time."""
+    g, p = drawn
+    schedule = PipelineSchedule(kind, stages, micro_batches)
+    for s in range(stages):
+        stage_plan = StagePlan(s, schedule, (p,) * micro_batches, 1 << 60)
+        simulated = ss.simulate_stage(g, stage_plan)
+        checked = ss.validate_stage(g, stage_plan)
+        assert checked.ok, checked.violations
+        assert checked.peak_bytes == simulated.peak_bytes
+        assert checked.busy_s == pytest.approx(simulated.busy_s, rel=1e-9, abs=1e-12)
