@@ -318,3 +318,121 @@ MIXED_POLICY_CONFIG = {
     "vocab_size": 300,
     "max_position_embeddings": 64,
 }
+
+
+class PipelineStageModule(torch.nn.Module):
+    """Stage ``stage`` of ``stages`` of a TinyGPT: the embedding on the first, an equal share of
+    the blocks, the final norm and head on the last."""
+
+    def __init__(self, full, stage: int, stages: int):
+        super().__init__()
+        per = len(full.blocks) // stages
+        self.emb = full.emb if stage == 0 else None
+        self.blocks = torch.nn.ModuleList(full.blocks[stage * per : (stage + 1) * per])
+        self.ln = full.ln if stage == stages - 1 else None
+        self.head = full.head if stage == stages - 1 else None
+
+    def forward(self, x):
+        if self.emb is not None:
+            x = self.emb(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln(x)) if self.head is not None else x
+
+
+PIPELINE_MICRO_BATCHES = 4
+
+
+def _pipeline_loss(out, target):
+    return torch.nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), target.reshape(-1))
+
+
+def _pipeline_train(rank: int, world: int, kind: str, planned: bool) -> dict:
+    """Three steps of ``kind`` (gpipe, 1f1b) on this rank's stage of a 4-block TinyGPT; the
+    first initializes torch's schedule (its shape inference runs a forward and a backward of
+    its own), the next two run under the stage's plan when ``planned``. Their gradients are
+    returned."""
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+    torch.manual_seed(0)
+    from models import TinyGPT
+
+    full = TinyGPT(vocab=50, d=32, layers=4, p=0.1)
+    module = PipelineStageModule(full, rank, world)
+    stage = PipelineStage(module, rank, world, torch.device("cpu"))
+    runs = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[kind]
+    schedule = runs(stage, PIPELINE_MICRO_BATCHES, loss_fn=_pipeline_loss)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randint(0, 50, (8, 16), generator=g)
+    y = torch.randint(0, 50, (8, 16), generator=g)
+    out: dict = {"grads": []}
+    context = None
+    if planned:
+        per_batch = x.shape[0] // PIPELINE_MICRO_BATCHES
+        if rank == 0:
+            example = x[:per_batch]
+        else:
+            example = torch.randn(per_batch, 16, 32, requires_grad=True)
+        if rank == world - 1:
+
+            def loss_fn(o):
+                return _pipeline_loss(o, y[:per_batch])
+
+        else:
+
+            def loss_fn(o):
+                return o.sum()  # (its backward saves nothing: the stage's own saves stand)
+
+        graph = ss.profile(module, example, loss_fn, warmup=1, repeat=1)
+        pipeline = ss.PipelineSchedule(kind, world, PIPELINE_MICRO_BATCHES)
+        stage_plan = ss.plan_stage(graph, 0.7 if rank == 0 else 0.9, pipeline, rank, HW)
+        out.update(
+            swapped=stage_plan.plans[0].count("swap"),
+            recomputed=stage_plan.plans[0].count("recompute"),
+            valid=ss.validate_stage(graph, stage_plan).ok,
+            simulated_peak=ss.simulate_stage(graph, stage_plan).peak_bytes,
+            budget=stage_plan.budget_bytes,
+        )
+        context = ss.apply(stage_plan.plans[0], module, graph=graph)
+    for step in range(3):
+        torch.manual_seed(100 + step)
+        module.zero_grad(set_to_none=True)
+
+        def run():
+            if rank == 0:
+                schedule.step(x)
+            elif rank == world - 1:
+                schedule.step(target=y)
+            else:
+                schedule.step()
+
+        if context is not None and step > 0:
+            with context:
+                run()
+        else:
+            run()
+        if step > 0:
+            out["grads"].append(_local_grads(module))
+    return out
+
+
+def pipeline_case(rank: int, world: int, port: int, kind: str, out_dir: str) -> None:
+    """This rank's stage trained plainly and under its stage plan: are the gradients equal?"""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    out: dict = {}
+    try:
+        plain = _pipeline_train(rank, world, kind, planned=False)
+        planned = _pipeline_train(rank, world, kind, planned=True)
+        out = {k: v for k, v in planned.items() if k != "grads"}
+        out["grads_equal"] = all(
+            (a is None and b is None) or (a is not None and b is not None and torch.equal(a, b))
+            for ref, got in zip(plain["grads"], planned["grads"])
+            for a, b in zip(ref, got)
+        )
+        out["n_grads"] = sum(g is not None for g in planned["grads"][0])
+    except Exception:  # noqa: BLE001 - reported to the parent
+        out["error"] = traceback.format_exc()
+    finally:
+        Path(out_dir, f"rank{rank}.json").write_text(json.dumps(out))
+        dist.destroy_process_group()

@@ -126,7 +126,7 @@ def test_plan_stage_fits_the_whole_schedule_or_names_what_it_needs():
     stages = ss.plan_for_stages([g, g], 150, schedule, LINK)
     assert stages[0].plans[0].decisions["a"] == "swap"  # keep-all holds 220 on stage 0
     assert stages[1].plans[0].decisions["a"] == "keep"  # 120 fits on stage 1
-    for s, stage_plan in enumerate(stages):
+    for stage_plan in stages:
         assert ss.validate_stage(g, stage_plan).ok
         assert ss.simulate_stage(g, stage_plan).peak_bytes <= 150
     assert ss.keep_all_stage_peak(g, schedule, 0, LINK) == 220
