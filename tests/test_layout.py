@@ -29,6 +29,7 @@ LAYER = {
     "fit_search": 3,
     "sharding": 3,
     "pipeline": 3,
+    "fit_stages": 3,
     "demo": 4,
     "distributed": 4,
     "hf": 4,

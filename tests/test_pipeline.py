@@ -180,3 +180,104 @@ def test_the_checker_and_the_simulator_agree_on_every_stage(drawn, kind, stages,
         assert checked.ok, checked.violations
         assert checked.peak_bytes == simulated.peak_bytes
         assert checked.busy_s == pytest.approx(simulated.busy_s, rel=1e-9, abs=1e-12)
+
+
+# ---- a profiled model split into stages, and fit for a pipeline --------------------------------
+
+
+def _llama_graph(layers=4):
+    pytest.importorskip("transformers")
+    from slackswap.runtime.hf_models import meta_model, training_batch
+
+    model, config = meta_model(
+        "llama",
+        {
+            "num_hidden_layers": layers,
+            "hidden_size": 256,
+            "intermediate_size": 688,
+            "num_attention_heads": 4,
+            "vocab_size": 4000,
+        },
+    )
+    inputs, loss_fn = training_batch(config, 128, 2)
+    return ss.profile(
+        model, inputs, loss_fn, fake=True, hardware="a100-80gb-pcie4", gradients="held"
+    )
+
+
+def test_a_profiled_model_splits_into_stages_by_its_blocks():
+    from slackswap.core.stages import split_stages
+
+    g = _llama_graph(layers=4)
+    parts = split_stages(g, 3)  # 4 blocks over 3 stages: 2, 1, 1
+    regions = [{o.extra.get("module", "").split(".")[2] for o in p.ops if ".layers." in
+                o.extra.get("module", "")} for p in parts]  # fmt: skip
+    assert regions == [{"0", "1"}, {"2"}, {"3"}]
+    # every op once, and a receiving op at the start of each later stage, which cannot rerun
+    assert sum(p.n_ops for p in parts) == g.n_ops + 2
+    for p in parts[1:]:
+        assert p.ops[0].name == "recv" and not p.ops[0].recomputable
+    assert parts[0].ops[0].name.startswith("model.embed_tokens")
+    assert any("lm_head" in o.name for o in parts[-1].ops)
+    # what a stage saves for its own backward is what the whole step saves there: the bytes of
+    # the saved tensors add up, those received counted on the stage that reads them
+    whole = int(g.tensor_bytes[g.saved].sum())
+    split = sum(int(p.tensor_bytes[p.saved].sum()) for p in parts)
+    received = sum(
+        int(p.tensor_bytes[t]) for p in parts for t in p.saved
+        if p.tensors[t].name.startswith("recv:")
+    )  # fmt: skip
+    assert split - received <= whole <= split
+    # the model state by the stages' parameters: they add up to the whole model's
+    state = g.extra["model_state"]
+    for key in ("parameter_bytes", "gradient_bytes", "optimizer_state_bytes"):
+        assert sum(p.extra["model_state"][key] for p in parts) == pytest.approx(state[key], abs=3)
+    with pytest.raises(ValueError, match="has 4 numbered blocks"):
+        split_stages(g, 5)
+
+
+def test_fit_answers_for_the_worst_stage(capsys):
+    from slackswap.cli import main
+    from slackswap.fit_stages import fit_stages
+
+    g = _llama_graph(layers=4)
+    roomy = fit_stages(g, stages=2, micro_batches=4)
+    assert roomy.fits and [s.in_flight for s in roomy.stages] == [2, 1]
+    assert roomy.stages[0].keep_all_peak_bytes > roomy.stages[1].keep_all_peak_bytes / 2
+    # a device just above stage 0's model state and its smallest plan's peak, below its
+    # keep-all: stage 0 fits only with a plan, and that plan holds no more than is left
+    first = roomy.stages[0]
+    tight = first.model_state_bytes + (first.keep_all_peak_bytes * 3) // 4
+    report = fit_stages(g, stages=2, micro_batches=4, memory_bytes=tight)
+    stage0 = report.stages[0]
+    assert stage0.fits
+    assert stage0.peak_bytes <= stage0.activation_memory_bytes < stage0.keep_all_peak_bytes
+    assert stage0.plan.plans[0].count("keep") < len(stage0.plan.plans[0].decisions)
+    # the last stage (the head's logits, 4000 wide) needs more than that device leaves it:
+    # the answer is its
+    assert not report.stages[1].fits and report.worst.stage == 1
+    assert report.verdict.startswith("does not fit: stage 1: its activations need")
+    tiny = fit_stages(g, stages=2, micro_batches=4, memory_bytes=first.model_state_bytes // 2)
+    assert not tiny.fits and "model state alone" in tiny.verdict
+    hf = json_config()
+    argv = ["fit", "llama", "--hf-config", hf, "--seq", "128", "--batch", "2", "--solver",
+            "heuristic", "--pipeline-stages", "2", "--micro-batches", "4"]  # fmt: skip
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "1f1b: 2 stages, 4 micro-batches" in printed and "verdict: fits" in printed
+    assert main([*argv[:-2]]) == 2  # --pipeline-stages without --micro-batches
+    assert "needs --micro-batches" in capsys.readouterr().err
+    assert main([*argv, "--gradients", "made"]) == 2
+    assert "accumulates its gradients" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="gradients='made'"):
+        fit_stages(dataclasses.replace(g, extra={**g.extra, "parameter_gradients": "made"}),
+                   stages=2, micro_batches=4)  # fmt: skip
+
+
+def json_config() -> str:
+    import json
+
+    return json.dumps(
+        {"num_hidden_layers": 4, "hidden_size": 256, "intermediate_size": 688,
+         "num_attention_heads": 4, "vocab_size": 4000}
+    )  # fmt: skip

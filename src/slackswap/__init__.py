@@ -25,7 +25,9 @@ from .core.graph import ActivationGraph, Op, Tensor, load_graph
 from .core.hardware import Hardware, hardware, hardware_names
 from .core.pipeline import PipelineSchedule, StagePlan
 from .core.plan import Decision, Plan, Schedule, SolveInfo
+from .core.stages import split_stages
 from .fit import FitReport, fit
+from .fit_stages import StagesFitReport, fit_stages
 from .pipeline import keep_all_stage_peak, plan_for_stages, plan_stage
 from .planners.base import is_available
 from .solve import (
@@ -63,6 +65,7 @@ __all__ = [
     "SimResult",
     "SolveInfo",
     "StagePlan",
+    "StagesFitReport",
     "StageSimResult",
     "StageValidation",
     "Tensor",
@@ -74,6 +77,7 @@ __all__ = [
     "compare",
     "complete",
     "fit",
+    "fit_stages",
     "hardware",
     "hardware_names",
     "is_available",
@@ -93,6 +97,7 @@ __all__ = [
     "smallest_budget",
     "solve",
     "solver_names",
+    "split_stages",
     "stage_graph",
     "transformer_graph",
     "validate",

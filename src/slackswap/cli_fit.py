@@ -99,6 +99,22 @@ def add_fit(sub) -> None:
     p.add_argument(
         "--plot", help="with --max-batch/--max-seq: tokens/s against the size, saved here"
     )
+    p.add_argument(
+        "--pipeline-stages",
+        type=int,
+        default=0,
+        help="pipeline stages (one per rank): each stage's model state and activations under "
+        "the schedule, the answer for the worst stage (--batch is the micro-batch)",
+    )
+    p.add_argument(
+        "--micro-batches", type=int, default=0, help="with --pipeline-stages: micro-batches a step"
+    )
+    p.add_argument(
+        "--schedule",
+        default="1f1b",
+        choices=("1f1b", "gpipe"),
+        help="with --pipeline-stages: torch.distributed.pipelining's Schedule1F1B or ScheduleGPipe",
+    )
     p.add_argument("--out", help="write the graph JSON here (with --max-*: the search's JSON)")
     p.add_argument("--plan", help="write the plan JSON here")
     p.set_defaults(func=cmd_fit)
@@ -139,7 +155,22 @@ def cmd_fit(args) -> int:
         )
     if args.ranks < 1:
         raise CliError(f"--ranks must be a positive integer, got {args.ranks}")
-    sharded = args.ranks > 1 or args.precision == "fsdp-mixed"
+    pipelined = args.pipeline_stages > 0
+    if pipelined and (args.ranks > 1 or args.max_batch or args.max_seq or args.plan):
+        raise CliError(
+            "--pipeline-stages answers for one schedule: not with --ranks, --max-batch, "
+            "--max-seq or --plan"
+        )
+    if pipelined and args.micro_batches < 1:
+        raise CliError("--pipeline-stages needs --micro-batches (a positive integer)")
+    if not pipelined and args.micro_batches:
+        raise CliError("--micro-batches is for --pipeline-stages")
+    if pipelined and args.gradients == "made":
+        raise CliError(
+            "--pipeline-stages: a stage accumulates its gradients over the micro-batches and "
+            "holds them beside its activations; --gradients made counts them in each backward"
+        )
+    sharded = args.ranks > 1 or args.precision == "fsdp-mixed" or pipelined
     if sharded and args.gradients == "made":
         flag = "--ranks" if args.ranks > 1 else "--precision fsdp-mixed"
         raise CliError(
@@ -178,6 +209,8 @@ def cmd_fit(args) -> int:
 
     if args.max_batch or args.max_seq:
         return _largest(args, config, graph_at)
+    if pipelined:
+        return _pipelined(args, graph_at)
     with _Spinner("profiling (fake)"):
         g = graph_at(args.seq, args.batch)
     print(g.summary())
@@ -248,4 +281,37 @@ def _largest(args, config, graph_at) -> int:
     if args.plot:
         for path in plot_throughput(found.curve, args.plot, dimension):
             print(f"wrote {path}")
+    return 0
+
+
+def _pipelined(args, graph_at) -> int:
+    """``--pipeline-stages``: the whole model's step split into stages, each fit under the
+    schedule (fit_stages.py)."""
+    from .cli import _Spinner
+    from .cli_errors import CliError
+    from .fit_stages import fit_stages
+
+    with _Spinner("profiling (fake)"):
+        g = graph_at(args.seq, args.batch)
+    print(g.summary())
+    with _Spinner("planning every stage"):
+        try:
+            report = fit_stages(
+                g,
+                _fit_hardware(args),
+                stages=args.pipeline_stages,
+                micro_batches=args.micro_batches,
+                schedule=args.schedule,
+                solver=args.solver,
+                time_limit_s=args.time_limit,
+                **({"memory_bytes": args.memory} if args.memory else {}),
+            )
+        except ValueError as exc:
+            raise CliError(str(exc)) from None
+    print(report.table())
+    if args.out:
+        from pathlib import Path
+
+        Path(args.out).write_text(g.to_json(indent=1))
+        print(f"wrote {args.out}")
     return 0
