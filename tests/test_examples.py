@@ -27,3 +27,25 @@ def test_a_trainer_example_runs(script, needs):
     )
     assert out.returncode == 0, out.stderr[-2000:]
     assert "optimizer steps" in out.stdout and "heuristic" in out.stdout, out.stdout
+
+
+@pytest.mark.slow
+def test_the_pipeline_example_runs_under_torchrun():
+    """examples/pipeline_train.py as documented: torchrun, 2 gloo processes, 1F1B; every rank
+    plans its stage and trains its later steps under the plan."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+         f"--master_port={port}", str(ROOT / "examples" / "pipeline_train.py"), "--steps", "3"],
+        capture_output=True,
+        text=True,
+        timeout=CAP,
+        cwd=ROOT,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    for rank in (0, 1):
+        assert f"rank {rank}: " in out.stdout and f"rank {rank} step 2:" in out.stdout, out.stdout

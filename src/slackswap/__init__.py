@@ -28,7 +28,7 @@ from .core.plan import Decision, Plan, Schedule, SolveInfo
 from .core.stages import split_stages
 from .fit import FitReport, fit
 from .fit_stages import StagesFitReport, fit_stages
-from .pipeline import keep_all_stage_peak, plan_for_stages, plan_stage
+from .pipeline import keep_all_stage_peak, plan_for_stages, plan_stage, smallest_stage_peak
 from .planners.base import is_available
 from .solve import (
     min_budget,
@@ -95,6 +95,7 @@ __all__ = [
     "simulate_pipeline",
     "simulate_stage",
     "smallest_budget",
+    "smallest_stage_peak",
     "solve",
     "solver_names",
     "split_stages",

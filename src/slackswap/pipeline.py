@@ -62,6 +62,31 @@ def keep_all_stage_peak(
     return _stage(graph, keep, schedule, stage, huge, held_bytes)[1].peak_bytes
 
 
+def smallest_stage_peak(
+    graph: ActivationGraph,
+    schedule: PipelineSchedule,
+    stage: int,
+    hardware: Hardware | str | None = None,
+    held_bytes: int = 0,
+) -> int:
+    """What the stage holds at its most when every micro-batch runs the smallest one-step plan
+    (``solve(graph, "smallest")``): the least budget ``plan_stage`` searches from.
+
+    Args:
+        graph: the stage's step for one micro-batch.
+        schedule: the pipeline schedule.
+        stage: which stage (from 0).
+        hardware: the device (default: the graph's).
+        held_bytes: what each micro-batch in flight holds beside the graph's tensors.
+
+    Returns:
+        That peak, in bytes.
+    """
+    hw, _ = graph_hardware(graph, hardware)
+    smallest = solve(graph, "smallest", hw, solver="heuristic")
+    return _stage(graph, smallest, schedule, stage, 1 << 62, held_bytes)[1].peak_bytes
+
+
 def plan_stage(
     graph: ActivationGraph,
     budget: float | int | str,
