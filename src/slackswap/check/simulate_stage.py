@@ -28,6 +28,10 @@ class Phases:
     forward_s: float  # from the step's start to its last forward op's end
     backward_s: float  # the rest of the step
     step: SimResult
+    # parameter gradients the step makes (a graph profiled with gradients="made"): once a
+    # stage's first backward has made them they stay, and a later backward adds into them
+    grad_bytes: int = 0
+    backward_peak_later_bytes: int = 0  # the backward's most when the gradients exist already
 
 
 @dataclass(frozen=True)
@@ -70,6 +74,7 @@ def phases(graph: ActivationGraph, sim: SimResult) -> Phases:
     forward_end = float(sim.compute_intervals[kinds == 0, 1].max()) if (kinds == 0).any() else 0.0
     # the next action finds the copy lanes empty: the forward's offloads drain within it
     drained = float(sim.d2h_intervals[:, 1].max()) if len(sim.d2h_intervals) else 0.0
+    grads, later = _gradients(graph, exp, mem, first_backward)
     return Phases(
         forward_peak_bytes=int(mem[:first_backward].max()) if first_backward else 0,
         backward_peak_bytes=int(mem[first_backward:].max()) if len(mem) > first_backward else 0,
@@ -78,7 +83,31 @@ def phases(graph: ActivationGraph, sim: SimResult) -> Phases:
         # the optimizer runs once per pipeline step, not per micro-batch
         backward_s=float(sim.step_time_s - graph.optimizer_s - forward_end),
         step=sim,
+        grad_bytes=grads,
+        backward_peak_later_bytes=later,
     )
+
+
+def _gradients(
+    graph: ActivationGraph, exp, mem: np.ndarray, first_backward: int
+) -> tuple[int, int]:
+    """(G, the backward's peak once G exists) for a graph whose backward makes its parameter
+    gradients (``parameter_gradients == "made"``: each backward point's workspace holds those
+    made by then): in a later backward they exist already (G beside everything) and the point
+    holds, of them, only what its own op adds before it is summed in. (0, 0) otherwise."""
+    if graph.extra.get("parameter_gradients") != "made":
+        return 0, 0
+    n = graph.n_ops
+    own = np.array([int(op.extra.get("param_grad_bytes", 0)) for op in graph.ops], dtype=np.int64)
+    total = int(own.sum())
+    if not total:
+        return 0, 0
+    # made before op i's backward: every op after i (the backward runs them in reverse)
+    before = np.concatenate([np.cumsum(own[::-1])[::-1][1:], [0]])
+    positions = exp.point_position[first_backward:]
+    ops = 2 * n - 1 - positions
+    later = mem[first_backward:] - before[ops]
+    return total, int(later.max()) + total if len(later) else total
 
 
 def simulate_stage(
@@ -104,6 +133,7 @@ def simulate_stage(
     held = stage_plan.held_bytes
     forward_done: set[int] = set()
     backward_started: set[int] = set()
+    grads_made = False  # a backward has ended: the parameter gradients exist from then on
     results: list[ActionResult] = []
     violations: list[str] = []
     busy = 0.0
@@ -113,10 +143,14 @@ def simulate_stage(
         resting = [k for k in forward_done if k not in backward_started and k != m]
         if action.phase == FORWARD:
             running, duration = mine.forward_peak_bytes, mine.forward_s
+            running += mine.grad_bytes if grads_made else 0
             forward_done.add(m)
         else:
-            running, duration = mine.backward_peak_bytes, mine.backward_s
+            later = grads_made and mine.grad_bytes
+            running = mine.backward_peak_later_bytes if later else mine.backward_peak_bytes
+            duration = mine.backward_s
             backward_started.add(m)
+            grads_made = True
         peak = running + sum(per_batch[k].rest_bytes for k in resting) + held * (len(resting) + 1)
         results.append(ActionResult(action, int(peak), float(duration)))
         busy += duration

@@ -52,8 +52,10 @@ def validate_stage(
     budget = stage_plan.budget_bytes
     step = StepWalk(graph)
     n = step.n
-    # per distinct plan: (forward peak, backward peak, rest bytes, forward time, backward time)
-    seen: dict[int, tuple[int, int, int, float, float]] = {}
+    # per distinct plan: (forward peak, backward peak, rest bytes, forward time, backward time,
+    # the backward's peak once the parameter gradients exist)
+    seen: dict[int, tuple[int, int, int, float, float, int]] = {}
+    grads, made_before = _gradients_made(graph)
     violations: list[Violation] = []
     for m, plan in enumerate(stage_plan.plans):
         if id(plan) in seen:
@@ -75,31 +77,45 @@ def validate_stage(
         assert on is not None  # validate() refused a plan that names no hardware
         total, _, _ = step_timeline(step, walk, decisions, plan, hardware(on), marks)
         forward_end = marks.get("forward_end", 0.0)
+        # a later backward adds into gradients that exist: of those made by then, a point
+        # holds only what its own op adds (the rest is the whole G, beside)
+        later = max(
+            (
+                memory[p] - made_before[2 * n - 1 - k]
+                for p, (k, _, _) in enumerate(walk.points)
+                if k >= n
+            ),
+            default=0,
+        )
         seen[id(plan)] = (
             max(memory[:first_backward], default=0),
             max(memory[first_backward:], default=0),
             step.rest_bytes(walk),
             max(forward_end, marks.get("offloads_end", 0.0)),
             total - graph.optimizer_s - forward_end,
+            later + grads,
         )
     phases = [seen[id(p)] for p in stage_plan.plans]
     in_flight: list[int] = []  # micro-batches whose forward ran and whose backward has not
     peak = 0
     busy = 0.0
+    gradients_exist = False  # from the end of the stage's first backward
     for action in stage_plan.schedule.actions(stage_plan.stage):
         m = action.micro_batch
-        forward_peak, backward_peak, _, forward_s, backward_s = phases[m]
+        forward_peak, backward_peak, _, forward_s, backward_s, backward_later = phases[m]
         others = [k for k in in_flight if k != m]
         at_rest = sum(phases[k][2] for k in others)
         held = stage_plan.held_bytes * (len(others) + 1)
         if action.phase == FORWARD:
-            now = forward_peak + at_rest + held
+            now = forward_peak + (grads if gradients_exist else 0) + at_rest + held
             busy += forward_s
             in_flight.append(m)
         else:
-            now = backward_peak + at_rest + held
+            now = (backward_later if gradients_exist and grads else backward_peak) + at_rest
+            now += held
             busy += backward_s
             in_flight.remove(m)
+            gradients_exist = True
         peak = max(peak, now)
         if now > budget:
             violations.append(
@@ -114,3 +130,19 @@ def validate_stage(
                 )
             )
     return StageValidation(not violations, tuple(violations), peak, budget, busy)
+
+
+def _gradients_made(graph: ActivationGraph) -> tuple[int, list[int]]:
+    """For a graph whose backward makes the parameter gradients (``parameter_gradients`` is
+    "made"): their bytes G, and per op those made before its backward (by the ops after it).
+    (0, zeros) otherwise."""
+    n = len(graph.ops)
+    if graph.extra.get("parameter_gradients") != "made":
+        return 0, [0] * n
+    own = [int(op.extra.get("param_grad_bytes", 0)) for op in graph.ops]
+    before = [0] * n
+    running = 0
+    for i in range(n - 1, -1, -1):
+        before[i] = running
+        running += own[i]
+    return running, before
