@@ -385,15 +385,25 @@ def _pipeline_train(rank: int, world: int, kind: str, planned: bool) -> dict:
 
         graph = ss.profile(module, example, loss_fn, warmup=1, repeat=1)
         pipeline = ss.PipelineSchedule(kind, world, PIPELINE_MICRO_BATCHES)
-        stage_plan = ss.plan_stage(graph, 0.7 if rank == 0 else 0.9, pipeline, rank, HW)
+        # torch's schedule keeps each micro-batch's output for its backward, and the last
+        # stage's to return them merged at the step's end
+        with torch.no_grad():
+            output = module(example).untyped_storage().nbytes()
+        held = {"held_bytes": output, "returned_bytes": output if rank == world - 1 else 0}
+        low = ss.smallest_stage_peak(graph, pipeline, rank, HW, **held)
+        high = ss.keep_all_stage_peak(graph, pipeline, rank, HW, **held)
+        stage_plan = ss.plan_stage(graph, (low + high) // 2, pipeline, rank, HW, **held)
+        simulated = ss.simulate_stage(graph, stage_plan)
         out.update(
             swapped=stage_plan.plans[0].count("swap"),
             recomputed=stage_plan.plans[0].count("recompute"),
             valid=ss.validate_stage(graph, stage_plan).ok,
-            simulated_peak=ss.simulate_stage(graph, stage_plan).peak_bytes,
+            simulated_peak=simulated.peak_bytes,
+            simulated_tensor_peak=simulated.tensor_peak_bytes,
             budget=stage_plan.budget_bytes,
         )
-        context = ss.apply(stage_plan.plans[0], module, graph=graph)
+        # every step traced, so that the executor tracks every micro-batch's tensors at once
+        context = ss.apply(stage_plan.plans[0], module, graph=graph, trace_every_step=True)
     for step in range(3):
         torch.manual_seed(100 + step)
         module.zero_grad(set_to_none=True)
@@ -407,8 +417,9 @@ def _pipeline_train(rank: int, world: int, kind: str, planned: bool) -> dict:
                 schedule.step()
 
         if context is not None and step > 0:
-            with context:
+            with context as applied:
                 run()
+            out.setdefault("tracked_peaks", []).append(applied.stats.peak_activation_bytes)
         else:
             run()
         if step > 0:

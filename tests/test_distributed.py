@@ -165,13 +165,17 @@ def test_the_fsdp_mixed_regime_counts_what_fully_shard_with_a_mixed_policy_alloc
 @pytest.mark.parametrize("kind,world", [("gpipe", 2), ("1f1b", 2), ("1f1b", 4)])
 def test_pipeline_stages_train_bit_identically_under_their_plans(kind, world, tmp_path):
     """torch.distributed.pipelining's own schedule (GPipe, 1F1B) over 2 and 4 gloo ranks, each
-    stage of a TinyGPT under the plan ``ss.plan_stage`` made for its whole schedule: every
-    stage's gradients bit-identical to the same schedule without slackswap; the plans are
-    checked, and the first stage's moves tensors."""
+    stage of a TinyGPT under the plan ``ss.plan_stage`` made for its whole schedule (half way
+    from its smallest to its keep-all peak): every stage's gradients bit-identical to the same
+    schedule without slackswap; the plans are checked and within their budgets; every stage's
+    tracked peak (the executor's count of all its micro-batches' tensors at once) within 3% of
+    the simulated schedule's; the first stage moves tensors."""
     ranks = _spawn(dist_workers.pipeline_case, (kind,), tmp_path, timeout_s=600, world=world)
     for rank, out in enumerate(ranks):
         assert "error" not in out, out.get("error")
         assert out["grads_equal"], rank
         assert out["n_grads"] > 0 and out["valid"]
         assert out["simulated_peak"] <= out["budget"]
+        for tracked in out["tracked_peaks"]:
+            assert tracked == pytest.approx(out["simulated_tensor_peak"], rel=0.03), rank
     assert ranks[0]["swapped"] + ranks[0]["recomputed"] > 0

@@ -97,11 +97,18 @@ def test_gpipe_holds_every_micro_batch():
     # F3 runs with micro-batches 0, 1 and 2 at rest: 120 + 3 x 100 = 420
     result = ss.simulate_stage(g, StagePlan(0, PipelineSchedule("gpipe", 2, 4), (keep,) * 4, 10**6))
     assert result.peak_bytes == 420
-    # a micro-batch's own received activation, held from its forward to its backward's end:
-    # F3 then holds 4 x 7 more
+    # each micro-batch's output, which torch's schedule keeps from its forward's end to its
+    # backward's end (7 bytes): F3 holds the three others', B0 all four (100 + 300 + 28 = 428)
     held = StagePlan(0, PipelineSchedule("gpipe", 2, 4), (keep,) * 4, 10**6, held_bytes=7)
-    assert ss.simulate_stage(g, held).peak_bytes == 420 + 4 * 7
-    assert ss.validate_stage(g, held).peak_bytes == 420 + 4 * 7
+    result = ss.simulate_stage(g, held)
+    assert [a.peak_bytes for a in result.actions][3:5] == [420 + 3 * 7, 400 + 4 * 7]
+    assert result.peak_bytes == ss.validate_stage(g, held).peak_bytes == 441
+    # the last stage's outputs, which schedule.step() returns merged: each stays from its
+    # backward's end to the step's end (5 bytes): B3 holds three finished ones beside
+    returned = StagePlan(1, PipelineSchedule("1f1b", 2, 4), (keep,) * 4, 10**6, returned_bytes=5)
+    result = ss.simulate_stage(g, returned)
+    assert [a.peak_bytes for a in result.actions] == [120, 100, 125, 105, 130, 110, 135, 115]
+    assert ss.validate_stage(g, returned).peak_bytes == 135
 
 
 def test_a_plan_each_micro_batch():

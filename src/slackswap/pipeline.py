@@ -31,9 +31,11 @@ SEARCH_STEPS = 12
 
 def _stage(
     graph: ActivationGraph, plan: Plan, schedule: PipelineSchedule, stage: int, budget: int,
-    held: int,
+    held: tuple[int, int],
 ) -> tuple[StagePlan, StageSimResult]:  # fmt: skip
-    stage_plan = StagePlan(stage, schedule, (plan,) * schedule.micro_batches, budget, held)
+    """``plan`` for every micro-batch, and its simulation; ``held``: (held_bytes,
+    returned_bytes)."""
+    stage_plan = StagePlan(stage, schedule, (plan,) * schedule.micro_batches, budget, *held)
     return stage_plan, simulate_stage(graph, stage_plan)
 
 
@@ -43,6 +45,7 @@ def keep_all_stage_peak(
     stage: int,
     hardware: Hardware | str | None = None,
     held_bytes: int = 0,
+    returned_bytes: int = 0,
 ) -> int:
     """What the stage holds at its most when every micro-batch keeps everything.
 
@@ -51,7 +54,7 @@ def keep_all_stage_peak(
         schedule: the pipeline schedule.
         stage: which stage (from 0).
         hardware: the device (default: the graph's).
-        held_bytes: what each micro-batch in flight holds beside the graph's tensors.
+        held_bytes, returned_bytes: as for ``StagePlan``.
 
     Returns:
         The stage's keep-all peak under the schedule, in bytes.
@@ -59,7 +62,7 @@ def keep_all_stage_peak(
     hw, _ = graph_hardware(graph, hardware)
     keep = solve(graph, 1.0, hw, solver="keep-all")
     huge = 1 << 62
-    return _stage(graph, keep, schedule, stage, huge, held_bytes)[1].peak_bytes
+    return _stage(graph, keep, schedule, stage, huge, (held_bytes, returned_bytes))[1].peak_bytes
 
 
 def smallest_stage_peak(
@@ -68,6 +71,7 @@ def smallest_stage_peak(
     stage: int,
     hardware: Hardware | str | None = None,
     held_bytes: int = 0,
+    returned_bytes: int = 0,
 ) -> int:
     """What the stage holds at its most when every micro-batch runs the smallest one-step plan
     (``solve(graph, "smallest")``): the least budget ``plan_stage`` searches from.
@@ -77,14 +81,15 @@ def smallest_stage_peak(
         schedule: the pipeline schedule.
         stage: which stage (from 0).
         hardware: the device (default: the graph's).
-        held_bytes: what each micro-batch in flight holds beside the graph's tensors.
+        held_bytes, returned_bytes: as for ``StagePlan``.
 
     Returns:
         That peak, in bytes.
     """
     hw, _ = graph_hardware(graph, hardware)
     smallest = solve(graph, "smallest", hw, solver="heuristic")
-    return _stage(graph, smallest, schedule, stage, 1 << 62, held_bytes)[1].peak_bytes
+    held = (held_bytes, returned_bytes)
+    return _stage(graph, smallest, schedule, stage, 1 << 62, held)[1].peak_bytes
 
 
 def plan_stage(
@@ -97,6 +102,7 @@ def plan_stage(
     solver: str = "heuristic",
     time_limit_s: float | None = None,
     held_bytes: int = 0,
+    returned_bytes: int = 0,
     **solve_options: Any,
 ) -> StagePlan:
     """The stage's plan for its whole schedule within ``budget`` (module docstring).
@@ -112,7 +118,9 @@ def plan_stage(
             search runs the heuristic, the exact planner then plans at the budget it found).
         time_limit_s: the exact planner's cap.
         held_bytes: what each micro-batch in flight holds beside the graph's tensors (the
-            activation the stage received).
+            stage's output, kept by torch's schedule for the backward).
+        returned_bytes: what each holds from its backward's end to the step's end (the last
+            stage's output, returned by ``schedule.step()``).
         solve_options: passed to ``solve``.
 
     Returns:
@@ -124,18 +132,18 @@ def plan_stage(
     """
     hw, _ = graph_hardware(graph, hardware)
     schedule.actions(stage)  # (checks the stage)
-    if isinstance(held_bytes, bool) or not isinstance(held_bytes, int) or held_bytes < 0:
-        raise ValueError(
-            f"plan_stage: held_bytes must be a non-negative integer, got {held_bytes!r}"
-        )
+    for name, value in (("held_bytes", held_bytes), ("returned_bytes", returned_bytes)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"plan_stage: {name} must be a non-negative integer, got {value!r}")
+    held = (held_bytes, returned_bytes)
     keep = solve(graph, 1.0, hw, solver="keep-all")
-    whole = _stage(graph, keep, schedule, stage, 1 << 62, held_bytes)[1].peak_bytes
+    whole = _stage(graph, keep, schedule, stage, 1 << 62, held)[1].peak_bytes
     limit = budget_bytes_from(budget, lambda: whole)
-    best = _stage(graph, keep, schedule, stage, limit, held_bytes)
+    best = _stage(graph, keep, schedule, stage, limit, held)
     if not best[1].fits:
-        best = _search(graph, schedule, stage, hw, limit, held_bytes)
+        best = _search(graph, schedule, stage, hw, limit, held)
         if solver != "heuristic":
-            best = _exact(graph, schedule, stage, hw, limit, held_bytes, best, solver,
+            best = _exact(graph, schedule, stage, hw, limit, held, best, solver,
                           time_limit_s, solve_options)  # fmt: skip
     stage_plan = best[0]
     checked = validate_stage(graph, stage_plan)
@@ -148,7 +156,7 @@ def plan_stage(
 
 def _search(
     graph: ActivationGraph, schedule: PipelineSchedule, stage: int, hw: Hardware, limit: int,
-    held: int,
+    held: tuple[int, int],
 ) -> tuple[StagePlan, StageSimResult]:  # fmt: skip
     """The heuristic's plans at one-step budgets from the smallest to the keep-all peak: the
     largest whose plan fits the stage, the fastest of those that fit."""
@@ -186,7 +194,7 @@ def _search(
 
 def _exact(
     graph: ActivationGraph, schedule: PipelineSchedule, stage: int, hw: Hardware, limit: int,
-    held: int, best: tuple[StagePlan, StageSimResult], solver: str, time_limit_s: float | None,
+    held: tuple[int, int], best: tuple[StagePlan, StageSimResult], solver: str, time_limit_s: float | None,
     options: dict[str, Any],
 ) -> tuple[StagePlan, StageSimResult]:  # fmt: skip
     """The exact planner at the one-step budget the search's plan needs: its plan where it
@@ -209,6 +217,7 @@ def plan_for_stages(
     solver: str = "heuristic",
     time_limit_s: float | None = None,
     held_bytes: int | Sequence[int] = 0,
+    returned_bytes: int | Sequence[int] = 0,
     **solve_options: Any,
 ) -> list[StagePlan]:
     """Each stage its plan for the schedule (``plan_stage``), as ``plan_for_ranks`` gives each
@@ -221,7 +230,8 @@ def plan_for_stages(
         budget: as for ``plan_stage``, one for all stages or one per stage.
         schedule: the pipeline schedule.
         hardware: the device (default: each graph's).
-        solver, time_limit_s, held_bytes, solve_options: as for ``plan_stage``.
+        solver, time_limit_s, held_bytes, returned_bytes, solve_options: as for
+            ``plan_stage``, the last two one for every stage or one per stage.
 
     Returns:
         One checked StagePlan per stage.
@@ -235,6 +245,7 @@ def plan_for_stages(
         )
     budgets = _per_stage(budget, schedule.stages, "budget")
     held = _per_stage(held_bytes, schedule.stages, "held_bytes")
+    returned = _per_stage(returned_bytes, schedule.stages, "returned_bytes")
     out = []
     for s, graph in enumerate(graphs):
         named = graph.extra.get("pipeline_stage")
@@ -252,6 +263,7 @@ def plan_for_stages(
                 solver=solver,
                 time_limit_s=time_limit_s,
                 held_bytes=held[s],
+                returned_bytes=returned[s],
                 **solve_options,
             )  # fmt: skip
         )

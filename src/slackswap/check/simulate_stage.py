@@ -15,6 +15,7 @@ import numpy as np
 from ..core.graph import ActivationGraph
 from ..core.hardware import Hardware, hardware
 from ..core.pipeline import FORWARD, Action, StagePlan
+from ..core.stepmodel import Expansion
 from .simulate import SimResult, simulate
 
 
@@ -32,6 +33,9 @@ class Phases:
     # stage's first backward has made them they stay, and a later backward adds into them
     grad_bytes: int = 0
     backward_peak_later_bytes: int = 0  # the backward's most when the gradients exist already
+    # the same peaks of its tensors alone (no workspace): what the executor tracks
+    forward_tensor_peak_bytes: int = 0
+    backward_tensor_peak_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -54,6 +58,9 @@ class StageSimResult:
     actions: tuple[ActionResult, ...]
     rest_bytes: tuple[int, ...]  # per micro-batch
     violations: tuple[str, ...]
+    # the stage's most of tensors alone (the micro-batches' tensors and what each holds beside
+    # them, no workspace, no parameter gradient): what the executor tracks across its steps
+    tensor_peak_bytes: int = 0
 
     def summary(self) -> str:
         return (
@@ -75,6 +82,7 @@ def phases(graph: ActivationGraph, sim: SimResult) -> Phases:
     # the next action finds the copy lanes empty: the forward's offloads drain within it
     drained = float(sim.d2h_intervals[:, 1].max()) if len(sim.d2h_intervals) else 0.0
     grads, later = _gradients(graph, exp, mem, first_backward)
+    tensors = exp.memory(with_workspace=False)
     return Phases(
         forward_peak_bytes=int(mem[:first_backward].max()) if first_backward else 0,
         backward_peak_bytes=int(mem[first_backward:].max()) if len(mem) > first_backward else 0,
@@ -85,11 +93,15 @@ def phases(graph: ActivationGraph, sim: SimResult) -> Phases:
         step=sim,
         grad_bytes=grads,
         backward_peak_later_bytes=later,
+        forward_tensor_peak_bytes=int(tensors[:first_backward].max()) if first_backward else 0,
+        backward_tensor_peak_bytes=(
+            int(tensors[first_backward:].max()) if len(tensors) > first_backward else 0
+        ),
     )
 
 
 def _gradients(
-    graph: ActivationGraph, exp, mem: np.ndarray, first_backward: int
+    graph: ActivationGraph, exp: Expansion, mem: np.ndarray, first_backward: int
 ) -> tuple[int, int]:
     """(G, the backward's peak once G exists) for a graph whose backward makes its parameter
     gradients (``parameter_gradients == "made"``: each backward point's workspace holds those
@@ -137,6 +149,7 @@ def simulate_stage(
     results: list[ActionResult] = []
     violations: list[str] = []
     busy = 0.0
+    tensor_peak = 0
     for action in stage_plan.schedule.actions(stage_plan.stage):
         m = action.micro_batch
         mine = per_batch[m]
@@ -151,7 +164,18 @@ def simulate_stage(
             duration = mine.backward_s
             backward_started.add(m)
             grads_made = True
-        peak = running + sum(per_batch[k].rest_bytes for k in resting) + held * (len(resting) + 1)
+        # the running micro-batch's output is the graph's own tensor during its forward; the
+        # schedule's hold on it counts from the forward's end
+        holding = len(resting) + (0 if action.phase == FORWARD else 1)
+        beside = sum(per_batch[k].rest_bytes for k in resting) + held * holding
+        beside += stage_plan.returned_bytes * len(backward_started - {m})
+        peak = running + beside
+        tensors = (
+            mine.forward_tensor_peak_bytes
+            if action.phase == FORWARD
+            else mine.backward_tensor_peak_bytes
+        )
+        tensor_peak = max(tensor_peak, tensors + beside)
         results.append(ActionResult(action, int(peak), float(duration)))
         busy += duration
         if peak > stage_plan.budget_bytes:
@@ -172,6 +196,7 @@ def simulate_stage(
         actions=tuple(results),
         rest_bytes=tuple(p.rest_bytes for p in per_batch),
         violations=tuple(violations),
+        tensor_peak_bytes=tensor_peak,
     )
 
 

@@ -100,12 +100,15 @@ def validate_stage(
     peak = 0
     busy = 0.0
     gradients_exist = False  # from the end of the stage's first backward
+    finished: list[int] = []  # micro-batches whose backward has run: their output returned
     for action in stage_plan.schedule.actions(stage_plan.stage):
         m = action.micro_batch
         forward_peak, backward_peak, _, forward_s, backward_s, backward_later = phases[m]
         others = [k for k in in_flight if k != m]
         at_rest = sum(phases[k][2] for k in others)
-        held = stage_plan.held_bytes * (len(others) + 1)
+        # during its own forward a micro-batch's output is among its graph's tensors
+        held = stage_plan.held_bytes * (len(others) + (0 if action.phase == FORWARD else 1))
+        held += stage_plan.returned_bytes * len(finished)
         if action.phase == FORWARD:
             now = forward_peak + (grads if gradients_exist else 0) + at_rest + held
             busy += forward_s
@@ -115,6 +118,7 @@ def validate_stage(
             now += held
             busy += backward_s
             in_flight.remove(m)
+            finished.append(m)
             gradients_exist = True
         peak = max(peak, now)
         if now > budget:

@@ -103,15 +103,19 @@ class PipelineSchedule:
 class StagePlan:
     """What one stage runs under a pipeline schedule: a closed plan of its graph per
     micro-batch (the same plan, or one each), the stage's budget for everything it holds at
-    once, and ``held_bytes``: what each micro-batch holds beside its graph's tensors from its
-    forward to the end of its backward (the activation the stage received, kept for its
-    backward; 0 where the graph's tensors count it)."""
+    once, ``held_bytes``: what each micro-batch holds beside its graph's tensors from its
+    forward's end to its backward's end (the stage's output, which torch's schedule keeps for
+    the backward; during the forward the graph counts it), and
+    ``returned_bytes``: what each stays holding from the end of its backward to the end of the
+    step (the last stage's output, which ``schedule.step()`` returns merged unless
+    ``return_outputs=False``)."""
 
     stage: int
     schedule: PipelineSchedule
     plans: tuple[Plan, ...]
     budget_bytes: int
     held_bytes: int = 0
+    returned_bytes: int = 0
 
     def __post_init__(self) -> None:
         if len(self.plans) != self.schedule.micro_batches:
@@ -123,8 +127,10 @@ class StagePlan:
         digests = {p.graph_digest for p in self.plans}
         if len(digests) != 1:
             raise ValueError(f"stage {self.stage}: its plans are for different graphs")
-        if self.held_bytes < 0 or self.budget_bytes <= 0:
-            raise ValueError(f"stage {self.stage}: held_bytes >= 0 and budget_bytes > 0")
+        if self.held_bytes < 0 or self.returned_bytes < 0 or self.budget_bytes <= 0:
+            raise ValueError(
+                f"stage {self.stage}: held_bytes and returned_bytes >= 0, budget_bytes > 0"
+            )
 
     @property
     def graph_digest(self) -> str:
@@ -136,6 +142,7 @@ class StagePlan:
             "schedule": self.schedule.to_dict(),
             "budget_bytes": self.budget_bytes,
             "held_bytes": self.held_bytes,
+            "returned_bytes": self.returned_bytes,
             "plans": [p.to_dict() for p in self.plans],
         }
 
@@ -150,4 +157,5 @@ class StagePlan:
             tuple(Plan.from_dict(p) for p in data["plans"]),
             int(data["budget_bytes"]),
             int(data.get("held_bytes", 0)),
+            int(data.get("returned_bytes", 0)),
         )

@@ -103,6 +103,7 @@ class Run:
         graph: ActivationGraph | None,
         prefetch_ahead: int = 2,
         smaller_inputs: bool = False,
+        trace_every_step: bool = False,
     ):
         if graph is not None:
             plan.check_graph(graph)
@@ -166,7 +167,7 @@ class Run:
         # once a step of these input shapes is checked, later steps need no name from a tracer:
         # they are named by its saves (runtime/checked_step.py); a plan that rebuilds nothing
         # runs them with hooks alone, one that rebuilds counts positions and records recipes
-        self.can_skim = graph is not None and moves
+        self.can_skim = graph is not None and moves and not trace_every_step
         self.checked: CheckedStep | None = None
         self._saved_hooks = SavedTensorHooks(self)
 
@@ -404,6 +405,7 @@ def apply(
     graph: ActivationGraph | None = None,
     *,
     smaller_inputs: bool = False,
+    trace_every_step: bool = False,
 ) -> Run:
     """Context manager running training steps of ``model`` under ``plan``.
 
@@ -418,6 +420,9 @@ def apply(
         model: the torch module it was made for.
         graph: the graph it was made for: the executor then acts at the plan's positions.
         smaller_inputs: allow steps smaller than the profiled one.
+        trace_every_step: trace and track every step, as the first one is (slower: for
+            measuring what the steps hold, ``run.stats.peak_activation_bytes``, when several
+            are in flight at once, as a pipeline stage's micro-batches are).
 
     Returns:
         The Run, a context manager: steps inside it run under the plan (``run.stats``).
@@ -436,4 +441,4 @@ def apply(
             "compiled model and run it inside slackswap.checkpointed(model._orig_mod, "
             "plan, graph) (plans with keep and recompute only)"
         )
-    return Run(plan, model, graph, smaller_inputs=smaller_inputs)
+    return Run(plan, model, graph, smaller_inputs=smaller_inputs, trace_every_step=trace_every_step)
