@@ -176,3 +176,22 @@ def test_a_ctrl_c_while_a_solver_library_loads_is_not_a_missing_library(tmp_path
         installed("interrupted_ext")
     assert installed("missing_ext") is False
     assert installed("json") is True
+
+
+def test_a_ctrl_c_inside_any_import_of_a_solve_is_a_keyboard_interrupt():
+    """The same inside a solve, for an import no availability check makes (a library that
+    imports a pybind11 module lazily, as PuLP's HiGHS interface does): interruptible() turns
+    the ImportError an interrupt caused back into a KeyboardInterrupt, and leaves any other
+    ImportError as it is."""
+    from slackswap.planners.interrupts import interruptible
+
+    def interrupted_import():
+        try:
+            raise KeyboardInterrupt
+        except KeyboardInterrupt as exc:
+            raise ImportError("initialization failed") from exc
+
+    with pytest.raises(KeyboardInterrupt), interruptible():
+        interrupted_import()
+    with pytest.raises(ImportError, match="no such library"), interruptible():
+        raise ImportError("no such library")

@@ -18,6 +18,7 @@ import numpy as np
 from ..core.graph import ActivationGraph
 from ..core.hardware import Hardware
 from ..core.plan import Schedule, SolveInfo
+from .interrupts import reraise_interrupt
 
 
 @dataclass(frozen=True)
@@ -144,7 +145,7 @@ def get_planner(name: str) -> Planner:
     try:
         mod = importlib.import_module(module)
     except ImportError as exc:
-        _reraise_interrupt(exc)
+        reraise_interrupt(exc)
         raise ImportError(f"solver {name!r} needs a package that is not installed: {exc}") from exc
     planner = getattr(mod, cls)()
     available = getattr(planner, "is_available", None)
@@ -161,20 +162,9 @@ def installed(module: str) -> bool:
     try:
         importlib.import_module(module)
     except ImportError as exc:
-        _reraise_interrupt(exc)
+        reraise_interrupt(exc)
         return False
     return True
-
-
-def _reraise_interrupt(exc: BaseException) -> None:
-    """Raise KeyboardInterrupt if one caused ``exc`` (its cause or context, at any depth)."""
-    seen: set[int] = set()
-    cause: BaseException | None = exc
-    while cause is not None and id(cause) not in seen:
-        if isinstance(cause, KeyboardInterrupt):
-            raise KeyboardInterrupt from exc
-        seen.add(id(cause))
-        cause = cause.__cause__ or cause.__context__
 
 
 def is_available(name: str) -> bool:

@@ -100,12 +100,28 @@ def interruptible():
     watcher.start()
     try:
         yield
+    except ImportError as exc:
+        # a Ctrl-C inside an import of a pybind11 module (OR-Tools, highspy, one a library
+        # imports lazily) comes out as ImportError("initialization failed"): still a Ctrl-C
+        reraise_interrupt(exc)
+        raise
     finally:
         signal.set_wakeup_fd(previous)
         _active = False
         os.close(write_fd)  # the watcher reads the end of the pipe and returns
         watcher.join(timeout=5)
         os.close(read_fd)
+
+
+def reraise_interrupt(exc: BaseException) -> None:
+    """Raise KeyboardInterrupt if one caused ``exc`` (its cause or context, at any depth)."""
+    seen: set[int] = set()
+    cause: BaseException | None = exc
+    while cause is not None and id(cause) not in seen:
+        if isinstance(cause, KeyboardInterrupt):
+            raise KeyboardInterrupt from exc
+        seen.add(id(cause))
+        cause = cause.__cause__ or cause.__context__
 
 
 def solve_cpsat(solver, model):
