@@ -103,7 +103,7 @@ def split_stages(graph: ActivationGraph, stages: int) -> tuple[ActivationGraph, 
                 replace(
                     op,
                     inputs=tuple(rename.get(t, t) for t in op.inputs),
-                    writes=tuple(w for w in op.writes if w not in rename),
+                    writes=tuple(rename.get(w, w) for w in op.writes),
                     rerun_with=tuple(r for r in op.rerun_with if r in names),
                 )
             )
