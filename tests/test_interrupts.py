@@ -195,3 +195,19 @@ def test_a_ctrl_c_inside_any_import_of_a_solve_is_a_keyboard_interrupt():
         interrupted_import()
     with pytest.raises(ImportError, match="no such library"), interruptible():
         raise ImportError("no such library")
+    # the same off the main thread, where SIGINT is not watched (a server's worker thread)
+    import threading
+
+    caught: list[BaseException] = []
+
+    def in_a_thread():
+        try:
+            with interruptible():
+                interrupted_import()
+        except BaseException as exc:  # noqa: BLE001 - what it raised is the point
+            caught.append(exc)
+
+    worker = threading.Thread(target=in_a_thread)
+    worker.start()
+    worker.join()
+    assert len(caught) == 1 and isinstance(caught[0], KeyboardInterrupt)

@@ -62,7 +62,20 @@ def stop_everything() -> None:
 
 @contextlib.contextmanager
 def interruptible():
-    """Make SIGINT stop the native work in flight (module docstring). Nested uses are one."""
+    """Make SIGINT stop the native work in flight (module docstring). Nested uses are one. A
+    Ctrl-C inside an import of a pybind11 module (OR-Tools, highspy, one a library imports
+    lazily) comes out of it as ImportError("initialization failed"): it leaves as the
+    KeyboardInterrupt it is, whether or not this thread may watch SIGINT."""
+    try:
+        with _watching_sigint():
+            yield
+    except ImportError as exc:
+        reraise_interrupt(exc)
+        raise
+
+
+@contextlib.contextmanager
+def _watching_sigint():
     global _active
     if (
         _active
@@ -100,11 +113,6 @@ def interruptible():
     watcher.start()
     try:
         yield
-    except ImportError as exc:
-        # a Ctrl-C inside an import of a pybind11 module (OR-Tools, highspy, one a library
-        # imports lazily) comes out as ImportError("initialization failed"): still a Ctrl-C
-        reraise_interrupt(exc)
-        raise
     finally:
         signal.set_wakeup_fd(previous)
         _active = False
