@@ -116,7 +116,7 @@ def plan_stage(
         hardware: the device (default: the graph's).
         solver: the planner of the final one-step plan ("heuristic", or an exact one: the
             search runs the heuristic, the exact planner then plans at the budget it found).
-        time_limit_s: the exact planner's cap.
+        time_limit_s: the exact planner's cap (the heuristic's search needs none).
         held_bytes: what each micro-batch in flight holds beside the graph's tensors (the
             stage's output, kept by torch's schedule for the backward).
         returned_bytes: what each holds from its backward's end to the step's end (the last
@@ -132,6 +132,11 @@ def plan_stage(
     """
     hw, _ = graph_hardware(graph, hardware)
     schedule.actions(stage)  # (checks the stage)
+    if solver == "heuristic" and solve_options:
+        raise ValueError(
+            f"plan_stage: {', '.join(sorted(solve_options))} are the exact planner's options; "
+            "the heuristic's search takes none (pass solver='cpsat' to use them)"
+        )
     for name, value in (("held_bytes", held_bytes), ("returned_bytes", returned_bytes)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise ValueError(f"plan_stage: {name} must be a non-negative integer, got {value!r}")
