@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import statistics
 import time
+from typing import Any
 
 from ..core.errors import ProfileError
 from ..core.graph import ActivationGraph
@@ -77,26 +78,23 @@ def parameters_cast(model, dtype: str):
     import torch
 
     target = getattr(torch, dtype)
-    swapped: list[tuple[dict, str, object]] = []
+    swapped: list[tuple[Any, str, Any]] = []
     copies: dict[int, torch.nn.Parameter] = {}
     try:
         for module in model.modules():
-            table = module._parameters
-            for key, value in list(table.items()):
-                if value is None:
-                    continue
+            for key, value in list(module.named_parameters(recurse=False)):
                 copy = copies.get(id(value))
                 if copy is None:
                     with torch.no_grad():
                         data = value.detach().to(target)
                     copy = torch.nn.Parameter(data, requires_grad=value.requires_grad)
                     copies[id(value)] = copy
-                swapped.append((table, key, value))
-                table[key] = copy
+                swapped.append((module, key, value))
+                module.register_parameter(key, copy)
         yield model
     finally:
-        for table, key, value in reversed(swapped):
-            table[key] = value
+        for module, key, value in reversed(swapped):
+            module.register_parameter(key, value)
 
 
 def fresh_autocast() -> None:
