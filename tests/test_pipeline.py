@@ -10,24 +10,12 @@ import pytest
 from helpers import LINK, graph, op, plan, random_plans, tensor
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_simulator_hand import chain_graph  # A -> a (100 B, saved for B) -> b -> c, 1/1/3 s
 
 import slackswap as ss
 from slackswap.core.pipeline import PipelineSchedule, StagePlan
 
 # Link: 100 bytes/s each way, no latency: a 100-byte copy takes 1 s.
-
-
-def chain_graph():
-    # A -> a (100 B, saved for B); B reads a -> b (10 B); C reads b -> c (10 B).
-    # Times: A 1 s, B 1 s, C 3 s, the same in backward: forward 5 s, backward 5 s.
-    return graph(
-        [
-            op("A", 1.0, 1.0, ["batch"], ["a"]),
-            op("B", 1.0, 1.0, ["a"], ["b"]),
-            op("C", 3.0, 3.0, ["b"], ["c"]),
-        ],
-        [tensor("a", 100, ["B"]), tensor("b", 10), tensor("c", 10)],
-    )
 
 
 def _names(schedule, stage):
@@ -143,6 +131,9 @@ def test_plan_stage_fits_the_whole_schedule_or_names_what_it_needs():
     named = dataclasses.replace(g, extra={**g.extra, "pipeline_stage": 1})
     with pytest.raises(ValueError, match="is stage 1's, given as stage 0"):
         ss.plan_for_stages([named, g], 150, schedule, LINK)
+    # an exact planner's option with the heuristic is refused, not ignored
+    with pytest.raises(ValueError, match="work_s are the exact planner's options"):
+        ss.plan_stage(g, 150, schedule, 0, LINK, work_s=5)
     with pytest.raises(ValueError, match="1 stage graphs for a schedule of 2"):
         ss.plan_for_stages([g], 150, schedule, LINK)
 

@@ -117,6 +117,19 @@ class _Builder:
         self.ops: list[Op] = []
         self.tensors: dict[str, list] = {}  # name -> [bytes, saved_for list]
 
+    def graph(self, name: str, extra: dict) -> ActivationGraph:
+        """The ops and tensors built so far as a graph (its config and hardware in ``extra``)."""
+        tensors = tuple(
+            Tensor(name=n, bytes=v[0], saved_for=tuple(v[1])) for n, v in self.tensors.items()
+        )
+        return ActivationGraph(
+            name=name,
+            ops=tuple(self.ops),
+            tensors=tensors,
+            optimizer_s=0.0,
+            extra={"config": self.c.to_dict(), "hardware": self.hw.name, **extra},
+        )
+
     def tensor(self, name: str, nbytes: int) -> str:
         self.tensors[name] = [int(nbytes), []]
         return name
@@ -336,14 +349,7 @@ def transformer_graph(
     for layer in range(c.layers):
         x = B.layer(f"L{layer}.", x)
     B.head(x)
-    tensors = tuple(Tensor(name=n, bytes=v[0], saved_for=tuple(v[1])) for n, v in B.tensors.items())
-    return ActivationGraph(
-        name=name or f"transformer-{c.layers}x{c.hidden}",
-        ops=tuple(B.ops),
-        tensors=tensors,
-        optimizer_s=0.0,
-        extra={"config": c.to_dict(), "hardware": hw.name},
-    )
+    return B.graph(name or f"transformer-{c.layers}x{c.hidden}", {})
 
 
 def layer_parameter_bytes(config: TransformerConfig) -> int:
@@ -481,19 +487,9 @@ def stage_graph(
         x = B.layer(f"L{layer}.", x)
     if stage == stages - 1:
         B.head(x)
-    tensors = tuple(Tensor(name=n, bytes=v[0], saved_for=tuple(v[1])) for n, v in B.tensors.items())
-    return ActivationGraph(
-        name=name or f"transformer-{c.layers}x{c.hidden}-stage{stage}of{stages}",
-        ops=tuple(B.ops),
-        tensors=tensors,
-        optimizer_s=0.0,
-        extra={
-            "config": c.to_dict(),
-            "hardware": hw.name,
-            "pipeline_stage": stage,
-            "pipeline_stages": stages,
-            "layers": [first, first + count],
-        },
+    return B.graph(
+        name or f"transformer-{c.layers}x{c.hidden}-stage{stage}of{stages}",
+        {"pipeline_stage": stage, "pipeline_stages": stages, "layers": [first, first + count]},
     )
 
 
