@@ -163,6 +163,35 @@ def test_the_split_workload_plans_every_stage_within_its_budget():
     assert result.step_s >= result.ideal_step_s
 
 
+def test_messages_between_stages_take_the_link_when_the_hardware_says_so():
+    from slackswap.core.stages import pipeline_messages
+
+    # Stage 0 of 2 sends c on, 600 bytes, as C is reached, and receives its gradient as the
+    # backward starts. On a link that collectives cross (100 bytes/s: 6 s each way):
+    #   forward: A 0..1, B 1..2, C 2..5; the send, issued at 2 s, ends at 8 s: the forward
+    #   action ends at 8 s (f = 8);
+    #   backward: C 5..8, B 8..9, A 9..10; the gradient received 5..11: the step ends at 11 s,
+    #   so g = 11 - 5 = 6.
+    g = dataclasses.replace(chain_graph(), collectives=pipeline_messages("A", "C", 0, 600))
+    on_link = LINK.with_link(name="test-link-comms", collectives_on_link=True)
+    keep = ss.solve(g, 1.0, on_link, solver="keep-all")
+    schedule = PipelineSchedule("1f1b", 2, 4)
+    stage_plan = StagePlan(0, schedule, (keep,) * 4, 1000)
+    stage = ss.simulate_stage(g, stage_plan)
+    assert [a.duration_s for a in stage.actions[:3]] == pytest.approx([8.0, 8.0, 6.0])
+    assert stage.busy_s == pytest.approx(4 * (8 + 6))
+    assert ss.validate_stage(g, stage_plan).busy_s == pytest.approx(stage.busy_s)
+    # stage 1 (receiving 600 bytes, sending their gradient) starts its F0 once stage 0's F0
+    # has sent them: at 8 s, not 5 s
+    receiver = dataclasses.replace(chain_graph(), collectives=pipeline_messages("A", "C", 600, 0))
+    received = ss.solve(receiver, 1.0, on_link, solver="keep-all")
+    plans = [stage_plan, StagePlan(1, schedule, (received,) * 4, 1000)]
+    assert ss.simulate_pipeline([g, receiver], plans).starts[1][0] == pytest.approx(8.0)
+    # on a link they do not cross (NVLink), they cost nothing, as FSDP2's collectives
+    off = ss.simulate_stage(g, stage_plan, LINK)
+    assert off.busy_s == pytest.approx(4 * (5 + 5))
+
+
 @settings(max_examples=40, deadline=None, derandomize=True)
 @given(
     random_plans(),
@@ -170,14 +199,25 @@ def test_the_split_workload_plans_every_stage_within_its_budget():
     st.integers(1, 3),
     st.integers(1, 5),
     st.lists(st.integers(0, 200), min_size=7, max_size=7) | st.none(),
+    st.tuples(st.integers(0, 300), st.integers(0, 300)) | st.none(),
 )
 def test_the_checker_and_the_simulator_agree_on_every_stage(
-    drawn, kind, stages, micro_batches, grads
+    drawn, kind, stages, micro_batches, grads, messages
 ):
     """On random graphs and random keep/swap/recompute plans (with parameter gradients made in
-    the step, or not), the checker's composition (its own walk of each step) and the
-    simulator's give the same peak for every stage, and the same busy time."""
+    the step, or not; with the stage's messages on the link, or none), the checker's
+    composition (its own walk of each step) and the simulator's give the same peak for every
+    stage, and the same busy time."""
+    from slackswap.core.stages import pipeline_messages
+
     g, p = drawn
+    hw = None
+    if messages is not None:
+        sent = pipeline_messages(g.ops[0].name, g.ops[-1].name, *messages)
+        g = dataclasses.replace(g, collectives=sent)
+        # (the messages are no part of the plan's decisions or schedule: the same plan)
+        p = dataclasses.replace(p, graph_digest=g.digest)
+        hw = p.hardware.with_link(name="test-comms", collectives_on_link=True)
     if grads is not None:
         ops = tuple(
             dataclasses.replace(o, extra={**o.extra, "param_grad_bytes": grads[i]})
@@ -187,8 +227,8 @@ def test_the_checker_and_the_simulator_agree_on_every_stage(
     schedule = PipelineSchedule(kind, stages, micro_batches)
     for s in range(stages):
         stage_plan = StagePlan(s, schedule, (p,) * micro_batches, 1 << 60)
-        simulated = ss.simulate_stage(g, stage_plan)
-        checked = ss.validate_stage(g, stage_plan)
+        simulated = ss.simulate_stage(g, stage_plan, hw)
+        checked = ss.validate_stage(g, stage_plan, hw)
         assert checked.ok, checked.violations
         assert checked.peak_bytes == simulated.peak_bytes
         assert checked.busy_s == pytest.approx(simulated.busy_s, rel=1e-9, abs=1e-12)

@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass, replace
 
 from .core.graph import ActivationGraph, Collective, Op, Tensor
 from .core.hardware import Hardware, hardware
+from .core.stages import pipeline_messages
 
 
 @dataclass(frozen=True)
@@ -487,10 +488,18 @@ def stage_graph(
         x = B.layer(f"L{layer}.", x)
     if stage == stages - 1:
         B.head(x)
-    return B.graph(
+    graph = B.graph(
         name or f"transformer-{c.layers}x{c.hidden}-stage{stage}of{stages}",
         {"pipeline_stage": stage, "pipeline_stages": stages, "layers": [first, first + count]},
     )
+    # the residual stream crosses to the next stage, its gradient back
+    messages = pipeline_messages(
+        graph.ops[0].name,
+        graph.ops[-1].name,
+        d * sbh if stage > 0 else 0,
+        d * sbh if stage < stages - 1 else 0,
+    )
+    return replace(graph, collectives=messages)
 
 
 def workload_stages(

@@ -47,6 +47,9 @@ class SimResult:
     tensor_peak_bytes: int
     # the hardware it was simulated on (solve() reuses a planner's simulation only on its own)
     hardware: Hardware | None = field(default=None, repr=False, compare=False)
+    # when the last transfer of a collective issued in the forward ends (0 with none on the
+    # link): a pipeline stage's forward action ends no earlier (formulations/pipeline.md)
+    forward_collectives_end_s: float = 0.0
 
     def summary(self) -> str:
         return (
@@ -144,11 +147,15 @@ def run_timeline(graph: ActivationGraph, exp: Expansion, hw: Hardware, budget: i
     if hw.collectives_on_link:
         for c in graph.collectives:
             collectives_at.setdefault(graph.collective_position(c), []).append(c)
+    forward_collectives_end = 0.0
     for k in range(S):
         arrive = now
         # collectives issued here enter the lanes first (step-model.md, "Collectives")
         for c in collectives_at.get(k, ()):
             d2h_lane, h2d_lane = _collective_on_lanes(c, hw, arrive, d2h_lane, h2d_lane)
+            if k < n:
+                ends = (d2h_lane if c.d2h_bytes else 0.0, h2d_lane if c.h2d_bytes else 0.0)
+                forward_collectives_end = max(forward_collectives_end, *ends)
         for t in sorted(issue_at.get(k, ()), key=lambda t: (h2d_key[t], t)):
             lane = h2d_lane if hw.duplex else max(h2d_lane, d2h_lane)
             start = lane_start(lane, max(arrive, d2h_done[t]))
@@ -225,6 +232,7 @@ def run_timeline(graph: ActivationGraph, exp: Expansion, hw: Hardware, budget: i
         expansion=exp,
         tensor_peak_bytes=int(tensors_only.max()) if tensors_only.size else 0,
         hardware=hw,
+        forward_collectives_end_s=float(forward_collectives_end),
     )
 
 

@@ -26,7 +26,7 @@ class Phases:
     forward_peak_bytes: int  # the most its forward points hold (tensors and workspaces)
     backward_peak_bytes: int
     rest_bytes: int  # its tensors resident across the forward's end
-    forward_s: float  # from the step's start to its last forward op's end
+    forward_s: float  # to its last forward op's end, its offloads' and forward messages' (P3)
     backward_s: float  # the rest of the step
     step: SimResult
     # parameter gradients the step makes (a graph profiled with gradients="made"): once a
@@ -79,8 +79,10 @@ def phases(graph: ActivationGraph, sim: SimResult) -> Phases:
     crossing = live & (exp.iv_start < first_backward) & (exp.iv_end >= first_backward)
     kinds = sim.compute_intervals[:, 3] if len(sim.compute_intervals) else np.zeros(0)
     forward_end = float(sim.compute_intervals[kinds == 0, 1].max()) if (kinds == 0).any() else 0.0
-    # the next action finds the copy lanes empty: the forward's offloads drain within it
+    # the next action finds the copy lanes empty: the forward's offloads drain within it, and
+    # the collectives it issued (the activations sent on) end within it
     drained = float(sim.d2h_intervals[:, 1].max()) if len(sim.d2h_intervals) else 0.0
+    drained = max(drained, sim.forward_collectives_end_s)
     grads, later = _gradients(graph, exp, mem, first_backward)
     tensors = exp.memory(with_workspace=False)
     return Phases(
@@ -222,8 +224,8 @@ def simulate_pipeline(
 ) -> PipelineSimResult:
     """The pipeline's step: each stage runs its actions in order; a forward starts once the
     previous stage's forward of that micro-batch has ended, a backward once the next stage's
-    backward of it has (the activations and their gradients move between stages at no cost:
-    formulations/pipeline.md).
+    backward of it has (an action ends once the messages it sends are sent, where they cross
+    the link: formulations/pipeline.md, "Messages between stages").
 
     Args:
         graphs: each stage's step for one micro-batch, in stage order.

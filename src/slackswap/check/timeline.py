@@ -19,8 +19,9 @@ def step_timeline(
 ) -> tuple[float, float, float]:
     """Step time on one compute stream and the D2H / H2D lanes (one transfer at a time each,
     or one link when not full duplex): the ideal time, plus every stall, plus every rerun.
-    ``marks`` (a dict) gets "forward_end" (the clock when the last forward op ends) and
-    "offloads_end" (when the last offload ends), for a pipeline stage's phases."""
+    ``marks`` (a dict) gets "forward_end" (the clock when the last forward op ends),
+    "offloads_end" (when the last offload ends) and "forward_comms_end" (when the last
+    transfer of a collective issued in the forward ends), for a pipeline stage's phases."""
     g, n = step.graph, step.n
     S = 2 * n
     schedule = plan.schedule
@@ -52,6 +53,7 @@ def step_timeline(
         for c in g.collectives:
             at = where[c.op] if c.phase == "forward" else S - 1 - where[c.op]
             comms.setdefault(at, []).append((c.d2h_bytes, c.h2d_bytes))
+    comms_in_forward = 0.0
     for k in range(S):
         issued = clock
         for out_bytes, in_bytes in comms.get(k, ()):  # before this position's prefetches
@@ -60,11 +62,15 @@ def step_timeline(
                 d2h_free_at = max(lane, issued) + hw.latency_s + out_bytes / hw.d2h_bytes_per_s
                 if not hw.duplex:
                     h2d_free_at = d2h_free_at
+                if k < n:
+                    comms_in_forward = max(comms_in_forward, d2h_free_at)
             if in_bytes:
                 lane = h2d_free_at if hw.duplex else max(h2d_free_at, d2h_free_at)
                 h2d_free_at = max(lane, issued) + hw.latency_s + in_bytes / hw.h2d_bytes_per_s
                 if not hw.duplex:
                     d2h_free_at = h2d_free_at
+                if k < n:
+                    comms_in_forward = max(comms_in_forward, h2d_free_at)
         # prefetches issued here, in the order of their tensors' first backward reader
         for t in sorted(prefetch_at.get(k, ()), key=lambda t: (S - 1 - first_reader[t], t)):
             lane = h2d_free_at if hw.duplex else max(h2d_free_at, d2h_free_at)
@@ -100,5 +106,6 @@ def step_timeline(
         stall += max(d2h_free_at, h2d_free_at) - clock  # the optimizer waits for the lanes
     if marks is not None:
         marks["offloads_end"] = max(offloaded.values(), default=0.0)
+        marks["forward_comms_end"] = comms_in_forward
     ideal = sum(op.forward_s + op.backward_s for op in g.ops) + g.optimizer_s
     return ideal + stall + rerun, stall, rerun

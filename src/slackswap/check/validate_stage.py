@@ -91,7 +91,11 @@ def validate_stage(
             max(memory[:first_backward], default=0),
             max(memory[first_backward:], default=0),
             step.rest_bytes(walk),
-            max(forward_end, marks.get("offloads_end", 0.0)),
+            max(
+                forward_end,
+                marks.get("offloads_end", 0.0),
+                marks.get("forward_comms_end", 0.0),
+            ),
             total - graph.optimizer_s - forward_end,
             later + grads,
         )

@@ -12,10 +12,34 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from .graph import ActivationGraph, Op, Tensor
+from .graph import ActivationGraph, Collective, Op, Tensor
 from .regions import module_of, numbered_blocks, op_regions, region_of
 
 RECV = "recv"
+# the point-to-point messages of torch's pipelining, by the name they carry in a stage's graph
+RECV_ACTIVATIONS = "pipeline.recv_activations"
+SEND_INPUT_GRADIENTS = "pipeline.send_input_gradients"
+SEND_ACTIVATIONS = "pipeline.send_activations"
+RECV_OUTPUT_GRADIENTS = "pipeline.recv_output_gradients"
+
+
+def pipeline_messages(
+    first_op: str, last_op: str, received_bytes: int, sent_bytes: int
+) -> tuple[Collective, ...]:
+    """A stage's sends and receives as the step's collectives (formulations/pipeline.md,
+    "Messages between stages"): what it receives (``received_bytes``, 0 on the first stage)
+    as its first op is reached and their gradients, the same size, sent as that op's backward
+    is; what it sends on (``sent_bytes``, 0 on the last stage) as its last op is reached and
+    their gradients received as its backward starts. Where the hardware's
+    ``collectives_on_link`` says so they take the copy lanes, as FSDP2's collectives do."""
+    out: list[Collective] = []
+    if received_bytes:
+        out.append(Collective(RECV_ACTIVATIONS, first_op, "forward", 0, int(received_bytes)))
+        out.append(Collective(SEND_INPUT_GRADIENTS, first_op, "backward", int(received_bytes), 0))
+    if sent_bytes:
+        out.append(Collective(SEND_ACTIVATIONS, last_op, "forward", int(sent_bytes), 0))
+        out.append(Collective(RECV_OUTPUT_GRADIENTS, last_op, "backward", 0, int(sent_bytes)))
+    return tuple(out)
 
 
 def stage_of_ops(graph: ActivationGraph, stages: int) -> list[int]:
@@ -75,6 +99,17 @@ def split_stages(graph: ActivationGraph, stages: int) -> tuple[ActivationGraph, 
             producer_stage[t] = of_op[i]
     tensors = {t.name: t for t in graph.tensors}
     where = _parameter_stages(graph, of_op, stages)
+    # what each stage receives from the one before (torch's stages pass on what a later one
+    # reads): its sent bytes are the next stage's received
+    received_bytes = [0] * (stages + 1)
+    for s in range(stages):
+        seen: set[str] = set()
+        for i, op in enumerate(graph.ops):
+            if of_op[i] == s:
+                for t in op.inputs:
+                    if t in tensors and producer_stage.get(t, s) < s and t not in seen:
+                        seen.add(t)
+                        received_bytes[s] += int(tensors[t].bytes)
     out = []
     for s in range(stages):
         mine = [op for i, op in enumerate(graph.ops) if of_op[i] == s]
@@ -147,7 +182,8 @@ def split_stages(graph: ActivationGraph, stages: int) -> tuple[ActivationGraph, 
                 name=f"{graph.name}-stage{s}of{stages}",
                 ops=tuple(ops),
                 tensors=tuple(kept),
-                collectives=tuple(c for c in graph.collectives if c.op in names),
+                collectives=tuple(c for c in graph.collectives if c.op in names)
+                + pipeline_messages(ops[0].name, last, received_bytes[s], received_bytes[s + 1]),
                 optimizer_s=graph.optimizer_s if s == stages - 1 else 0.0,
                 extra=extra,
             )
