@@ -3,6 +3,7 @@ spawned children): distributed training with and without a plan, written to JSON
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import os
@@ -435,6 +436,147 @@ def pipeline_case(rank: int, world: int, port: int, kind: str, out_dir: str) -> 
     try:
         plain = _pipeline_train(rank, world, kind, planned=False)
         planned = _pipeline_train(rank, world, kind, planned=True)
+        out = {k: v for k, v in planned.items() if k != "grads"}
+        out["grads_equal"] = all(
+            (a is None and b is None) or (a is not None and b is not None and torch.equal(a, b))
+            for ref, got in zip(plain["grads"], planned["grads"])
+            for a, b in zip(ref, got)
+        )
+        out["n_grads"] = sum(g is not None for g in planned["grads"][0])
+    except Exception:  # noqa: BLE001 - reported to the parent
+        out["error"] = traceback.format_exc()
+    finally:
+        Path(out_dir, f"rank{rank}.json").write_text(json.dumps(out))
+        dist.destroy_process_group()
+
+
+def _moved_bytes(graph, plan) -> tuple[int, int]:
+    """(swapped, recomputed) bytes of one micro-batch's step under ``plan``."""
+    out = [0, 0]
+    for name, d in plan.decisions.items():
+        if d in ("swap", "recompute"):
+            out[d == "recompute"] += int(graph.tensors[graph.tensor_index[name]].bytes)
+    return out[0], out[1]
+
+
+def _interleaved_train(rank: int, world: int, planned: bool, mixed: bool) -> dict:
+    """Three steps of ScheduleInterleaved1F1B on this rank's two stages of a 4-block TinyGPT
+    (stages rank and rank + world); the first initializes torch's schedule, the next two run
+    under the rank's plans (``plan_rank``) when ``planned``: with ``mixed``, every odd
+    micro-batch keeps everything (a plan each) at the rank's keep-all budget."""
+    from torch.distributed.pipelining import PipelineStage, ScheduleInterleaved1F1B
+
+    torch.manual_seed(0)
+    from models import TinyGPT
+
+    stages = 2 * world
+    full = TinyGPT(vocab=50, d=32, layers=stages, p=0.1)
+    mine = (rank, rank + world)
+    modules = [PipelineStageModule(full, s, stages) for s in mine]
+    pipes = [PipelineStage(m, s, stages, torch.device("cpu")) for m, s in zip(modules, mine)]
+    schedule = ScheduleInterleaved1F1B(pipes, PIPELINE_MICRO_BATCHES, loss_fn=_pipeline_loss)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randint(0, 50, (8, 16), generator=g)
+    y = torch.randint(0, 50, (8, 16), generator=g)
+    out: dict = {"grads": []}
+    contexts = []
+    if planned:
+        per_batch = x.shape[0] // PIPELINE_MICRO_BATCHES
+        graphs, held, returned = [], [], []
+        for s, module in zip(mine, modules):
+            example = (
+                x[:per_batch] if s == 0 else torch.randn(per_batch, 16, 32, requires_grad=True)
+            )
+            if s == stages - 1:
+
+                def loss_fn(o):
+                    return _pipeline_loss(o, y[:per_batch])
+
+            else:
+
+                def loss_fn(o):
+                    return o.sum()
+
+            graphs.append(ss.profile(module, example, loss_fn, warmup=1, repeat=1))
+            with torch.no_grad():
+                output = module(example).untyped_storage().nbytes()
+            held.append(output)
+            returned.append(output if s == stages - 1 else 0)
+        pipeline = ss.PipelineSchedule(
+            "interleaved-1f1b", stages, PIPELINE_MICRO_BATCHES, stages_per_rank=2
+        )
+        kw = {"held_bytes": held, "returned_bytes": returned}
+        low = ss.smallest_rank_peak(graphs, pipeline, rank, HW, **kw)
+        high = ss.keep_all_rank_peak(graphs, pipeline, rank, HW, **kw)
+        stage_plans = ss.plan_rank(graphs, (low + high) // 2, pipeline, rank, HW, **kw)
+        if mixed:
+            keeps = [ss.solve(gr, 1.0, HW, solver="keep-all") for gr in graphs]
+            stage_plans = [
+                ss.StagePlan(
+                    sp.stage,
+                    pipeline,
+                    tuple(k if m % 2 else sp.plans[m] for m in range(PIPELINE_MICRO_BATCHES)),
+                    high,
+                    sp.held_bytes,
+                    sp.returned_bytes,
+                )
+                for sp, k in zip(stage_plans, keeps)
+            ]
+        simulated = ss.simulate_rank(graphs, stage_plans)
+        out.update(
+            moved=sum(
+                sum(_moved_bytes(gr, p)) for gr, sp in zip(graphs, stage_plans) for p in sp.plans
+            ),
+            expected_moved=[
+                sum(_moved_bytes(gr, p)[i] for p in sp.plans)
+                for gr, sp in zip(graphs, stage_plans)
+                for i in (0, 1)
+            ],
+            valid=ss.validate_rank(graphs, stage_plans).ok,
+            simulated_peak=simulated.peak_bytes,
+            budget=stage_plans[0].budget_bytes,
+        )
+        contexts = [
+            ss.apply(sp, module, graph=gr, trace_every_step=True)
+            for sp, module, gr in zip(stage_plans, modules, graphs)
+        ]
+    for step in range(3):
+        torch.manual_seed(100 + step)
+        for module in modules:
+            module.zero_grad(set_to_none=True)
+
+        def run():
+            # rank 0 runs the first stage, the last rank the last
+            if rank == 0:
+                schedule.step(x)
+            elif rank == world - 1:
+                schedule.step(target=y)
+            else:
+                schedule.step()
+
+        if contexts and step > 0:
+            with contextlib.ExitStack() as stack:
+                applied = [stack.enter_context(c) for c in contexts]
+                run()
+            out.setdefault("done_moved", []).append(
+                [v for a in applied for v in (a.stats.swapped_out_bytes, a.stats.recomputed_bytes)]
+            )
+        else:
+            run()
+        if step > 0:
+            out["grads"].append([g for m in modules for g in _local_grads(m)])
+    return out
+
+
+def interleaved_case(rank: int, world: int, port: int, mixed: bool, out_dir: str) -> None:
+    """This rank's two stages trained plainly and under their plans: are the gradients
+    equal?"""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    out: dict = {}
+    try:
+        plain = _interleaved_train(rank, world, planned=False, mixed=False)
+        planned = _interleaved_train(rank, world, planned=True, mixed=mixed)
         out = {k: v for k, v in planned.items() if k != "grads"}
         out["grads_equal"] = all(
             (a is None and b is None) or (a is not None and b is not None and torch.equal(a, b))

@@ -8,7 +8,7 @@ import dataclasses
 
 import pytest
 from helpers import LINK, graph, op, plan, random_plans, tensor
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from test_simulator_hand import chain_graph  # A -> a (100 B, saved for B) -> b -> c, 1/1/3 s
 
@@ -34,10 +34,84 @@ def test_the_schedules_run_as_torchs_do():
     # stage 0 holds as many micro-batches as there are stages, the last one
     assert [four.in_flight(s) for s in range(4)] == [4, 3, 2, 1]
     assert PipelineSchedule("1f1b", 4, 2).in_flight(0) == 2  # fewer micro-batches than stages
-    with pytest.raises(ValueError, match="interleaved"):
+    with pytest.raises(ValueError, match="must be one of"):
         PipelineSchedule("interleaved1f1b", 2, 4)
+    with pytest.raises(ValueError, match="runs one stage per rank"):
+        PipelineSchedule("1f1b", 4, 4, stages_per_rank=2)
     with pytest.raises(ValueError, match="stage must be 0..1"):
         one_f_one_b.actions(2)
+
+
+@pytest.mark.parametrize(
+    "ranks,per_rank,micro_batches", [(2, 2, 4), (4, 2, 8), (2, 3, 4), (4, 2, 10), (4, 2, 3)]
+)
+def test_the_interleaved_schedule_runs_as_torchs_does(ranks, per_rank, micro_batches):
+    """Every rank's order under ScheduleInterleaved1F1B, as torch's own computation of its
+    pipeline order gives it (idle slots left out)."""
+    schedules = pytest.importorskip("torch.distributed.pipelining.schedules")
+    torchs = object.__new__(schedules.ScheduleInterleaved1F1B)
+    torchs.n_local_stages, torchs.pp_group_size = per_rank, ranks
+    torchs._n_microbatches = micro_batches
+    torchs.number_of_rounds = max(1, micro_batches // ranks)
+    torchs.microbatches_per_round = micro_batches // torchs.number_of_rounds
+    ours = PipelineSchedule("interleaved-1f1b", ranks * per_rank, micro_batches, per_rank)
+    for rank in range(ranks):
+        expected = [
+            (a.stage_index, "F" if "FORWARD" == a.computation_type.name else "B",
+             a.microbatch_index)
+            for a in torchs._calculate_single_rank_operations(rank) if a is not None
+        ]  # fmt: skip
+        got = [(a.stage, str(a)[0], a.micro_batch) for a in ours.rank_actions(rank)]
+        assert got == expected, rank
+        assert ours.stages_of(rank) == tuple(range(rank, ranks * per_rank, ranks))
+
+
+def test_interleaved_1f1b_by_hand():
+    """Two ranks of two stages each (stages 0 and 2 on rank 0), 2 micro-batches, every stage
+    the chain graph kept whole (F 120, B 100, at rest 100, 5 s each way)."""
+    g = chain_graph()
+    keep = ss.solve(g, 1.0, LINK, solver="keep-all")
+    schedule = PipelineSchedule("interleaved-1f1b", 4, 2, stages_per_rank=2)
+    assert _rank_names(schedule, 0) == "F0@0 F1@0 F0@2 F1@2 B0@2 B1@2 B0@0 B1@0"
+    assert _rank_names(schedule, 1) == "F0@1 F1@1 F0@3 B0@3 F1@3 B1@3 B0@1 B1@1"
+    plans = [StagePlan(s, schedule, (keep,) * 2, 1000) for s in range(4)]
+    # rank 0 holds every micro-batch of both its stages before its first backward:
+    #   F0@0 120; F1@0 120 + 100; F0@2 120 + 200; F1@2 120 + 300 = 420;
+    #   B0@2 100 + 300; B1@2 100 + 200; B0@0 100 + 100; B1@0 100
+    rank0 = ss.simulate_rank([g, g], [plans[0], plans[2]])
+    assert [a.peak_bytes for a in rank0.actions] == [120, 220, 320, 420, 400, 300, 200, 100]
+    # rank 1: F0@1 120, F1@1 220, F0@3 320, B0@3 100 + 200, F1@3 120 + 200, B1@3 300, B0@1 200,
+    # B1@1 100
+    rank1 = ss.simulate_rank([g, g], [plans[1], plans[3]])
+    assert rank1.peak_bytes == 320 and rank1.stages == (1, 3)
+    for mine in ([plans[0], plans[2]], [plans[1], plans[3]]):
+        assert (
+            ss.validate_rank([g, g], mine).peak_bytes == ss.simulate_rank([g, g], mine).peak_bytes
+        )
+    # Time, 5 s an action: rank 0 F0@0 0-5, F1@0 5-10; rank 1 F0@1 5-10, F1@1 10-15; rank 0
+    # F0@2 10-15, F1@2 15-20; rank 1 F0@3 15-20, B0@3 20-25, F1@3 25-30, B1@3 30-35; rank 0
+    # B0@2 25-30, B1@2 35-40; rank 1 B0@1 35-40, B1@1 40-45; rank 0 B0@0 40-45, B1@0 45-50.
+    pipeline = ss.simulate_pipeline([g] * 4, plans)
+    assert pipeline.step_s == pytest.approx(50.0)
+    assert pipeline.starts[0] == pytest.approx((0, 5, 10, 15, 25, 35, 40, 45))
+    assert pipeline.starts[1] == pytest.approx((5, 10, 15, 20, 25, 30, 35, 40))
+    # a stage sharing its rank is simulated, checked and planned with the rank's others
+    with pytest.raises(ValueError, match="simulate_rank"):
+        ss.simulate_stage(g, plans[0])
+    with pytest.raises(ValueError, match="plan_rank"):
+        ss.plan_stage(g, 500, schedule, 0, LINK)
+    with pytest.raises(ValueError, match="rank 0 runs stages"):
+        ss.simulate_rank([g, g], [plans[0], plans[1]])
+    # planned: rank 0 fits 300 by swapping a (nothing rests: 110), rank 1 too
+    stages = ss.plan_for_stages([g] * 4, 300, schedule, LINK)
+    assert ss.simulate_rank([g, g], [stages[0], stages[2]]).peak_bytes <= 300
+    assert ss.validate_rank([g, g], [stages[1], stages[3]]).ok
+    with pytest.raises(ValueError, match="share rank 0's memory"):
+        ss.plan_for_stages([g] * 4, [300, 300, 200, 300], schedule, LINK)
+
+
+def _rank_names(schedule, rank):
+    return " ".join(str(a) for a in schedule.rank_actions(rank))
 
 
 def test_two_stages_four_micro_batches_1f1b_by_hand():
@@ -113,6 +187,26 @@ def test_a_plan_each_micro_batch():
     assert result.fits and result.rest_bytes == (0, 0, 0, 100)
     checked = ss.validate_stage(g, stage_plan)
     assert checked.ok and checked.peak_bytes == 200
+
+
+def test_the_planner_gives_a_micro_batch_its_own_plan_where_it_pays():
+    """On a link of 50 bytes/s a swap of a stalls, so the plans that fit drop a and rerun A in
+    the backward (1 s more a backward: 6 s). Stage 0 of 1F1B at a budget of 200: recomputing
+    everywhere holds 110 and is busy 4 x 5 + 4 x 6 = 44 s. Micro-batch 3 may keep: F3 holds
+    120 with nothing at rest, B2 holds 100 + micro-batch 3 at rest (100) = 200, and its
+    backward takes 5 s: 43 s. Micro-batch 2 may not as well (F3 would hold 120 + 100)."""
+    g = chain_graph()
+    slow = LINK.with_link(name="test-slow", d2h_bytes_per_s=50.0, h2d_bytes_per_s=50.0)
+    schedule = PipelineSchedule("1f1b", 2, 4)
+    stage_plan = ss.plan_stage(g, 200, schedule, 0, slow)
+    assert [p.decisions["a"] for p in stage_plan.plans] == ["recompute"] * 3 + ["keep"]
+    result = ss.simulate_stage(g, stage_plan)
+    assert result.peak_bytes == 200 and result.busy_s == pytest.approx(43.0)
+    assert ss.validate_stage(g, stage_plan).ok
+    # at 150 every micro-batch recomputes: 44 s
+    tight = ss.plan_stage(g, 150, schedule, 0, slow)
+    assert {p.decisions["a"] for p in tight.plans} == {"recompute"}
+    assert ss.simulate_stage(g, tight).busy_s == pytest.approx(44.0)
 
 
 def test_plan_stage_fits_the_whole_schedule_or_names_what_it_needs():
@@ -195,14 +289,15 @@ def test_messages_between_stages_take_the_link_when_the_hardware_says_so():
 @settings(max_examples=40, deadline=None, derandomize=True)
 @given(
     random_plans(),
-    st.sampled_from(["gpipe", "1f1b"]),
+    st.sampled_from(["gpipe", "1f1b", "interleaved-1f1b"]),
     st.integers(1, 3),
     st.integers(1, 5),
     st.lists(st.integers(0, 200), min_size=7, max_size=7) | st.none(),
     st.tuples(st.integers(0, 300), st.integers(0, 300)) | st.none(),
+    st.booleans(),
 )
 def test_the_checker_and_the_simulator_agree_on_every_stage(
-    drawn, kind, stages, micro_batches, grads, messages
+    drawn, kind, stages, micro_batches, grads, messages, mixed
 ):
     """On random graphs and random keep/swap/recompute plans (with parameter gradients made in
     the step, or not; with the stage's messages on the link, or none), the checker's
@@ -224,11 +319,18 @@ def test_the_checker_and_the_simulator_agree_on_every_stage(
             for i, o in enumerate(g.ops)
         )
         g = dataclasses.replace(g, ops=ops, extra={**g.extra, "parameter_gradients": "made"})
-    schedule = PipelineSchedule(kind, stages, micro_batches)
-    for s in range(stages):
-        stage_plan = StagePlan(s, schedule, (p,) * micro_batches, 1 << 60)
-        simulated = ss.simulate_stage(g, stage_plan, hw)
-        checked = ss.validate_stage(g, stage_plan, hw)
+    per_rank = 2 if kind == "interleaved-1f1b" else 1
+    try:
+        schedule = PipelineSchedule(kind, stages * per_rank, micro_batches, per_rank)
+    except ValueError:  # micro-batches that interleaved 1F1B refuses, as torch does
+        assume(False)
+    # every other micro-batch keeping everything: a plan each
+    keep = ss.solve(g, 1.0, p.hardware, solver="keep-all")
+    plans = tuple(keep if mixed and m % 2 else p for m in range(micro_batches))
+    for rank in range(schedule.ranks):
+        mine = [StagePlan(s, schedule, plans, 1 << 60) for s in schedule.stages_of(rank)]
+        simulated = ss.simulate_rank([g] * per_rank, mine, hw)
+        checked = ss.validate_rank([g] * per_rank, mine, hw)
         assert checked.ok, checked.violations
         assert checked.peak_bytes == simulated.peak_bytes
         assert checked.busy_s == pytest.approx(simulated.busy_s, rel=1e-9, abs=1e-12)

@@ -11,10 +11,11 @@ from .check.simulate_stage import (
     PipelineSimResult,
     StageSimResult,
     simulate_pipeline,
+    simulate_rank,
     simulate_stage,
 )
 from .check.validate import Validation, validate
-from .check.validate_stage import StageValidation, validate_stage
+from .check.validate_stage import StageValidation, validate_rank, validate_stage
 from .check.violation import Violation
 from .cnn import CNN_SHAPES, cnn_graph
 from .compare import compare, result_row
@@ -28,7 +29,15 @@ from .core.plan import Decision, Plan, Schedule, SolveInfo
 from .core.stages import split_stages
 from .fit import FitReport, fit
 from .fit_stages import StagesFitReport, fit_stages
-from .pipeline import keep_all_stage_peak, plan_for_stages, plan_stage, smallest_stage_peak
+from .pipeline import (
+    keep_all_rank_peak,
+    keep_all_stage_peak,
+    plan_for_stages,
+    plan_rank,
+    plan_stage,
+    smallest_rank_peak,
+    smallest_stage_peak,
+)
 from .planners.base import is_available
 from .solve import (
     min_budget,
@@ -82,19 +91,23 @@ __all__ = [
     "hardware_names",
     "is_available",
     "keep_all_peak",
+    "keep_all_rank_peak",
     "keep_all_stage_peak",
     "load_graph",
     "load_plan",
     "min_budget",
     "parse_budget",
     "plan_for_stages",
+    "plan_rank",
     "plan_stage",
     "register_solver",
     "result_row",
     "simulate",
     "simulate_pipeline",
+    "simulate_rank",
     "simulate_stage",
     "smallest_budget",
+    "smallest_rank_peak",
     "smallest_stage_peak",
     "solve",
     "solver_names",
@@ -102,6 +115,7 @@ __all__ = [
     "stage_graph",
     "transformer_graph",
     "validate",
+    "validate_rank",
     "validate_stage",
     "workload",
     "workload_stages",

@@ -8,6 +8,7 @@ forward of its micro-batch, a backward the next stage's backward.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -15,6 +16,7 @@ import numpy as np
 from ..core.graph import ActivationGraph
 from ..core.hardware import Hardware, hardware
 from ..core.pipeline import FORWARD, Action, StagePlan
+from ..core.plan import Plan
 from ..core.stepmodel import Expansion
 from .simulate import SimResult, simulate
 
@@ -40,27 +42,30 @@ class Phases:
 
 @dataclass(frozen=True)
 class ActionResult:
-    action: Action
-    peak_bytes: int  # the stage's most during the action
+    action: Action  # (naming its stage)
+    peak_bytes: int  # the rank's most during the action
     duration_s: float
 
 
 @dataclass(frozen=True)
 class StageSimResult:
-    """A stage's whole schedule: its peak against its budget, its busy time, each action."""
+    """A rank's whole schedule (one stage's, or several under an interleaved schedule): its
+    peak against its budget, its busy time, each action."""
 
-    stage: int
+    stage: int  # the rank's first stage
     peak_bytes: int
     budget_bytes: int
     fits: bool
-    busy_s: float  # the actions' time, back to back (no wait for other stages)
+    busy_s: float  # the actions' time, back to back (no wait for other ranks)
     ideal_busy_s: float  # the same with every step at its ideal time
     actions: tuple[ActionResult, ...]
-    rest_bytes: tuple[int, ...]  # per micro-batch
+    rest_bytes: tuple[int, ...]  # per micro-batch (of the first stage)
     violations: tuple[str, ...]
-    # the stage's most of tensors alone (the micro-batches' tensors and what each holds beside
+    # the rank's most of tensors alone (the micro-batches' tensors and what each holds beside
     # them, no workspace, no parameter gradient): what the executor tracks across its steps
     tensor_peak_bytes: int = 0
+    rank: int = 0
+    stages: tuple[int, ...] = ()  # the stages the rank runs
 
     def summary(self) -> str:
         return (
@@ -128,7 +133,9 @@ def simulate_stage(
     graph: ActivationGraph, stage_plan: StagePlan, hw: Hardware | str | None = None
 ) -> StageSimResult:
     """The stage's schedule under its plans (one per micro-batch), on the plans' hardware (or
-    ``hw``): the peak of every action against the stage's budget, and its busy time.
+    ``hw``): the peak of every action against the stage's budget, and its busy time. A stage
+    that shares its rank with others (an interleaved schedule) is simulated with them:
+    ``simulate_rank``.
 
     Args:
         graph: the stage's step for one micro-batch.
@@ -138,78 +145,147 @@ def simulate_stage(
     Returns:
         The StageSimResult.
     """
-    cache: dict[int, Phases] = {}
-    per_batch: list[Phases] = []
-    for plan in stage_plan.plans:
-        if id(plan) not in cache:
-            cache[id(plan)] = phases(graph, simulate(graph, plan, hw))
-        per_batch.append(cache[id(plan)])
-    held = stage_plan.held_bytes
-    forward_done: set[int] = set()
-    backward_started: set[int] = set()
-    grads_made = False  # a backward has ended: the parameter gradients exist from then on
+    schedule = stage_plan.schedule
+    if schedule.stages_per_rank != 1:
+        rank = schedule.rank_of(stage_plan.stage)
+        raise ValueError(
+            f"simulate_stage: stage {stage_plan.stage} shares rank {rank} with stages "
+            f"{', '.join(map(str, schedule.stages_of(rank)))}: simulate them together "
+            "(simulate_rank)"
+        )
+    return simulate_rank([graph], [stage_plan], hw)
+
+
+def rank_plans_in_order(
+    graphs: Sequence[ActivationGraph], stage_plans: Sequence[StagePlan], what: str
+) -> tuple[int, dict[int, tuple[ActivationGraph, StagePlan]]]:
+    """(the rank, its stages' graphs and plans by stage), refusing plans of different
+    schedules or budgets, missing stages of the rank, or a graph another plan's."""
+    if len(graphs) != len(stage_plans) or not stage_plans:
+        raise ValueError(f"{what}: {len(graphs)} graphs for {len(stage_plans)} stage plans")
+    schedule = stage_plans[0].schedule
+    rank = schedule.rank_of(stage_plans[0].stage)
+    by_stage = {p.stage: (g, p) for g, p in zip(graphs, stage_plans)}
+    if sorted(by_stage) != sorted(schedule.stages_of(rank)) or len(by_stage) != len(stage_plans):
+        raise ValueError(
+            f"{what}: rank {rank} runs stages {list(schedule.stages_of(rank))}; given plans "
+            f"for {[p.stage for p in stage_plans]}"
+        )
+    for g, p in zip(graphs, stage_plans):
+        if p.schedule != schedule or p.budget_bytes != stage_plans[0].budget_bytes:
+            raise ValueError(f"{what}: the rank's stage plans must share one schedule and budget")
+        p.plans[0].check_graph(g)
+    return rank, by_stage
+
+
+def simulate_rank(
+    graphs: Sequence[ActivationGraph],
+    stage_plans: Sequence[StagePlan],
+    hw: Hardware | str | None = None,
+    phases_cache: dict[int, tuple[Plan, Phases]] | None = None,
+) -> StageSimResult:
+    """A rank's schedule under its stages' plans (rule P1 over the rank: each action holds its
+    micro-batch's phase on its stage and what every other micro-batch in flight on any of the
+    rank's stages holds): its peak against the budget its stage plans share, and its busy
+    time.
+
+    Args:
+        graphs: the rank's stages' steps for one micro-batch.
+        stage_plans: their plans, for one schedule and one budget (the rank's memory).
+        hw: the hardware (default: each plan's own).
+        phases_cache: a dict the caller keeps across calls on the same graphs and hardware
+            (a planner trying plans): each plan's phases are simulated once.
+
+    Returns:
+        The StageSimResult.
+    """
+    rank, by_stage = rank_plans_in_order(graphs, stage_plans, "simulate_rank")
+    schedule = stage_plans[0].schedule
+    budget = stage_plans[0].budget_bytes
+    per_batch: dict[int, list[Phases]] = {}
+    cache = {} if phases_cache is None else phases_cache
+    for s, (graph, stage_plan) in by_stage.items():
+        per_batch[s] = []
+        for plan in stage_plan.plans:
+            if id(plan) not in cache:  # (the plan is held beside: its id is not reused)
+                cache[id(plan)] = (plan, phases(graph, simulate(graph, plan, hw)))
+            per_batch[s].append(cache[id(plan)][1])
+    in_flight: set[tuple[int, int]] = set()
+    finished: set[tuple[int, int]] = set()
+    grads_made: set[int] = set()  # stages whose first backward has ended: gradients exist
     results: list[ActionResult] = []
     violations: list[str] = []
     busy = 0.0
     tensor_peak = 0
-    for action in stage_plan.schedule.actions(stage_plan.stage):
-        m = action.micro_batch
-        mine = per_batch[m]
-        resting = [k for k in forward_done if k not in backward_started and k != m]
+    for action in schedule.rank_actions(rank):
+        s, m = action.stage, action.micro_batch
+        assert s is not None
+        mine = per_batch[s][m]
+        plan_of = by_stage[s][1]
+        resting = [k for k in in_flight if k != (s, m)]
         if action.phase == FORWARD:
             running, duration = mine.forward_peak_bytes, mine.forward_s
-            running += mine.grad_bytes if grads_made else 0
-            forward_done.add(m)
+            running += mine.grad_bytes if s in grads_made else 0
+            in_flight.add((s, m))
         else:
-            later = grads_made and mine.grad_bytes
+            later = s in grads_made and mine.grad_bytes
             running = mine.backward_peak_later_bytes if later else mine.backward_peak_bytes
             duration = mine.backward_s
-            backward_started.add(m)
-            grads_made = True
+            in_flight.discard((s, m))
+            grads_made.add(s)
         # the running micro-batch's output is the graph's own tensor during its forward; the
         # schedule's hold on it counts from the forward's end
-        holding = len(resting) + (0 if action.phase == FORWARD else 1)
-        beside = sum(per_batch[k].rest_bytes for k in resting) + held * holding
-        beside += stage_plan.returned_bytes * len(backward_started - {m})
-        peak = running + beside
+        beside = sum(per_batch[k][j].rest_bytes + by_stage[k][1].held_bytes for k, j in resting)
+        beside += plan_of.held_bytes if action.phase != FORWARD else 0
+        beside += sum(by_stage[k][1].returned_bytes for k, j in finished)
+        others_grads = sum(per_batch[k][0].grad_bytes for k in grads_made if k != s)
+        peak = running + beside + others_grads
         tensors = (
             mine.forward_tensor_peak_bytes
             if action.phase == FORWARD
             else mine.backward_tensor_peak_bytes
         )
         tensor_peak = max(tensor_peak, tensors + beside)
+        if action.phase != FORWARD:
+            finished.add((s, m))
         results.append(ActionResult(action, int(peak), float(duration)))
         busy += duration
-        if peak > stage_plan.budget_bytes:
+        if peak > budget:
+            where = f"stage {s}" if len(by_stage) == 1 else f"rank {rank}, stage {s}"
             violations.append(
-                f"stage {stage_plan.stage}, {action.phase} of micro-batch {m}: {peak} bytes, "
-                f"{peak - stage_plan.budget_bytes} over the budget of {stage_plan.budget_bytes} "
+                f"{where}, {action.phase} of micro-batch {m}: {peak} bytes, "
+                f"{peak - budget} over the budget of {budget} "
                 f"({len(resting)} other micro-batches at rest)"
             )
-    ideal = (graph.ideal_step_time_s - graph.optimizer_s) * stage_plan.schedule.micro_batches
-    peak_bytes = max((r.peak_bytes for r in results), default=0)
+    ideal = sum(
+        (g.ideal_step_time_s - g.optimizer_s) * schedule.micro_batches for g, _ in by_stage.values()
+    )
+    first = min(by_stage)
     return StageSimResult(
-        stage=stage_plan.stage,
-        peak_bytes=peak_bytes,
-        budget_bytes=stage_plan.budget_bytes,
+        stage=first,
+        peak_bytes=max((r.peak_bytes for r in results), default=0),
+        budget_bytes=budget,
         fits=not violations,
         busy_s=busy,
         ideal_busy_s=ideal,
         actions=tuple(results),
-        rest_bytes=tuple(p.rest_bytes for p in per_batch),
+        rest_bytes=tuple(p.rest_bytes for p in per_batch[first]),
         violations=tuple(violations),
         tensor_peak_bytes=tensor_peak,
+        rank=rank,
+        stages=tuple(sorted(by_stage)),
     )
 
 
 @dataclass(frozen=True)
 class PipelineSimResult:
-    """Every stage's schedule, and the pipeline's step: when each action starts and ends."""
+    """Every rank's schedule (one stage each, or several under an interleaved schedule), and
+    the pipeline's step: when each action starts and ends."""
 
     step_s: float
     ideal_step_s: float
-    stages: tuple[StageSimResult, ...]
-    starts: tuple[tuple[float, ...], ...]  # per stage, per action
+    stages: tuple[StageSimResult, ...]  # per rank
+    starts: tuple[tuple[float, ...], ...]  # per rank, per action
     ends: tuple[tuple[float, ...], ...]
 
     @property
@@ -218,11 +294,11 @@ class PipelineSimResult:
 
 
 def simulate_pipeline(
-    graphs: list[ActivationGraph],
-    stage_plans: list[StagePlan],
+    graphs: Sequence[ActivationGraph],
+    stage_plans: Sequence[StagePlan],
     hw: Hardware | str | None = None,
 ) -> PipelineSimResult:
-    """The pipeline's step: each stage runs its actions in order; a forward starts once the
+    """The pipeline's step: each rank runs its actions in order; a forward starts once the
     previous stage's forward of that micro-batch has ended, a backward once the next stage's
     backward of it has (an action ends once the messages it sends are sent, where they cross
     the link: formulations/pipeline.md, "Messages between stages").
@@ -233,70 +309,85 @@ def simulate_pipeline(
         hw: the hardware (default: each plan's own).
 
     Returns:
-        The PipelineSimResult: the step's time, its ideal, and every stage's result.
+        The PipelineSimResult: the step's time, its ideal, and every rank's result.
     """
     if len(graphs) != len(stage_plans):
         raise ValueError(f"{len(graphs)} graphs for {len(stage_plans)} stage plans")
     hw = hardware(hw) if hw is not None else None
-    stages = [simulate_stage(g, p, hw) for g, p in zip(graphs, stage_plans)]
     schedule = stage_plans[0].schedule
-    if any(p.schedule != schedule for p in stage_plans) or schedule.stages != len(graphs):
+    if (
+        any(p.schedule != schedule for p in stage_plans)
+        or schedule.stages != len(graphs)
+        or [p.stage for p in stage_plans] != list(range(len(graphs)))
+    ):
         raise ValueError(
-            f"simulate_pipeline: every stage plan must be for one schedule of {len(graphs)} stages"
+            "simulate_pipeline: every stage plan must be for one schedule of "
+            f"{len(graphs)} stages, in stage order"
         )
-    actions = [schedule.actions(s) for s in range(len(graphs))]
-    durations = [[a.duration_s for a in stage.actions] for stage in stages]
-    starts, ends = _timeline(actions, durations)
+    ranks = [
+        simulate_rank(
+            [graphs[s] for s in schedule.stages_of(r)],
+            [stage_plans[s] for s in schedule.stages_of(r)],
+            hw,
+        )
+        for r in range(schedule.ranks)
+    ]
+    actions = [schedule.rank_actions(r) for r in range(schedule.ranks)]
+    durations = [[a.duration_s for a in rank.actions] for rank in ranks]
+    starts, ends = _timeline(actions, durations, schedule.stages)
     ideal = [
         [
-            float(g.forward_s.sum()) if a.phase == FORWARD else float(g.backward_s.sum())
+            float(graphs[a.stage].forward_s.sum())  # type: ignore[index]
+            if a.phase == FORWARD
+            else float(graphs[a.stage].backward_s.sum())  # type: ignore[index]
             for a in acts
         ]
-        for g, acts in zip(graphs, actions)
+        for acts in actions
     ]
-    _, ideal_ends = _timeline(actions, ideal)
+    _, ideal_ends = _timeline(actions, ideal, schedule.stages)
     return PipelineSimResult(
         step_s=max(e[-1] for e in ends),
         ideal_step_s=max(e[-1] for e in ideal_ends),
-        stages=tuple(stages),
+        stages=tuple(ranks),
         starts=tuple(tuple(x) for x in starts),
         ends=tuple(tuple(x) for x in ends),
     )
 
 
 def _timeline(
-    actions: list[tuple[Action, ...]], durations: list[list[float]]
+    actions: list[tuple[Action, ...]], durations: list[list[float]], stages: int
 ) -> tuple[list[list[float]], list[list[float]]]:
-    """When each stage's actions start and end: in order on their stage, a forward after the
+    """When each rank's actions start and end: in order on their rank, a forward after the
     previous stage's forward of its micro-batch, a backward after the next stage's backward of
     it (the last stage's after its own forward)."""
-    P = len(actions)
+    R = len(actions)
     starts = [[0.0] * len(a) for a in actions]
     ends = [[0.0] * len(a) for a in actions]
     done: dict[tuple[int, str, int], float] = {}
-    cursor = [0] * P
-    free_at = [0.0] * P
+    cursor = [0] * R
+    free_at = [0.0] * R
     left = sum(len(a) for a in actions)
     while left:
         progressed = False
-        for s in range(P):
-            while cursor[s] < len(actions[s]):
-                j = cursor[s]
-                action = actions[s][j]
-                m = action.micro_batch
+        for r in range(R):
+            while cursor[r] < len(actions[r]):
+                j = cursor[r]
+                action = actions[r][j]
+                s, m = action.stage, action.micro_batch
+                assert s is not None
                 if action.phase == FORWARD:
                     before = (s - 1, FORWARD, m) if s > 0 else None
                 else:
-                    before = (s + 1, action.phase, m) if s < P - 1 else (s, FORWARD, m)
+                    before = (s + 1, action.phase, m) if s < stages - 1 else (s, FORWARD, m)
                 if before is not None and before not in done:
                     break
-                start = max(free_at[s], done[before] if before is not None else 0.0)
-                starts[s][j], ends[s][j] = start, start + durations[s][j]
-                done[(s, action.phase, m)] = ends[s][j]
-                free_at[s] = ends[s][j]
-                cursor[s] += 1
+                start = max(free_at[r], done[before] if before is not None else 0.0)
+                starts[r][j], ends[r][j] = start, start + durations[r][j]
+                done[(s, action.phase, m)] = ends[r][j]
+                free_at[r] = ends[r][j]
+                cursor[r] += 1
                 left -= 1
                 progressed = True
         if not progressed:
-            raise ValueError("pipeline schedule deadlocks: a stage waits for itself")
+            raise ValueError("pipeline schedule deadlocks: a rank waits for itself")
     return starts, ends

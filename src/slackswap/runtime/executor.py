@@ -27,14 +27,17 @@ name. torch is imported here and in the profiler only.
 from __future__ import annotations
 
 import contextlib
+import threading
 import warnings
 from collections import OrderedDict
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from ..core.errors import PlanError
 from ..core.graph import ActivationGraph
+from ..core.pipeline import StagePlan
 from ..core.plan import Plan
 from .checked_step import CheckedStep, hook_coverage, mark_handled, resolve_node_ops
 from .lanes import lanes_for
@@ -104,7 +107,18 @@ class Run:
         prefetch_ahead: int = 2,
         smaller_inputs: bool = False,
         trace_every_step: bool = False,
+        micro_batch_plans: tuple[Plan, ...] = (),
     ):
+        # a pipeline stage's plan each micro-batch (StagePlan.plans): the n-th forward since
+        # the context was entered runs micro-batch n mod M's, as torch's schedules run the
+        # micro-batches' forwards in order on every stage
+        self.micro_batch_plans = micro_batch_plans or (plan,)
+        for other in self.micro_batch_plans:
+            if other is not plan:
+                other.require_complete("apply")
+                if graph is not None:
+                    other.check_graph(graph)
+                refuse_what_the_checker_refuses(other, graph, "apply")
         if graph is not None:
             plan.check_graph(graph)
         if "checkpoint_graph" in plan.extra or (
@@ -128,12 +142,12 @@ class Run:
         self.pool = host_pool(plan, device, pinned=self.cuda)
         self.lanes = lanes_for(device)  # chosen once: the CUDA streams or host copies
         self.prefetch_ahead = prefetch_ahead
-        moves = any(d != "keep" for d in plan.decisions.values())
-        # with the graph, the executor acts at the plan's own positions (and logs where it did)
-        self.positions = PlanPositions.of(plan, graph) if graph is not None and moves else None
-        # recipes (and RNG states) are kept only when something will be rebuilt
-        self.needs_recipes = any(d == "recompute" for d in plan.decisions.values())
-        self.recipe_ops = _recipe_ops(plan, graph) if self.needs_recipes else None
+        moves = any(d != "keep" for p in self.micro_batch_plans for d in p.decisions.values())
+        self._acting: dict[int, _PlanActs] = {
+            id(p): _PlanActs.of(p, graph) for p in self.micro_batch_plans
+        }
+        self._forwards = 0  # forwards since the context was entered (the micro-batch's index)
+        self._select(plan)
         self._check_device()
         if graph is not None:
             # the graph gives every offloaded storage's size: one pinned slab for what an
@@ -142,7 +156,8 @@ class Run:
             self.pool.reserve_missing(
                 {
                     name: int(graph.tensors[graph.tensor_index[name]].bytes)
-                    for name, d in plan.decisions.items()
+                    for p in self.micro_batch_plans
+                    for name, d in p.decisions.items()
                     if d == "swap" and name in graph.tensor_index
                 }
             )
@@ -167,9 +182,21 @@ class Run:
         # once a step of these input shapes is checked, later steps need no name from a tracer:
         # they are named by its saves (runtime/checked_step.py); a plan that rebuilds nothing
         # runs them with hooks alone, one that rebuilds counts positions and records recipes
-        self.can_skim = graph is not None and moves and not trace_every_step
+        distinct = len(self._acting) > 1  # (a checked step names one plan's handling)
+        self.can_skim = graph is not None and moves and not trace_every_step and not distinct
         self.checked: CheckedStep | None = None
         self._saved_hooks = SavedTensorHooks(self)
+        self._forward_hook: ForwardHook | None = None  # while entered
+
+    def _select(self, plan: Plan) -> None:
+        """The plan the next step runs (a pipeline stage's micro-batch's)."""
+        acts = self._acting[id(plan)]
+        self.plan = plan
+        # with the graph, the executor acts at the plan's own positions (and logs where it did)
+        self.positions = acts.positions
+        # recipes (and RNG states) are kept only when something will be rebuilt
+        self.needs_recipes = acts.needs_recipes
+        self.recipe_ops = acts.recipe_ops
 
     def _check_device(self) -> None:
         """A plan's times are the hardware's it was made for: warn when this device is another."""
@@ -214,11 +241,26 @@ class Run:
     def __enter__(self) -> Run:
         self._stack = contextlib.ExitStack()
         self.stats = RunStats()  # what the steps of this entry do (a context may be re-entered)
+        self._forwards = 0
         self._stack.callback(self._remove_paths)
         self._stack.callback(self._saved_hooks.close)
         forward = self._stack.enter_context(ForwardHook(self))
+        self._forward_hook = forward
         self._stack.enter_context(EndForwardOnBackward(self, forward))
+        entered = _entered_runs()
+        entered.append(self)
+        self._stack.callback(entered.remove, self)
         return self
+
+    def forward_running(self) -> bool:
+        """Whether the model's forward is running now (a model called inside another's)."""
+        return self._forward_hook is not None and self._forward_hook.depth > 0
+
+    def end_forward(self) -> None:
+        """Another context's model starts its forward outside this one's: this step's forward
+        (and what ran after it, the loss) is over, so its saved-tensor hooks come off and the
+        other model's saves go to its own step (a rank running several pipeline stages)."""
+        self._end_forward(backward=False)
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         stack, self._stack = self._stack, None
@@ -236,12 +278,21 @@ class Run:
         finally:
             if stack is not None:
                 stack.close()
+            self._forward_hook = None
             self.stats.host_pool_bytes = self.pool.nbytes
 
     # ------------------------------------------------------------ the hooks' calls
     def begin_forward(self, args: Any, kwargs: Any) -> None:
         """The model's forward begins: a step of the kind these inputs take (runtime/step.py)."""
         self.stats.steps += 1
+        for other in _entered_runs():
+            if other is not self and not other.forward_running():
+                other.end_forward()
+        if len(self.micro_batch_plans) > 1:
+            self._end_forward(backward=False)  # (the step before keeps its own plan)
+            plans = self.micro_batch_plans
+            self._select(plans[self._forwards % len(plans)])
+        self._forwards += 1
         if self.moves_nothing or self.can_skim:
             signature = input_signature(args, kwargs)
             if self.plan_checked and signature == self._signature:
@@ -381,6 +432,38 @@ class Run:
         return CheckedStep(self._signature, tuple(saves), step.skeletons, not why, why)
 
 
+_THREAD = threading.local()
+
+
+def _entered_runs() -> list[Run]:
+    """The contexts entered on this thread, in order (several: one per pipeline stage of a
+    rank)."""
+    runs = getattr(_THREAD, "runs", None)
+    if runs is None:
+        runs = _THREAD.runs = []
+    return runs
+
+
+@dataclass(frozen=True)
+class _PlanActs:
+    """Where one plan acts: its positions (with the graph, when it moves anything) and the ops
+    whose recipes its rebuilds need."""
+
+    positions: PlanPositions | None
+    needs_recipes: bool
+    recipe_ops: frozenset[int] | None
+
+    @staticmethod
+    def of(plan: Plan, graph: ActivationGraph | None) -> _PlanActs:
+        moves = any(d != "keep" for d in plan.decisions.values())
+        recipes = any(d == "recompute" for d in plan.decisions.values())
+        return _PlanActs(
+            PlanPositions.of(plan, graph) if graph is not None and moves else None,
+            recipes,
+            _recipe_ops(plan, graph) if recipes else None,
+        )
+
+
 def _recipe_ops(plan: Plan, graph: ActivationGraph | None) -> frozenset[int] | None:
     """With the graph, only the ops a rebuild may rerun keep recipes (the closures of the
     recomputed tensors, their in-place writers included, and of the saved tensors those read,
@@ -400,7 +483,7 @@ def _recipe_ops(plan: Plan, graph: ActivationGraph | None) -> frozenset[int] | N
 
 
 def apply(
-    plan: Plan,
+    plan: Plan | StagePlan,
     model: torch.nn.Module,
     graph: ActivationGraph | None = None,
     *,
@@ -416,7 +499,10 @@ def apply(
     largest sequence length of a bucket runs the shorter ones: no point holds more than planned).
 
     Args:
-        plan: a closed plan for the model's step.
+        plan: a closed plan for the model's step, or a pipeline stage's plans (``StagePlan``:
+            the n-th forward in the context runs micro-batch n mod M's plan, as torch's
+            schedules run a stage's micro-batches in order; enter the context around whole
+            ``schedule.step()`` calls).
         model: the torch module it was made for.
         graph: the graph it was made for: the executor then acts at the plan's positions.
         smaller_inputs: allow steps smaller than the profiled one.
@@ -430,8 +516,13 @@ def apply(
     Raises:
         PlanError: a plan for another model or graph, or one the checker refuses.
     """
+    micro_batch_plans: tuple[Plan, ...] = ()
+    if isinstance(plan, StagePlan):
+        micro_batch_plans, plan = plan.plans, plan.plans[0]
     if not isinstance(plan, Plan):
-        raise TypeError(f"apply: plan must be a slackswap.Plan, got {type(plan).__name__}")
+        raise TypeError(
+            f"apply: plan must be a slackswap.Plan or StagePlan, got {type(plan).__name__}"
+        )
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"apply: model must be a torch.nn.Module, got {type(model).__name__}")
     if hasattr(model, "_orig_mod") and type(model).__name__ == "OptimizedModule":
@@ -441,4 +532,11 @@ def apply(
             "compiled model and run it inside slackswap.checkpointed(model._orig_mod, "
             "plan, graph) (plans with keep and recompute only)"
         )
-    return Run(plan, model, graph, smaller_inputs=smaller_inputs, trace_every_step=trace_every_step)
+    return Run(
+        plan,
+        model,
+        graph,
+        smaller_inputs=smaller_inputs,
+        trace_every_step=trace_every_step,
+        micro_batch_plans=micro_batch_plans,
+    )
