@@ -119,16 +119,16 @@ def main() -> int:
     low = ss.smallest_stage_peak(graph, pipeline, rank, hw)
     high = ss.keep_all_stage_peak(graph, pipeline, rank, hw)
     stage_plan = ss.plan_stage(graph, int(low + args.budget * (high - low)), pipeline, rank, hw)
-    plan = stage_plan.plans[0]
+    plan = stage_plan.plans[0]  # (micro-batch 0's: the later ones may keep more)
     predicted = ss.simulate_stage(graph, stage_plan)
     print(
         f"rank {rank}: {plan.count('keep')} keep, {plan.count('swap')} swap, "
-        f"{plan.count('recompute')} recompute; stage peak {predicted.peak_bytes / 2**20:.2f} MiB "
+        f"{plan.count('recompute')} recompute in micro-batch 0; stage peak {predicted.peak_bytes / 2**20:.2f} MiB "
         f"of {stage_plan.budget_bytes / 2**20:.2f} MiB ({pipeline.in_flight(rank)} in flight)",
         flush=True,
     )
 
-    run = ss.apply(plan, module, graph=graph)
+    run = ss.apply(stage_plan, module, graph=graph)  # each micro-batch its own plan
     for step in range(args.steps):
         start = time.perf_counter()
         optimizer.zero_grad(set_to_none=True)
