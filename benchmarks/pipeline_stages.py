@@ -3,7 +3,11 @@ every stage at one budget (half of stage 0's keep-all peak under the schedule), 
 slackswap against what users configure by hand.
 
     python benchmarks/pipeline_stages.py [--workload gpt2-xl] [--stages 4] [--micro-batches 8]
-        [--schedule 1f1b] [--fraction 0.5] [--time-limit 20]
+        [--schedule 1f1b|gpipe|interleaved-1f1b] [--stages-per-rank 1] [--fraction 0.5]
+        [--time-limit 20] [--collectives-on-link]
+
+With ``--collectives-on-link`` the messages between stages (the residual stream and its
+gradient) cross the host link beside the plans' copies (PCIe nodes without NVLink).
 
 For each way of running the stages, every stage's predicted peak under the schedule (the
 step model composed over the schedule: formulations/pipeline.md), whether it fits, and the
@@ -34,14 +38,18 @@ from results_md import command_line, markdown_table, write_section  # noqa: E402
 
 
 def by_hand(graphs, schedule, budget, hw, solver: str) -> list[ss.StagePlan]:
-    """``solver`` ("recompute-all", "swap-all") on every stage whose keep-all does not fit."""
-    out = []
-    for s, g in enumerate(graphs):
-        keep = ss.solve(g, 1.0, hw, solver="keep-all")
-        fits = ss.keep_all_stage_peak(g, schedule, s, hw) <= budget
-        p = keep if fits else ss.solve(g, 1.0, hw, solver=solver, strict=False)
-        out.append(ss.StagePlan(s, schedule, (p,) * schedule.micro_batches, budget))
-    return out
+    """``solver`` ("recompute-all", "swap-all") on every stage of a rank whose keep-all does
+    not fit."""
+    out = {}
+    for r in range(schedule.ranks):
+        mine = schedule.stages_of(r)
+        fits = ss.keep_all_rank_peak([graphs[s] for s in mine], schedule, r, hw) <= budget
+        for s in mine:
+            g = graphs[s]
+            keep = ss.solve(g, 1.0, hw, solver="keep-all")
+            p = keep if fits else ss.solve(g, 1.0, hw, solver=solver, strict=False)
+            out[s] = ss.StagePlan(s, schedule, (p,) * schedule.micro_batches, budget)
+    return [out[s] for s in range(len(graphs))]
 
 
 def row(name: str, graphs, stage_plans, tokens: int, wall_s: float | None) -> dict:
@@ -57,6 +65,7 @@ def row(name: str, graphs, stage_plans, tokens: int, wall_s: float | None) -> di
         "decisions": [
             {d: sp.plans[0].count(d) for d in ("keep", "swap", "recompute")} for sp in stage_plans
         ],
+        "distinct_plans_per_stage": [len({id(p) for p in sp.plans}) for sp in stage_plans],
         "wall_s": wall_s,
     }
 
@@ -67,17 +76,30 @@ def main() -> int:
     parser.add_argument("--hardware", default="a100-80gb-pcie4")
     parser.add_argument("--stages", type=int, default=4)
     parser.add_argument("--micro-batches", type=int, default=8)
-    parser.add_argument("--schedule", default="1f1b", choices=("1f1b", "gpipe"))
+    parser.add_argument(
+        "--schedule", default="1f1b", choices=("1f1b", "gpipe", "interleaved-1f1b")
+    )
+    parser.add_argument("--stages-per-rank", type=int, default=1)
+    parser.add_argument("--collectives-on-link", action="store_true")
     parser.add_argument("--fraction", type=float, default=0.5)
     parser.add_argument("--time-limit", type=float, default=20.0)
-    parser.add_argument(
-        "--json", type=Path, default=Path("benchmarks/results/pipeline_stages.json")
-    )
+    parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
-    hw = args.hardware
+    variant = "" if args.schedule == "1f1b" else "_" + args.schedule.replace("-", "_")
+    variant += "_link" if args.collectives_on_link else ""
+    if args.json is None:
+        args.json = Path(f"benchmarks/results/pipeline_stages{variant}.json")
+    hw = ss.hardware(args.hardware)
+    if args.collectives_on_link:
+        hw = hw.with_link(name=f"{hw.name}-comms-on-link", collectives_on_link=True)
     graphs = ss.workload_stages(args.workload, args.stages, hw)
-    schedule = ss.PipelineSchedule(args.schedule, args.stages, args.micro_batches)
-    keep_peaks = [ss.keep_all_stage_peak(g, schedule, s, hw) for s, g in enumerate(graphs)]
+    schedule = ss.PipelineSchedule(
+        args.schedule, args.stages, args.micro_batches, args.stages_per_rank
+    )
+    keep_peaks = [
+        ss.keep_all_rank_peak([graphs[s] for s in schedule.stages_of(r)], schedule, r, hw)
+        for r in range(schedule.ranks)
+    ]
     budget = int(args.fraction * keep_peaks[0])
     config = ss.WORKLOADS[args.workload]
     tokens = args.micro_batches * config.micro_batch * config.seq_len
@@ -118,7 +140,7 @@ def main() -> int:
         json.dumps(
             {
                 "workload": args.workload,
-                "hardware": hw,
+                "hardware": hw.name,
                 "schedule": schedule.to_dict(),
                 "budget_bytes": budget,
                 "keep_all_stage_peaks_bytes": keep_peaks,
@@ -127,16 +149,18 @@ def main() -> int:
             indent=1,
         )
     )
+    per_rank = f" ({args.stages_per_rank} a rank)" if args.stages_per_rank > 1 else ""
+    link = ", messages between stages on the host link" if args.collectives_on_link else ""
     write_section(
-        "pipeline_stages",
-        f"Pipeline stages: {args.workload} in {args.stages} stages, {args.schedule}, "
-        f"{args.micro_batches} micro-batches, every stage at {100 * args.fraction:.0f}% of "
-        f"stage 0's keep-all ({budget / gib:.2f} GiB)",
+        f"pipeline_stages{variant}",
+        f"Pipeline stages: {args.workload} in {args.stages} stages{per_rank}, {args.schedule}, "
+        f"{args.micro_batches} micro-batches{link}, every rank at {100 * args.fraction:.0f}% of "
+        f"rank 0's keep-all ({budget / gib:.2f} GiB)",
         command_line(),
         markdown_table(
             [
                 "plan",
-                "stage peaks GiB",
+                "rank peaks GiB",
                 "all fit",
                 "step ms",
                 "of ideal",
@@ -156,11 +180,14 @@ def main() -> int:
                 for r in rows
             ],
         )
-        + "\n\nKeep-all stage peaks under the schedule: "
+        + "\n\nKeep-all rank peaks under the schedule: "
         + " / ".join(f"{p / gib:.2f}" for p in keep_peaks)
-        + f" GiB ({', '.join(str(schedule.in_flight(s)) for s in range(args.stages))} "
-        "micro-batches in flight). Predictions of the step model for the "
-        f"`{hw}` preset (formulations/pipeline.md); no GPU measured them.",
+        + f" GiB ({', '.join(str(schedule.in_flight_on_rank(r)) for r in range(schedule.ranks))}"
+        " micro-batches in flight). Micro-batches on a plan of their own (slackswap, "
+        "heuristic): "
+        + " / ".join(str(n) for n in rows[3]["distinct_plans_per_stage"])
+        + " distinct plans per stage. Predictions of the step model for the "
+        f"`{hw.name}` preset (formulations/pipeline.md); no GPU measured them.",
     )
     return 0
 

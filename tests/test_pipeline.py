@@ -426,6 +426,24 @@ def test_fit_answers_for_the_worst_stage(capsys):
     with pytest.raises(ValueError, match="gradients='made'"):
         fit_stages(dataclasses.replace(g, extra={**g.extra, "parameter_gradients": "made"}),
                    stages=2, micro_batches=4)  # fmt: skip
+    # interleaved 1F1B: 4 stages of one block on 2 ranks, each rank holding two stages' model
+    # state and the micro-batches of both in flight
+    interleaved = fit_stages(g, stages=4, micro_batches=4, schedule="interleaved-1f1b",
+                             stages_per_rank=2)  # fmt: skip
+    assert [f.stages for f in interleaved.stages] == [(0, 2), (1, 3)]
+    parts = ss.split_stages(g, 4)
+    for f in interleaved.stages:
+        assert f.model_state_bytes == sum(
+            parts[s].extra["model_state"]["total_bytes"] for s in f.stages
+        )
+        assert f.blocks == 2 and len(f.plans) == 2
+    # rank 0: a warm-up of (V - 1) k + 2 (R - 1 - r) = 1 x 2 + 2 = 4 forwards, then a forward
+    # before its first backward: 5 micro-batches in flight over its two stages
+    assert interleaved.fits and interleaved.stages[0].in_flight == 5
+    assert main([*argv[:-6], "--pipeline-stages", "4", "--micro-batches", "4", "--schedule",
+                 "interleaved-1f1b", "--stages-per-rank", "2"]) == 0  # fmt: skip
+    printed = capsys.readouterr().out
+    assert "interleaved-1f1b: 4 stages (2 a rank)" in printed and "  0,2  " in printed
 
 
 def json_config() -> str:

@@ -103,8 +103,8 @@ def add_fit(sub) -> None:
         "--pipeline-stages",
         type=int,
         default=0,
-        help="pipeline stages (one per rank): each stage's model state and activations under "
-        "the schedule, the answer for the worst stage (--batch is the micro-batch)",
+        help="pipeline stages: each rank's model state and activations under the schedule, "
+        "the answer for the worst rank (--batch is the micro-batch)",
     )
     p.add_argument(
         "--micro-batches", type=int, default=0, help="with --pipeline-stages: micro-batches a step"
@@ -112,8 +112,15 @@ def add_fit(sub) -> None:
     p.add_argument(
         "--schedule",
         default="1f1b",
-        choices=("1f1b", "gpipe"),
-        help="with --pipeline-stages: torch.distributed.pipelining's Schedule1F1B or ScheduleGPipe",
+        choices=("1f1b", "gpipe", "interleaved-1f1b"),
+        help="with --pipeline-stages: torch.distributed.pipelining's Schedule1F1B, ScheduleGPipe "
+        "or ScheduleInterleaved1F1B",
+    )
+    p.add_argument(
+        "--stages-per-rank",
+        type=int,
+        default=1,
+        help="with --schedule interleaved-1f1b: stages on each rank (they share its memory)",
     )
     p.add_argument("--out", help="write the graph JSON here (with --max-*: the search's JSON)")
     p.add_argument("--plan", help="write the plan JSON here")
@@ -302,6 +309,7 @@ def _pipelined(args, graph_at) -> int:
                 stages=args.pipeline_stages,
                 micro_batches=args.micro_batches,
                 schedule=args.schedule,
+                stages_per_rank=args.stages_per_rank,
                 solver=args.solver,
                 time_limit_s=args.time_limit,
                 **({"memory_bytes": args.memory} if args.memory else {}),
