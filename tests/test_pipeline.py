@@ -237,6 +237,9 @@ def test_a_stage_plan_travels_as_json():
     stage_plan = ss.plan_for_stages([g, g], 150, PipelineSchedule("1f1b", 2, 4), LINK)[0]
     again = StagePlan.from_dict(__import__("json").loads(stage_plan.to_json()))
     assert again == stage_plan
+    interleaved = PipelineSchedule("interleaved-1f1b", 4, 2, stages_per_rank=2)
+    rank_plan = StagePlan(2, interleaved, stage_plan.plans[:2], 300)
+    assert StagePlan.from_json(rank_plan.to_json()) == rank_plan
 
 
 def test_the_split_workload_plans_every_stage_within_its_budget():

@@ -270,6 +270,10 @@ class StagePlan:
         return json.dumps(self.to_dict(), indent=indent)
 
     @staticmethod
+    def from_json(text: str) -> StagePlan:
+        return StagePlan.from_dict(json.loads(text))
+
+    @staticmethod
     def from_dict(data: dict[str, Any]) -> StagePlan:
         return StagePlan(
             int(data["stage"]),
