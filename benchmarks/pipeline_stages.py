@@ -76,9 +76,7 @@ def main() -> int:
     parser.add_argument("--hardware", default="a100-80gb-pcie4")
     parser.add_argument("--stages", type=int, default=4)
     parser.add_argument("--micro-batches", type=int, default=8)
-    parser.add_argument(
-        "--schedule", default="1f1b", choices=("1f1b", "gpipe", "interleaved-1f1b")
-    )
+    parser.add_argument("--schedule", default="1f1b", choices=("1f1b", "gpipe", "interleaved-1f1b"))
     parser.add_argument("--stages-per-rank", type=int, default=1)
     parser.add_argument("--collectives-on-link", action="store_true")
     parser.add_argument("--fraction", type=float, default=0.5)

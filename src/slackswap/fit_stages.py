@@ -182,8 +182,18 @@ def fit_stages(
                 verdict = "fits as it is" if keep_all <= left else "fits with the plan"
         results.append(
             StageFit(
-                mine[0], blocks, held, left, pipeline.in_flight_on_rank(rank), keep_all,
-                plans[0] if plans else None, peak, busy, verdict, mine, tuple(plans),
+                mine[0],
+                blocks,
+                held,
+                left,
+                pipeline.in_flight_on_rank(rank),
+                keep_all,
+                plans[0] if plans else None,
+                peak,
+                busy,
+                verdict,
+                mine,
+                tuple(plans),
             )  # fmt: skip
         )
     step = ideal = None
