@@ -218,8 +218,8 @@ def simulate_rank(
     busy = 0.0
     tensor_peak = 0
     for action in schedule.rank_actions(rank):
+        assert action.stage is not None
         s, m = action.stage, action.micro_batch
-        assert s is not None
         mine = per_batch[s][m]
         plan_of = by_stage[s][1]
         resting = [k for k in in_flight if k != (s, m)]

@@ -160,8 +160,8 @@ def validate_rank(
     gradients_exist: set[int] = set()  # stages, from the end of their first backward
     finished: list[tuple[int, int]] = []  # backward run: a last stage's output returned
     for action in schedule.rank_actions(rank):
+        assert action.stage is not None
         s, m = action.stage, action.micro_batch
-        assert s is not None
         forward_peak, backward_peak, _, forward_s, backward_s, backward_later = phases[s][m]
         others = [k for k in in_flight if k != (s, m)]
         at_rest = sum(phases[k][j][2] + plan_of[k].held_bytes for k, j in others)
