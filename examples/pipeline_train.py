@@ -3,12 +3,15 @@ under the plan slackswap makes for its whole schedule.
 
     torchrun --nproc_per_node 2 examples/pipeline_train.py [--schedule 1f1b] [--steps 5]
         [--micro-batches 4] [--budget 0.5]
+    torchrun --nproc_per_node 2 examples/pipeline_train.py --schedule interleaved-1f1b \
+        --stages-per-rank 2
 
 Runs on CPU with the gloo backend and unchanged on GPUs with nccl (one GPU per rank). Every rank
-builds the same model (a seed), keeps its stage (the embedding on the first, an equal share of
-the blocks, the final norm and the head on the last), profiles it on one micro-batch, and plans
-it for the schedule with ``ss.plan_stage`` (``--budget``: where the stage's budget lies from
-the least any plan reaches, 0, to its keep-all peak under the schedule, 1). The schedule's first step runs plainly (torch infers the stages'
+builds the same model (a seed), keeps its stages (one, or several under interleaved 1F1B: the
+embedding on the first, an equal share of the blocks, the final norm and the head on the last),
+profiles each on one micro-batch, and plans them together for the schedule with
+``ss.plan_rank`` (``--budget``: where the rank's budget lies from the least any plan reaches,
+0, to its keep-all peak under the schedule, 1). The schedule's first step runs plainly (torch infers the stages'
 shapes there, with a forward and a backward of its own); the later ones run under the plan.
 Each rank prints its plan, its stage's predicted peak and its step times.
 """
@@ -16,6 +19,7 @@ Each rank prints its plan, its stage's predicted peak and its step times.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import time
 
@@ -70,7 +74,10 @@ def loss_fn(out, target):
 
 def main() -> int:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--schedule", default="1f1b", choices=("1f1b", "gpipe"))
+    parser.add_argument("--schedule", default="1f1b", choices=("1f1b", "gpipe", "interleaved-1f1b"))
+    parser.add_argument(
+        "--stages-per-rank", type=int, default=1, help="with interleaved-1f1b: stages a rank"
+    )
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--micro-batches", type=int, default=4)
     parser.add_argument("--layers", type=int, default=4)
@@ -78,62 +85,92 @@ def main() -> int:
         "--budget",
         type=float,
         default=0.5,
-        help="where the stage's budget lies from the least any plan reaches (0) to keep-all (1)",
+        help="where the rank's budget lies from the least any plan reaches (0) to keep-all (1)",
     )
     args = parser.parse_args()
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+    from torch.distributed.pipelining import (
+        PipelineStage,
+        Schedule1F1B,
+        ScheduleGPipe,
+        ScheduleInterleaved1F1B,
+    )
 
     cuda = torch.cuda.is_available()
     dist.init_process_group("nccl" if cuda else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else None
     device = device or torch.device("cpu")
-    module = Stage(rank, world, args.layers).to(device)
-    stage = PipelineStage(module, rank, world, device)
-    runs = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}[args.schedule]
-    schedule = runs(stage, args.micro_batches, loss_fn=loss_fn)
-    optimizer = torch.optim.AdamW(module.parameters(), lr=1e-3)
+    pipeline = ss.PipelineSchedule(
+        args.schedule, world * args.stages_per_rank, args.micro_batches, args.stages_per_rank
+    )
+    mine = pipeline.stages_of(rank)  # rank, rank + world, ... (torch's order)
+    last = pipeline.stages - 1
+    modules = [Stage(s, pipeline.stages, args.layers).to(device) for s in mine]
+    stages = [PipelineStage(m, s, pipeline.stages, device) for m, s in zip(modules, mine)]
+    if args.schedule == "interleaved-1f1b":
+        schedule = ScheduleInterleaved1F1B(stages, args.micro_batches, loss_fn=loss_fn)
+    else:
+        runs = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}[args.schedule]
+        schedule = runs(stages[0], args.micro_batches, loss_fn=loss_fn)
+    optimizer = torch.optim.AdamW([p for m in modules for p in m.parameters()], lr=1e-3)
     g = torch.Generator().manual_seed(1)
     x = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g).to(device)
     y = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g).to(device)
 
-    # this rank's stage, profiled on one micro-batch and planned for the whole schedule
+    # this rank's stages, each profiled on one micro-batch, planned together for the schedule
     per_batch = BATCH // args.micro_batches
-    if rank == 0:
-        example = x[:per_batch]
-    else:
-        example = torch.randn(per_batch, SEQ, WIDTH, device=device, requires_grad=True)
-    if rank == world - 1:
-
-        def profile_loss(out):
-            return loss_fn(out, y[:per_batch])
-
-    else:
-
-        def profile_loss(out):
-            return out.sum()  # its backward saves nothing: the stage's own saves stand
-
     hw = None if cuda else "cpu-emulated-link"
-    graph = ss.profile(module, example, profile_loss)
-    pipeline = ss.PipelineSchedule(args.schedule, world, args.micro_batches)
-    low = ss.smallest_stage_peak(graph, pipeline, rank, hw)
-    high = ss.keep_all_stage_peak(graph, pipeline, rank, hw)
-    stage_plan = ss.plan_stage(graph, int(low + args.budget * (high - low)), pipeline, rank, hw)
-    plan = stage_plan.plans[0]  # (micro-batch 0's: the later ones may keep more)
-    predicted = ss.simulate_stage(graph, stage_plan)
+    graphs, held, returned = [], [], []
+    for s, module in zip(mine, modules):
+        if s == 0:
+            example = x[:per_batch]
+        else:
+            example = torch.randn(per_batch, SEQ, WIDTH, device=device, requires_grad=True)
+        if s == last:
+
+            def profile_loss(out):
+                return loss_fn(out, y[:per_batch])
+
+        else:
+
+            def profile_loss(out):
+                return out.sum()  # its backward saves nothing: the stage's own saves stand
+
+        graphs.append(ss.profile(module, example, profile_loss))
+        # torch's schedule keeps each micro-batch's output until its backward, and the last
+        # stage's to return them merged
+        with torch.no_grad():
+            output = module(example).untyped_storage().nbytes()
+        held.append(output)
+        returned.append(output if s == last else 0)
+    kw = {"held_bytes": held, "returned_bytes": returned}
+    low = ss.smallest_rank_peak(graphs, pipeline, rank, hw, **kw)
+    high = ss.keep_all_rank_peak(graphs, pipeline, rank, hw, **kw)
+    budget = int(low + args.budget * (high - low))
+    stage_plans = ss.plan_rank(graphs, budget, pipeline, rank, hw, **kw)
+    predicted = ss.simulate_rank(graphs, stage_plans)
+    for stage_plan in stage_plans:
+        plan = stage_plan.plans[0]  # (micro-batch 0's: the later ones may keep more)
+        print(
+            f"rank {rank}, stage {stage_plan.stage}: {plan.count('keep')} keep, "
+            f"{plan.count('swap')} swap, {plan.count('recompute')} recompute in micro-batch 0",
+            flush=True,
+        )
     print(
-        f"rank {rank}: {plan.count('keep')} keep, {plan.count('swap')} swap, "
-        f"{plan.count('recompute')} recompute in micro-batch 0; stage peak {predicted.peak_bytes / 2**20:.2f} MiB "
-        f"of {stage_plan.budget_bytes / 2**20:.2f} MiB ({pipeline.in_flight(rank)} in flight)",
+        f"rank {rank}: peak {predicted.peak_bytes / 2**20:.2f} MiB of "
+        f"{budget / 2**20:.2f} MiB ({pipeline.in_flight_on_rank(rank)} in flight)",
         flush=True,
     )
 
-    run = ss.apply(stage_plan, module, graph=graph)  # each micro-batch its own plan
+    # one context per stage module: each micro-batch runs its own plan
+    contexts = [ss.apply(p, m, graph=gr) for p, m, gr in zip(stage_plans, modules, graphs)]
     for step in range(args.steps):
         start = time.perf_counter()
         optimizer.zero_grad(set_to_none=True)
-        context = run if step > 0 else None  # the first step: torch's shape inference
-        with context if context is not None else torch.enable_grad():
+        with contextlib.ExitStack() as stack:
+            if step > 0:  # the first step: torch's shape inference, run plainly
+                for context in contexts:
+                    stack.enter_context(context)
             if rank == 0:
                 schedule.step(x)
             elif rank == world - 1:

@@ -30,9 +30,13 @@ def test_a_trainer_example_runs(script, needs):
 
 
 @pytest.mark.slow
-def test_the_pipeline_example_runs_under_torchrun():
-    """examples/pipeline_train.py as documented: torchrun, 2 gloo processes, 1F1B; every rank
-    plans its stage and trains its later steps under the plan."""
+@pytest.mark.parametrize(
+    "schedule", [(), ("--schedule", "interleaved-1f1b", "--stages-per-rank", "2")]
+)
+def test_the_pipeline_example_runs_under_torchrun(schedule):
+    """examples/pipeline_train.py as documented: torchrun, 2 gloo processes, 1F1B and
+    interleaved 1F1B (two stages a rank); every rank plans its stages and trains its later
+    steps under the plans."""
     import socket
 
     with socket.socket() as s:
@@ -40,7 +44,8 @@ def test_the_pipeline_example_runs_under_torchrun():
         port = s.getsockname()[1]
     out = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-         f"--master_port={port}", str(ROOT / "examples" / "pipeline_train.py"), "--steps", "3"],
+         f"--master_port={port}", str(ROOT / "examples" / "pipeline_train.py"), "--steps", "3",
+         *schedule],
         capture_output=True,
         text=True,
         timeout=CAP,
