@@ -102,8 +102,18 @@ def keep_all_rank_peak(
     returned_bytes: int | Sequence[int] = 0,
 ) -> int:
     """What the rank holds at its most when every micro-batch of each of its stages keeps
-    everything (``graphs``: its stages' steps, in ``schedule.stages_of(rank)`` order;
-    ``held_bytes``, ``returned_bytes``: as for ``StagePlan``, one for all or one per stage)."""
+    everything.
+
+    Args:
+        graphs: its stages' steps for one micro-batch, in ``schedule.stages_of(rank)`` order.
+        schedule: the pipeline schedule.
+        rank: which rank (from 0).
+        hardware: the device (default: the first graph's).
+        held_bytes, returned_bytes: as for ``StagePlan``, one for all or one per stage.
+
+    Returns:
+        The rank's keep-all peak under the schedule, in bytes.
+    """
     r = _rank_for(graphs, schedule, rank, hardware, held_bytes, returned_bytes,
                   "keep_all_rank_peak")  # fmt: skip
     keep = [solve(g, 1.0, r.hw, solver="keep-all") for g in r.graphs]
@@ -143,7 +153,18 @@ def smallest_rank_peak(
     returned_bytes: int | Sequence[int] = 0,
 ) -> int:
     """What the rank holds at its most when every micro-batch runs its stage's smallest
-    one-step plan (``solve(graph, "smallest")``): the least budget ``plan_rank`` fits."""
+    one-step plan (``solve(graph, "smallest")``): the least budget ``plan_rank`` searches from.
+
+    Args:
+        graphs: its stages' steps for one micro-batch, in ``schedule.stages_of(rank)`` order.
+        schedule: the pipeline schedule.
+        rank: which rank (from 0).
+        hardware: the device (default: the first graph's).
+        held_bytes, returned_bytes: as for ``StagePlan``, one for all or one per stage.
+
+    Returns:
+        That peak, in bytes.
+    """
     r = _rank_for(graphs, schedule, rank, hardware, held_bytes, returned_bytes,
                   "smallest_rank_peak")  # fmt: skip
     smallest = [solve(g, "smallest", r.hw, solver="heuristic") for g in r.graphs]

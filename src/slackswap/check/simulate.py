@@ -123,17 +123,10 @@ def run_timeline(graph: ActivationGraph, exp: Expansion, hw: Hardware, budget: i
     d2h_done = np.zeros(T)
     arrival = np.zeros(T)
     swapped = np.flatnonzero(codes == SWAP)
-    free_after: dict[int, list[int]] = {}
-    issue_at: dict[int, list[int]] = {}
-    for t in swapped.tolist():
-        free_after.setdefault(int(exp.d2h_free[t]), []).append(t)
-        issue_at.setdefault(int(exp.h2d_issue[t]), []).append(t)
+    free_after, issue_at, outputs_swapped = _swap_events(graph, exp, swapped)
     h2d_key = np.array(
         [graph.bwd_position(int(u)) if u >= 0 else 0 for u in graph.first_backward_use]
     )
-    outputs_swapped: dict[int, list[int]] = {}
-    for t in swapped.tolist():
-        outputs_swapped.setdefault(int(graph.producer[t]), []).append(t)
     point_time = np.zeros(exp.n_points)
     compute: list[tuple[float, float, int, int]] = []
     d2h_iv: list[tuple[float, float, int]] = []
@@ -143,17 +136,14 @@ def run_timeline(graph: ActivationGraph, exp: Expansion, hw: Hardware, budget: i
     now = 0.0
     stall = 0.0
     recompute_s = 0.0
-    collectives_at: dict[int, list[Collective]] = {}
-    if hw.collectives_on_link:
-        for c in graph.collectives:
-            collectives_at.setdefault(graph.collective_position(c), []).append(c)
+    collectives_at = _collectives_by_position(graph, hw)
     forward_collectives_end = 0.0
     for k in range(S):
         arrive = now
         # collectives issued here enter the lanes first (step-model.md, "Collectives")
         for c in collectives_at.get(k, ()):
             d2h_lane, h2d_lane = _collective_on_lanes(c, hw, arrive, d2h_lane, h2d_lane)
-            if k < n:
+            if k < n:  # (a pipeline stage's forward action ends after them)
                 ends = (d2h_lane if c.d2h_bytes else 0.0, h2d_lane if c.h2d_bytes else 0.0)
                 forward_collectives_end = max(forward_collectives_end, *ends)
         for t in sorted(issue_at.get(k, ()), key=lambda t: (h2d_key[t], t)):
@@ -246,6 +236,30 @@ def _refuse_swaps_without_host(graph: ActivationGraph, exp: Expansion, hw: Hardw
             "host to swap to (its device memory is host memory): the copy would run "
             "on the compute thread and free nothing, so it is not simulated"
         )
+
+
+def _swap_events(
+    graph: ActivationGraph, exp: Expansion, swapped: np.ndarray
+) -> tuple[dict[int, list[int]], dict[int, list[int]], dict[int, list[int]]]:
+    """The swapped tensors by the position after which each is freed, by the position that
+    issues its prefetch, and by the op that makes it (its offload follows that op)."""
+    free_after: dict[int, list[int]] = {}
+    issue_at: dict[int, list[int]] = {}
+    outputs_swapped: dict[int, list[int]] = {}
+    for t in swapped.tolist():
+        free_after.setdefault(int(exp.d2h_free[t]), []).append(t)
+        issue_at.setdefault(int(exp.h2d_issue[t]), []).append(t)
+        outputs_swapped.setdefault(int(graph.producer[t]), []).append(t)
+    return free_after, issue_at, outputs_swapped
+
+
+def _collectives_by_position(graph: ActivationGraph, hw: Hardware) -> dict[int, list[Collective]]:
+    """The collectives that cross the host link, by the position that issues them."""
+    out: dict[int, list[Collective]] = {}
+    if hw.collectives_on_link:
+        for c in graph.collectives:
+            out.setdefault(graph.collective_position(c), []).append(c)
+    return out
 
 
 def _collective_on_lanes(

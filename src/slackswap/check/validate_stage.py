@@ -96,64 +96,13 @@ def validate_rank(
     violations: list[Violation] = []
     # per stage, per micro-batch: (forward peak, backward peak, rest bytes, forward time,
     # backward time, the backward's peak once the parameter gradients exist)
-    phases: dict[int, list[tuple[int, int, int, float, float, int]]] = {}
+    phases: dict[int, list[_Phases]] = {}
     grads_of: dict[int, int] = {}
     for s in sorted(mine):
-        graph, stage_plan = graph_of[s], plan_of[s]
-        step = StepWalk(graph)
-        n = step.n
-        seen: dict[int, tuple[int, int, int, float, float, int]] = {}
-        grads, made_before = _gradients_made(graph)
-        grads_of[s] = grads
-        for m, plan in enumerate(stage_plan.plans):
-            if id(plan) in seen:
-                continue
-            checked = validate(graph, plan, hw, budget=budget)
-            violations.extend(
-                Violation(
-                    v.kind,
-                    f"stage {s}, micro-batch {m}: {v.message}",
-                    v.op,
-                    v.tensor,
-                    v.bytes_over,
-                )  # fmt: skip
-                for v in checked.violations
-            )
-            if not checked.ok:
-                return StageValidation(False, tuple(violations), checked.peak_bytes, budget)
-            decisions = step.read_decisions(plan)
-            walk = step.walk(decisions, plan)
-            assert walk.points is not None
-            memory = step.point_memory(walk)
-            first_backward = next(p for p, (k, _, _) in enumerate(walk.points) if k >= n)
-            marks: dict[str, float] = {}
-            on = hw if hw is not None else plan.hardware
-            assert on is not None  # validate() refused a plan that names no hardware
-            total, _, _ = step_timeline(step, walk, decisions, plan, hardware(on), marks)
-            forward_end = marks.get("forward_end", 0.0)
-            # a later backward adds into gradients that exist: of those made by then, a point
-            # holds only what its own op adds (the rest is the whole G, beside)
-            later = max(
-                (
-                    memory[p] - made_before[2 * n - 1 - k]
-                    for p, (k, _, _) in enumerate(walk.points)
-                    if k >= n
-                ),
-                default=0,
-            )
-            seen[id(plan)] = (
-                max(memory[:first_backward], default=0),
-                max(memory[first_backward:], default=0),
-                step.rest_bytes(walk),
-                max(
-                    forward_end,
-                    marks.get("offloads_end", 0.0),
-                    marks.get("forward_comms_end", 0.0),
-                ),
-                total - graph.optimizer_s - forward_end,
-                later + grads,
-            )
-        phases[s] = [seen[id(p)] for p in stage_plan.plans]
+        checked = _stage_phases(graph_of[s], plan_of[s], budget, hw)
+        if isinstance(checked, StageValidation):
+            return checked
+        phases[s], grads_of[s] = checked
     in_flight: list[tuple[int, int]] = []  # (stage, micro-batch): forward run, backward not
     peak = 0
     busy = 0.0
@@ -195,6 +144,68 @@ def validate_rank(
                 )
             )
     return StageValidation(not violations, tuple(violations), peak, budget, busy)
+
+
+_Phases = tuple[int, int, int, float, float, int]
+
+
+def _stage_phases(
+    graph: ActivationGraph, stage_plan: StagePlan, budget: int, hw: Hardware | str | None
+) -> tuple[list[_Phases], int] | StageValidation:
+    """Each micro-batch's plan checked as one step, and its phases from the checker's own walk
+    (per micro-batch; with the stage's parameter gradients' bytes), or the failed check."""
+    step = StepWalk(graph)
+    n = step.n
+    seen: dict[int, _Phases] = {}
+    grads, made_before = _gradients_made(graph)
+    for m, plan in enumerate(stage_plan.plans):
+        if id(plan) in seen:
+            continue
+        checked = validate(graph, plan, hw, budget=budget)
+        if not checked.ok:
+            where = f"stage {stage_plan.stage}, micro-batch {m}"
+            return StageValidation(
+                False,
+                tuple(
+                    Violation(v.kind, f"{where}: {v.message}", v.op, v.tensor, v.bytes_over)
+                    for v in checked.violations
+                ),
+                checked.peak_bytes,
+                budget,
+            )
+        decisions = step.read_decisions(plan)
+        walk = step.walk(decisions, plan)
+        assert walk.points is not None
+        memory = step.point_memory(walk)
+        first_backward = next(p for p, (k, _, _) in enumerate(walk.points) if k >= n)
+        marks: dict[str, float] = {}
+        on = hw if hw is not None else plan.hardware
+        assert on is not None  # validate() refused a plan that names no hardware
+        total, _, _ = step_timeline(step, walk, decisions, plan, hardware(on), marks)
+        forward_end = marks.get("forward_end", 0.0)
+        # a later backward adds into gradients that exist: of those made by then, a point
+        # holds only what its own op adds (the rest is the whole G, beside)
+        later = max(
+            (
+                memory[p] - made_before[2 * n - 1 - k]
+                for p, (k, _, _) in enumerate(walk.points)
+                if k >= n
+            ),
+            default=0,
+        )
+        seen[id(plan)] = (
+            max(memory[:first_backward], default=0),
+            max(memory[first_backward:], default=0),
+            step.rest_bytes(walk),
+            max(
+                forward_end,
+                marks.get("offloads_end", 0.0),
+                marks.get("forward_comms_end", 0.0),
+            ),
+            total - graph.optimizer_s - forward_end,
+            later + grads,
+        )
+    return [seen[id(p)] for p in stage_plan.plans], grads
 
 
 def _gradients_made(graph: ActivationGraph) -> tuple[int, list[int]]:

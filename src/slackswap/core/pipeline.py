@@ -179,7 +179,7 @@ class PipelineSchedule:
 
 def _interleaved_rank_actions(rank: int, ranks: int, local: int, M: int) -> tuple[Action, ...]:
     """Rank ``rank``'s order under ``ScheduleInterleaved1F1B`` (torch's ``_get_warmup_ops`` and
-    ``_get_1f1b_rank_ops``, its idle slots left out): a warm-up of forwards, then a forward and
+    ``_get_1f1b_rank_ops``, its idle turns left out): a warm-up of forwards, then a forward and
     a backward in turn, then the backwards left; the forwards go through the rank's stages
     ``per_round`` micro-batches at a time, in its local order, the backwards in the reverse."""
     rounds = max(1, M // ranks)
