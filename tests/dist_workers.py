@@ -483,6 +483,7 @@ def _interleaved_train(rank: int, world: int, planned: bool, mixed: bool) -> dic
     if planned:
         per_batch = x.shape[0] // PIPELINE_MICRO_BATCHES
         graphs, held, returned = [], [], []
+        receive_buffers = 0
         for s, module in zip(mine, modules):
             example = (
                 x[:per_batch] if s == 0 else torch.randn(per_batch, 16, 32, requires_grad=True)
@@ -502,6 +503,9 @@ def _interleaved_train(rank: int, world: int, planned: bool, mixed: bool) -> dic
                 output = module(example).untyped_storage().nbytes()
             held.append(output)
             returned.append(output if s == stages - 1 else 0)
+            # torch's stage allocates a receive buffer per micro-batch (a later stage's input)
+            # that the stage model does not count
+            receive_buffers += PIPELINE_MICRO_BATCHES * example.untyped_storage().nbytes() * (s > 0)
         pipeline = ss.PipelineSchedule(
             "interleaved-1f1b", stages, PIPELINE_MICRO_BATCHES, stages_per_rank=2
         )
@@ -536,10 +540,15 @@ def _interleaved_train(rank: int, world: int, planned: bool, mixed: bool) -> dic
             simulated_peak=simulated.peak_bytes,
             budget=stage_plans[0].budget_bytes,
         )
-        contexts = [
-            ss.apply(sp, module, graph=gr, trace_every_step=True)
-            for sp, module, gr in zip(stage_plans, modules, graphs)
-        ]
+        # the rank's two contexts track together: their peak is the rank's
+        contexts = []
+        for sp, module, gr in zip(stage_plans, modules, graphs):
+            tracked = contexts[0] if contexts else None
+            contexts.append(
+                ss.apply(sp, module, graph=gr, trace_every_step=True, tracked_with=tracked)
+            )
+        out["simulated_tensor_peak"] = simulated.tensor_peak_bytes
+        out["receive_buffers"] = receive_buffers
     for step in range(3):
         torch.manual_seed(100 + step)
         for module in modules:
@@ -560,6 +569,9 @@ def _interleaved_train(rank: int, world: int, planned: bool, mixed: bool) -> dic
                 run()
             out.setdefault("done_moved", []).append(
                 [v for a in applied for v in (a.stats.swapped_out_bytes, a.stats.recomputed_bytes)]
+            )
+            out.setdefault("tracked_peaks", []).append(
+                max(a.stats.peak_activation_bytes for a in applied)
             )
         else:
             run()

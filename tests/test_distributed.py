@@ -189,7 +189,9 @@ def test_interleaved_1f1b_stages_train_bit_identically_under_their_plans(mixed, 
     whole schedule (half way from its smallest to its keep-all peak), or with every odd
     micro-batch keeping everything (a plan each): gradients bit-identical to the same schedule
     without slackswap; the plans checked and within the rank's budget; every micro-batch ran
-    its own plan (the bytes each stage swapped and rebuilt over a step are its plans' sum)."""
+    its own plan (the bytes each stage swapped and rebuilt over a step are its plans' sum);
+    the rank's tracked peak (both contexts counting together) against its simulated
+    schedule's."""
     ranks = _spawn(dist_workers.interleaved_case, (mixed,), tmp_path, timeout_s=600, world=2)
     for rank, out in enumerate(ranks):
         assert "error" not in out, out.get("error")
@@ -198,4 +200,12 @@ def test_interleaved_1f1b_stages_train_bit_identically_under_their_plans(mixed, 
         assert out["simulated_peak"] <= out["budget"]
         for done in out["done_moved"]:
             assert done == out["expected_moved"], rank
+        # the rank's two contexts track together: the rank's tensors, at most 3% under the
+        # simulated rank's and over it by no more than torch's receive buffers (one per
+        # micro-batch on a later stage, allocated at its first step, which the stage model
+        # does not count); within the budget
+        for tracked in out["tracked_peaks"]:
+            simulated = out["simulated_tensor_peak"]
+            assert 0.97 * simulated <= tracked <= simulated + out["receive_buffers"], rank
+            assert tracked <= out["budget"]
     assert ranks[0]["moved"] > 0

@@ -381,6 +381,23 @@ def test_a_plan_for_other_hardware_warns_naming_both():
         grads(model, inputs, loss_fn, plan, graph)
 
 
+def test_trace_every_step_tracks_every_step_of_a_plan_that_moves_nothing():
+    """Keep-all with ``trace_every_step``: every step is traced and tracks what it holds (a
+    pipeline stage's plan may keep everything; its tracked peak must still be measured), the
+    same peak each step."""
+    model, inputs, loss_fn, graph = setup("gpt")
+    keep = ss.solve(graph, 1.0, "cpu-emulated-link", solver="keep-all")
+    run = ss.apply(keep, model, graph=graph, trace_every_step=True)
+    peaks = []
+    for _ in range(3):  # one context entered around each step, as a pipeline's schedule.step()
+        with run:
+            model.zero_grad(set_to_none=True)
+            loss_fn(model(inputs)).backward()
+        assert run.stats.untraced_steps == 0
+        peaks.append(run.stats.peak_activation_bytes)
+    assert peaks[0] > 0 and peaks[0] == peaks[1] == peaks[2]
+
+
 def test_a_plan_that_moves_nothing_checks_one_step_then_runs_untraced():
     """Keep-all: the first step of a context is traced (names, bytes, peak), the next ones of
     the same input shapes run as plain training; a new input shape is traced (and checked)

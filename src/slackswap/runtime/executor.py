@@ -108,6 +108,7 @@ class Run:
         smaller_inputs: bool = False,
         trace_every_step: bool = False,
         micro_batch_plans: tuple[Plan, ...] = (),
+        tracked_with: Run | None = None,
     ):
         # a pipeline stage's plan each micro-batch (StagePlan.plans): the n-th forward since
         # the context was entered runs micro-batch n mod M's, as torch's schedules run the
@@ -161,7 +162,9 @@ class Run:
                     if d == "swap" and name in graph.tensor_index
                 }
             )
-        self.live = LiveStorages()  # device storages by storage key
+        # device storages by storage key; shared with another context's (a rank's stages),
+        # so that both track what the rank holds
+        self.live = tracked_with.live if tracked_with is not None else LiveStorages()
         self.planned_bytes = dict(plan.extra.get("tensor_bytes", {}))
         # a plan made at a larger input shape runs a smaller one: every saved tensor no larger
         # than planned, the same ops, so no point of the step holds more than planned
@@ -177,7 +180,8 @@ class Run:
         self._paths: ModulePaths | None = None
         self.plan_checked = False  # a step has shown the model saves what the plan names
         # nothing to move: once a step is checked, steps of the same input shapes run untraced
-        self.moves_nothing = not moves
+        # (unless every step is to be traced and tracked, as asked)
+        self.moves_nothing = not moves and not trace_every_step
         self._signature: tuple[Any, ...] | None = None
         # once a step of these input shapes is checked, later steps need no name from a tracer:
         # they are named by its saves (runtime/checked_step.py); a plan that rebuilds nothing
@@ -489,6 +493,7 @@ def apply(
     *,
     smaller_inputs: bool = False,
     trace_every_step: bool = False,
+    tracked_with: Run | None = None,
 ) -> Run:
     """Context manager running training steps of ``model`` under ``plan``.
 
@@ -509,6 +514,8 @@ def apply(
         trace_every_step: trace and track every step, as the first one is (slower: for
             measuring what the steps hold, ``run.stats.peak_activation_bytes``, when several
             are in flight at once, as a pipeline stage's micro-batches are).
+        tracked_with: another context whose tracked tensors this one's count with (the
+            stages of one pipeline rank: ``stats.peak_activation_bytes`` is then the rank's).
 
     Returns:
         The Run, a context manager: steps inside it run under the plan (``run.stats``).
@@ -519,6 +526,10 @@ def apply(
     micro_batch_plans: tuple[Plan, ...] = ()
     if isinstance(plan, StagePlan):
         micro_batch_plans, plan = plan.plans, plan.plans[0]
+    if tracked_with is not None and not isinstance(tracked_with, Run):
+        raise TypeError(
+            f"apply: tracked_with must be another apply() context, got {type(tracked_with).__name__}"
+        )
     if not isinstance(plan, Plan):
         raise TypeError(
             f"apply: plan must be a slackswap.Plan or StagePlan, got {type(plan).__name__}"
@@ -539,4 +550,5 @@ def apply(
         smaller_inputs=smaller_inputs,
         trace_every_step=trace_every_step,
         micro_batch_plans=micro_batch_plans,
+        tracked_with=tracked_with,
     )
