@@ -263,7 +263,7 @@ class checkpointed:  # noqa: N801 - a context manager used like a function
             }
             self.offloads.recomputed_instead = rerun
             self.offloads.saved_instead = set(plan.tensors("swap")) - offered - rerun
-            self.offloads._outside = set(self.offloads.saved_instead)
+            self.offloads.outside = set(self.offloads.saved_instead)
             self.offloads.requested = set(plan.tensors("swap"))
             if rerun or self.offloads.saved_instead:
                 warnings.warn(

@@ -43,7 +43,7 @@ class CompiledOffloads:
         self.offloaded: set[str] = set()
         self.saved_instead: set[str] = set()
         self.recomputed_instead: set[str] = set()
-        self._outside: set[str] = set()  # swaps in no region (saved from the start)
+        self.outside: set[str] = set()  # swaps in no region (saved from the start)
         self.graphs: list[dict[str, int]] = []  # per compiled graph: offload and reload nodes
         self._stack: contextlib.ExitStack | None = None
 
@@ -66,7 +66,7 @@ class CompiledOffloads:
         fresh = set(swaps) - self.saved_instead - self.offloaded
         if not fresh:
             return
-        first = not (self.saved_instead - self.recomputed_instead - self._outside)
+        first = not (self.saved_instead - self.recomputed_instead - self.outside)
         self.saved_instead |= fresh
         if first:
             warnings.warn(

@@ -164,7 +164,7 @@ class Run:
             )
         # device storages by storage key; shared with another context's (a rank's stages),
         # so that both track what the rank holds
-        self.live = tracked_with.live if tracked_with is not None else LiveStorages()
+        self.live: LiveStorages = tracked_with.live if tracked_with is not None else LiveStorages()
         self.planned_bytes = dict(plan.extra.get("tensor_bytes", {}))
         # a plan made at a larger input shape runs a smaller one: every saved tensor no larger
         # than planned, the same ops, so no point of the step holds more than planned

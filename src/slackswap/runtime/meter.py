@@ -73,7 +73,7 @@ class _Sampler(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        self.meter._sample()
+        self.meter.take_sample()
         return out
 
 
@@ -94,7 +94,7 @@ def metered_aot_eager(gm, example_inputs):
         def run_node(self, n):
             out = super().run_node(n)
             for meter in _OPEN:
-                meter._sample()
+                meter.take_sample()
             return out
 
     def compiler(graph_module, _inputs):
@@ -131,14 +131,15 @@ class StepMeter:
             return int(torch.cuda.memory_allocated(self.device))
         return _heap_in_use()
 
-    def _sample(self) -> None:
+    def take_sample(self) -> None:
+        """Memory now, against the peak so far (the samplers call it after every op)."""
         self.peak_bytes = max(self.peak_bytes, self._now() - self._base)
 
     def mark(self, label: str) -> None:
         if self.cuda:
             torch.cuda.synchronize(self.device)
         self.marks[label] = self._now() - self._base
-        self._sample()
+        self.take_sample()
 
     def __enter__(self) -> StepMeter:
         if self.cuda:
@@ -157,7 +158,7 @@ class StepMeter:
 
             def sample() -> None:
                 while not self._stop.is_set():
-                    self._sample()
+                    self.take_sample()
                     time.sleep(50e-6)
 
             self._thread = threading.Thread(target=sample, daemon=True)
@@ -194,4 +195,4 @@ class StepMeter:
                 self.peak_bytes, int(torch.cuda.max_memory_allocated(self.device)) - self._base
             )
         else:
-            self._sample()
+            self.take_sample()
