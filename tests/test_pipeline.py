@@ -447,6 +447,14 @@ def test_fit_answers_for_the_worst_stage(capsys):
                  "interleaved-1f1b", "--stages-per-rank", "2"]) == 0  # fmt: skip
     printed = capsys.readouterr().out
     assert "interleaved-1f1b: 4 stages (2 a rank)" in printed and "  0,2  " in printed
+    # the messages between stages on the host link: the predicted step grows by their time
+    on_link = ss.hardware("a100-80gb-pcie4").with_link(
+        name="a100-comms-on-link", collectives_on_link=True
+    )
+    linked = fit_stages(g, on_link, stages=2, micro_batches=4)
+    assert linked.fits and linked.step_s > roomy.step_s
+    assert main([*argv, "--collectives-on-link"]) == 0
+    assert "verdict: fits" in capsys.readouterr().out
 
 
 def json_config() -> str:

@@ -184,8 +184,11 @@ def cmd_fit(args) -> int:
             f"{flag}: FSDP2 reduce-scatters gradients into shards held beside the step; "
             "--gradients made counts whole ones in backward"
         )
-    if args.collectives_on_link and args.ranks < 2:
-        raise CliError("--collectives-on-link needs --ranks 2 or more (one device has none)")
+    if args.collectives_on_link and args.ranks < 2 and not pipelined:
+        raise CliError(
+            "--collectives-on-link needs --ranks 2 or more, or --pipeline-stages (one device "
+            "has none)"
+        )
     if args.max_batch and args.max_seq:
         raise CliError("--max-batch and --max-seq: one size at a time")
     if args.plot and not (args.max_batch or args.max_seq):
