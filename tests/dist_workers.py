@@ -428,14 +428,15 @@ def _pipeline_train(rank: int, world: int, kind: str, planned: bool) -> dict:
     return out
 
 
-def pipeline_case(rank: int, world: int, port: int, kind: str, out_dir: str) -> None:
-    """This rank's stage trained plainly and under its stage plan: are the gradients equal?"""
+def _plain_against_planned(rank: int, world: int, port: int, out_dir: str, train) -> None:
+    """``train(planned)`` run plainly, then under the plans: the planned run's report and
+    whether its gradients equal the plain run's, written for the parent."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     out: dict = {}
     try:
-        plain = _pipeline_train(rank, world, kind, planned=False)
-        planned = _pipeline_train(rank, world, kind, planned=True)
+        plain = train(False)
+        planned = train(True)
         out = {k: v for k, v in planned.items() if k != "grads"}
         out["grads_equal"] = all(
             (a is None and b is None) or (a is not None and b is not None and torch.equal(a, b))
@@ -448,6 +449,13 @@ def pipeline_case(rank: int, world: int, port: int, kind: str, out_dir: str) -> 
     finally:
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps(out))
         dist.destroy_process_group()
+
+
+def pipeline_case(rank: int, world: int, port: int, kind: str, out_dir: str) -> None:
+    """This rank's stage trained plainly and under its stage plan: are the gradients equal?"""
+    _plain_against_planned(
+        rank, world, port, out_dir, lambda planned: _pipeline_train(rank, world, kind, planned)
+    )
 
 
 def _moved_bytes(graph, plan) -> tuple[int, int]:
@@ -583,21 +591,10 @@ def _interleaved_train(rank: int, world: int, planned: bool, mixed: bool) -> dic
 def interleaved_case(rank: int, world: int, port: int, mixed: bool, out_dir: str) -> None:
     """This rank's two stages trained plainly and under their plans: are the gradients
     equal?"""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    out: dict = {}
-    try:
-        plain = _interleaved_train(rank, world, planned=False, mixed=False)
-        planned = _interleaved_train(rank, world, planned=True, mixed=mixed)
-        out = {k: v for k, v in planned.items() if k != "grads"}
-        out["grads_equal"] = all(
-            (a is None and b is None) or (a is not None and b is not None and torch.equal(a, b))
-            for ref, got in zip(plain["grads"], planned["grads"])
-            for a, b in zip(ref, got)
-        )
-        out["n_grads"] = sum(g is not None for g in planned["grads"][0])
-    except Exception:  # noqa: BLE001 - reported to the parent
-        out["error"] = traceback.format_exc()
-    finally:
-        Path(out_dir, f"rank{rank}.json").write_text(json.dumps(out))
-        dist.destroy_process_group()
+    _plain_against_planned(
+        rank,
+        world,
+        port,
+        out_dir,
+        lambda planned: _interleaved_train(rank, world, planned, mixed and planned),
+    )
