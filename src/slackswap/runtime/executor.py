@@ -16,7 +16,9 @@ plan; later steps of the same shapes are named by its saves (runtime/checked_ste
 plan that rebuilds nothing run with hooks alone (no dispatch mode: the plan acts at its saves
 and at the backward nodes that unpack them, formulations/step-model.md, "Hook positions"); those
 of a plan that rebuilds count positions and record recipes op by op. The state of each step is
-its ``Step`` (runtime/step.py); ``Run`` owns the context.
+its ``Step`` (runtime/step.py), or for a step of hooks alone its ``HookedStep``
+(runtime/hooked_step.py, which runs from tables laid out once per checked step); ``Run`` owns
+the context.
 
 Gradients are bit-identical to plain training. A tensor modified in place after it was saved
 raises, as autograd would; a plan made for another graph or model is refused on the first
@@ -40,6 +42,7 @@ from ..core.graph import ActivationGraph
 from ..core.pipeline import StagePlan
 from ..core.plan import Plan
 from .checked_step import CheckedStep, hook_coverage, mark_handled, resolve_node_ops
+from .hooked_step import HookedProgram, HookedStep
 from .lanes import lanes_for
 from .pool import host_pool
 from .positions import PlanPositions, RunLog
@@ -174,7 +177,9 @@ class Run:
             if self.cuda
             else -1
         )
-        self.current_step: Step | None = None
+        self.current_step: Step | HookedStep | None = None
+        self._step_context: StepContext | None = None  # (made once per plan and entry)
+        self._program: HookedProgram | None = None  # the checked step's, for hooked steps
         self._last_log = RunLog()  # the log of a step no longer held
         self._stack: contextlib.ExitStack | None = None
         self._paths: ModulePaths | None = None
@@ -196,6 +201,7 @@ class Run:
         """The plan the next step runs (a pipeline stage's micro-batch's)."""
         acts = self._acting[id(plan)]
         self.plan = plan
+        self._step_context = None
         # with the graph, the executor acts at the plan's own positions (and logs where it did)
         self.positions = acts.positions
         # recipes (and RNG states) are kept only when something will be rebuilt
@@ -245,6 +251,7 @@ class Run:
     def __enter__(self) -> Run:
         self._stack = contextlib.ExitStack()
         self.stats = RunStats()  # what the steps of this entry do (a context may be re-entered)
+        self._step_context = None
         self._forwards = 0
         self._stack.callback(self._remove_paths)
         self._stack.callback(self._saved_hooks.close)
@@ -331,7 +338,9 @@ class Run:
 
     # ------------------------------------------------------------ steps
     def _context(self) -> StepContext:
-        return StepContext(
+        if self._step_context is not None:
+            return self._step_context
+        self._step_context = StepContext(
             plan=self.plan,
             graph=self.graph,
             positions=self.positions,
@@ -346,6 +355,7 @@ class Run:
             planned_bytes=self.planned_bytes,
             smaller_inputs=self.smaller_inputs,
         )
+        return self._step_context
 
     def _paths_for_step(self) -> ModulePaths:
         """The module paths a tracer names ops by, hooked on every module while steps need them
@@ -366,9 +376,10 @@ class Run:
         self._end_forward(backward=False)
         if self.current_step is not None:
             self._last_log = self.current_step.log
+        step: Step | HookedStep
         if kind == HOOKED:
             self._remove_paths()
-            step = Step(self._context(), kind, checked)
+            step = HookedStep(self._context(), self._hooked_program(checked))
             self.stats.skimmed_steps += 1
             self.stats.hooked_steps += 1
         else:
@@ -387,12 +398,24 @@ class Run:
         step.active = True
         self._saved_hooks.on(step)
 
+    def _hooked_program(self, checked: CheckedStep | None) -> HookedProgram:
+        """The tables a step of hooks alone runs from: made once per checked step."""
+        assert checked is not None and self.positions is not None
+        program = self._program
+        if program is None or program.checked is not checked:
+            program = HookedProgram.of(checked, self.plan.decisions, self.positions)
+            self._program = program
+        return program
+
     def _end_forward(self, backward: bool) -> None:
         step = self.current_step
         if step is None or not step.active:
             return
         step.active = False
         self._saved_hooks.off()
+        if isinstance(step, HookedStep):
+            step.end_forward(backward)
+            return
         tracer, step.tracer = step.tracer, None  # no cycle keeps the step (and its host buffers)
         try:
             step.end_forward(backward)

@@ -7,8 +7,8 @@ order of offloads, prefetches and waits it records is the order they were issued
 
 from __future__ import annotations
 
-import time
 import weakref
+from time import perf_counter
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -23,6 +23,7 @@ class HostCopies:
 
     def __init__(self, ctx: StepContext):
         self.ctx = ctx
+        self.pool, self.lanes, self.stats = ctx.pool, ctx.lanes, ctx.stats
         self.copies: dict[str, tuple[torch.UntypedStorage, int, Any]] = {}
         self.in_flight: dict[str, Any] = {}  # prefetches issued and not yet waited for
         self.order: list[str] = []  # offload order (prefetch_ahead without positions)
@@ -33,43 +34,43 @@ class HostCopies:
 
     def offload(self, name: str, t: torch.Tensor, position: int, log: RunLog) -> None:
         """Copy ``t``'s storage to a pinned host buffer on the D2H lane."""
-        ctx = self.ctx
         src = t.untyped_storage()
         nbytes = src.nbytes()
-        buf = ctx.pool.get(name, nbytes)
+        pool, stats = self.pool, self.stats
+        buf = pool.get(name, nbytes)
         if not self.borrowed:
-            weakref.finalize(self, ctx.pool.give_back, self.borrowed)
+            weakref.finalize(self, pool.give_back, self.borrowed)
         self.borrowed.append((name, buf))
         self.order.append(name)
-        start = time.perf_counter()
-        self.copies[name] = (buf, nbytes, ctx.lanes.offload(src, buf, nbytes))
-        ctx.stats.copy_s += time.perf_counter() - start
-        log.add("offload", name, position)
-        ctx.stats.swapped_out_bytes += nbytes
+        start = perf_counter()
+        self.copies[name] = (buf, nbytes, self.lanes.offload(src, buf, nbytes))
+        stats.copy_s += perf_counter() - start
+        log.events.append(("offload", name, position))
+        stats.swapped_out_bytes += nbytes
 
     def release_source(self, name: str) -> None:
         """The device storage offloaded for ``name`` may go back once its copy is done."""
-        self.ctx.lanes.release(self.copies[name][2])
+        self.lanes.release(self.copies[name][2])
 
     def prefetch(self, name: str, position: int, log: RunLog) -> torch.UntypedStorage:
         """Issue ``name``'s prefetch on the H2D lane (its first use waits for it)."""
-        ctx = self.ctx
         buf, nbytes, offloaded = self.copies[name]
-        start = time.perf_counter()
-        dev, arrived = ctx.lanes.prefetch(buf, nbytes, offloaded)
-        spent = time.perf_counter() - start
+        start = perf_counter()
+        dev, arrived = self.lanes.prefetch(buf, nbytes, offloaded)
+        spent = perf_counter() - start
         self.in_flight[name] = arrived
-        log.add("prefetch", name, position)
-        ctx.stats.wait_s += spent
-        ctx.stats.copy_s += spent
-        ctx.stats.swapped_in_bytes += nbytes
+        log.events.append(("prefetch", name, position))
+        stats = self.stats
+        stats.wait_s += spent
+        stats.copy_s += spent
+        stats.swapped_in_bytes += nbytes
         return dev
 
     def wait(self, name: str, position: int, log: RunLog) -> None:
         """A prefetched tensor is read: compute waits for its copy here, and only here."""
         if name in self.in_flight:  # (a CPU lane's copy has no event: None)
-            self.ctx.lanes.wait(self.in_flight.pop(name))
-            log.add("wait", name, position)
+            self.lanes.wait(self.in_flight.pop(name))
+            log.events.append(("wait", name, position))
 
     def pending(self, name: str) -> bool:
         return name in self.in_flight

@@ -32,7 +32,7 @@ class CpuLanes:
     def prefetch(
         self, buf: torch.UntypedStorage, nbytes: int, offloaded: Any
     ) -> tuple[torch.UntypedStorage, Any]:
-        dev = torch.empty(nbytes, dtype=torch.uint8).untyped_storage()
+        dev = torch.UntypedStorage(nbytes)
         dev.copy_(buf if buf.nbytes() == nbytes else buf[:nbytes])
         return dev, None
 

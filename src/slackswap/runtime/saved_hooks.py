@@ -13,7 +13,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .step import HOOKED, Handle, Step
+from .hooked_step import HookedStep
+from .step import Handle, Step
 
 if TYPE_CHECKING:
     from .executor import Run
@@ -43,11 +44,11 @@ class SavedTensorHooks:
             return packed.step.unpack(packed)
         return packed
 
-    def on(self, step: Step | None = None) -> None:
+    def on(self, step: Step | HookedStep | None = None) -> None:
         """Push the hooks; for a hooked step, its own methods (no frame in between)."""
         if self.pushed is None:
-            if step is not None and step.kind == HOOKED:
-                self.pushed = (step.pack_hooked, _unpack_hooked)
+            if isinstance(step, HookedStep):
+                self.pushed = (step.pack, step.unpack)
             else:
                 self.pushed = (self.pack, self.unpack)
             _push(*self.pushed)
@@ -70,7 +71,3 @@ class SavedTensorHooks:
                 RuntimeWarning,
                 stacklevel=3,
             )
-
-
-def _unpack_hooked(packed: Any) -> Any:
-    return packed.step.unpack_hooked(packed) if type(packed) is Handle else packed

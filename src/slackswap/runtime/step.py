@@ -9,7 +9,8 @@ A step is one of three kinds:
   a plan that rebuilds needs (step_tracers.SkimTracer);
 - ``hooked``: a later step of a plan that rebuilds nothing, run with no dispatch mode at all: it
   acts at its saves and at the nodes that unpack them, which are where the plan acts
-  (formulations/step-model.md, "Hook positions").
+  (formulations/step-model.md, "Hook positions"). Its own class owns it
+  (runtime/hooked_step.py); this one owns the other two kinds.
 """
 
 from __future__ import annotations
@@ -42,7 +43,6 @@ if TYPE_CHECKING:
 
 TRACED, SKIMMED, HOOKED = "traced", "skimmed", "hooked"
 _NO_MODE = contextlib.nullcontext()
-_sequence_nr = torch._C._autograd._get_sequence_nr
 
 
 def outside_modes() -> Any:
@@ -119,8 +119,7 @@ class Step:
     ):
         self.ctx = ctx
         self.kind = kind
-        self.checked = checked  # what a skimmed or hooked step is named by
-        self.rows = checked.rows if checked is not None and kind == HOOKED else ()
+        self.checked = checked  # what a skimmed step is named by
         self.paths = paths
         self.tracer: Tracer | None = None
         self.base = next_node()  # the sequence number of the step's first autograd node
@@ -178,22 +177,6 @@ class Step:
                 self.issue_due(op)
             self.seq_to_op.setdefault(next_node() - 1, op)
         return op
-
-    def reach_forward(self, k: int) -> None:
-        """A hooked step is at the start of forward position ``k`` (a save just ran): frees and
-        prefetches due by then, as a tracer's ``begin_op(k)`` does them."""
-        if self.release_heap:
-            self.release_due(k - 1)
-        positions = self.ctx.positions
-        if (
-            positions is not None
-            and self.issue_cursor < len(positions.issue_order)
-            and positions.issue_order[self.issue_cursor] <= k
-        ):
-            at, self.position = self.position, k
-            with outside_modes():
-                self.issue_due(k)
-            self.position = at
 
     def release_due(self, after: int) -> None:
         """Hand back the device memory of every swapped tensor whose d2h_free is at or before
@@ -273,63 +256,16 @@ class Step:
         if positions is not None:
             n = positions.n_ops
             if self.release_heap:
-                self.release_due(min(self.next_op - 1, n - 1) if self.kind != HOOKED else n - 1)
+                self.release_due(min(self.next_op - 1, n - 1))
             if self.pending_hooks:
                 self.hook_nodes()
             if backward and self.finished:
                 self.at_backward(n)
 
     # ------------------------------------------------------------ saves
-    def pack_hooked(self, t: torch.Tensor) -> Any:
-        """``pack`` in a hooked step, the path every save of every later step takes. A save the
-        plan acts on (``Save.handled``) is checked against the checked step's k-th
-        (``CheckedStep.save_hooked`` says what differs) and wrapped; any other is autograd's to
-        hold as it is, whichever tensor it is. Then the frees and prefetches due."""
-        k = self.pack_index
-        self.pack_index = k + 1
-        rows = self.rows
-        if k >= len(rows):
-            return t  # (more saves than the checked step made: none the plan acts on)
-        position, name, node_offset, maker, node_op, handled = rows[k]
-        out: Any = t
-        positions = self.ctx.positions
-        assert positions is not None
-        if handled:
-            base = self.base
-            node = t.grad_fn
-            if (
-                _sequence_nr() - 1 - base != node_offset
-                or (node is None) != (maker is None)
-                or (
-                    node is not None and (node._sequence_nr() - base, t.output_nr) != maker  # type: ignore[union-attr]
-                )
-            ):
-                assert self.checked is not None
-                self.checked.save_hooked(k, t, base)  # (raises, naming the save)
-            # (save(), for a save checked above)
-            self.position = position
-            decision = self.ctx.plan.decisions[name]
-            self.handles_left[name] += 1
-            out = Handle(name, decision, t, self, node_op)
-            if decision == "swap" and name not in self.host:
-                self.host.offload(name, t, self.position, self.log)  # (no mode here)
-                free = positions.release_after.get(name)
-                if free is not None:
-                    self.holding[name] = t
-                    heapq.heappush(self.release_heap, (free, name))
-        heap = self.release_heap
-        if (heap and heap[0][0] <= position) or (
-            self.issue_cursor < len(positions.issue_order)
-            and positions.issue_order[self.issue_cursor] <= position + 1
-        ):
-            self.reach_forward(position + 1)
-        return out
-
     def pack(self, t: torch.Tensor) -> Any:
         """A tensor autograd saves: named as the step's kind names it, then kept, offloaded or
         dropped as the plan says; returns what autograd holds (the tensor or a Handle)."""
-        if self.kind == HOOKED:
-            return self.pack_hooked(t)
         k = self.pack_index
         self.pack_index = k + 1
         node_op = None
@@ -366,17 +302,14 @@ class Step:
                 f"model but is not in plan for graph {ctx.plan.graph_name!r}: the plan "
                 "was made for another model or input shape"
             )
-        hooked = self.kind == HOOKED
-        if not hooked:  # (a hooked step checked each save against the checked step's)
-            if name not in self.verified:
-                self.check_tensor(name, t)
-                self.verified.add(name)
-            self.packed.add(name)
+        if name not in self.verified:
+            self.check_tensor(name, t)
+            self.verified.add(name)
+        self.packed.add(name)
         self.handles_left[name] += 1
         handle = Handle(name, decision, t, self, node_op)
         if decision == "keep":
-            if not hooked:  # (a rebuild may read it: none runs in a hooked step)
-                self.kept[name] = t.untyped_storage()
+            self.kept[name] = t.untyped_storage()
         elif decision == "swap" and name not in self.host:
             # the copy is the executor's, not the model's: keep it out of the trace
             with outside_modes():
@@ -422,8 +355,6 @@ class Step:
     def unpack(self, handle: Handle) -> torch.Tensor:
         """A saved tensor's backward use: its storage as the plan brings it back, checked
         unchanged since it was saved."""
-        if self.kind == HOOKED:
-            return self.unpack_hooked(handle)
         name = handle.name
         if not self.checked_plan:
             self.checked_plan = True
@@ -437,11 +368,7 @@ class Step:
                 # reads a planned tensor (nodes between would hold it past its position)
                 node.register_hook(ReleaseAfter(self))
                 if positions is not None:
-                    op = (
-                        handle.node_op
-                        if self.kind == HOOKED
-                        else self.seq_to_op.get(node._sequence_nr())
-                    )
+                    op = self.seq_to_op.get(node._sequence_nr())
                     if op is not None:
                         self.at_backward(positions.backward_position(op))
         ref = handle.ref() if handle.ref is not None else None
@@ -460,7 +387,7 @@ class Step:
             storage = self.materialize(name)
             assert handle.view is not None
             out = handle.view.on(storage, self.ctx.device)
-            self.track(out)  # (a hooked step tracks nothing: RunStats.peak_activation_bytes)
+            self.track(out)
         self.handles_left[name] -= 1
         if self.handles_left[name] <= 0:
             for table in (self.device_copy, self.kept):
@@ -470,49 +397,6 @@ class Step:
         if positions is None:
             self.prefetch_ahead_of(name)
         return out
-
-    def unpack_hooked(self, handle: Handle) -> torch.Tensor:
-        """``unpack`` in a hooked step, the path of every unpack of every later step: the node
-        unpacking is the one that saved (its position is the handle's), no rebuild runs (so
-        nothing lingers for one), and a prefetched copy is waited for here."""
-        name = handle.name
-        op = handle.node_op
-        if op is not None:
-            positions = self.ctx.positions
-            assert positions is not None
-            q = 2 * positions.n_ops - 1 - op
-            if q > self.position:
-                starts, k = positions.event_starts, self.event_cursor
-                if k < len(starts) and starts[k] <= q:
-                    self.at_backward(q)
-                else:
-                    self.position = q
-        tensor = handle.tensor
-        if tensor is None:
-            ref = handle.ref()
-            if ref is not None and ref._version != handle.version:
-                raise RuntimeError(
-                    f"tensor {name!r} saved for backward was modified in place after it "
-                    "was saved; gradients would be wrong (use an out-of-place op)"
-                )
-            storage = self.device_copy.get(name)
-            if storage is None:
-                storage = self.materialize(name)
-            elif self.host.pending(name):
-                self.first_use(name)
-            view = handle.view
-            assert view is not None
-            tensor = view.on(storage, self.ctx.device)
-        elif tensor._version != handle.version:
-            raise RuntimeError(
-                f"tensor {name!r} saved for backward was modified in place after it "
-                "was saved; gradients would be wrong (use an out-of-place op)"
-            )
-        left = self.handles_left[name] - 1
-        self.handles_left[name] = left
-        if left <= 0:
-            self.device_copy.pop(name, None)
-        return tensor
 
     def node_done(self) -> None:
         self.lingering.clear()
