@@ -58,6 +58,12 @@ def median(values) -> float:
     return float(statistics.median(values))
 
 
+def quartiles(values: list[float]) -> list[float]:
+    """The first and third quartiles."""
+    q = statistics.quantiles(values, n=4)
+    return [float(q[0]), float(q[2])]
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rounds", type=int, default=7, help="paired rounds")
@@ -112,9 +118,12 @@ def main() -> int:
     def under(plan):
         def block():
             with ss.apply(plan, model, graph=graph) as run:
-                for _ in range(args.block):
+                start = time.perf_counter()
+                step()  # the context's checked first step
+                first = time.perf_counter() - start
+                for _ in range(args.block - 1):
                     step()
-            return {"stats": run.stats}
+            return {"stats": run.stats, "first_s": first}
 
         return block
 
@@ -153,6 +162,20 @@ def main() -> int:
             (b - a - e["stats"].copy_s) * per_op for a, b, e in swap_rounds
         ),
         "swap_copies_us_per_op": median(e["stats"].copy_s * per_op for _, _, e in swap_rounds),
+        # the same, less the context's first (checked) step: what every later step costs
+        "swap_host_later_steps_us_per_op": median(
+            (b - e["first_s"] - a * (args.block - 1) / args.block - e["stats"].copy_s)
+            * 1e6
+            / (args.block - 1)
+            / n_ops
+            for a, b, e in swap_rounds
+        ),
+        "swap_first_step_ms": 1e3 * median(e["first_s"] for _, _, e in swap_rounds),
+        # the spread of the paired rounds (a shared machine's noise): quartiles of the swap
+        # plan's host time per op
+        "swap_host_us_per_op_quartiles": quartiles(
+            [(b - a - e["stats"].copy_s) * per_op for a, b, e in swap_rounds]
+        ),
         "swap_hooked_steps": stats.hooked_steps,
         "recompute_budget_bytes": int(budget),
         "smallest_budget_bytes": int(smallest),
@@ -170,7 +193,11 @@ def main() -> int:
         f"swap plan ({row['swapped']} of {row['saved_tensors']} swapped), host  "
         f"{row['swap_host_us_per_op']:8.2f} us per forward op over plain, copies excluded "
         f"(copies {row['swap_copies_us_per_op']:.2f} us per op; "
-        f"{row['swap_plan_us_per_op']:.2f} with them)",
+        f"{row['swap_plan_us_per_op']:.2f} with them; quartiles "
+        f"{row['swap_host_us_per_op_quartiles'][0]:.2f}-"
+        f"{row['swap_host_us_per_op_quartiles'][1]:.2f}); later steps alone "
+        f"{row['swap_host_later_steps_us_per_op']:.2f} (first step "
+        f"{row['swap_first_step_ms']:.1f} ms)",
         f"recompute plan ({row['recomputed']} recomputed) / torch SAC, same decisions  "
         f"{row['recompute_plan_over_torch_sac']:.3f}x "
         f"({1e3 * row['recompute_plan_step_s']:.2f} vs "
@@ -202,7 +229,11 @@ def main() -> int:
                     "link), later steps with hooks alone",
                     f"host {row['swap_host_us_per_op']:.2f} us per forward op over plain, "
                     f"copies excluded (the copies: {row['swap_copies_us_per_op']:.2f} us per "
-                    f"op; {row['swap_plan_us_per_op']:.2f} with them)",
+                    f"op; {row['swap_plan_us_per_op']:.2f} with them); quartiles of the "
+                    f"rounds {row['swap_host_us_per_op_quartiles'][0]:.2f}-"
+                    f"{row['swap_host_us_per_op_quartiles'][1]:.2f}; the later steps alone "
+                    f"{row['swap_host_later_steps_us_per_op']:.2f} (the checked first step: "
+                    f"{row['swap_first_step_ms']:.1f} ms)",
                 ],
                 [
                     f"recompute plan ({row['recomputed']} recomputed) / torch selective "
