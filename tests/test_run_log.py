@@ -260,3 +260,43 @@ def test_a_skimmed_step_that_leaves_the_checked_one_is_refused_by_name():
         model(x).sum().backward()  # call 1 (odd, as profiled): traced, checked
         with pytest.raises(ss.PlanError, match="depends on its data"):
             model(x).sum().backward()
+
+
+def test_a_step_of_hooks_alone_runs_from_its_checked_steps_tables():
+    """A later step of a plan that rebuilds nothing runs from tables laid out once per checked
+    step (runtime/hooked_step.py): save k is a plain position where the plan does not act on it
+    (autograd holds the tensor itself) and the save's name, decision and d2h_free where it does;
+    the prefetches in the plan's order. Two steps run from the same tables, each saving exactly
+    the checked step's saves, on the plan's schedule, with plain training's gradients."""
+    model, inputs, loss_fn, graph = setup("gpt")
+    plan = random_plan(graph, ["swap", "keep"] * len(graph.saved))
+    torch.manual_seed(3)
+    model.zero_grad(set_to_none=True)
+    loss_fn(call(model, inputs)).backward()
+    reference = [p.grad.clone() for p in model.parameters()]
+    programs = []
+    with ss.apply(plan, model, graph=graph) as run:
+        for _ in range(3):
+            torch.manual_seed(3)
+            model.zero_grad(set_to_none=True)
+            loss_fn(call(model, inputs)).backward()
+            step = run.current_step
+            assert all(torch.equal(a, p.grad) for a, p in zip(reference, model.parameters()))
+            if step.kind == "hooked":
+                programs.append(step.program)
+                assert step.pack_index == len(step.program.entries)
+                assert dict(run.log.schedule.d2h_free) == dict(plan.schedule.d2h_free)
+                assert dict(run.log.schedule.h2d_issue) == dict(plan.schedule.h2d_issue)
+    assert len(programs) == 2 and programs[0] is programs[1]
+    program, swapped = programs[0], set(plan.tensors("swap"))
+    acted = [e for e in program.entries if not isinstance(e, int)]
+    # every swapped tensor's save is acted on (a kept one only where its unpack is the only
+    # hook at a position where the plan acts)
+    assert {e[1] for e in acted if e[4] == "swap"} == swapped
+    for position, name, _, _, decision, free, _ in acted:
+        assert decision == plan.decisions[name]
+        assert free == (plan.schedule.d2h_free[name] if decision == "swap" else None)
+    issued = [q for q, _ in program.issues]
+    assert issued == sorted(issued)
+    assert {n for _, names in program.issues for n in names} == set(plan.schedule.h2d_issue)
+    model.zero_grad(set_to_none=True)
