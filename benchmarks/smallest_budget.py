@@ -22,6 +22,7 @@ import slackswap as ss
 sys.path.insert(0, str(Path(__file__).parent))
 
 BELOW = (0.8, 0.9, 0.95, 0.98, 0.99, 0.995, 0.999)
+NEAR = 0.05  # a lower bound within this share of the smallest budget found is reported as near
 
 
 def beaten_by_heuristic(g, hw, mask, minimum: int) -> int | None:
@@ -94,8 +95,10 @@ def main() -> int:
             flush=True,
         )
     unproven_rows = [r for r in rows if not r["proven"]]
+    near = [r for r in unproven_rows if r["unproven_share"] <= NEAR]
     print(
-        f"{len(rows) - len(unproven_rows)} of {len(rows)} proven; the largest unproven share "
+        f"{len(rows) - len(unproven_rows)} of {len(rows)} proven, {len(near)} more within "
+        f"{100 * NEAR:.0f}% of their bound; the largest unproven share "
         f"{100 * max((r['unproven_share'] for r in rows), default=0):.1f}%; "
         f"beaten below: {sum(r['heuristic_below_bytes'] is not None for r in rows)}"
     )
