@@ -376,6 +376,9 @@ class Run:
         self._end_forward(backward=False)
         if self.current_step is not None:
             self._last_log = self.current_step.log
+            # let go of the step before (what autograd still holds of it stays): its host
+            # buffers go back to the pool for this one to borrow
+            self.current_step = None
         step: Step | HookedStep
         if kind == HOOKED:
             self._remove_paths()

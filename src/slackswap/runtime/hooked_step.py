@@ -51,21 +51,25 @@ class HookedProgram:
     entries: tuple[Any, ...]
     issues: tuple[tuple[int, tuple[str, ...]], ...]
     n_ops: int
+    swap_bytes: dict[str, int]  # the storage bytes of each swapped tensor, as checked
 
     @classmethod
     def of(
         cls, checked: CheckedStep, decisions: Mapping[str, str], positions: PlanPositions
     ) -> HookedProgram:
         entries: list[Any] = []
+        swap_bytes: dict[str, int] = {}
         for s in checked.saves:
             if not s.handled or s.name is None:
                 entries.append(s.position)
                 continue
             decision = decisions[s.name]
             free = positions.release_after.get(s.name) if decision == "swap" else None
+            if decision == "swap":
+                swap_bytes.setdefault(s.name, s.nbytes)
             entries.append((s.position, s.name, s.node_offset, s.maker, decision, free, s.node_op))
         issues = tuple((q, positions.issue_at[q]) for q in positions.issue_order)
-        return cls(checked, tuple(entries), issues, positions.n_ops)
+        return cls(checked, tuple(entries), issues, positions.n_ops, swap_bytes)
 
 
 class HookedStep:
@@ -86,6 +90,7 @@ class HookedStep:
         self.position = -1
         self.handles_left: dict[str, int] = {}
         self.host = HostCopies(ctx)
+        self.host.borrow_ahead(program.swap_bytes)
         self.device_copy: dict[str, torch.UntypedStorage] = {}
         self.holding: dict[str, torch.Tensor] = {}
         self.release_heap: list[tuple[int, str]] = []

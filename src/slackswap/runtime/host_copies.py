@@ -28,19 +28,32 @@ class HostCopies:
         self.in_flight: dict[str, Any] = {}  # prefetches issued and not yet waited for
         self.order: list[str] = []  # offload order (prefetch_ahead without positions)
         self.borrowed: list[tuple[str, torch.UntypedStorage]] = []
+        self.ready: dict[str, torch.UntypedStorage] = {}  # borrowed ahead (borrow_ahead)
 
     def __contains__(self, name: str) -> bool:
         return name in self.copies
+
+    def borrow_ahead(self, sizes: dict[str, int]) -> None:
+        """Borrow the buffers of the tensors this step will offload now, at its start (a step
+        of hooks alone knows them): each offload then takes its own without asking the pool.
+        They go back with the others when the step is gone."""
+        self.ready = self.pool.take_all(sizes)
+        if self.ready:
+            if not self.borrowed:
+                weakref.finalize(self, self.pool.give_back, self.borrowed)
+            self.borrowed.extend(self.ready.items())
 
     def offload(self, name: str, t: torch.Tensor, position: int, log: RunLog) -> None:
         """Copy ``t``'s storage to a pinned host buffer on the D2H lane."""
         src = t.untyped_storage()
         nbytes = src.nbytes()
         pool, stats = self.pool, self.stats
-        buf = pool.get(name, nbytes)
-        if not self.borrowed:
-            weakref.finalize(self, pool.give_back, self.borrowed)
-        self.borrowed.append((name, buf))
+        buf = self.ready.pop(name, None)
+        if buf is None or buf.nbytes() < nbytes:
+            buf = pool.get(name, nbytes)
+            if not self.borrowed:
+                weakref.finalize(self, pool.give_back, self.borrowed)
+            self.borrowed.append((name, buf))
         self.order.append(name)
         start = perf_counter()
         self.copies[name] = (buf, nbytes, self.lanes.offload(src, buf, nbytes))

@@ -57,6 +57,21 @@ class HostPool:
         self.sized[name] = max(self.sized.get(name, 0), nbytes)
         return t.untyped_storage()
 
+    def take_all(self, sizes: dict[str, int]) -> dict[str, torch.UntypedStorage]:
+        """A buffer for each tensor of ``sizes`` at once (a step that knows what it swaps
+        borrows them when it starts): those the pool holds no buffer of the size for are left
+        out, for ``get`` to make when the step needs them."""
+        out: dict[str, torch.UntypedStorage] = {}
+        free = self.free
+        for name, nbytes in sizes.items():
+            bufs = free.get(name)
+            if bufs:
+                for i, buf in enumerate(bufs):
+                    if buf.nbytes() >= nbytes:
+                        out[name] = bufs.pop(i)
+                        break
+        return out
+
     def reserve(self, sizes: dict[str, int]) -> None:
         """One host slab for a whole step's offloads, carved per tensor (sized from the plan)."""
         total = sum(sizes.values())

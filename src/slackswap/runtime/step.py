@@ -31,7 +31,8 @@ from .host_copies import HostCopies
 from .positions import RunLog
 from .rebuild import View
 from .rebuilds import Rebuilder
-from .trace import LiveStorages, ModulePaths, Tracer
+from .step_hooks import AtPosition
+from .trace import LiveStorages, ModulePaths, Tracer, storage_key
 
 if TYPE_CHECKING:
     from ..core.graph import ActivationGraph
@@ -191,8 +192,6 @@ class Step:
     def hook_nodes(self) -> None:
         """The backward nodes of the ops whose positions have events: a pre-hook there moves
         the step to that position (the node exists once the op's autograd wrapper returns)."""
-        from .step_hooks import AtPosition
-
         positions = self.ctx.positions
         assert positions is not None
         for op, refs in self.pending_hooks:
@@ -408,8 +407,6 @@ class Step:
             return
         if nbytes is None:
             nbytes = t.untyped_storage().nbytes()
-        from .trace import storage_key
-
         ctx.live.add(t, key or storage_key(t), nbytes)
         ctx.stats.peak_activation_bytes = max(ctx.stats.peak_activation_bytes, ctx.live.peak)
 
