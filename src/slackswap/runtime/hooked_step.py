@@ -225,8 +225,8 @@ class HookedStep:
         storage = self.device_copy.get(name)
         if storage is None:
             storage = self.fetch_now(name)
-        elif name in self.host.in_flight:
-            self.host.wait(name, self.position, self.log)
+        else:
+            self.host.wait(name, self.position, self.log)  # (the first use waits; others pass)
         dtype, offset, size, stride = packed[6]
         empty = self.empties.get(dtype)
         if empty is None:
