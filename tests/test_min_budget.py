@@ -158,3 +158,24 @@ def test_no_planner_beats_the_smallest_budget_on_seeded_graphs(seed):
                 planner,
                 allowed,
             )
+
+
+@pytest.mark.slow
+def test_the_exact_planner_beats_no_smallest_budget_on_unet():
+    """UNet, keep and recompute only: the exact planner at solve()'s own work (the time limit's
+    60 s of the reference machine, deterministic) fits no budget below the reported minimum. The
+    minimum model's search goes where its hint leads it: from the descent whose local search
+    exchanges tensors alone it stopped at 3.15 GB, and solve() then fit 2.94 GB; the second
+    start (single moves) leads it to 2.89 GB, below what solve() fits."""
+    hw = ss.hardware("a100-80gb-pcie4")
+    g = ss.cnn_graph("unet", hw)
+    allowed = ("keep", "recompute")
+    smallest = ss.min_budget(g, hw, allowed=allowed)
+    for fraction in (0.95, 0.98, 0.99):
+        try:
+            plan = ss.solve(
+                g, int(smallest * fraction), hw, solver="cpsat", allowed=allowed, time_limit_s=60
+            )
+        except ss.InfeasibleBudget:
+            continue
+        assert ss.simulate(g, plan).peak_bytes >= smallest, fraction

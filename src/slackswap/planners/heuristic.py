@@ -22,7 +22,8 @@
    work, ``unfit_polish=False``: without: a recompute-only budget where rebuilding everything
    rematerializes everything at once);
    ``polish=False`` leaves both out
-   (the published scheme); ``bundle_reruns=True`` asks for the bundled candidate alone.
+   (the published scheme); ``bundle_reruns=True`` asks for the bundled candidate alone;
+   ``exchanges=False`` keeps the local search to single moves (formulations/local-search.md).
 See formulations/heuristic.md for what it does not see.
 """
 
@@ -438,7 +439,7 @@ def _best_of(graph: ActivationGraph, hw: Hardware, budget: int, candidates):
 
 class SlackSwapHeuristic:
     name = "heuristic"
-    options: frozenset[str] = frozenset({"polish", "bundle_reruns", "unfit_polish"})
+    options: frozenset[str] = frozenset({"polish", "bundle_reruns", "unfit_polish", "exchanges"})
     honours_restrictions = True  # Problem.mask (allowed=, pins=)
 
     def is_available(self) -> bool:
@@ -518,7 +519,7 @@ class SlackSwapHeuristic:
                     time_limit_s=float("inf"),
                     max_work=evaluations * g.n_positions,
                     mask=problem.mask,
-                    exchanges=True,
+                    exchanges=options.get("exchanges", True),
                 )
                 stats["polish_moves"] = result.moves
                 codes, simulation = result.codes, result.sim
