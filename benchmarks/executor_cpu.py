@@ -64,6 +64,49 @@ def quartiles(values: list[float]) -> list[float]:
     return [float(q[0]), float(q[2])]
 
 
+def time_in_hooks(model, graph, plan, step, steps: int) -> tuple[float, float]:
+    """The median over ``steps`` later steps of one context of the time spent inside
+    slackswap's own hooks (a step of hooks alone's pack and unpack, the context's forward and
+    backward hooks), and of the copies' time within it, in seconds per step. A clock around each
+    hook call, whose own cost (about 0.2 us a call) is counted in: not the paired rounds' noise
+    of a shared machine, and not torch's own cost of calling Python hooks."""
+    from slackswap.runtime.executor import Run
+    from slackswap.runtime.hooked_step import HookedStep
+
+    spent = [0.0]
+    wrapped = [(HookedStep, n) for n in ("pack", "unpack")] + [
+        (Run, n) for n in ("begin_forward", "backward_called", "forward_returned", "forward_left")
+    ]
+    originals = {(cls, name): getattr(cls, name) for cls, name in wrapped}
+
+    def clocked(method):
+        def call(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                spent[0] += time.perf_counter() - start
+
+        return call
+
+    for (cls, name), method in originals.items():
+        setattr(cls, name, clocked(method))
+    per_step, copies = [], []
+    try:
+        with ss.apply(plan, model, graph=graph) as run:
+            step()
+            step()
+            for _ in range(steps):
+                spent[0], before = 0.0, run.stats.copy_s
+                step()
+                per_step.append(spent[0])
+                copies.append(run.stats.copy_s - before)
+    finally:
+        for (cls, name), method in originals.items():
+            setattr(cls, name, method)
+    return median(per_step), median(copies)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rounds", type=int, default=7, help="paired rounds")
@@ -146,6 +189,7 @@ def main() -> int:
     swap_rounds = paired(plain_block, under(swaps), args.rounds)
     rec_rounds = paired(sac_block, under(rec), args.rounds)
     stats = swap_rounds[-1][2]["stats"]
+    hooks_s, hooks_copies_s = time_in_hooks(model, graph, swaps, step, 4 * args.block)
     plain_s = median(a for a, _, _ in keep_rounds + swap_rounds) / args.block
     row = {
         "model": {"width": args.width, "layers": args.layers, "seq": args.seq, "batch": args.batch},
@@ -171,6 +215,8 @@ def main() -> int:
             for a, b, e in swap_rounds
         ),
         "swap_first_step_ms": 1e3 * median(e["first_s"] for _, _, e in swap_rounds),
+        # time_in_hooks: inside slackswap's hooks, copies excluded, per forward op
+        "swap_in_hooks_host_us_per_op": 1e6 * (hooks_s - hooks_copies_s) / n_ops,
         # the spread of the paired rounds (a shared machine's noise): quartiles of the swap
         # plan's host time per op
         "swap_host_us_per_op_quartiles": quartiles(
@@ -197,7 +243,8 @@ def main() -> int:
         f"{row['swap_host_us_per_op_quartiles'][0]:.2f}-"
         f"{row['swap_host_us_per_op_quartiles'][1]:.2f}); later steps alone "
         f"{row['swap_host_later_steps_us_per_op']:.2f} (first step "
-        f"{row['swap_first_step_ms']:.1f} ms)",
+        f"{row['swap_first_step_ms']:.1f} ms); inside slackswap's hooks "
+        f"{row['swap_in_hooks_host_us_per_op']:.2f}",
         f"recompute plan ({row['recomputed']} recomputed) / torch SAC, same decisions  "
         f"{row['recompute_plan_over_torch_sac']:.3f}x "
         f"({1e3 * row['recompute_plan_step_s']:.2f} vs "
@@ -233,7 +280,9 @@ def main() -> int:
                     f"rounds {row['swap_host_us_per_op_quartiles'][0]:.2f}-"
                     f"{row['swap_host_us_per_op_quartiles'][1]:.2f}; the later steps alone "
                     f"{row['swap_host_later_steps_us_per_op']:.2f} (the checked first step: "
-                    f"{row['swap_first_step_ms']:.1f} ms)",
+                    f"{row['swap_first_step_ms']:.1f} ms); inside slackswap's own hooks "
+                    f"(a clock around each call, its own cost counted in) "
+                    f"{row['swap_in_hooks_host_us_per_op']:.2f}",
                 ],
                 [
                     f"recompute plan ({row['recomputed']} recomputed) / torch selective "
