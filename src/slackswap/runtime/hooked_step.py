@@ -24,7 +24,7 @@ from ..core.errors import PlanError
 from .checked_step import next_node
 from .host_copies import HostCopies
 from .positions import RunLog
-from .step import HOOKED, StepContext
+from .step import HOOKED, StepContext, modified_in_place
 
 if TYPE_CHECKING:
     from .checked_step import CheckedStep
@@ -142,7 +142,7 @@ class HookedStep:
                 weakref.ref(t),
                 (t.dtype, t.storage_offset(), t.shape, t.stride()),
             )
-            if decision == "swap" and name not in self.host.copies:
+            if decision == "swap" and name not in self.host:
                 self.host.offload(name, t, position, self.log)
                 if free is not None:
                     self.holding[name] = t
@@ -217,11 +217,11 @@ class HookedStep:
         tensor = packed[4]
         if tensor is not None:  # kept
             if tensor._version != packed[3]:
-                raise _modified(name)
+                raise modified_in_place(name)
             return tensor
         ref = packed[5]()
         if ref is not None and ref._version != packed[3]:
-            raise _modified(name)
+            raise modified_in_place(name)
         storage = self.device_copy.get(name)
         if storage is None:
             storage = self.fetch_now(name)
@@ -249,10 +249,3 @@ class HookedStep:
         self.device_copy[name] = storage
         self.host.wait(name, self.position, self.log)
         return storage
-
-
-def _modified(name: str) -> RuntimeError:
-    return RuntimeError(
-        f"tensor {name!r} saved for backward was modified in place after it was saved; "
-        "gradients would be wrong (use an out-of-place op)"
-    )

@@ -58,7 +58,7 @@ class HostCopies:
         start = perf_counter()
         self.copies[name] = (buf, nbytes, self.lanes.offload(src, buf, nbytes))
         stats.copy_s += perf_counter() - start
-        log.events.append(("offload", name, position))
+        log.add("offload", name, position)
         stats.swapped_out_bytes += nbytes
 
     def release_source(self, name: str) -> None:
@@ -72,7 +72,7 @@ class HostCopies:
         dev, arrived = self.lanes.prefetch(buf, nbytes, offloaded)
         spent = perf_counter() - start
         self.in_flight[name] = arrived
-        log.events.append(("prefetch", name, position))
+        log.add("prefetch", name, position)
         stats = self.stats
         stats.wait_s += spent
         stats.copy_s += spent
@@ -83,7 +83,7 @@ class HostCopies:
         """A prefetched tensor is read: compute waits for its copy here, and only here."""
         if name in self.in_flight:  # (a CPU lane's copy has no event: None)
             self.lanes.wait(self.in_flight.pop(name))
-            log.events.append(("wait", name, position))
+            log.add("wait", name, position)
 
     def pending(self, name: str) -> bool:
         return name in self.in_flight

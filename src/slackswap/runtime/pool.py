@@ -42,11 +42,20 @@ class HostPool:
             missing = dict(sizes)
         self.reserve(missing)
 
+    def held(self, name: str, nbytes: int) -> torch.UntypedStorage | None:
+        """A free buffer of at least ``nbytes`` for ``name``, taken from the pool, or None."""
+        bufs = self.free.get(name)
+        if bufs:
+            for i, buf in enumerate(bufs):
+                if buf.nbytes() >= nbytes:
+                    return bufs.pop(i)
+        return None
+
     def get(self, name: str, nbytes: int) -> torch.UntypedStorage:
-        bufs = self.free.get(name, [])
-        for i, buf in enumerate(bufs):
-            if buf.nbytes() >= nbytes:
-                return bufs.pop(i)
+        """A buffer for ``name``: a free one, else a new one (within the host memory)."""
+        found = self.held(name, nbytes)
+        if found is not None:
+            return found
         if self.limit and self.total + nbytes > self.limit:
             raise PlanError(
                 f"host pool: {name!r} needs {nbytes} more bytes beside the {self.total} it holds; "
@@ -62,14 +71,10 @@ class HostPool:
         borrows them when it starts): those the pool holds no buffer of the size for are left
         out, for ``get`` to make when the step needs them."""
         out: dict[str, torch.UntypedStorage] = {}
-        free = self.free
         for name, nbytes in sizes.items():
-            bufs = free.get(name)
-            if bufs:
-                for i, buf in enumerate(bufs):
-                    if buf.nbytes() >= nbytes:
-                        out[name] = bufs.pop(i)
-                        break
+            found = self.held(name, nbytes)
+            if found is not None:
+                out[name] = found
         return out
 
     def reserve(self, sizes: dict[str, int]) -> None:

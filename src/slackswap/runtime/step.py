@@ -46,6 +46,14 @@ TRACED, SKIMMED, HOOKED = "traced", "skimmed", "hooked"
 _NO_MODE = contextlib.nullcontext()
 
 
+def modified_in_place(name: str) -> RuntimeError:
+    """The error for a saved tensor written in place between its save and its backward use."""
+    return RuntimeError(
+        f"tensor {name!r} saved for backward was modified in place after it was saved; "
+        "gradients would be wrong (use an out-of-place op)"
+    )
+
+
 def outside_modes() -> Any:
     """The executor's own work (copies, rebuilds) runs outside any dispatch mode: the tracer's
     is for the model's ops. A step with no mode (hooked) pays nothing for it."""
@@ -376,10 +384,7 @@ class Step:
             or (ref is not None and ref._version != handle.version)
             or (handle.tensor is not None and handle.tensor._version != handle.version)
         ):
-            raise RuntimeError(
-                f"tensor {name!r} saved for backward was modified in place after it "
-                "was saved; gradients would be wrong (use an out-of-place op)"
-            )
+            raise modified_in_place(name)
         if handle.tensor is not None:
             out = handle.tensor
         else:
