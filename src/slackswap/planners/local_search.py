@@ -71,6 +71,8 @@ _TIERS = (
     {RECOMPUTE: (KEEP, SWAP), SWAP: (), KEEP: (SWAP, RECOMPUTE)},
 )
 STALL_TOLERANCE_S = 1e-9
+# a lane trade's cover recomputes at most this many tensors (or groups) before it gives up
+REPAIR_ROUNDS = 4
 
 
 def _exchange_trials(
@@ -249,6 +251,88 @@ class _Descent:
                 return trial, sim, _key(sim, self.budget)
         return None
 
+    def lane_trade(self) -> tuple | None:
+        """The first lane trade that improves the plan (None: none does, or out of work).
+
+        A recomputed tensor ``t`` takes the copy lanes of a swapped tensor ``s`` (t -> swap,
+        s -> keep), and the memory that adds is covered again by the rules' own cover: the
+        kept tensor resident at the point most over the budget that is cheapest to rerun per
+        byte is recomputed, until the plan fits (at most ``REPAIR_ROUNDS`` times). Pairs are
+        tried dearest ``t`` first, then the swapped tensor whose rerun is cheapest; ``s``'s
+        copy must take at least ``t``'s lane time (else ``t``'s copy cannot take its place).
+        formulations/local-search.md, "Lane trades"."""
+        graph, units, cost, mask = self.graph, self.units, self.rerun_cost, self.mask
+        codes, nbytes = self.codes, graph.tensor_bytes
+        recomputed = sorted(
+            {min(units[int(t)]) for t in graph.saved if codes[t] == RECOMPUTE},
+            key=lambda t: (-float(cost[list(units[t])].sum()), t),
+        )
+        swapped = sorted(
+            (int(s) for s in graph.saved if codes[s] == SWAP), key=lambda s: (cost[s], s)
+        )
+        for t in recomputed:
+            members = units[t]
+            if mask is not None and not all(mask[m, SWAP] for m in members):
+                continue
+            if not all(graph.is_saved[m] for m in members):
+                continue
+            need = int(nbytes[list(members)].sum())
+            for s in swapped:
+                if int(nbytes[s]) < need or (mask is not None and not mask[s, KEEP]):
+                    continue
+                if self.out_of_time():
+                    return None
+                trial = codes.copy()
+                trial[list(members)] = SWAP
+                trial[s] = KEEP
+                tried = self.repaired(trial, protected={s, *members})
+                if tried is not None and tried[2] < self.value:
+                    return tried
+        return None
+
+    def repaired(self, trial: np.ndarray, protected: set[int]) -> tuple | None:
+        """``trial`` simulated, and while it tops the budget, the kept tensor resident at the
+        point most over it that is cheapest to rerun per byte recomputed (not those in
+        ``protected``): the heuristic's cover, judged by the simulator."""
+        graph, units, cost, mask, budget = (
+            self.graph,
+            self.units,
+            self.rerun_cost,
+            self.mask,
+            self.budget,
+        )
+        nbytes = graph.tensor_bytes
+        for _ in range(REPAIR_ROUNDS + 1):
+            sim = self.simulate(trial)
+            over = sim.memory_bytes - budget
+            p = int(np.argmax(over))
+            if over[p] <= 0:
+                return trial, sim, _key(sim, budget)
+            if self.out_of_time():
+                return None
+            exp = sim.expansion
+            live = exp.iv_tensor[(exp.iv_start <= p) & (exp.iv_end >= p) & ~exp.iv_transient]
+            best, best_price = None, np.inf
+            for x in np.unique(live).tolist():
+                group = units.get(x)
+                if group is None or x in protected or trial[x] != KEEP:
+                    continue
+                if not all(
+                    trial[m] == KEEP
+                    and graph.can_recompute[m]
+                    and (mask is None or mask[m, RECOMPUTE])
+                    for m in group
+                ):
+                    continue
+                price = float(cost[list(group)].sum()) / max(1, int(nbytes[list(group)].sum()))
+                if price < best_price:
+                    best, best_price = group, price
+            if best is None:
+                return None
+            trial = trial.copy()
+            trial[list(best)] = RECOMPUTE
+        return None
+
     def best_of_tiers(self) -> tuple | None:
         """Stalled or over the budget: the best improving move of the first tier that has one."""
         candidate = None
@@ -282,6 +366,8 @@ class _Descent:
             elif unimproved >= len(order):
                 # a full cycle of single moves found nothing: the exchanges, then a local optimum
                 candidate = self.exchange() if self.exchanges else None
+                if candidate is None and self.exchanges:
+                    candidate = self.lane_trade()
                 if candidate is None:
                     break
             else:
