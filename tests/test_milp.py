@@ -201,22 +201,27 @@ def test_rounding_taken_off_the_bound_counts_reruns_a_plan_can_afford():
 
 
 @pytest.mark.slow
-def test_the_proof_round_proves_a_cnn_plan_with_swaps():
+def test_the_proof_round_bounds_every_rebuild_position_on_a_cnn_plan_with_swaps():
     """VGG16 at 90% with swaps: the plan of the candidate windows (recompute conv1_1's output,
     swap six small tensors: 0.592% of overhead) is the optimum, but the LP bounds stop at 0.32%.
-    The model over every position (102 x 39 cells), hinted with it, proves it (without the
-    departure bound, which proves it first: test_departures.py)."""
+    The model over every position (102 x 39 cells), hinted with it, offers every recomputed
+    tensor every backward position before its first use (formulations/milp.md, "Candidates"):
+    its bound is then a bound, at most the plan's step; it no longer proves the plan in 60 s of
+    work (the departure bound does: test_departures.py, and the default solve below)."""
     hw = ss.hardware("a100-80gb-pcie4")
     g = ss.cnn_graph("vgg16", hw, batch=16)
     p = ss.solve(g, 0.9, hw, solver="cpsat", work_s=60, time_limit_s=CAP, departure=False)
-    assert p.info.status == "optimal", p.info.extra.get("proof_round")
-    assert p.info.overhead_gap <= 0.01
-    assert p.info.extra["proof_round"]["bound_s"] >= p.info.predicted_step_time_s * (1 - 1e-4)
+    proof = p.info.extra["proof_round"]
+    assert proof["bound_s"] is not None
+    assert proof["bound_s"] <= p.info.predicted_step_time_s * (1 + 1e-9)
     windows = ss.solve(
         g, 0.9, hw, solver="cpsat", work_s=60, time_limit_s=CAP, full=False, departure=False
     )
     assert "proof_round" not in windows.info.extra and windows.info.status != "optimal"
     assert windows.info.predicted_step_time_s == pytest.approx(p.info.predicted_step_time_s)
+    proven = ss.solve(g, 0.9, hw, solver="cpsat", work_s=60, time_limit_s=CAP)
+    assert proven.info.status == "optimal"
+    assert proven.info.predicted_step_time_s == pytest.approx(p.info.predicted_step_time_s)
 
 
 def test_timeout_returns_a_plan_no_worse_than_heuristic():

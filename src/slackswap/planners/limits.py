@@ -265,8 +265,10 @@ INTEGRAL_TIME_LIMIT_S = 10.0
 # the bundled variant is tried up to this many positions: past it, it would cost a third of the
 # heuristic's time goal (benchmarks/solve_scaling.py --size-goals; docs/tuning.md)
 BUNDLED_UP_TO_POSITIONS = 20_000
-POLISH_EVALUATIONS_PER_TENSOR = 4
+POLISH_EVALUATIONS_PER_TENSOR = 10  # small graphs: the lane trades need about 9 a tensor
 POLISH_POSITIONS = 20_000  # simulated positions of the polish
+# a lane trade's cover (planners/local_search.py) takes at most this many tensors before it gives up
+REPAIR_ROUNDS = 4
 # the polish's work, in multiples, when no candidate fits (the alternative is no plan at all):
 # profiled HF models on the CPU at 30% (keep and recompute only) needed 16-32
 UNFIT_POLISH_FACTOR = 32
@@ -316,12 +318,12 @@ MIN_ROUND_DTIME = 0.25
 # the MILP gets every position by default on graphs of at most this many positions x saved
 # tensors (formulations/milp.md, "Candidates"); larger ones get windows
 FULL_CELLS = 1500
-# the LP bound's rebuild-pull rows (planners/rebuild_pulls.py): chains followed this many tensors
-# deep, at most this many chain variables per saved tensor in all, and only on graphs of at most
-# PULL_CELLS positions x saved tensors (on larger ones they slowed HiGHS's branch and bound
-# several times for the same bound)
-PULL_DEPTH = 4
-PULL_VARS_PER_TENSOR = 16
+# the LP bound's rebuild-pull rows (planners/rebuild_pulls.py): at most this many pull points per
+# saved tensor, and only on graphs of at most PULL_CELLS positions x saved tensors (on larger ones
+# they slowed HiGHS's branch and bound several times for the same bound)
+PULL_POINTS_PER_TENSOR = 32
+# and the pairs of rebuilds per op whose second run of it they charge (nearest first uses first)
+SHARED_RERUN_PAIRS_PER_OP = 16
 PULL_CELLS = 100_000
 # the LP bound's every-copy-within-the-step row is added when the copies' latency passes this
 # share of the ideal step (below it the row binds nothing)

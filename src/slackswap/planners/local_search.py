@@ -25,6 +25,7 @@ from ..core.graph import ActivationGraph
 from ..core.hardware import Hardware
 from ..core.plan import KEEP, RECOMPUTE, SWAP
 from .baselines import rebuild_cost
+from .limits import REPAIR_ROUNDS  # tuning constants: docs/tuning.md
 
 
 @dataclass(frozen=True)
@@ -71,8 +72,6 @@ _TIERS = (
     {RECOMPUTE: (KEEP, SWAP), SWAP: (), KEEP: (SWAP, RECOMPUTE)},
 )
 STALL_TOLERANCE_S = 1e-9
-# a lane trade's cover recomputes at most this many tensors (or groups) before it gives up
-REPAIR_ROUNDS = 4
 
 
 def _exchange_trials(
@@ -255,11 +254,10 @@ class _Descent:
         """The first lane trade that improves the plan (None: none does, or out of work).
 
         A recomputed tensor ``t`` takes the copy lanes of a swapped tensor ``s`` (t -> swap,
-        s -> keep), and the memory that adds is covered again by the rules' own cover: the
-        kept tensor resident at the point most over the budget that is cheapest to rerun per
-        byte is recomputed, until the plan fits (at most ``REPAIR_ROUNDS`` times). Pairs are
-        tried dearest ``t`` first, then the swapped tensor whose rerun is cheapest; ``s``'s
-        copy must take at least ``t``'s lane time (else ``t``'s copy cannot take its place).
+        s -> keep), and the memory that adds is covered again by the rules' own cover
+        (``repaired``), until the plan fits (at most ``REPAIR_ROUNDS`` rounds). Pairs are
+        tried dearest ``t`` first, then the swapped tensors whose copy takes at least ``t``'s
+        lane time before the others, each cheapest to rerun first.
         formulations/local-search.md, "Lane trades"."""
         graph, units, cost, mask = self.graph, self.units, self.rerun_cost, self.mask
         codes, nbytes = self.codes, graph.tensor_bytes
@@ -277,8 +275,10 @@ class _Descent:
             if not all(graph.is_saved[m] for m in members):
                 continue
             need = int(nbytes[list(members)].sum())
-            for s in swapped:
-                if int(nbytes[s]) < need or (mask is not None and not mask[s, KEEP]):
+            # those whose copy alone makes room for t's first, then the smaller ones (the lanes
+            # may have had room for part of t's copy already)
+            for s in sorted(swapped, key=lambda s: int(nbytes[s]) < need):
+                if mask is not None and not mask[s, KEEP]:
                     continue
                 if self.out_of_time():
                     return None
@@ -291,47 +291,76 @@ class _Descent:
         return None
 
     def repaired(self, trial: np.ndarray, protected: set[int]) -> tuple | None:
-        """``trial`` simulated, and while it tops the budget, the kept tensor resident at the
-        point most over it that is cheapest to rerun per byte recomputed (not those in
-        ``protected``): the heuristic's cover, judged by the simulator."""
-        graph, units, cost, mask, budget = (
-            self.graph,
-            self.units,
-            self.rerun_cost,
-            self.mask,
-            self.budget,
-        )
-        nbytes = graph.tensor_bytes
-        for _ in range(REPAIR_ROUNDS + 1):
-            sim = self.simulate(trial)
+        """``trial`` simulated, and while it tops the budget, the heuristic's cover judged by
+        the simulator: at the point most over it, the kept tensor resident there that is
+        cheapest to rerun per byte is recomputed, or the smallest whose copy covers the excess
+        (else the largest) is swapped, whichever of those that lower the excess gives the
+        faster step (not those in ``protected``); at most REPAIR_ROUNDS rounds."""
+        budget = self.budget
+        sim = self.simulate(trial)
+        for _ in range(REPAIR_ROUNDS):
             over = sim.memory_bytes - budget
             p = int(np.argmax(over))
             if over[p] <= 0:
-                return trial, sim, _key(sim, budget)
-            if self.out_of_time():
-                return None
-            exp = sim.expansion
-            live = exp.iv_tensor[(exp.iv_start <= p) & (exp.iv_end >= p) & ~exp.iv_transient]
-            best, best_price = None, np.inf
-            for x in np.unique(live).tolist():
-                group = units.get(x)
-                if group is None or x in protected or trial[x] != KEEP:
-                    continue
-                if not all(
-                    trial[m] == KEEP
-                    and graph.can_recompute[m]
-                    and (mask is None or mask[m, RECOMPUTE])
-                    for m in group
-                ):
-                    continue
-                price = float(cost[list(group)].sum()) / max(1, int(nbytes[list(group)].sum()))
-                if price < best_price:
-                    best, best_price = group, price
+                break
+            best = None
+            excess = _key(sim, budget)[0]
+            for move in self.cover_moves(trial, sim, p, int(over[p]), protected):
+                if self.out_of_time():
+                    return None
+                moved_sim = self.simulate(move)
+                key = _key(moved_sim, budget)
+                # of the moves that lower the excess, the faster step (a swap that covers it all
+                # at once can stall far more than two cheap reruns that cover it in turn)
+                if key[0] < excess and (best is None or key[1:] + key[:1] < best[2]):
+                    best = (move, moved_sim, key[1:] + key[:1])
             if best is None:
                 return None
-            trial = trial.copy()
-            trial[list(best)] = RECOMPUTE
-        return None
+            trial, sim = best[0], best[1]
+        if sim.memory_bytes.max() > budget:
+            return None
+        return trial, sim, _key(sim, budget)
+
+    def cover_moves(
+        self, trial: np.ndarray, sim: SimResult, p: int, excess: int, protected: set[int]
+    ) -> list[np.ndarray]:
+        """The cover's two candidates at point ``p`` (``repaired``)."""
+        graph, units, cost, mask = self.graph, self.units, self.rerun_cost, self.mask
+        nbytes = graph.tensor_bytes
+        exp = sim.expansion
+        live = exp.iv_tensor[(exp.iv_start <= p) & (exp.iv_end >= p) & ~exp.iv_transient]
+        kept = [
+            x
+            for x in np.unique(live).tolist()
+            if x in units and x not in protected and trial[x] == KEEP
+        ]
+        moves = []
+        rebuild, price = None, np.inf
+        for x in kept:
+            group = units[x]
+            if all(
+                trial[m] == KEEP and graph.can_recompute[m] and (mask is None or mask[m, RECOMPUTE])
+                for m in group
+            ):
+                each = float(cost[list(group)].sum()) / max(1, int(nbytes[list(group)].sum()))
+                if each < price:
+                    rebuild, price = group, each
+        if rebuild is not None:
+            move = trial.copy()
+            move[list(rebuild)] = RECOMPUTE
+            moves.append(move)
+        swappable = [x for x in kept if mask is None or mask[x, SWAP]]
+        if swappable:
+            covering = [x for x in swappable if int(nbytes[x]) >= excess]
+            x = (
+                min(covering, key=lambda x: (int(nbytes[x]), x))
+                if covering
+                else max(swappable, key=lambda x: (int(nbytes[x]), -x))
+            )
+            move = trial.copy()
+            move[x] = SWAP
+            moves.append(move)
+        return moves
 
     def best_of_tiers(self) -> tuple | None:
         """Stalled or over the budget: the best improving move of the first tier that has one."""

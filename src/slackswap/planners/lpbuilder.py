@@ -171,6 +171,15 @@ class LPBoundBuilder:
         for i, t in enumerate(saved):
             for q in graph.rerun_ops[t]:
                 lp.le([R[i], zi[q]], [1, -1], 0.0)
+        # rebuilds pull others along, and an op two rebuilds at two positions rerun runs twice
+        # (integral decisions only: for fractions the rows are void; graphs of at most
+        # PULL_CELLS positions x saved tensors, where they cost branch and bound little)
+        self.pulls = (
+            rebuild_pulls(lp, graph, saved, self.column, R, self.u_position)
+            if self.integral and S * self.m <= PULL_CELLS
+            else None
+        )
+        second = {} if self.pulls is None else self.pulls.second_runs()
         sigma = lp.vars(S, cost=1.0)
         E = lp.vars(S)  # rerun time placed before each backward op
         for k in range(n):
@@ -183,6 +192,9 @@ class LPBoundBuilder:
         reruns_at: dict[int, list[tuple[int, float]]] = {}
         for q in rerun_ops:
             add_to(reruns_at, q, (zi[q], float(fwd_s[q])))
+        for q, v in second.items():  # a second run costs and is placed like the first
+            lp.c[v] = float(fwd_s[q])
+            add_to(reruns_at, q, (v, float(fwd_s[q])))
         for k in range(S):
             idx, coef = [balance[k], E[k]], [1.0, -1.0]
             if k:
@@ -242,19 +254,12 @@ class LPBoundBuilder:
     def memory(self) -> None:
         """Memory at every position: what any plan must hold there against the budget (with the rows
         of rebuilds that pull others along)."""
-        E, F, Freed, G, Need, Qp, R = self.E, self.F, self.Freed, self.G, self.Need, self.Qp, self.R
-        S, arr, bu, budget_bytes, column = self.S, self.arr, self.bu, self.budget_bytes, self.column
-        dep, dur, graph, hw, integral = self.dep, self.dur, self.graph, self.hw, self.integral
-        lp, m, nbytes, producer_delay = self.lp, self.m, self.nbytes, self.producer_delay
-        saved, sigma, tu, u_position = self.saved, self.sigma, self.tu, self.u_position
-        # rebuilds pull others along (integral decisions only: for fractions the rows are void;
-        # graphs of at most PULL_CELLS positions x saved tensors, where they cost branch and bound
-        # little)
-        pulled = (
-            rebuild_pulls(lp, graph, saved, column, R, u_position, nbytes, S)
-            if integral and S * m <= PULL_CELLS
-            else None
-        )
+        E, F, Freed, G, Need, Qp = self.E, self.F, self.Freed, self.G, self.Need, self.Qp
+        S, arr, bu, budget_bytes = self.S, self.arr, self.bu, self.budget_bytes
+        dep, dur, graph, hw = self.dep, self.dur, self.graph, self.hw
+        lp, nbytes, producer_delay = self.lp, self.nbytes, self.producer_delay
+        sigma, tu = self.sigma, self.tu
+        pulled = None if self.pulls is None else self.pulls.held(nbytes, S)
         bw_d = max(SMALLEST, hw.d2h_bytes_per_s * tu / bu)
         bw_h = max(SMALLEST, hw.h2d_bytes_per_s * tu / bu)
         # everything not saved, and workspaces, as keep-all has them
@@ -424,7 +429,10 @@ class LPBoundBuilder:
             # the gap is on the whole step (ideal + the objective's extra time), not on the extra
             # time alone: HiGHS stops once the absolute gap is that fraction of the ideal step
             res = lp.solve_integral(
-                np.concatenate([K, W, R, queue_binaries]),
+                np.concatenate(
+                    [K, W, R, queue_binaries]
+                    + ([] if self.pulls is None else [sorted(self.pulls.binaries)])
+                ).astype(np.int64),
                 time_limit_s,
                 gap,
                 improving_solutions=improving_solutions,

@@ -118,7 +118,9 @@ def min_peak(
         and best.budget_bytes > floor
         and graph.n_positions * len(graph.saved) <= MIN_PEAK_CELLS
     ):
-        found = _exact(graph, hw, mask, floor, best, time_limit_s)
+        # plans from the model whose rebuilds run where one is due (a restriction: the same
+        # work searches further), the bound from the model over every position
+        found = _exact(graph, hw, mask, floor, best, time_limit_s, every_rebuild=False)
         if found is None or not found.proven:
             # the model's search within its work goes where its hint leads it: a second start,
             # the descent whose local search makes single moves only, leads it elsewhere, and
@@ -126,9 +128,15 @@ def min_peak(
             # 3.15 GB from the first, 2.89 GB from the second)
             other = _descend(graph, hw, mask, floor, bisected, exchanges=False)
             if not np.array_equal(other.codes, best.codes):
-                found = _better(found, _exact(graph, hw, mask, floor, other, time_limit_s))
+                found = _better(
+                    found,
+                    _exact(graph, hw, mask, floor, other, time_limit_s, every_rebuild=False),
+                )
         if found is not None:
             best = _better(found, best) or best
+        if not best.proven:
+            bounded = _exact(graph, hw, mask, floor, best, time_limit_s, every_rebuild=True)
+            best = _better(bounded, best) or best
     return MinPeak(
         best.budget_bytes,
         best.lower_bytes,
@@ -234,9 +242,17 @@ def _descend(
 
 
 def _exact(
-    graph: ActivationGraph, hw: Hardware, mask, floor: int, start: MinPeak, time_limit_s: float
+    graph: ActivationGraph,
+    hw: Hardware,
+    mask,
+    floor: int,
+    start: MinPeak,
+    time_limit_s: float,
+    every_rebuild: bool = True,
 ) -> MinPeak | None:
-    """The exact planner's model over every position with the budget a variable: minimise it."""
+    """The exact planner's model over every position with the budget a variable: minimise it.
+    ``every_rebuild=False``: rebuilds only where one is due (a restriction), whose plans fit
+    but whose bound proves nothing (the start's lower bound stands)."""
     from ortools.sat.python import cp_model
 
     from .exact.cpsat import build_model
@@ -246,7 +262,9 @@ def _exact(
     from .interrupts import solve_cpsat
 
     began = time.perf_counter()
-    f = formulate(graph, hw, start.budget_bytes, full=True, cuts=False, mask=mask)
+    f = formulate(
+        graph, hw, start.budget_bytes, full=True, cuts=False, mask=mask, every_rebuild=every_rebuild
+    )
     m = f.model
     if m.size()["nonzeros"] > MIN_PEAK_NONZEROS:
         return None
@@ -287,6 +305,8 @@ def _exact(
     # its bound in units, times the unit, is no more than any plan's peak; its plan's own peak
     # is what the step model says
     lower = max(floor, int(np.ceil(solver.best_objective_bound - 1e-9)) * sc.byte_unit)
+    if not every_rebuild:
+        lower = max(floor, start.lower_bytes)  # a restriction's bound is no proof
     codes, schedule = decode(f, lambda v: solver.value(x[v]))
     peak = plan_peak(graph, hw, codes, schedule)
     # proven only where the peak meets the bound exactly: with sizes rounded to a coarse unit

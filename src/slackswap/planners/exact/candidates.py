@@ -13,8 +13,18 @@ from ...core.schedule_rules import HookPositions
 from ...core.stepmodel import nominal_position_times
 
 
-def candidates(graph: ActivationGraph, hw: Hardware, full: bool, extra=None, window: int = 6):
-    """F(x), G(x), Rc(x) for every saved tensor (Section "Candidates")."""
+def candidates(
+    graph: ActivationGraph,
+    hw: Hardware,
+    full: bool,
+    extra=None,
+    window: int = 6,
+    every_rebuild: bool | None = None,
+):
+    """F(x), G(x), Rc(x) for every saved tensor (Section "Candidates"). ``every_rebuild``
+    (default: ``full``): every backward position up to the latest in Rc(x), as a model over
+    every schedule needs for its bound to be a proof; without it Rc(x) holds the positions where
+    a rebuild is due (a restriction: fewer variables for the same search)."""
     n = graph.n_ops
     saved = [int(t) for t in graph.saved]
     last_fwd = graph.last_forward_use
@@ -32,6 +42,26 @@ def candidates(graph: ActivationGraph, hw: Hardware, full: bool, extra=None, win
         t: int(graph.rebuild_position[t]) if graph.rebuild_position[t] >= 0 else u[t] for t in saved
     }
     rc = {t: {latest[t]} if can_r[t] else set() for t in saved}
+    if full if every_rebuild is None else every_rebuild:
+        # over every schedule, every backward position up to the latest: a rebuild moved earlier
+        # can share its reruns with another's there, or run before memory peaks (a model without
+        # them is a restriction, whose bound proves nothing)
+        for t in saved:
+            if can_r[t]:
+                rc[t] |= set(range(n, latest[t] + 1))
+    else:
+        # where a rebuild that reruns the same op is due, however far: there one rerun can serve
+        # both (formulations/milp.md, "Candidates"; few pairs share an op)
+        users: dict[int, list[int]] = {}
+        for t in saved:
+            if can_r[t]:
+                for q in graph.rerun_ops[t]:
+                    users.setdefault(int(q), []).append(t)
+        for sharing in users.values():
+            for x in sharing:
+                for y in sharing:
+                    if latest[x] < latest[y]:
+                        rc[y].add(latest[x])
     changed = True
     while changed:
         changed = False

@@ -42,6 +42,7 @@ def formulate(
     cuts: bool = True,
     mask=None,
     fine_time: bool = False,
+    every_rebuild: bool | None = None,
 ) -> Formulation:
     """The MILP for ``graph`` under ``budget_bytes``, built section by section.
 
@@ -54,6 +55,9 @@ def formulate(
         mask: allowed decisions per tensor (core/restrict.py), fixed in the model.
         fine_time: over every position, time units of span / 1e8 rather than 1e7 (for a
             backend in exact integer arithmetic; Section "Scaling").
+        every_rebuild: every backward position up to the latest a rebuild candidate (default:
+            ``full``); False with ``full`` keeps the rebuild positions where a rebuild is due,
+            a restriction whose bound is no proof (``Formulation.full`` is then False).
 
     Returns:
         The :class:`Formulation`: the model and its variables by tensor and position.
@@ -68,6 +72,7 @@ def formulate(
         mask=mask,
         cuts=cuts,
         fine_time=fine_time,
+        every_rebuild=every_rebuild,
     )
     build.decisions()
     host_memory_row(build.f, build.saved)
@@ -97,6 +102,7 @@ class MilpBuilder:
         mask,
         cuts: bool,
         fine_time: bool,
+        every_rebuild: bool | None = None,
     ) -> None:
         n = graph.n_ops
         S = graph.n_positions
@@ -117,7 +123,7 @@ class MilpBuilder:
             int(t): int(sc.time_up(hw.h2d_time(graph.tensor_bytes[t]))) for t in graph.saved
         }
         self.F, self.G, self.RC, self.frontier, self.coproduced, self.u, self.lb = candidates(
-            graph, hw, full, extra
+            graph, hw, full, extra, every_rebuild=every_rebuild
         )
         self.saved = [int(t) for t in graph.saved]
         self.m = Model()
@@ -128,7 +134,8 @@ class MilpBuilder:
             budget_bytes,
             sc,
             objective_offset_s=graph.optimizer_s,
-            full=bool(full),
+            # a bound over every schedule needs every rebuild position too
+            full=bool(full) and every_rebuild is not False,
         )
 
     def decisions(self) -> None:
