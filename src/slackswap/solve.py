@@ -145,7 +145,10 @@ def solve(
     plan, schedule, status and bound on any machine that finishes the work in time. Where the
     clock stops a phase first, ``plan.info.extra["clock_stopped"]`` names it and the status is
     "timeout". ``anytime=True``: the phases share the time limit instead (a faster machine
-    searches further; two runs may differ).
+    searches further; two runs may differ). Where no plan the planner finds fits, the smallest
+    budget (``min_budget``, on work limits of its own, once per graph, hardware and
+    restriction) decides between its plan and ``InfeasibleBudget``: that search is not under
+    the time limit (tens of seconds on graphs of thousands of positions).
 
     Args:
         graph: the step to plan.

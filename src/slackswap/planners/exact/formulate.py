@@ -44,7 +44,8 @@ def formulate(
     fine_time: bool = False,
     every_rebuild: bool | None = None,
 ) -> Formulation:
-    """The MILP for ``graph`` under ``budget_bytes``, built section by section.
+    """The MILP for ``graph`` under ``budget_bytes``, built section by section: a
+    :class:`Formulation`, the model and its variables by tensor and position.
 
     Args:
         full: every candidate position (exact over all schedules; default for graphs of at most
@@ -55,12 +56,8 @@ def formulate(
         mask: allowed decisions per tensor (core/restrict.py), fixed in the model.
         fine_time: over every position, time units of span / 1e8 rather than 1e7 (for a
             backend in exact integer arithmetic; Section "Scaling").
-        every_rebuild: every backward position up to the latest a rebuild candidate (default:
-            ``full``); False with ``full`` keeps the rebuild positions where a rebuild is due,
-            a restriction whose bound is no proof (``Formulation.full`` is then False).
-
-    Returns:
-        The :class:`Formulation`: the model and its variables by tensor and position.
+        every_rebuild: every backward position a rebuild candidate (default ``full``); False:
+            where a rebuild is due, a restriction (``Formulation.full`` False: no proof).
     """
     build = MilpBuilder(
         graph,
@@ -122,9 +119,8 @@ class MilpBuilder:
         self.h2d_u = {
             int(t): int(sc.time_up(hw.h2d_time(graph.tensor_bytes[t]))) for t in graph.saved
         }
-        self.F, self.G, self.RC, self.frontier, self.coproduced, self.u, self.lb = candidates(
-            graph, hw, full, extra, every_rebuild=every_rebuild
-        )
+        found = candidates(graph, hw, full, extra, every_rebuild=every_rebuild)
+        self.F, self.G, self.RC, self.frontier, self.coproduced, self.u, self.lb = found
         self.saved = [int(t) for t in graph.saved]
         self.m = Model()
         self.f = Formulation(
@@ -134,8 +130,7 @@ class MilpBuilder:
             budget_bytes,
             sc,
             objective_offset_s=graph.optimizer_s,
-            # a bound over every schedule needs every rebuild position too
-            full=bool(full) and every_rebuild is not False,
+            full=bool(full) and every_rebuild is not False,  # a proof needs every rebuild too
         )
 
     def decisions(self) -> None:
