@@ -1,6 +1,8 @@
 """Local search: each move is judged by the simulator, so it never returns a worse plan, and it
 repairs what aggregate planners get wrong (a copy that cannot be hidden)."""
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 from helpers import LINK, graph, op, plan, random_plans, tensor
@@ -176,3 +178,12 @@ def test_an_exchange_trades_a_dear_rerun_for_a_cheap_one():
     assert result.codes[index["n1"]] == RECOMPUTE
     assert result.sim.fits
     assert result.sim.step_time_s <= before.step_time_s - 0.2
+
+
+def test_the_heuristic_refuses_exchanges_without_its_polish():
+    """exchanges= steers the polish's local search: with polish=False it would be ignored."""
+    g = ss.load_graph(Path(__file__).parent / "data" / "heuristic_collapse_transformer.json")
+    with pytest.raises(ValueError, match="exchanges"):
+        ss.solve(g, 280, LINK, solver="heuristic", polish=False, exchanges=False)
+    plain = ss.solve(g, 280, LINK, solver="heuristic", exchanges=False)
+    assert ss.validate(g, plain, LINK).ok

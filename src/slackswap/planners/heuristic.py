@@ -23,7 +23,8 @@
    rematerializes everything at once);
    ``polish=False`` leaves both out
    (the published scheme); ``bundle_reruns=True`` asks for the bundled candidate alone;
-   ``exchanges=False`` keeps the local search to single moves (formulations/local-search.md).
+   ``exchanges=False`` keeps the local search to single moves, no exchanges or lane trades
+   (formulations/local-search.md; refused with ``polish=False``, which has no search).
 See formulations/heuristic.md for what it does not see.
 """
 
@@ -452,6 +453,11 @@ class SlackSwapHeuristic:
         g, hw, budget = problem.graph, problem.hardware, problem.budget_bytes
         unfit: list[np.ndarray] = []
         polish = options.get("polish", True)
+        if "exchanges" in options and not polish:
+            raise ValueError(
+                "heuristic: exchanges= applies to the polish's local search; polish=False "
+                "leaves it nothing to act on"
+            )
         # the published rules with polish=False; with it, the single-cover guard too
         codes, stats = heuristic_codes(
             g, hw, budget, mask=problem.mask, unfit=unfit, single_cover=polish
