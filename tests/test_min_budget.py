@@ -179,3 +179,38 @@ def test_the_exact_planner_beats_no_smallest_budget_on_unet():
         except ss.InfeasibleBudget:
             continue
         assert ss.simulate(g, plan).peak_bytes >= smallest, fraction
+
+
+def test_a_search_cut_by_its_deadline_still_names_a_budget_a_plan_fits():
+    """A deadline already past leaves the bisection's first plan (the heuristic at keep-all):
+    seed 31's minimum is 1814 bytes, the cut search names 3395, a plan fits it, and it says
+    that the clock stopped it."""
+    from slackswap.core.stepmodel import expand
+    from slackswap.planners.minpeak import min_peak
+    from slackswap.solve_options import restriction_mask
+
+    g = seeded_graph(31, n_ops=12)
+    mask = restriction_mask(g, CPU, ("keep", "recompute"), None)
+    full = min_peak(g, CPU, mask)
+    cut = min_peak(g, CPU, mask, deadline=0.0)
+    assert not full.clock_stopped and full.proven
+    assert cut.clock_stopped and not cut.proven
+    assert cut.lower_bytes <= full.budget_bytes < cut.budget_bytes
+    peak = expand(g, cut.codes, cut.schedule, CPU, budget_bytes=cut.budget_bytes).memory().max()
+    assert peak <= cut.budget_bytes
+
+
+def test_solve_names_the_smallest_budget_within_its_time_limit_and_keeps_no_cut_search():
+    """Below the floor solve() refuses at once; with no time left its smallest-budget search
+    stops after one heuristic plan, and says so. min_budget() afterwards searches in full (the
+    cut answer was not kept): seed 32's proven 2118 bytes, not the cut 3212."""
+    g = seeded_graph(32, n_ops=12)
+    with pytest.raises(ss.InfeasibleBudget) as info:
+        ss.solve(g, 100, CPU, time_limit_s=0)
+    assert "stopped at solve()'s time limit" in str(info.value)
+    assert info.value.min_budget_bytes > ss.min_budget(g, CPU)
+    smallest = ss.smallest_budget(g, CPU)
+    assert smallest.proven and not smallest.clock_stopped
+    with pytest.raises(ss.InfeasibleBudget) as again:
+        ss.solve(g, 100, CPU, time_limit_s=0)
+    assert again.value.min_budget_bytes == smallest.budget_bytes  # now known: no search

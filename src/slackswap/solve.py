@@ -36,6 +36,7 @@ from .planners.base import (
     solver_names,
 )
 from .planners.interrupts import interruptible
+from .planners.limits import DEFAULT_TIME_LIMIT_S
 from .planners.minimal import keep_what_fits
 from .planners.minpeak import MinPeak, min_peak
 from .solve_options import check_options, check_time_limit, host_allowed, restriction_mask
@@ -102,6 +103,11 @@ class _Request:
     pins: Mapping[str, str] | None
     asked: bool
     implied: bool
+    deadline: float | None = None  # time.perf_counter() at which the time limit ends
+
+    def smallest(self) -> MinPeak:
+        """The smallest budget for this request, searched within what is left of its time."""
+        return smallest_budget_of(self.graph, self.hw, self.mask, self.deadline)
 
     def recorded(self, plan: Plan) -> Plan:
         """``plan`` recording the caller's restrictions, where there are any."""
@@ -137,7 +143,7 @@ def solve(
     tensors. Both are honoured by every planner and the LP bound, recorded in the plan, and
     checked by ``validate``; a solver that cannot honour them is refused by name.
 
-    time_limit_s: a hard cap on the exact solvers' wall time (default 10 s), counted from this
+    time_limit_s: a hard cap on the wall time (default 10 s), counted from this
     call (the planner's first load in a process included). Their phases stop on work limits
     (CP-SAT's deterministic time, branch-and-bound nodes, simplex iterations, simulated
     positions) sized by the option ``work_s`` (default: the time limit; the default fits the
@@ -145,10 +151,12 @@ def solve(
     plan, schedule, status and bound on any machine that finishes the work in time. Where the
     clock stops a phase first, ``plan.info.extra["clock_stopped"]`` names it and the status is
     "timeout". ``anytime=True``: the phases share the time limit instead (a faster machine
-    searches further; two runs may differ). Where no plan the planner finds fits, the smallest
-    budget (``min_budget``, on work limits of its own, once per graph, hardware and
-    restriction) decides between its plan and ``InfeasibleBudget``: that search is not under
-    the time limit (tens of seconds on graphs of thousands of positions).
+    searches further; two runs may differ). Where no plan the planner finds fits (and for
+    ``budget="smallest"``), the smallest budget (``min_budget``, on work limits of its own, once
+    per graph, hardware and restriction) decides between its plan and ``InfeasibleBudget``, in
+    what is left of the same time limit, whatever the solver: where the clock stops that
+    search, the smallest budget found so far is the one returned or named (unproven, said so in
+    the error's message; not kept, so ``min_budget()`` or a later solve searches again).
 
     Args:
         graph: the step to plan.
@@ -184,8 +192,9 @@ def solve(
     time_limit_s = check_time_limit(time_limit_s)
     allowed, implied = host_allowed(hw, allowed)
     mask = restriction_mask(graph, hw, allowed, pins)
+    deadline = entered + (DEFAULT_TIME_LIMIT_S if time_limit_s is None else time_limit_s)
     if is_smallest(budget):  # the smallest budget any plan reaches with these decisions
-        budget_bytes = smallest_budget_of(graph, hw, mask).budget_bytes
+        budget_bytes = smallest_budget_of(graph, hw, mask, deadline).budget_bytes
     else:
         budget_bytes = parse_budget(budget, graph, hw)
     # the hardware's own restrictions (no host, tensors under min_swap_bytes) bind every planner
@@ -193,7 +202,7 @@ def solve(
     # the caller's
     asked = (allowed is not None and not implied) or bool(pins)
     req = _Request(
-        solver, graph, hw, hardware_from, budget_bytes, mask, allowed, pins, asked, implied
+        solver, graph, hw, hardware_from, budget_bytes, mask, allowed, pins, asked, implied, deadline
     )
     if budget_bytes < offload_floor(graph, hw, mask):
         raise _infeasible(req, "")
@@ -241,14 +250,14 @@ def _fitting(req: _Request, plan: Plan, fits: bool, planner, strict: bool) -> Pl
             f"bytes of device memory and {hw.host_memory_bytes} of host memory: {host[0]} "
             "(a larger device budget needs fewer swaps; or give the host more, "
             "host_memory_bytes / --host-memory)",
-            min_budget_bytes=smallest_budget_of(graph, hw, mask).budget_bytes,
+            min_budget_bytes=req.smallest().budget_bytes,
             budget_bytes=budget_bytes,
         )
     if not fits and strict:
         # the planner's plan does not fit: where the smallest-budget plan does, it is returned
         # (a plan exists at every budget min_budget reports), said so in its info; strict=False
         # returns the planner's own plan (compare's rows)
-        smallest = smallest_budget_of(graph, hw, mask)
+        smallest = req.smallest()
         if smallest.budget_bytes <= budget_bytes and getattr(
             planner, "honours_restrictions", False
         ):
@@ -259,7 +268,7 @@ def _fitting(req: _Request, plan: Plan, fits: bool, planner, strict: bool) -> Pl
         raise InfeasibleBudget(
             f"solver {req.solver!r} found no plan for graph {graph.name!r} within {budget_bytes} bytes: "
             f"{check.violations[0]}",
-            min_budget_bytes=smallest_budget_of(graph, hw, mask).budget_bytes,
+            min_budget_bytes=req.smallest().budget_bytes,
             budget_bytes=budget_bytes,
         )
     return plan
@@ -451,22 +460,26 @@ def _minimal(
 _SMALLEST: dict[tuple, MinPeak] = {}
 
 
-def smallest_budget_of(graph: ActivationGraph, hw: Hardware, mask) -> MinPeak:
-    """planners/minpeak.py's answer for this graph, hardware and mask, computed once."""
+def smallest_budget_of(
+    graph: ActivationGraph, hw: Hardware, mask, deadline: float | None = None
+) -> MinPeak:
+    """planners/minpeak.py's answer for this graph, hardware and mask, computed once: a search
+    that ``deadline`` cut short is not kept (the next caller searches again)."""
     key = (graph.digest, repr(hw), None if mask is None else mask.tobytes())
     found = _SMALLEST.get(key)
     if found is None:
         with interruptible():
-            found = min_peak(graph, hw, mask)
-        if len(_SMALLEST) > 64:
-            _SMALLEST.clear()
-        _SMALLEST[key] = found
+            found = min_peak(graph, hw, mask, deadline=deadline)
+        if not found.clock_stopped:
+            if len(_SMALLEST) > 64:
+                _SMALLEST.clear()
+            _SMALLEST[key] = found
     return found
 
 
 def _infeasible(req: _Request, prefix: str) -> InfeasibleBudget:
     graph, hw, mask, budget_bytes = req.graph, req.hw, req.mask, req.budget_bytes
-    smallest = smallest_budget_of(graph, hw, mask)
+    smallest = req.smallest()
     decisions = (
         "every decision"
         if mask is None
@@ -480,6 +493,11 @@ def _infeasible(req: _Request, prefix: str) -> InfeasibleBudget:
         else f"the smallest found, unproven: no plan fits below {smallest.lower_bytes} bytes, "
         f"{100 * (1 - smallest.lower_bytes / max(1, smallest.budget_bytes)):.1f}% less"
     )
+    if smallest.clock_stopped and not smallest.proven:
+        how += (
+            "; the search stopped at solve()'s time limit: min_budget() searches without it, "
+            "or give time_limit_s more"
+        )
     return InfeasibleBudget(
         f"{prefix}graph {graph.name!r} cannot fit {budget_bytes} bytes with {decisions} on "
         f"{hw.name!r}: a plan fits {smallest.budget_bytes} bytes ({how})",

@@ -57,6 +57,7 @@ class MinPeak:
     codes: np.ndarray
     schedule: Schedule | None
     wall_s: float
+    clock_stopped: bool = False  # a deadline cut the search: a smaller budget may fit
 
 
 def free_choice(graph: ActivationGraph, mask: np.ndarray | None) -> np.ndarray:
@@ -94,11 +95,15 @@ def min_peak(
     mask: np.ndarray | None = None,
     exact: bool = True,
     time_limit_s: float = 60.0,
+    deadline: float | None = None,
 ) -> MinPeak:
     """The smallest budget a plan with the decisions ``mask`` allows fits (module docstring).
     ``exact=False`` stops after the bisection. ``time_limit_s`` is a hard cap on each exact
-    model's clock; its work is MIN_PEAK_DTIME."""
+    model's clock; its work is MIN_PEAK_DTIME. ``deadline`` (a ``time.perf_counter()`` time) is
+    a hard cap on the whole search, for a caller under a time limit of its own (``solve()``):
+    where it stops a phase, the smallest budget found so far stands, ``clock_stopped``."""
     began = time.perf_counter()
+    clock = _Clock(deadline)
     floor = offload_floor(graph, hw, mask)
     if not free_choice(graph, mask).size and not _forced_recompute(graph, mask):
         return MinPeak(
@@ -110,9 +115,9 @@ def min_peak(
             None,
             time.perf_counter() - began,
         )
-    codes, peak = _bisect(graph, hw, mask, floor)
+    codes, peak = _bisect(graph, hw, mask, floor, clock)
     bisected = MinPeak(peak, floor, peak <= floor, "heuristic", codes, None, 0.0)
-    best = _descend(graph, hw, mask, floor, bisected)
+    best = _descend(graph, hw, mask, floor, bisected, clock)
     if (
         exact
         and best.budget_bytes > floor
@@ -120,22 +125,26 @@ def min_peak(
     ):
         # plans from the model whose rebuilds run where one is due (a restriction: the same
         # work searches further), the bound from the model over every position
-        found = _exact(graph, hw, mask, floor, best, time_limit_s, every_rebuild=False)
-        if found is None or not found.proven:
+        found = _exact(graph, hw, mask, floor, best, clock.cap(time_limit_s), every_rebuild=False)
+        if (found is None or not found.proven) and clock.left():
             # the model's search within its work goes where its hint leads it: a second start,
             # the descent whose local search makes single moves only, leads it elsewhere, and
             # the smaller minimum and the larger bound of the two stand (UNet recompute-only:
             # 3.15 GB from the first, 2.89 GB from the second)
-            other = _descend(graph, hw, mask, floor, bisected, exchanges=False)
-            if not np.array_equal(other.codes, best.codes):
+            other = _descend(graph, hw, mask, floor, bisected, clock, exchanges=False)
+            if not np.array_equal(other.codes, best.codes) and clock.left():
                 found = _better(
                     found,
-                    _exact(graph, hw, mask, floor, other, time_limit_s, every_rebuild=False),
+                    _exact(
+                        graph, hw, mask, floor, other, clock.cap(time_limit_s), every_rebuild=False
+                    ),
                 )
         if found is not None:
             best = _better(found, best) or best
-        if not best.proven:
-            bounded = _exact(graph, hw, mask, floor, best, time_limit_s, every_rebuild=True)
+        if not best.proven and clock.left():
+            bounded = _exact(
+                graph, hw, mask, floor, best, clock.cap(time_limit_s), every_rebuild=True
+            )
             best = _better(bounded, best) or best
     return MinPeak(
         best.budget_bytes,
@@ -145,7 +154,28 @@ def min_peak(
         best.codes,
         best.schedule,
         time.perf_counter() - began,
+        not clock.left(),  # a phase skipped, or the last one's clock cut at the deadline
     )
+
+
+class _Clock:
+    """The search's deadline: how long is left, whether it stopped a phase."""
+
+    def __init__(self, deadline: float | None) -> None:
+        self.deadline = deadline
+        self.stopped = False
+
+    def left(self) -> bool:
+        """Time is left; where it is not, the phase that asked is skipped (and said so)."""
+        if self.deadline is not None and time.perf_counter() >= self.deadline:
+            self.stopped = True
+        return not self.stopped
+
+    def cap(self, seconds: float) -> float:
+        """``seconds``, or what is left of the deadline where that is less."""
+        if self.deadline is None:
+            return seconds
+        return max(0.0, min(seconds, self.deadline - time.perf_counter()))
 
 
 def _forced_recompute(graph: ActivationGraph, mask: np.ndarray | None) -> bool:
@@ -156,7 +186,9 @@ def _forced_recompute(graph: ActivationGraph, mask: np.ndarray | None) -> bool:
     return bool((mask[saved, RECOMPUTE] & ~mask[saved, SWAP] & ~mask[saved, KEEP]).any())
 
 
-def _bisect(graph: ActivationGraph, hw: Hardware, mask, floor: int) -> tuple[np.ndarray, int]:
+def _bisect(
+    graph: ActivationGraph, hw: Hardware, mask, floor: int, clock: _Clock
+) -> tuple[np.ndarray, int]:
     """The heuristic's plans between the floor and the keep-all peak: the smallest peak of a
     plan that fits its budget, and the plan."""
     from .heuristic import SlackSwapHeuristic
@@ -177,7 +209,7 @@ def _bisect(graph: ActivationGraph, hw: Hardware, mask, floor: int) -> tuple[np.
     lo = floor
     hi = best[1]
     for _ in range(BISECTION_STEPS):
-        if hi - lo <= max(1, hi // 1000):
+        if hi - lo <= max(1, hi // 1000) or not clock.left():
             break
         mid = (lo + hi) // 2
         found = attempt(mid)
@@ -213,6 +245,7 @@ def _descend(
     mask,
     floor: int,
     best: MinPeak,
+    clock: _Clock,
     exchanges: bool = True,
 ) -> MinPeak:
     """Below ``best``: the full heuristic (its polish, its local search: with its exchanges
@@ -225,7 +258,7 @@ def _descend(
         improved = False
         for fraction in DESCENT_FRACTIONS:
             budget = int(best.budget_bytes * fraction)
-            if budget < floor:
+            if budget < floor or not clock.left():
                 break
             found = heuristic.solve(Problem(graph, hw, budget, mask), exchanges=exchanges)
             exp = expand(graph, found.codes, found.schedule, hw, budget_bytes=budget)
@@ -261,6 +294,8 @@ def _exact(
     from .exact.hint import complete_hint
     from .interrupts import solve_cpsat
 
+    if time_limit_s <= 0:
+        return None
     began = time.perf_counter()
     f = formulate(
         graph, hw, start.budget_bytes, full=True, cuts=False, mask=mask, every_rebuild=every_rebuild
@@ -297,7 +332,9 @@ def _exact(
     solver.parameters.num_workers = 1
     solver.parameters.random_seed = 0
     solver.parameters.max_deterministic_time = MIN_PEAK_DTIME
-    solver.parameters.max_time_in_seconds = max(0.1, time_limit_s - (time.perf_counter() - began))
+    solver.parameters.max_time_in_seconds = max(
+        0.01, time_limit_s - (time.perf_counter() - began)
+    )
     status = solve_cpsat(solver, model)
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         return None
