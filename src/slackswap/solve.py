@@ -102,7 +102,7 @@ class _Request:
     allowed: Any
     pins: Mapping[str, str] | None
     asked: bool
-    implied: bool
+    implied: bool = False
     deadline: float | None = None  # time.perf_counter() at which the time limit ends
 
     def smallest(self) -> MinPeak:
@@ -151,12 +151,10 @@ def solve(
     plan, schedule, status and bound on any machine that finishes the work in time. Where the
     clock stops a phase first, ``plan.info.extra["clock_stopped"]`` names it and the status is
     "timeout". ``anytime=True``: the phases share the time limit instead (a faster machine
-    searches further; two runs may differ). Where no plan the planner finds fits (and for
-    ``budget="smallest"``), the smallest budget (``min_budget``, on work limits of its own, once
-    per graph, hardware and restriction) decides between its plan and ``InfeasibleBudget``, in
-    what is left of the same time limit, whatever the solver: where the clock stops that
-    search, the smallest budget found so far is the one returned or named (unproven, said so in
-    the error's message; not kept, so ``min_budget()`` or a later solve searches again).
+    searches further; two runs may differ). Where no plan it finds fits (and for "smallest"),
+    the smallest budget (``min_budget``) decides between its plan and ``InfeasibleBudget``
+    within what is left of the time limit: where the clock stops it, the smallest found so far
+    is used (the error says it is unproven; ``min_budget()`` searches without the limit).
 
     Args:
         graph: the step to plan.
@@ -201,9 +199,8 @@ def solve(
     # without the caller asking: a planner that cannot honour a restriction is refused only for
     # the caller's
     asked = (allowed is not None and not implied) or bool(pins)
-    req = _Request(
-        solver, graph, hw, hardware_from, budget_bytes, mask, allowed, pins, asked, implied, deadline
-    )
+    req = _Request(solver, graph, hw, hardware_from, budget_bytes, mask, allowed, pins, asked)
+    req = replace(req, implied=implied, deadline=deadline)
     if budget_bytes < offload_floor(graph, hw, mask):
         raise _infeasible(req, "")
     planner, options = _planner_for(solver, graph, mask, asked, allowed, work_s, options)
@@ -241,7 +238,7 @@ def solve(
 def _fitting(req: _Request, plan: Plan, fits: bool, planner, strict: bool) -> Plan:
     """The plan, checked by the independent checker; where it does not fit and ``strict``,
     the smallest-budget plan when that fits (said so in its info), else InfeasibleBudget."""
-    graph, hw, budget_bytes, mask = req.graph, req.hw, req.budget_bytes, req.mask
+    graph, hw, budget_bytes = req.graph, req.hw, req.budget_bytes
     check = validate(graph, plan)
     host = [v for v in check.violations if v.kind == "host_memory"]
     if host and strict:

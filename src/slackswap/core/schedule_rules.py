@@ -116,3 +116,26 @@ def check_swap_schedule(
                 f"schedule: h2d_issue[{name!r}] = {h2d[t]} is after its first use at "
                 f"position {first_need[t]} ({position_label(graph, int(first_need[t]))})"
             )
+
+
+def enough_to_cover(
+    where: np.ndarray,
+    candidate: np.ndarray,
+    rank: np.ndarray,
+    tensors: np.ndarray,
+    graph: ActivationGraph,
+    excess: np.ndarray,
+) -> np.ndarray:
+    """Of the candidates to move at each position ``where`` (a default free moved earlier, a
+    prefetch later, to yield to the budget), the first in ``rank`` order whose bytes together
+    reach the excess there (all of them where they do not): moving more would only stall."""
+    chosen = np.zeros(candidate.shape, dtype=bool)
+    nbytes = graph.tensor_bytes
+    for q in np.unique(where[candidate]):
+        at = np.flatnonzero(candidate & (where == q))
+        at = at[np.lexsort((tensors[at], rank[at]))]
+        covered = np.cumsum(nbytes[tensors[at]])
+        # the first k whose bytes reach the excess (k counts the one that reaches it)
+        k = int(np.searchsorted(covered, excess[q], side="left")) + 1
+        chosen[at[:k]] = True
+    return chosen

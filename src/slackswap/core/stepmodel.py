@@ -22,6 +22,7 @@ from .schedule_rules import (
     HookPositions,
     check_hook_positions,
     check_swap_schedule,
+    enough_to_cover,
     position_label,
 )
 
@@ -536,12 +537,14 @@ def _yield_to_budget(
     movable_free = swapped[~given_d2h[swapped]]
     movable_issue = swapped[~given_h2d[swapped]]
     hooks = HookPositions(graph)
-    for _ in range(graph.n_positions + 1):
+    for _ in range(graph.n_positions + swapped.size + 1):
         mem = exp.memory()
         over = np.flatnonzero(mem > budget)
         if over.size == 0:
             return exp
         positions = np.unique(exp.point_position[over])
+        excess = np.zeros(graph.n_positions + 1, dtype=np.int64)
+        np.maximum.at(excess, exp.point_position[over], mem[over] - budget)
         changed = False
         # free earlier: the first over-budget position after a tensor's last forward reader,
         # if it is still resident there, is where it must already be gone
@@ -552,6 +555,11 @@ def _yield_to_budget(
         # (a hook must run after the new position: the last such before the first over)
         target = hooks.free_earlier(first_over - 1)
         late = has & (first_over <= d2h[movable_free]) & (target >= lf)
+        # only as many as the excess there needs, those whose offloads end first (the lane
+        # carries them in production order: the earliest produced wait least, or not at all)
+        late &= enough_to_cover(
+            first_over, late, graph.producer[movable_free], movable_free, graph, excess
+        )
         if late.any():
             d2h[movable_free[late]] = target[late]
             changed = True
@@ -562,6 +570,8 @@ def _yield_to_budget(
         has = j >= 0
         last_over = np.where(has, positions[np.maximum(j, 0)], -1)
         early = has & (last_over >= h2d[movable_issue])
+        # only as many as the excess there needs, those read last first (the most time left)
+        early &= enough_to_cover(last_over, early, -need, movable_issue, graph, excess)
         if early.any():
             h2d[movable_issue[early]] = np.minimum(
                 hooks.start_later(last_over[early] + 1), need[early]

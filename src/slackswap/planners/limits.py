@@ -266,7 +266,7 @@ INTEGRAL_TIME_LIMIT_S = 10.0
 # heuristic's time goal (benchmarks/solve_scaling.py --size-goals; docs/tuning.md)
 BUNDLED_UP_TO_POSITIONS = 20_000
 POLISH_EVALUATIONS_PER_TENSOR = 10  # small graphs: the lane trades need about 9 a tensor
-POLISH_POSITIONS = 20_000  # simulated positions of the polish
+POLISH_POSITIONS = 50_000  # simulated positions of the polish
 # a lane trade's cover (planners/local_search.py) takes at most this many tensors before it gives up
 REPAIR_ROUNDS = 4
 # the polish's work, in multiples, when no candidate fits (the alternative is no plan at all):

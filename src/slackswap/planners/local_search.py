@@ -16,6 +16,7 @@ does not). formulations/local-search.md has the moves and why they are the ones 
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -60,6 +61,30 @@ def _units(graph: ActivationGraph) -> dict[int, tuple[int, ...]]:
     return {int(t): graph.group_of(int(t)) for t in graph.saved}
 
 
+def _rerun_together(graph: ActivationGraph) -> dict[int, tuple[int, ...]]:
+    """For each saved tensor, its RNG group and the other saved outputs of its op, with theirs:
+    one rerun of an op rebuilds all its outputs, so a move that stops rebuilding one of them
+    saves time only if it stops rebuilding all that are rebuilt (a layer norm's output and its
+    statistics; formulations/local-search.md, "Units")."""
+    parent = {int(t): int(t) for t in graph.saved}
+
+    def root(t: int) -> int:
+        while parent[t] != t:
+            parent[t] = parent[parent[t]]
+            t = parent[t]
+        return t
+
+    first_of_op: dict[int, int] = {}
+    for t in parent:
+        for m in (*graph.group_of(t), first_of_op.setdefault(int(graph.producer[t]), t)):
+            if m in parent:
+                parent[root(m)] = root(t)
+    members: dict[int, list[int]] = {}
+    for t in sorted(parent):
+        members.setdefault(root(t), []).append(t)
+    return {t: tuple(members[root(t)]) for t in parent}
+
+
 # Moves tried. With no overflow and no stall: those that can shorten the step (fewer reruns,
 # fewer copies), the first improving one taken. With a stall or an overflow, in tiers, the best
 # move of the first tier that has an improving one: dropping a copy (swap -> keep), then
@@ -80,17 +105,25 @@ def _exchange_trials(
     cost: np.ndarray,
     units: dict[int, tuple[int, ...]],
     mask: np.ndarray | None,
+    together: dict[int, tuple[int, ...]],
 ):
     """The decisions of each exchange in the order tried: for each pair of ``_exchanges``, ``t``
-    kept first (no copy), then swapped (where keeping tops the budget)."""
+    kept first (no copy), then swapped (where keeping tops the budget), with every tensor
+    rebuilt by the same reruns (``_rerun_together``)."""
     for t, u in _exchanges(graph, codes, cost, units, mask):
+        stopped = _rebuilt_with(t, codes, together)
         for target in (KEEP, SWAP):
-            if mask is not None and not all(mask[m, target] for m in units[t]):
+            if mask is not None and not all(mask[m, target] for m in stopped):
                 continue
             trial = codes.copy()
             trial[list(units[u])] = RECOMPUTE
-            trial[list(units[t])] = target
+            trial[list(stopped)] = target
             yield trial
+
+
+def _rebuilt_with(t: int, codes: np.ndarray, together: dict[int, tuple[int, ...]]) -> list[int]:
+    """The recomputed tensors whose reruns a move that stops rebuilding ``t`` must stop too."""
+    return [m for m in together[t] if codes[m] == RECOMPUTE]
 
 
 def _exchanges(
@@ -183,6 +216,7 @@ class _Descent:
         self.graph, self.hw, self.budget, self.mask = graph, hw, budget, mask
         self.time_limit_s, self.max_work = time_limit_s, max_work
         self.units = _units(graph)
+        self.together = _rerun_together(graph)
         self.rerun_cost = rebuild_cost(graph)
         self.order = sorted(
             (int(t) for t in graph.saved), key=lambda t: (-int(graph.producer[t]), t)
@@ -216,7 +250,10 @@ class _Descent:
 
     def trial_of(self, t: int, target: int) -> np.ndarray | None:
         codes, mask, graph = self.codes, self.mask, self.graph
-        members = self.units[t] if RECOMPUTE in (target, int(codes[t])) else (t,)
+        if codes[t] == RECOMPUTE and target != RECOMPUTE:
+            members: Sequence[int] = _rebuilt_with(t, codes, self.together)
+        else:
+            members = self.units[t] if target == RECOMPUTE else (t,)
         if mask is not None and not all(mask[m, target] for m in members):
             return None
         if target == RECOMPUTE and not all(graph.can_recompute[m] for m in members):
@@ -241,7 +278,7 @@ class _Descent:
     def exchange(self) -> tuple | None:
         """The first exchange that improves the plan (None: none does, or out of work)."""
         for trial in _exchange_trials(
-            self.graph, self.codes, self.rerun_cost, self.units, self.mask
+            self.graph, self.codes, self.rerun_cost, self.units, self.mask, self.together
         ):
             if self.out_of_time():
                 return None
@@ -269,7 +306,7 @@ class _Descent:
             (int(s) for s in graph.saved if codes[s] == SWAP), key=lambda s: (cost[s], s)
         )
         for t in recomputed:
-            members = units[t]
+            members = _rebuilt_with(t, codes, self.together)
             if mask is not None and not all(mask[m, SWAP] for m in members):
                 continue
             if not all(graph.is_saved[m] for m in members):

@@ -332,9 +332,7 @@ def _exact(
     solver.parameters.num_workers = 1
     solver.parameters.random_seed = 0
     solver.parameters.max_deterministic_time = MIN_PEAK_DTIME
-    solver.parameters.max_time_in_seconds = max(
-        0.01, time_limit_s - (time.perf_counter() - began)
-    )
+    solver.parameters.max_time_in_seconds = max(0.01, time_limit_s - (time.perf_counter() - began))
     status = solve_cpsat(solver, model)
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         return None
