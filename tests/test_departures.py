@@ -258,15 +258,15 @@ def test_it_proves_cnn_plans_with_swaps_in_the_time_limit():
 
 @pytest.mark.slow
 def test_run_again_from_the_best_plan_it_proves_what_its_first_run_could_not():
-    """VGG19 at 80% with swaps, the default work (10 s): the first run ends on its work after 3
-    rounds, 12.4% of the plan's overhead (1.03% of the step) short of it; the second run, capped
-    just under the plan the starts found, finds no point under the cap in 3 rounds: the plan is
-    proven within 0.89%. (VGG16 at 80%, the case this was written for, is now proven by the
-    first run alone: the local search now drops copies that buy neither time nor headroom, and
-    the starts hand it a closer incumbent.)"""
+    """VGG19 at 50% with swaps, the default work (10 s): the first run ends on its work 4.6% of
+    the plan's overhead short of it; the second run, capped just under the plan the starts
+    found, finds no point under the cap: the plan is proven within 0.9%. (VGG19 at 80%, the
+    case before, now ends 20.6% short after both runs: the default schedule's yield, which now
+    frees only what the budget needs, hands the search another path; VGG16 at 80%, the first
+    case, is proven by the first run alone.)"""
     hw = ss.hardware("a100-80gb-pcie4")
     g = ss.cnn_graph("vgg19", hw, batch=16)
-    p = ss.solve(g, 0.8, hw, solver="cpsat", work_s=10.0, time_limit_s=CAP)
+    p = ss.solve(g, 0.5, hw, solver="cpsat", work_s=10.0, time_limit_s=CAP)
     first, again = p.info.extra["departure_bound"], p.info.extra["departure_bound_from_best"]
     ideal = g.ideal_step_time_s
     overhead = p.info.predicted_step_time_s - ideal

@@ -125,17 +125,21 @@ def enough_to_cover(
     tensors: np.ndarray,
     graph: ActivationGraph,
     excess: np.ndarray,
+    reach: np.ndarray,
 ) -> np.ndarray:
     """Of the candidates to move at each position ``where`` (a default free moved earlier, a
     prefetch later, to yield to the budget), the first in ``rank`` order whose bytes together
-    reach the excess there (all of them where they do not): moving more would only stall."""
+    reach the largest excess between ``where`` and the candidates' ``reach`` (the positions a
+    move relieves; all of them where they do not): moving more would only stall."""
     chosen = np.zeros(candidate.shape, dtype=bool)
     nbytes = graph.tensor_bytes
     for q in np.unique(where[candidate]):
         at = np.flatnonzero(candidate & (where == q))
         at = at[np.lexsort((tensors[at], rank[at]))]
         covered = np.cumsum(nbytes[tensors[at]])
-        # the first k whose bytes reach the excess (k counts the one that reaches it)
-        k = int(np.searchsorted(covered, excess[q], side="left")) + 1
+        lo, hi = sorted((int(q), int(reach[at].max() if q <= reach[at].max() else reach[at].min())))
+        need = int(excess[lo : hi + 1].max())
+        # the first k whose bytes reach it (k counts the one that reaches it)
+        k = int(np.searchsorted(covered, need, side="left")) + 1
         chosen[at[:k]] = True
     return chosen

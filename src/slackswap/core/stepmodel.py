@@ -558,7 +558,13 @@ def _yield_to_budget(
         # only as many as the excess there needs, those whose offloads end first (the lane
         # carries them in production order: the earliest produced wait least, or not at all)
         late &= enough_to_cover(
-            first_over, late, graph.producer[movable_free], movable_free, graph, excess
+            first_over,
+            late,
+            graph.producer[movable_free],
+            movable_free,
+            graph,
+            excess,
+            d2h[movable_free],
         )
         if late.any():
             d2h[movable_free[late]] = target[late]
@@ -571,7 +577,9 @@ def _yield_to_budget(
         last_over = np.where(has, positions[np.maximum(j, 0)], -1)
         early = has & (last_over >= h2d[movable_issue])
         # only as many as the excess there needs, those read last first (the most time left)
-        early &= enough_to_cover(last_over, early, -need, movable_issue, graph, excess)
+        early &= enough_to_cover(
+            last_over, early, -need, movable_issue, graph, excess, h2d[movable_issue]
+        )
         if early.any():
             h2d[movable_issue[early]] = np.minimum(
                 hooks.start_later(last_over[early] + 1), need[early]
