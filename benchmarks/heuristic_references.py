@@ -4,7 +4,7 @@ overhead plus 1% of the step on each of them.
 
     python benchmarks/heuristic_references.py [--time-limit 30] [--workload-time-limit 60]
         [--json tests/data/heuristic_references.json] [--only SOURCE]
-    python benchmarks/heuristic_references.py --verdicts   # today's heuristic, recorded bounds
+    python benchmarks/heuristic_references.py --verdicts [--results]   # today's heuristic
 
 The graphs and budgets are tests/reference_graphs.py's SOURCES. Per (graph, budget, decisions):
 the exact planner's plan (default solver, default work; the reference workloads at the
@@ -91,9 +91,14 @@ def heuristic_verdict(row: dict, g, hw) -> str:
     )
 
 
-def verdicts(path: Path) -> int:
-    """Today's heuristic against each recorded bound, and the counts."""
+def verdicts(path: Path, results: bool) -> int:
+    """Today's heuristic against each recorded bound, and the counts (``results``: also as a
+    section of RESULTS.md)."""
     from reference_graphs import graph_of
+    from results_md import recording_print, write_printed_section
+
+    lines: list[str] = []
+    print = recording_print(lines)  # noqa: A001 - each line also goes to RESULTS.md
 
     counts: dict[str, int] = {}
     worst = (0.0, "")
@@ -110,13 +115,18 @@ def verdicts(path: Path) -> int:
             worst = max(worst, (share, f"{row['source']} {row['decisions']} {row['fraction']:.0%}"))
         print(
             f"{row['source']:<48} {row['decisions']:<9} {row['fraction']:>4.0%} "
-            f"{row['status']:<10} {verdict}",
-            flush=True,
+            f"{row['status']:<10} {verdict}"
         )
     print(
         f"{sum(counts.values())} rows: " + ", ".join(f"{k} {v}" for k, v in sorted(counts.items()))
     )
     print(f"largest share of the allowance used: {worst[0]:.2f} ({worst[1]})")
+    if results:
+        write_printed_section(
+            "heuristic_references",
+            "The heuristic against the exact planner's bounds on every suite and benchmark graph",
+            lines,
+        )
     return 0
 
 
@@ -130,6 +140,7 @@ def main() -> int:
         "--json", type=Path, default=ROOT / "tests" / "data" / "heuristic_references.json"
     )
     parser.add_argument("--only", default=None, help="one source (the other rows are kept)")
+    parser.add_argument("--results", action="store_true", help="with --verdicts: RESULTS.md")
     parser.add_argument(
         "--verdicts",
         action="store_true",
@@ -137,7 +148,7 @@ def main() -> int:
     )
     args = parser.parse_args()
     if args.verdicts:
-        return verdicts(args.json)
+        return verdicts(args.json, args.results)
     kept = []
     if args.only and args.json.exists():
         kept = [r for r in json.loads(args.json.read_text())["rows"] if r["source"] != args.only]
