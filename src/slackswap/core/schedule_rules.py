@@ -137,7 +137,9 @@ def enough_to_cover(
         at = np.flatnonzero(candidate & (where == q))
         at = at[np.lexsort((tensors[at], rank[at]))]
         covered = np.cumsum(nbytes[tensors[at]])
-        lo, hi = sorted((int(q), int(reach[at].max() if q <= reach[at].max() else reach[at].min())))
+        # the positions between q and the farthest candidate's reach (a free's old position
+        # after q, a prefetch's old issue before it)
+        lo, hi = min(int(q), int(reach[at].min())), max(int(q), int(reach[at].max()))
         need = int(excess[lo : hi + 1].max())
         # the first k whose bytes reach it (k counts the one that reaches it)
         k = int(np.searchsorted(covered, need, side="left")) + 1

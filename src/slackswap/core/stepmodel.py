@@ -557,14 +557,9 @@ def _yield_to_budget(
         late = has & (first_over <= d2h[movable_free]) & (target >= lf)
         # only as many as the excess there needs, those whose offloads end first (the lane
         # carries them in production order: the earliest produced wait least, or not at all)
+        rank = graph.producer[movable_free]
         late &= enough_to_cover(
-            first_over,
-            late,
-            graph.producer[movable_free],
-            movable_free,
-            graph,
-            excess,
-            d2h[movable_free],
+            first_over, late, rank, movable_free, graph, excess, d2h[movable_free]
         )
         if late.any():
             d2h[movable_free[late]] = target[late]
