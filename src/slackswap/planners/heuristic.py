@@ -48,6 +48,8 @@ from .limits import (  # tuning constants: docs/tuning.md
     BUNDLED_UP_TO_POSITIONS,
     POLISH_EVALUATIONS_PER_TENSOR,
     POLISH_POSITIONS,
+    POLISH_SMALL_EVALUATIONS,
+    POLISH_SMALL_POSITIONS,
     UNFIT_POLISH_FACTOR,
 )
 
@@ -498,7 +500,10 @@ class SlackSwapHeuristic:
 
             evaluations = min(
                 POLISH_EVALUATIONS_PER_TENSOR * len(g.saved) + 8,
-                POLISH_POSITIONS // max(1, g.n_positions),
+                max(
+                    POLISH_POSITIONS // max(1, g.n_positions),
+                    POLISH_SMALL_EVALUATIONS if g.n_positions <= POLISH_SMALL_POSITIONS else 0,
+                ),
             )
             start_codes = codes
             if (

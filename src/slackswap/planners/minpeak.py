@@ -9,6 +9,9 @@ recomputed but not offloaded (keep and recompute only, a CPU device, pins), that
 lower bound: recomputing everything rebuilds chains at once in backward, so the smallest budget is
 a choice of what to keep. It is found by
 
+0. where the most offloaded plan (each tensor swapped where it may be, else recomputed where it
+   may be, else kept) fits the floor on the step model's default schedule, the floor is the
+   minimum, proven; else
 1. a bisection over budgets with the heuristic (a plan it finds fits: an upper bound), then a
    descent below it: the full heuristic (polish and local search) at fractions of the best peak,
    restarting from each better plan (the heuristic's fit is not monotone in the budget), then
@@ -114,6 +117,13 @@ def min_peak(
             most_offloaded(graph, mask),
             None,
             time.perf_counter() - began,
+        )
+    offloaded = most_offloaded(graph, mask)
+    if plan_peak(graph, hw, offloaded, None, floor) <= floor:
+        # the most offloaded plan fits the floor on the step model's default schedule there: a
+        # plan exists at the lower bound
+        return MinPeak(
+            floor, floor, True, "offload floor", offloaded, None, time.perf_counter() - began
         )
     codes, peak = _bisect(graph, hw, mask, floor, clock)
     bisected = MinPeak(peak, floor, peak <= floor, "heuristic", codes, None, 0.0)
