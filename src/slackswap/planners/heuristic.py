@@ -48,9 +48,8 @@ from .limits import (  # tuning constants: docs/tuning.md
     BUNDLED_UP_TO_POSITIONS,
     POLISH_EVALUATIONS_PER_TENSOR,
     POLISH_POSITIONS,
-    POLISH_SMALL_EVALUATIONS,
-    POLISH_SMALL_POSITIONS,
     UNFIT_POLISH_FACTOR,
+    UNFIT_POLISH_POSITIONS,
 )
 
 NO_RERUNS = None
@@ -500,10 +499,7 @@ class SlackSwapHeuristic:
 
             evaluations = min(
                 POLISH_EVALUATIONS_PER_TENSOR * len(g.saved) + 8,
-                max(
-                    POLISH_POSITIONS // max(1, g.n_positions),
-                    POLISH_SMALL_EVALUATIONS if g.n_positions <= POLISH_SMALL_POSITIONS else 0,
-                ),
+                POLISH_POSITIONS // max(1, g.n_positions),
             )
             start_codes = codes
             if (
@@ -520,7 +516,11 @@ class SlackSwapHeuristic:
                 if over[0] < over[1]:
                     start_codes = unfit[0]
                     stats["polish_from"] = "the rules' plan over the budget"
-                evaluations *= UNFIT_POLISH_FACTOR
+                # (at most UNFIT_POLISH_POSITIONS simulated positions in all)
+                evaluations = UNFIT_POLISH_FACTOR * min(
+                    POLISH_EVALUATIONS_PER_TENSOR * len(g.saved) + 8,
+                    UNFIT_POLISH_POSITIONS // (UNFIT_POLISH_FACTOR * max(1, g.n_positions)),
+                )
             if evaluations >= 4:  # fewer: too large a graph to try a move in the work allowed
                 result = improve(
                     g,

@@ -266,16 +266,13 @@ INTEGRAL_TIME_LIMIT_S = 10.0
 # heuristic's time goal (benchmarks/solve_scaling.py --size-goals; docs/tuning.md)
 BUNDLED_UP_TO_POSITIONS = 20_000
 POLISH_EVALUATIONS_PER_TENSOR = 10  # small graphs: the lane trades need about 9 a tensor
-POLISH_POSITIONS = 20_000  # simulated positions of the polish
-# small graphs: at least this many plans (the profiled tiny GPT of the suite, 400 positions,
-# needs 80 to stop rebuilding its norms at 70%; 50 left it at 5 times the optimum's overhead)
-POLISH_SMALL_EVALUATIONS = 80
-POLISH_SMALL_POSITIONS = 512  # at most this many positions: a small graph
+POLISH_POSITIONS = 50_000  # simulated positions of the polish
 # a lane trade's cover (planners/local_search.py) takes at most this many tensors before it gives up
 REPAIR_ROUNDS = 4
 # the polish's work, in multiples, when no candidate fits (the alternative is no plan at all):
 # profiled HF models on the CPU at 30% (keep and recompute only) needed 16-32
 UNFIT_POLISH_FACTOR = 32
+UNFIT_POLISH_POSITIONS = 640_000  # the unfit polish's simulated positions in all
 
 # --- the departure bound (planners/departures.py) ---
 # model size past which the bound is not built (departed_by binaries): it is a tool for graphs
