@@ -3,7 +3,7 @@ recorded (graph, budget, decisions), its overhead is at most twice the optimum's
 step. The optimum is at least the exact planner's recorded bound (a lower bound on any plan's
 step time), so the test measures against the bound: a pass is a proof.
 
-The bounds come from benchmarks/heuristic_references.py (tens of minutes of exact solves); the
+The bounds come from benchmarks/heuristic_references.py (about 10 minutes of exact solves); the
 heuristic runs here, on the same graph (its digest is checked)."""
 
 from __future__ import annotations
