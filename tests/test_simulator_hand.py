@@ -226,3 +226,32 @@ def test_an_op_that_reruns_with_another_brings_it_into_every_rebuild():
     assert ss.load_graph(g.to_json()).digest == g.digest
     with pytest.raises(ss.GraphError, match="rerun_with 'E' is no op"):
         graph([op("A", 1.0, 1.0, ["batch"], ["a"], rerun_with=["E"])], [tensor("a", 1, ["A"])])
+
+
+def test_the_default_schedule_frees_only_what_the_budget_needs():
+    """Keep-all: A 60 B (a), B 100 (a, b), C 110 (a, b, c), D 120 (a, b, c, d). The D2H lane
+    carries a over 0.1..0.7 and b over 0.7..1.1, so both are freed after D by default; under a
+    110-byte budget D is 10 bytes over. Freeing a alone before D covers it (60 >= 10): D waits
+    for a's copy from 0.3 to 0.7 (stall 0.4 s), b leaves after D, its copy long done. Freeing
+    both, as the yield once did, makes D wait for b's copy until 1.1 (stall 0.8 s). Backward:
+    D 5.7..10.7 (both prefetched behind it), C, B, A: the step ends at 11.0 s (11.4 s)."""
+    g = graph(
+        [
+            op("A", 0.1, 0.1, ["batch"], ["a"]),
+            op("B", 0.1, 0.1, ["a"], ["b"]),
+            op("C", 0.1, 0.1, ["b"], ["c"]),
+            op("D", 5.0, 5.0, ["c"], ["d"]),
+        ],
+        [tensor("a", 60, ["B"]), tensor("b", 40, ["C"]), tensor("c", 10), tensor("d", 10)],
+    )
+    assert ss.keep_all_peak(g, LINK) == 120
+    yielded = plan(g, {"a": "swap", "b": "swap"}, 110)
+    assert dict(yielded.schedule.d2h_free) == {"a": 2, "b": 3}
+    sim = ss.simulate(g, yielded, LINK)
+    assert sim.fits and sim.peak_bytes == 110
+    assert sim.stall_s == pytest.approx(0.4)
+    assert sim.step_time_s == pytest.approx(11.0)
+    both = plan(g, {"a": "swap", "b": "swap"}, 110, schedule={"d2h_free": {"a": 2, "b": 2}})
+    slower = ss.simulate(g, both, LINK)
+    assert slower.fits and slower.stall_s == pytest.approx(0.8)
+    assert slower.step_time_s == pytest.approx(11.4)
