@@ -193,3 +193,31 @@ def test_the_heuristic_refuses_exchanges_without_its_polish():
         ss.solve(g, 280, LINK, solver="heuristic", polish=False, exchanges=False)
     plain = ss.solve(g, 280, LINK, solver="heuristic", exchanges=False)
     assert ss.validate(g, plain, LINK).ok
+
+
+def test_a_move_that_stops_a_rebuild_stops_every_rebuild_of_the_same_rerun():
+    """N (1 s) makes n (50 B) and s (10 B), both saved for M. Rebuilding both reruns N once: the
+    step is 1 + 0.5 forward, 1 (rerun) + 0.5 + 1 backward = 4.0 s. Keeping n alone still reruns
+    N for s (4.0 s), and so does keeping s alone: no single move improves. Keeping n stops s's
+    rebuild too (the same rerun): 3.0 s, the ideal step."""
+    from slackswap.core.codes import keep_all_codes
+
+    g = graph(
+        [
+            op("N", 1.0, 1.0, ["batch"], ["n", "s"]),
+            op("M", 0.5, 0.5, ["n", "s"], ["m"]),
+        ],
+        [tensor("n", 50, ["M"]), tensor("s", 10, ["M"]), tensor("m", 10)],
+    )
+    budget = ss.keep_all_peak(g, LINK)
+    index = g.tensor_index
+    start = keep_all_codes(g)
+    start[[index["n"], index["s"]]] = RECOMPUTE
+    assert simulate_decisions(g, start, LINK, budget).step_time_s == pytest.approx(4.0)
+    for name in ("n", "s"):
+        alone = start.copy()
+        alone[index[name]] = KEEP
+        assert simulate_decisions(g, alone, LINK, budget).step_time_s == pytest.approx(4.0)
+    result = improve(g, LINK, budget, start, time_limit_s=float("inf"))
+    assert result.codes[index["n"]] == KEEP and result.codes[index["s"]] == KEEP
+    assert result.sim.step_time_s == pytest.approx(3.0)
