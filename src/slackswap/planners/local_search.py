@@ -76,7 +76,9 @@ def _rerun_together(graph: ActivationGraph) -> dict[int, tuple[int, ...]]:
 
     first_of_op: dict[int, int] = {}
     for t in parent:
-        for m in (*graph.group_of(t), first_of_op.setdefault(int(graph.producer[t]), t)):
+        op = int(graph.producer[t])
+        siblings = (first_of_op.setdefault(op, t),) if op >= 0 else ()  # (inputs: no op)
+        for m in (*graph.group_of(t), *siblings):
             if m in parent:
                 parent[root(m)] = root(t)
     members: dict[int, list[int]] = {}
