@@ -495,8 +495,10 @@ def _infeasible(req: _Request, prefix: str) -> InfeasibleBudget:
             "; the search stopped at solve()'s time limit: min_budget() searches without it, "
             "or give time_limit_s more"
         )
+    # "cannot fit" only where it is proven: below the lower bound; above it, nothing was found
+    verdict = "cannot fit" if budget_bytes < smallest.lower_bytes else "has no plan found within"
     return InfeasibleBudget(
-        f"{prefix}graph {graph.name!r} cannot fit {budget_bytes} bytes with {decisions} on "
+        f"{prefix}graph {graph.name!r} {verdict} {budget_bytes} bytes with {decisions} on "
         f"{hw.name!r}: a plan fits {smallest.budget_bytes} bytes ({how})",
         min_budget_bytes=smallest.budget_bytes,
         budget_bytes=budget_bytes,
