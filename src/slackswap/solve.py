@@ -191,10 +191,9 @@ def solve(
     allowed, implied = host_allowed(hw, allowed)
     mask = restriction_mask(graph, hw, allowed, pins)
     deadline = entered + (DEFAULT_TIME_LIMIT_S if time_limit_s is None else time_limit_s)
-    if is_smallest(budget):  # the smallest budget any plan reaches with these decisions
-        budget_bytes = smallest_budget_of(graph, hw, mask, deadline).budget_bytes
-    else:
-        budget_bytes = parse_budget(budget, graph, hw)
+    # "smallest": the smallest budget any plan reaches with these decisions
+    searched = smallest_budget_of(graph, hw, mask, deadline) if is_smallest(budget) else None
+    budget_bytes = parse_budget(budget, graph, hw) if searched is None else searched.budget_bytes
     # the hardware's own restrictions (no host, tensors under min_swap_bytes) bind every planner
     # without the caller asking: a planner that cannot honour a restriction is refused only for
     # the caller's
@@ -232,7 +231,11 @@ def solve(
         hardware_from=hardware_from,
         overhead_gap=overhead_gap(sim.step_time_s, graph.ideal_step_time_s, plan.info.bound),
     )
-    return _fitting(req, plan, sim.fits, planner, strict)
+    plan = _fitting(req, plan, sim.fits, planner, strict)
+    if searched is not None:  # "smallest": whether that budget is proven the smallest
+        said = {"proven": searched.proven, "clock_stopped": searched.clock_stopped}
+        plan = replace(plan, extra={**plan.extra, "smallest_budget": said})
+    return plan
 
 
 def _fitting(req: _Request, plan: Plan, fits: bool, planner, strict: bool) -> Plan:

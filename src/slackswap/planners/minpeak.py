@@ -43,6 +43,7 @@ from .limits import (
     MIN_PEAK_CELLS,
     MIN_PEAK_DTIME,
     MIN_PEAK_NONZEROS,
+    Clock,
 )
 
 
@@ -106,7 +107,7 @@ def min_peak(
     a hard cap on the whole search, for a caller under a time limit of its own (``solve()``):
     where it stops a phase, the smallest budget found so far stands, ``clock_stopped``."""
     began = time.perf_counter()
-    clock = _Clock(deadline)
+    clock = Clock(deadline)
     floor = offload_floor(graph, hw, mask)
     if not free_choice(graph, mask).size and not _forced_recompute(graph, mask):
         return MinPeak(
@@ -135,26 +136,27 @@ def min_peak(
     ):
         # plans from the model whose rebuilds run where one is due (a restriction: the same
         # work searches further), the bound from the model over every position
-        found = _exact(graph, hw, mask, floor, best, clock.cap(time_limit_s), every_rebuild=False)
-        if (found is None or not found.proven) and clock.left():
+        def exact_run(start: MinPeak, every_rebuild: bool) -> MinPeak | None:
+            """One exact model, its clock capped by what is left of the deadline."""
+            cap = min(time_limit_s, max(0.0, clock.left()))
+            return _exact(graph, hw, mask, floor, start, cap, every_rebuild=every_rebuild)
+
+        found = exact_run(best, every_rebuild=False)
+        if (found is None or not found.proven) and not clock.passed():
             # the model's search within its work goes where its hint leads it: a second start,
             # the descent whose local search makes single moves only, leads it elsewhere, and
             # the smaller minimum and the larger bound of the two stand (UNet recompute-only:
             # 3.15 GB from the first, 2.89 GB from the second)
             other = _descend(graph, hw, mask, floor, bisected, clock, exchanges=False)
-            if not np.array_equal(other.codes, best.codes) and clock.left():
+            if not np.array_equal(other.codes, best.codes) and not clock.passed():
                 found = _better(
                     found,
-                    _exact(
-                        graph, hw, mask, floor, other, clock.cap(time_limit_s), every_rebuild=False
-                    ),
+                    exact_run(other, every_rebuild=False),
                 )
         if found is not None:
             best = _better(found, best) or best
-        if not best.proven and clock.left():
-            bounded = _exact(
-                graph, hw, mask, floor, best, clock.cap(time_limit_s), every_rebuild=True
-            )
+        if not best.proven and not clock.passed():
+            bounded = exact_run(best, every_rebuild=True)
             best = _better(bounded, best) or best
     return MinPeak(
         best.budget_bytes,
@@ -164,28 +166,8 @@ def min_peak(
         best.codes,
         best.schedule,
         time.perf_counter() - began,
-        not clock.left(),  # a phase skipped, or the last one's clock cut at the deadline
+        clock.passed(),  # a phase skipped, or the last one's clock cut at the deadline
     )
-
-
-class _Clock:
-    """The search's deadline: how long is left, whether it stopped a phase."""
-
-    def __init__(self, deadline: float | None) -> None:
-        self.deadline = deadline
-        self.stopped = False
-
-    def left(self) -> bool:
-        """Time is left; where it is not, the phase that asked is skipped (and said so)."""
-        if self.deadline is not None and time.perf_counter() >= self.deadline:
-            self.stopped = True
-        return not self.stopped
-
-    def cap(self, seconds: float) -> float:
-        """``seconds``, or what is left of the deadline where that is less."""
-        if self.deadline is None:
-            return seconds
-        return max(0.0, min(seconds, self.deadline - time.perf_counter()))
 
 
 def _forced_recompute(graph: ActivationGraph, mask: np.ndarray | None) -> bool:
@@ -197,7 +179,7 @@ def _forced_recompute(graph: ActivationGraph, mask: np.ndarray | None) -> bool:
 
 
 def _bisect(
-    graph: ActivationGraph, hw: Hardware, mask, floor: int, clock: _Clock
+    graph: ActivationGraph, hw: Hardware, mask, floor: int, clock: Clock
 ) -> tuple[np.ndarray, int]:
     """The heuristic's plans between the floor and the keep-all peak: the smallest peak of a
     plan that fits its budget, and the plan."""
@@ -219,7 +201,7 @@ def _bisect(
     lo = floor
     hi = best[1]
     for _ in range(BISECTION_STEPS):
-        if hi - lo <= max(1, hi // 1000) or not clock.left():
+        if hi - lo <= max(1, hi // 1000) or clock.passed():
             break
         mid = (lo + hi) // 2
         found = attempt(mid)
@@ -255,7 +237,7 @@ def _descend(
     mask,
     floor: int,
     best: MinPeak,
-    clock: _Clock,
+    clock: Clock,
     exchanges: bool = True,
 ) -> MinPeak:
     """Below ``best``: the full heuristic (its polish, its local search: with its exchanges
@@ -268,7 +250,7 @@ def _descend(
         improved = False
         for fraction in DESCENT_FRACTIONS:
             budget = int(best.budget_bytes * fraction)
-            if budget < floor or not clock.left():
+            if budget < floor or clock.passed():
                 break
             found = heuristic.solve(Problem(graph, hw, budget, mask), exchanges=exchanges)
             exp = expand(graph, found.codes, found.schedule, hw, budget_bytes=budget)
