@@ -56,6 +56,74 @@ def test_an_input_modified_in_place_before_backward_raises_when_a_rerun_reads_it
     assert all(torch.equal(a, b) for a, b in zip(plain, _grads(model)))
 
 
+class WritesSaved(nn.Module):
+    """A model that, when told to, writes in place (outside autograd) a kept activation and a
+    buffer after autograd saved them: the step's ops and saves stay the same, so the executor
+    sees the step it checked, and plain training refuses the backward."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 8)
+        self.register_buffer("scale", torch.ones(8))
+        self.write_activation = False
+        self.write_buffer = False
+
+    def forward(self, x):
+        h = self.a(x)
+        y = h.sin() * self.scale  # saves h (sin) and the buffer (mul)
+        with torch.no_grad():
+            if self.write_activation:
+                h.mul_(2.0)
+            if self.write_buffer:
+                self.scale.add_(1.0)
+        return self.b(y) + h
+
+
+@pytest.mark.parametrize("written", ["write_activation", "write_buffer"])
+def test_a_saved_tensor_the_plan_does_not_act_on_written_in_place_is_refused_like_plain(written):
+    torch.manual_seed(0)
+    model, x = WritesSaved(), torch.randn(4, 8)
+
+    def loss_fn(out):
+        return out.pow(2).sum()
+
+    setattr(model, written, True)
+    with pytest.raises(RuntimeError, match="modified in place after it was saved"):
+        ss.profile(model, x, loss_fn, warmup=0, repeat=1)  # a profile of it is refused too
+    setattr(model, written, False)
+    model.scale.fill_(1.0)
+    graph = ss.profile(model, x, loss_fn, warmup=0, repeat=1)
+    decisions = {graph.tensors[t].name: "keep" for t in graph.saved}
+    # one tensor swapped (b's input, read by b's backward): later steps run on hooks alone, and
+    # the activation h (read by the sine's backward) and the buffer are saves the plan does not
+    # act on
+    (moved,) = [
+        graph.tensors[t].name for t in graph.saved if "b/addmm#1" in graph.tensors[t].saved_for
+    ]
+    decisions[moved] = "swap"
+    assert decisions["a#0"] == "keep"
+    plan = ss.complete(ss.Plan(graph.name, graph.digest, 10**12, decisions), graph, CPU)
+    setattr(model, written, True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss_fn(model(x)).backward()  # plain training refuses it
+    setattr(model, written, False)
+    model.scale.fill_(1.0)
+    for first in (True, False):  # the checked first step, then a step of hooks alone
+        with ss.apply(plan, model, graph=graph) as run:
+            if not first:
+                for _ in range(2):
+                    model.zero_grad()
+                    loss_fn(model(x)).backward()
+                assert run.stats.hooked_steps >= 1
+            setattr(model, written, True)
+            loss = loss_fn(model(x))
+            setattr(model, written, False)
+            with pytest.raises(RuntimeError, match="modified in place after it was saved"):
+                loss.backward()
+        model.scale.fill_(1.0)
+
+
 class Flaky(nn.Module):
     """A model whose inner block raises when told to."""
 

@@ -24,7 +24,7 @@ from ..core.errors import PlanError
 from .checked_step import next_node
 from .host_copies import HostCopies
 from .positions import RunLog
-from .step import HOOKED, StepContext, modified_in_place
+from .step import HOOKED, StepContext, modified_in_place, unchanged_since_saved
 
 if TYPE_CHECKING:
     from .checked_step import CheckedStep
@@ -45,7 +45,9 @@ class HookedProgram:
     What ``HookedStep.pack`` leaves in autograd's graph for a save it acts on is a plain tuple
     (the cheapest object to make, and one autograd never saves itself): (step, name, node op,
     version when saved, the tensor) for a kept tensor, (step, name, node op, version, None,
-    a weak reference, (dtype, storage offset, size, stride)) for a moved one."""
+    a weak reference, (dtype, storage offset, size, stride)) for a moved one; for any other
+    save, (the tensor, its version when saved) (``step.held_as_saved``: with hooks on, autograd
+    checks no saved tensor's version, so the unpack does)."""
 
     checked: CheckedStep
     entries: tuple[Any, ...]
@@ -109,16 +111,16 @@ class HookedStep:
     def pack(self, t: torch.Tensor) -> Any:
         """A tensor autograd saves: the checked step's k-th save. One the plan acts on is
         checked to be the same save (same saving node, same maker: ``CheckedStep.save_hooked``
-        names what differs) and wrapped; any other is autograd's to hold as it is."""
+        names what differs) and wrapped; any other is held as it is, with its version."""
         k = self.pack_index
         self.pack_index = k + 1
         if k >= self.n_entries:
-            return t  # (more saves than the checked step made: none the plan acts on)
+            return (t, t._version)  # (more saves than the checked step made: none acted on)
         entry = self.entries[k]
         if entry.__class__ is int:
             if entry + 1 >= self.next_due:
                 self.reach(entry + 1)
-            return t
+            return (t, t._version)  # (held_as_saved, inlined: a call costs more than it)
         position, name, node_offset, maker, decision, free, node_op = entry
         base = self.base
         node = t.grad_fn
@@ -204,8 +206,8 @@ class HookedStep:
         wrapped comes back here by the node that saved it, whose position is its own; the step
         moves there, and a swapped tensor's prefetched copy is waited for (or, when none was
         issued, fetched now)."""
-        if packed.__class__ is not tuple:
-            return packed  # (a tensor autograd held as it is)
+        if len(packed) == 2:
+            return unchanged_since_saved(packed)  # (a save the plan does not act on)
         op = packed[2]
         if op is not None:
             q = self.last - op

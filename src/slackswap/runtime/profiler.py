@@ -33,6 +33,7 @@ from .plain_step import (
     with_inputs_cast,
     with_parameter_gradients,
 )
+from .step import held_as_saved, unchanged_since_saved
 from .traced_graph import graph_from_traces
 from .traced_graph import group_by_module as _group
 
@@ -112,8 +113,8 @@ def run_traced_step(
             # autograd holds an alias (made outside the trace), so the model's own tensor object
             # dies when the model drops it: that is when a plan that does not keep it can free it
             with _disable_current_modes():
-                return t.detach()
-        return t
+                return held_as_saved(t.detach())  # (an alias shares the version counter)
+        return held_as_saved(t)
 
     # Python's cyclic collector runs when its allocation counters say, not where the model lets
     # go of an object: a tensor held by a reference cycle would die at a different op on every
@@ -122,7 +123,7 @@ def run_traced_step(
     collecting = gc.isenabled()
     gc.disable()
     try:
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), tracer:
+        with torch.autograd.graph.saved_tensors_hooks(pack, unchanged_since_saved), tracer:
             try:
                 out = (forward or call_model)(model, inputs)
             except ProfileError:

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .hooked_step import HookedStep
-from .step import Handle, Step
+from .step import Handle, Step, held_as_saved, unchanged_since_saved
 
 if TYPE_CHECKING:
     from .executor import Run
@@ -35,14 +35,14 @@ class SavedTensorHooks:
         run = self.run()
         step = None if run is None else run.current_step
         if step is None or not step.active:
-            return t  # no step's forward is running (a save in backward): autograd's own
+            return held_as_saved(t)  # no step's forward is running (a save in backward)
         return step.pack(t)
 
     @staticmethod
     def unpack(packed: Any) -> Any:
         if isinstance(packed, Handle):
             return packed.step.unpack(packed)
-        return packed
+        return unchanged_since_saved(packed)
 
     def on(self, step: Step | HookedStep | None = None) -> None:
         """Push the hooks; for a hooked step, its own methods (no frame in between)."""

@@ -54,6 +54,26 @@ def modified_in_place(name: str) -> RuntimeError:
     )
 
 
+def held_as_saved(t: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """What a pack hook leaves for a save the plan does not act on: the tensor and its version.
+    With saved-tensor hooks on, autograd no longer checks a saved tensor's version at its use
+    (it does without them), so ``unchanged_since_saved`` does, as plain training would."""
+    return (t, t._version)
+
+
+def unchanged_since_saved(held: tuple[torch.Tensor, int]) -> torch.Tensor:
+    """The tensor of ``held_as_saved``, refused when it was written in place since its save."""
+    t = held[0]
+    if t._version != held[1]:
+        raise RuntimeError(
+            f"a tensor saved for backward ({tuple(t.shape)}, {t.dtype}) was modified in place "
+            f"after it was saved (version {held[1]} when saved, {t._version} at its use); "
+            "gradients would be wrong, and plain training refuses it too (use an out-of-place "
+            "op)"
+        )
+    return t
+
+
 def outside_modes() -> Any:
     """The executor's own work (copies, rebuilds) runs outside any dispatch mode: the tracer's
     is for the model's ops. A step with no mode (hooked) pays nothing for it."""
@@ -272,7 +292,8 @@ class Step:
     # ------------------------------------------------------------ saves
     def pack(self, t: torch.Tensor) -> Any:
         """A tensor autograd saves: named as the step's kind names it, then kept, offloaded or
-        dropped as the plan says; returns what autograd holds (the tensor or a Handle)."""
+        dropped as the plan says; returns what autograd holds (a Handle, or for a tensor the
+        graph does not name, ``held_as_saved``)."""
         k = self.pack_index
         self.pack_index = k + 1
         node_op = None
@@ -296,7 +317,7 @@ class Step:
                     )
                 )
         if name is None:
-            return t
+            return held_as_saved(t)
         return self.save(name, t, node_op)
 
     def save(self, name: str, t: torch.Tensor, node_op: int | None) -> Handle:
