@@ -130,3 +130,29 @@ def test_the_pool_never_allocates_past_the_host_memory():
     with pytest.raises(ss.PlanError, match="host memory"):
         with ss.apply(bad, model, graph=g):
             loss_fn(model(x)).backward()
+
+
+def test_a_step_of_hooks_alone_takes_and_gives_back_its_buffers_as_one_kit():
+    from slackswap.runtime.pool import HostPool
+
+    pool = HostPool(pinned=False, limit=300)
+    sizes = {"a": 40, "b": 30, "c": 20}
+    key = tuple(sizes.items())
+    pool.reserve_missing(sizes)
+    assert pool.nbytes == 90  # one slab: 40 + 30 + 20
+    kit = pool.take_kit(key, sizes)
+    assert {n: kit[n].nbytes() for n in kit} == sizes and not any(pool.free.values())
+    extra = pool.get("c", 20)  # a buffer taken one by one (the kit's "c" in use elsewhere)
+    assert pool.nbytes == 110
+    pool.give_back_kit(key, kit, [("c", extra)])
+    assert pool.kits[key] == [kit] and pool.free["c"] == [extra]  # "c" was in the kit already
+    assert pool.take_kit(key, sizes) is kit  # the next step of the same tensors: the same kit
+    pool.give_back_kit(key, kit, [])
+    # another plan's step (other tensors) finds the kit's buffers free, not held in the kit:
+    # nothing more is allocated for it
+    other = {"a": 40, "b": 30}
+    taken = pool.take_kit(tuple(other.items()), other)
+    assert set(taken) == {"a", "b"} and pool.nbytes == 110 and not pool.kits
+    # a kit that lacks a tensor's buffer goes back buffer by buffer, never whole
+    pool.give_back_kit(tuple(sizes.items()), taken, [])
+    assert not pool.kits and len(pool.free["a"]) == 1 and len(pool.free["b"]) == 1

@@ -54,6 +54,7 @@ class HookedProgram:
     issues: tuple[tuple[int, tuple[str, ...]], ...]
     n_ops: int
     swap_bytes: dict[str, int]  # the storage bytes of each swapped tensor, as checked
+    kit_key: tuple[tuple[str, int], ...] = ()  # swap_bytes' items (HostPool.take_kit)
 
     @classmethod
     def of(
@@ -71,7 +72,9 @@ class HookedProgram:
                 swap_bytes.setdefault(s.name, s.nbytes)
             entries.append((s.position, s.name, s.node_offset, s.maker, decision, free, s.node_op))
         issues = tuple((q, positions.issue_at[q]) for q in positions.issue_order)
-        return cls(checked, tuple(entries), issues, positions.n_ops, swap_bytes)
+        return cls(
+            checked, tuple(entries), issues, positions.n_ops, swap_bytes, tuple(swap_bytes.items())
+        )
 
 
 class HookedStep:
@@ -92,7 +95,7 @@ class HookedStep:
         self.position = -1
         self.handles_left: dict[str, int] = {}
         self.host = HostCopies(ctx)
-        self.host.borrow_ahead(program.swap_bytes)
+        self.host.borrow_ahead(program.kit_key, program.swap_bytes)
         self.device_copy: dict[str, torch.UntypedStorage] = {}
         self.holding: dict[str, torch.Tensor] = {}
         self.release_heap: list[tuple[int, str]] = []
@@ -166,7 +169,7 @@ class HookedStep:
                 _, name = heapq.heappop(heap)
                 if holding.pop(name, None) is not None:
                     host.release_source(name)
-                    log.add("release", name, p - 1)
+                    log.events.append(("release", name, p - 1))
         if self.next_issue <= p:
             issues, i = self.program.issues, self.issue_cursor
             host, device_copy, left = self.host, self.device_copy, self.handles_left

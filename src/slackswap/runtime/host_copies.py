@@ -29,19 +29,22 @@ class HostCopies:
         self.order: list[str] = []  # offload order (prefetch_ahead without positions)
         self.borrowed: list[tuple[str, torch.UntypedStorage]] = []
         self.ready: dict[str, torch.UntypedStorage] = {}  # borrowed ahead (borrow_ahead)
+        self.returning = False  # a finalizer gives the borrowed buffers back
 
     def __contains__(self, name: str) -> bool:
         return name in self.copies
 
-    def borrow_ahead(self, sizes: dict[str, int]) -> None:
+    def borrow_ahead(self, key: tuple[tuple[str, int], ...], sizes: dict[str, int]) -> None:
         """Borrow the buffers of the tensors this step will offload now, at its start (a step
-        of hooks alone knows them): each offload then takes its own without asking the pool.
-        They go back with the others when the step is gone."""
-        self.ready = self.pool.take_all(sizes)
-        if self.ready:
-            if not self.borrowed:
-                weakref.finalize(self, self.pool.give_back, self.borrowed)
-            self.borrowed.extend(self.ready.items())
+        of hooks alone knows them, ``key`` being their items): each offload then takes its own
+        without asking the pool. They go back as one kit, with any taken one by one, when the
+        step is gone (``HostPool.take_kit``)."""
+        if self.borrowed:
+            raise RuntimeError("HostCopies.borrow_ahead: the step has borrowed buffers already")
+        kit = self.pool.take_kit(key, sizes)
+        self.ready = dict(kit)
+        self.returning = True
+        weakref.finalize(self, self.pool.give_back_kit, key, kit, self.borrowed)
 
     def offload(self, name: str, t: torch.Tensor, position: int, log: RunLog) -> None:
         """Copy ``t``'s storage to a pinned host buffer on the D2H lane."""
@@ -51,14 +54,15 @@ class HostCopies:
         buf = self.ready.pop(name, None)
         if buf is None or buf.nbytes() < nbytes:
             buf = pool.get(name, nbytes)
-            if not self.borrowed:
+            if not self.returning:
+                self.returning = True
                 weakref.finalize(self, pool.give_back, self.borrowed)
             self.borrowed.append((name, buf))
         self.order.append(name)
         start = perf_counter()
         self.copies[name] = (buf, nbytes, self.lanes.offload(src, buf, nbytes))
         stats.copy_s += perf_counter() - start
-        log.add("offload", name, position)
+        log.events.append(("offload", name, position))
         stats.swapped_out_bytes += nbytes
 
     def release_source(self, name: str) -> None:
@@ -72,7 +76,7 @@ class HostCopies:
         dev, arrived = self.lanes.prefetch(buf, nbytes, offloaded)
         spent = perf_counter() - start
         self.in_flight[name] = arrived
-        log.add("prefetch", name, position)
+        log.events.append(("prefetch", name, position))
         stats = self.stats
         stats.wait_s += spent
         stats.copy_s += spent
@@ -83,7 +87,7 @@ class HostCopies:
         """A prefetched tensor is read: compute waits for its copy here, and only here."""
         if name in self.in_flight:  # (a CPU lane's copy has no event: None)
             self.lanes.wait(self.in_flight.pop(name))
-            log.add("wait", name, position)
+            log.events.append(("wait", name, position))
 
     def pending(self, name: str) -> bool:
         return name in self.in_flight

@@ -24,6 +24,10 @@ class HostPool:
         self.free: dict[str, list[torch.UntypedStorage]] = {}
         self.total = 0
         self.sized: dict[str, int] = {}  # per name, the largest buffer made for it
+        # whole sets of buffers, one per step of hooks alone that swaps the same tensors (by the
+        # key of its tensors and sizes): such a step takes and gives back one object, not a
+        # buffer per tensor
+        self.kits: dict[tuple[tuple[str, int], ...], list[dict[str, torch.UntypedStorage]]] = {}
 
     def reserve_missing(self, sizes: dict[str, int]) -> None:
         """One slab for the tensors of ``sizes`` that have no buffer of their size yet: a plan
@@ -38,7 +42,7 @@ class HostPool:
             )
         missing = {n: b for n, b in sizes.items() if self.sized.get(n, -1) < b}
         if self.limit and self.total + sum(missing.values()) > self.limit:
-            self.free, self.sized, self.total = {}, {}, 0
+            self.free, self.sized, self.total, self.kits = {}, {}, 0, {}
             missing = dict(sizes)
         self.reserve(missing)
 
@@ -76,6 +80,42 @@ class HostPool:
             if found is not None:
                 out[name] = found
         return out
+
+    def take_kit(
+        self, key: tuple[tuple[str, int], ...], sizes: dict[str, int]
+    ) -> dict[str, torch.UntypedStorage]:
+        """The buffers of a step that swaps ``sizes`` (``key``: its items), taken at once: a kit
+        a step of the same tensors gave back whole, else ``take_all`` (after the kits of other
+        steps go back to the free buffers, so that no buffer idles in a kit another plan's
+        tensors would need)."""
+        kits = self.kits.get(key)
+        if kits:
+            return kits.pop()
+        for other, left in list(self.kits.items()):
+            if other != key:
+                for kit in left:
+                    self.give_back(list(kit.items()))
+                del self.kits[other]
+        return self.take_all(sizes)
+
+    def give_back_kit(
+        self,
+        key: tuple[tuple[str, int], ...],
+        kit: dict[str, torch.UntypedStorage],
+        taken: list[tuple[str, torch.UntypedStorage]],
+    ) -> None:
+        """A kit back, with the buffers its step took one by one (``taken``): whole when it
+        holds a buffer of the size for every tensor of ``key``, else buffer by buffer."""
+        for name, buf in taken:
+            if name not in kit:
+                kit[name] = buf
+            else:
+                self.free.setdefault(name, []).append(buf)
+        taken.clear()
+        if len(kit) == len(key) and all(kit[n].nbytes() >= b for n, b in key):
+            self.kits.setdefault(key, []).append(kit)
+        else:
+            self.give_back(list(kit.items()))
 
     def reserve(self, sizes: dict[str, int]) -> None:
         """One host slab for a whole step's offloads, carved per tensor (sized from the plan)."""
