@@ -156,3 +156,72 @@ def test_eager_swaps_under_torchs_checkpoint_are_saved_and_said(setup):
     assert len([w for w in caught if "ran eagerly" in str(w.message)]) == 1
     assert ctx.info["swaps"] == {name: "saved" for name in chosen}
     assert all(torch.equal(a, p.grad) for a, p in zip(plain, model.parameters()))
+
+
+def test_a_tensor_computed_from_a_swap_alone_stands_in_for_it_where_the_swap_is_not_saved():
+    """Forward graph: a = mm(x, w) is swapped but not saved; the forward saves b = relu(a) and
+    c = a + x (from a alone, besides placeholders): each stands in for a. d = a * sin(x) is
+    computed from sin(x) too, k = tanh(a) is a tensor the plan keeps (MUST_SAVE), g = a[0] a
+    getitem: none of them stands in."""
+    import operator
+
+    from torch import fx
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    from slackswap.runtime.compiled_offload import mark_stand_ins
+
+    graph = fx.Graph()
+    x, w = graph.placeholder("x"), graph.placeholder("w")
+    a = graph.call_function(torch.mm, (x, w))
+    a.meta["slackswap_swaps"] = ("layer.fc#0",)
+    b = graph.call_function(torch.relu, (a,))
+    c = graph.call_function(torch.add, (a, x))
+    s = graph.call_function(torch.sin, (x,))
+    d = graph.call_function(torch.mul, (a, s))
+    k = graph.call_function(torch.tanh, (a,))
+    k.meta["recompute"] = CheckpointPolicy.MUST_SAVE
+    g = graph.call_function(operator.getitem, (a, 0))
+    graph.output((b, c, d, k, g, x))
+    module = fx.GraphModule(torch.nn.Module(), graph)
+    assert mark_stand_ins(module) == {"layer.fc#0": ["relu", "add"]}
+    assert [n.name for n in graph.nodes if n.meta.get("should_offload")] == ["relu", "add"]
+    # a swap the forward saves itself needs no stand-in
+    graph2 = fx.Graph()
+    x2 = graph2.placeholder("x")
+    a2 = graph2.call_function(torch.relu, (x2,))
+    a2.meta["slackswap_swaps"] = ("t#0",)
+    graph2.output((graph2.call_function(torch.sin, (a2,)), a2))
+    assert mark_stand_ins(fx.GraphModule(torch.nn.Module(), graph2)) == {}
+
+
+@pytest.mark.slow
+def test_under_inductor_every_planned_swap_is_offloaded_and_gradients_are_the_compiles(setup):
+    """Inductor's partitioner saves GELU's derivative, not the fc1 output the plan swaps: the
+    derivative is offloaded in its place (``stand_ins``), one offload and one reload per swap;
+    the gradients are those of the same model compiled without the context (inductor's dropout
+    masks in both)."""
+    model, x, graph = setup
+    chosen = saved_by(graph, "aten.addmm.default")
+    plan = plan_swapping(graph, chosen)
+
+    def step(compiled):
+        model.zero_grad(set_to_none=True)
+        torch.manual_seed(7)
+        loss_fn(compiled(x)).backward()
+        return [p.grad.clone() for p in model.parameters()]
+
+    torch._dynamo.reset()
+    reference = step(torch.compile(model, backend="inductor"))
+    torch._dynamo.reset()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # nothing saved instead, nothing said
+        with checkpointed(model, plan, graph) as ctx:
+            grads = step(torch.compile(model, backend="inductor"))
+    torch._dynamo.reset()
+    info = ctx.info
+    assert info["swaps"] == {name: "offloaded" for name in chosen}
+    assert sorted(info["stand_ins"]) == sorted(chosen)
+    assert all(len(nodes) == 1 for nodes in info["stand_ins"].values())
+    assert sum(g["offloads"] for g in info["compiled_graphs"]) == len(chosen)
+    assert sum(g["reloads"] for g in info["compiled_graphs"]) == len(chosen)
+    assert all(torch.allclose(a, b, rtol=1e-4, atol=1e-6) for a, b in zip(reference, grads))

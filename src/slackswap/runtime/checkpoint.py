@@ -278,11 +278,14 @@ class checkpointed:  # noqa: N801 - a context manager used like a function
     @property
     def info(self) -> dict:
         """What ran of the plan's swaps: per tensor "offloaded" by torch's pass, "saved" (the
-        pass would not offload it) or "not compiled"; the schedule is torch's."""
+        pass would not offload it) or "not compiled"; per swap the compiled forward does not
+        save, the nodes it saves in its place that were offloaded for it (``stand_ins``); the
+        schedule is torch's."""
         if self.offloads is None:
             return {"swaps": {}}
         return {
             "swaps": self.offloads.report(),
+            "stand_ins": {k: list(v) for k, v in self.offloads.stand_ins.items()},
             "compiled_graphs": list(self.offloads.graphs),
             "schedule": "torch's activation-offloading pass (offload after the producer, "
             "reload before the first use), not the plan's",

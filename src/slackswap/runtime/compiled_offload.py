@@ -45,6 +45,9 @@ class CompiledOffloads:
         self.recomputed_instead: set[str] = set()
         self.outside: set[str] = set()  # swaps in no region (saved from the start)
         self.graphs: list[dict[str, int]] = []  # per compiled graph: offload and reload nodes
+        # per swapped tensor the compiled step does not save: the saved tensors computed from it
+        # alone that it saves in its place (mark_stand_ins), by node name
+        self.stand_ins: dict[str, list[str]] = {}
         self._stack: contextlib.ExitStack | None = None
 
     # ------------------------------------------------------------ tracing (the region policy)
@@ -95,6 +98,7 @@ class CompiledOffloads:
 
     def wrap(self, original):
         def enable_activation_offloading(fwd_module, bwd_module, *args, **kwargs):
+            self.stand_ins.update(mark_stand_ins(fwd_module))
             original(fwd_module, bwd_module, *args, **kwargs)
             self._read(fwd_module, bwd_module)
 
@@ -104,7 +108,7 @@ class CompiledOffloads:
         offloaded: set[str] = set()
         tagged: set[str] = set()
         for node in fwd_module.graph.nodes:
-            names = node.meta.get("slackswap_swaps")
+            names = node.meta.get("slackswap_swaps") or node.meta.get("slackswap_stands_in_for")
             if names:
                 tagged.update(names)
                 if node.meta.get("saved_for_offloading"):
@@ -175,3 +179,69 @@ class CompiledOffloads:
                 else "not compiled"
             )
         return out
+
+
+def mark_stand_ins(fwd_module) -> dict[str, list[str]]:
+    """Mark for offloading what the compiled forward saves in a swapped tensor's place.
+
+    The partitioner may save, instead of a tensor the plan swaps, tensors computed from it in
+    the forward (inductor saves GELU's derivative, computed from the fc1 output, and drops the
+    output itself). Such a tensor holds the swapped one's place: a saved output of the forward
+    computed from one tagged node that is not saved itself, alone (every node it is computed
+    from is that node, computed from it, a placeholder or a node of no inputs), that is not a
+    tensor the plan keeps (the region policy's MUST_SAVE) nor a getitem (which torch's pass
+    refuses), gets ``should_offload`` and the tagged node's names
+    (``slackswap_stands_in_for``). Returns, per swapped tensor name, the nodes marked."""
+    import operator
+
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    graph = fwd_module.graph
+    outputs = list(graph.find_nodes(op="output")[0].args[0])
+    saved = [n for n in outputs if hasattr(n, "op") and n.op != "placeholder"]
+    saved_set = set(saved)
+    missing = [n for n in graph.nodes if n.meta.get("slackswap_swaps") and n not in saved_set]
+    if not missing:
+        return {}
+    marked: dict[str, list[str]] = {}
+    for source in missing:
+        computed_from: set = {source}  # the source and every node computed from it
+        for node in graph.nodes:  # (topological order)
+            if node not in computed_from and any(
+                arg in computed_from for arg in node.all_input_nodes
+            ):
+                computed_from.add(node)
+        for out in saved:
+            if (
+                out not in computed_from
+                or out.meta.get("slackswap_swaps")
+                or out.target == operator.getitem
+                or out.meta.get("recompute") == CheckpointPolicy.MUST_SAVE
+                or out.meta.get("slackswap_stands_in_for")
+            ):
+                continue
+            if all(_from_source_alone(node, computed_from) for node in _ancestors(out, source)):
+                names = tuple(source.meta["slackswap_swaps"])
+                out.meta["should_offload"] = True
+                out.meta["slackswap_stands_in_for"] = names
+                for name in names:
+                    marked.setdefault(name, []).append(out.name)
+    return marked
+
+
+def _ancestors(node, source) -> set:
+    """Every node ``node`` is computed from, up to ``source`` (not what ``source`` is computed
+    from)."""
+    seen: set = set()
+    stack = list(node.all_input_nodes)
+    while stack:
+        arg = stack.pop()
+        if arg not in seen:
+            seen.add(arg)
+            if arg is not source:
+                stack.extend(arg.all_input_nodes)
+    return seen
+
+
+def _from_source_alone(node, computed_from: set) -> bool:
+    return node in computed_from or node.op == "placeholder" or not node.all_input_nodes
