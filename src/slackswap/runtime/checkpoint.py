@@ -184,19 +184,23 @@ def _region_policy(steps: list[RegionOp], offloads=None):
         k = seen.get(key, 0)
         seen[key] = k + 1
         compiling = torch.compiler.is_compiling()
-        if compiling and _is_random(name):
-            return CheckpointPolicy.MUST_SAVE
-        step = decisions[k % len(decisions)]
-        swaps = step.swaps
-        if step.recompute if compiling else step.eager_recompute:
-            return CheckpointPolicy.PREFER_RECOMPUTE
-        if swaps and not key[0] and offloads is not None:
-            if not compiling:  # eager checkpointing has no offload: saved, and said
-                offloads.ran_eagerly(swaps)
+        try:
+            if compiling and _is_random(name):
                 return CheckpointPolicy.MUST_SAVE
-            offloads.tag(func, swaps)
-            return CheckpointPolicy.MUST_CPU_OFFLOAD
-        return CheckpointPolicy.MUST_SAVE
+            step = decisions[k % len(decisions)]
+            swaps = step.swaps
+            if step.recompute if compiling else step.eager_recompute:
+                return CheckpointPolicy.PREFER_RECOMPUTE
+            if swaps and not key[0] and offloads is not None:
+                if not compiling:  # eager checkpointing has no offload: saved, and said
+                    offloads.ran_eagerly(swaps)
+                    return CheckpointPolicy.MUST_SAVE
+                offloads.tag(func, swaps, getattr(ctx, "op_output", None), step.outputs)
+                return CheckpointPolicy.MUST_CPU_OFFLOAD
+            return CheckpointPolicy.MUST_SAVE
+        finally:
+            if compiling and offloads is not None:
+                offloads.op_done()  # (the nodes traced so far are this op's or earlier ones')
 
     return policy
 

@@ -52,6 +52,9 @@ class RegionOp(NamedTuple):
     recompute: bool  # PREFER_RECOMPUTE under torch.compile
     swaps: tuple[str, ...]  # the saved outputs the plan swaps
     eager_recompute: bool  # PREFER_RECOMPUTE in eager mode
+    # every output the profile named, in order: (name, shape, saved); under torch.compile the
+    # traced nodes of a swapping op's outputs are found by them (CompiledOffloads.tag)
+    outputs: tuple[tuple[str, tuple[int, ...], bool], ...] = ()
 
 
 def checkpoint_regions(
@@ -76,8 +79,16 @@ def checkpoint_regions(
         eager = recompute or _saved_elsewhere_only(graph, i, of_op)
         if rebuilt or swaps:
             wanted.add(name)
+        outputs = tuple(
+            (
+                graph.tensors[t].name,
+                tuple(int(d) for d in graph.tensors[t].extra.get("shape", ())),
+                bool(graph.is_saved[t]),
+            )
+            for t in graph.op_outputs[i]
+        )
         out.setdefault(name, []).append(
-            RegionOp(str(op.extra.get("aten", "")), recompute, swaps, eager)
+            RegionOp(str(op.extra.get("aten", "")), recompute, swaps, eager, outputs)
         )
     return {name: ops for name, ops in out.items() if name in wanted}
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import operator
 import warnings
 from typing import Any
 
@@ -49,19 +50,70 @@ class CompiledOffloads:
         # alone that it saves in its place (mark_stand_ins), by node name
         self.stand_ins: dict[str, list[str]] = {}
         self._stack: contextlib.ExitStack | None = None
+        self._traced: dict[int, int] = {}  # per traced graph, its nodes before the next op's
 
     # ------------------------------------------------------------ tracing (the region policy)
-    def tag(self, func, swaps: tuple[str, ...]) -> None:
-        """Name the swapped tensors on the node the op ``func`` just added to the traced graph."""
+    def tag(
+        self,
+        func,
+        swaps: tuple[str, ...],
+        op_output: Any = None,
+        outputs: tuple[tuple[str, tuple[int, ...], bool], ...] = (),
+    ) -> None:
+        """Name the swapped tensors on the traced nodes of the op ``func`` just ran.
+
+        Where the compiler decomposes the op (inductor: a layer norm becomes a dozen nodes, all
+        tagged with the op's policy), the nodes of its outputs are found from ``op_output`` (the
+        proxy of each output tensor) and matched to the profile's ``outputs`` by shape, in
+        order: a swapped output's node carries its name (``slackswap_swaps``), another saved
+        output's ``slackswap_output``, every other node the op traced ``slackswap_transient``
+        (the joint pass saves and offloads, saves, or leaves to the partitioner to recompute
+        them). Where no such match is made, the node whose target is ``func`` carries all
+        the names (and every node of the op is saved and offloaded, as torch would)."""
         from torch.fx.experimental.proxy_tensor import get_proxy_mode
 
         mode = get_proxy_mode()
         if mode is None:
             return
-        for node in itertools.islice(reversed(mode.tracer.graph.nodes), 16):  # the newest
+        graph = mode.tracer.graph
+        traced = list(graph.nodes)[self._traced.get(id(graph), 0) :]
+        found = _output_nodes(mode, op_output, outputs)
+        if found is not None and all(node in traced for node in found):
+            for node, (name, saved) in found.items():
+                if name in swaps:
+                    node.meta["slackswap_swaps"] = (name,)
+                elif saved:
+                    node.meta["slackswap_output"] = True
+            # the op's own node, where its outputs are getitems of it (not decomposed): saved
+            # as before (the partitioner would recompute its getitems with it)
+            producers = {
+                node.args[0]
+                for node in found
+                if node.target is operator.getitem
+                and node.args
+                and getattr(node.args[0], "target", None) is func
+            }
+            for node in producers:
+                node.meta["slackswap_output"] = True
+            for node in traced:
+                if node in producers:
+                    continue
+                if node not in found or not (found[node][0] in swaps or found[node][1]):
+                    node.meta["slackswap_transient"] = True
+            return
+        for node in itertools.islice(reversed(graph.nodes), 16):  # the newest
             if node.target is func:
                 node.meta["slackswap_swaps"] = tuple(swaps)
                 return
+
+    def op_done(self) -> None:
+        """The region policy decided an op under tracing: the nodes traced so far are no later
+        op's (``tag`` takes the nodes after them as the next op's)."""
+        from torch.fx.experimental.proxy_tensor import get_proxy_mode
+
+        mode = get_proxy_mode()
+        if mode is not None:
+            self._traced[id(mode.tracer.graph)] = len(mode.tracer.graph.nodes)
 
     def ran_eagerly(self, swaps: tuple[str, ...]) -> None:
         """The region ran eagerly (no torch.compile, or a graph break in it): eager
@@ -90,8 +142,15 @@ class CompiledOffloads:
             offload = (CheckpointPolicy.MUST_CPU_OFFLOAD, CheckpointPolicy.PREFER_CPU_OFFLOAD)
             for node in gm.graph.nodes:
                 if node.meta.get("recompute") in offload:
-                    node.meta["recompute"] = CheckpointPolicy.MUST_SAVE
-                    node.meta["should_offload"] = True
+                    if node.meta.get("slackswap_output"):
+                        node.meta["recompute"] = CheckpointPolicy.MUST_SAVE  # (kept)
+                    elif node.meta.get("slackswap_transient"):
+                        # a node of the op that is none of its saved outputs: the partitioner
+                        # recomputes it where backward needs it, as the plan's step would
+                        node.meta["recompute"] = CheckpointPolicy.PREFER_RECOMPUTE
+                    else:
+                        node.meta["recompute"] = CheckpointPolicy.MUST_SAVE
+                        node.meta["should_offload"] = True
             return previous(gm, inputs) if callable(previous) else gm
 
         return mark
@@ -179,6 +238,48 @@ class CompiledOffloads:
                 else "not compiled"
             )
         return out
+
+
+def _output_nodes(mode, op_output: Any, outputs) -> dict | None:
+    """The traced node of each output of an op that the profile named, with (name, saved): the
+    op's output tensors matched to the profile's outputs by shape, in order within each shape.
+    None where they do not match one to one (an output aliasing an input, symbolic shapes), or
+    a tensor has no traced node."""
+    import torch
+    from torch.fx.experimental.proxy_tensor import get_proxy_slot
+
+    if op_output is None or not outputs:
+        return None
+    tensors = [
+        t
+        for t in (op_output if isinstance(op_output, (tuple, list)) else [op_output])
+        if isinstance(t, torch.Tensor)
+    ]
+    by_shape: dict[tuple[int, ...], list] = {}
+    for t in tensors:
+        try:
+            shape = tuple(int(d) for d in t.shape)
+        except (TypeError, RuntimeError):  # (a symbolic size)
+            return None
+        by_shape.setdefault(shape, []).append(t)
+    named: dict[tuple[int, ...], list[tuple[str, bool]]] = {}
+    for name, shape, saved in outputs:
+        named.setdefault(tuple(shape), []).append((name, saved))
+    if {s: len(v) for s, v in named.items()} != {s: len(v) for s, v in by_shape.items()}:
+        return None
+    found: dict = {}
+    for shape, names in named.items():
+        for t, entry in zip(by_shape[shape], names):
+            if type(t).__name__ == "FunctionalTensor":
+                t = torch._from_functional_tensor(t.elem)
+            try:
+                node = get_proxy_slot(t, mode.tracer).proxy.node
+            except (AttributeError, KeyError, RuntimeError):
+                return None
+            if node in found:
+                return None
+            found[node] = entry
+    return found
 
 
 def mark_stand_ins(fwd_module) -> dict[str, list[str]]:
