@@ -297,10 +297,17 @@ class checkpointed:  # noqa: N801 - a context manager used like a function
 
     def __enter__(self):
 
+        import torch._dynamo.config as dynamo_config
         from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
         buffers = list(self.model.buffers())
         state = {t.untyped_storage().data_ptr() for t in buffers}
+        # A region's Python side effects (HF's kernel hub sets a context variable in each
+        # RMSNorm) make torch.compile refuse the checkpoint and run the region eagerly, where no
+        # swap can be offloaded. Plain training runs them once; so does a compiled checkpoint
+        # that does not replay them in its recompute (eager checkpointing replays them: twice).
+        self._dynamo_patch = dynamo_config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=True)
+        self._dynamo_patch.__enter__()
         if self.offloads is not None:
             self.offloads.__enter__()
         self._hook = (
@@ -364,6 +371,9 @@ class checkpointed:  # noqa: N801 - a context manager used like a function
     def __exit__(self, *exc) -> None:
         if self.offloads is not None:
             self.offloads.__exit__(*exc)
+        patch, self._dynamo_patch = getattr(self, "_dynamo_patch", None), None
+        if patch is not None:
+            patch.__exit__(*exc)
         if getattr(self, "_hook", None) is not None:
             self._hook.remove()
             self._hook = None

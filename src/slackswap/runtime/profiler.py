@@ -528,16 +528,24 @@ def model_parameters(model) -> list[list]:
 
 
 def input_shapes(inputs) -> list[list]:
-    """Every input tensor's [shape, dtype], in argument order (dict keys sorted)."""
+    """Every input tensor's [shape, dtype], in argument order (dict keys sorted). Plain loops:
+    torch.compile traces it (``checkpointed``'s input check) without a graph break."""
+    out: list[list] = []
+    _collect_shapes(inputs, out)
+    return out
+
+
+def _collect_shapes(inputs, out: list[list]) -> None:
     import torch
 
     if isinstance(inputs, torch.Tensor):
-        return [[list(inputs.shape), str(inputs.dtype).replace("torch.", "")]]
-    if isinstance(inputs, dict):
-        return [item for k in sorted(inputs) for item in input_shapes(inputs[k])]
-    if isinstance(inputs, (tuple, list)):
-        return [item for x in inputs for item in input_shapes(x)]
-    return []
+        out.append([list(inputs.shape), str(inputs.dtype).replace("torch.", "")])
+    elif isinstance(inputs, dict):
+        for k in sorted(inputs):
+            _collect_shapes(inputs[k], out)
+    elif isinstance(inputs, (tuple, list)):
+        for x in inputs:
+            _collect_shapes(x, out)
 
 
 class Untouched:
