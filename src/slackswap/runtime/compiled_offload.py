@@ -68,7 +68,7 @@ class CompiledOffloads:
         order: a swapped output's node carries its name (``slackswap_swaps``), another saved
         output's ``slackswap_output``, every other node the op traced ``slackswap_transient``
         (the joint pass saves and offloads, saves, or leaves to the partitioner to recompute
-        them). Where no such match is made, the node whose target is ``func`` carries all
+        them), but a random draw among them is saved (a recompute would draw again). Where no such match is made, the node whose target is ``func`` carries all
         the names (and every node of the op is saved and offloaded, as torch would)."""
         from torch.fx.experimental.proxy_tensor import get_proxy_mode
 
@@ -95,11 +95,17 @@ class CompiledOffloads:
             }
             for node in producers:
                 node.meta["slackswap_output"] = True
+            from .trace import RANDOM_OPS
+
             for node in traced:
                 if node in producers:
                     continue
                 if node not in found or not (found[node][0] in swaps or found[node][1]):
-                    node.meta["slackswap_transient"] = True
+                    if any(word in str(node.target) for word in RANDOM_OPS):
+                        # a draw inside the op is saved, never drawn again by a recompute
+                        node.meta["slackswap_output"] = True
+                    else:
+                        node.meta["slackswap_transient"] = True
             return
         for node in itertools.islice(reversed(graph.nodes), 16):  # the newest
             if node.target is func:
