@@ -68,8 +68,9 @@ class CompiledOffloads:
         order: a swapped output's node carries its name (``slackswap_swaps``), another saved
         output's ``slackswap_output``, every other node the op traced ``slackswap_transient``
         (the joint pass saves and offloads, saves, or leaves to the partitioner to recompute
-        them), but a random draw among them is saved (a recompute would draw again). Where no such match is made, the node whose target is ``func`` carries all
-        the names (and every node of the op is saved and offloaded, as torch would)."""
+        them), but a random draw among them is saved (a recompute would draw again). Where no
+        such match is made, the node whose target is ``func`` carries all the names (and every
+        node of the op is saved and offloaded, as torch would)."""
         from torch.fx.experimental.proxy_tensor import get_proxy_mode
 
         mode = get_proxy_mode()
