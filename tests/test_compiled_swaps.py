@@ -76,6 +76,26 @@ def compiled_step(model, x, capture: dict):
     return [p.grad.clone() for p in model.parameters()]
 
 
+def inductor_step(model, x) -> list:
+    """One step of ``model`` compiled afresh with inductor (dropout masks from seed 7): its
+    gradients."""
+    torch._dynamo.reset()
+    try:
+        model.zero_grad(set_to_none=True)
+        torch.manual_seed(7)
+        loss_fn(torch.compile(model, backend="inductor")(x)).backward()
+        return [p.grad.clone() for p in model.parameters()]
+    finally:
+        torch._dynamo.reset()
+
+
+def setup_one_block():
+    torch.manual_seed(0)
+    model = TinyGPT(vocab=300, d=64, layers=1, p=0.1)
+    x = torch.randint(0, 300, (2, 32))
+    return model, x, ss.profile(model, x, loss_fn, warmup=1, repeat=1)
+
+
 def nodes(graphs, prefix: str) -> list[str]:
     return [n.name for g in graphs for n in g.graph.nodes if n.name.startswith(prefix)]
 
@@ -204,20 +224,11 @@ def test_under_inductor_every_planned_swap_is_offloaded_and_gradients_are_the_co
     chosen = saved_by(graph, "aten.addmm.default")
     plan = plan_swapping(graph, chosen)
 
-    def step(compiled):
-        model.zero_grad(set_to_none=True)
-        torch.manual_seed(7)
-        loss_fn(compiled(x)).backward()
-        return [p.grad.clone() for p in model.parameters()]
-
-    torch._dynamo.reset()
-    reference = step(torch.compile(model, backend="inductor"))
-    torch._dynamo.reset()
+    reference = inductor_step(model, x)
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)  # nothing saved instead, nothing said
         with checkpointed(model, plan, graph) as ctx:
-            grads = step(torch.compile(model, backend="inductor"))
-    torch._dynamo.reset()
+            grads = inductor_step(model, x)
     info = ctx.info
     assert info["swaps"] == {name: "offloaded" for name in chosen}
     assert sorted(info["stand_ins"]) == sorted(chosen)
@@ -236,38 +247,17 @@ def test_under_inductor_a_decomposed_ops_swapped_outputs_are_offloaded_and_nothi
     the partitioner (before, every node of the op was saved and offloaded: 4 offloads, none
     named). Gradients: the plain compile's."""
     model, x, graph = setup_one_block()
-    chosen = [
-        graph.tensors[t].name
-        for t in graph.saved
-        if graph.ops[int(graph.producer[t])].extra.get("aten") == "aten.native_layer_norm.default"
-        and graph.ops[int(graph.producer[t])].extra.get("module", "").startswith("blocks.")
-    ]
+    chosen = saved_by(graph, "aten.native_layer_norm.default")
     assert len(chosen) == 6  # ln1 and ln2: output, mean, rstd
     plan = plan_swapping(graph, chosen)
 
-    def step(compiled):
-        model.zero_grad(set_to_none=True)
-        torch.manual_seed(7)
-        loss_fn(compiled(x)).backward()
-        return [p.grad.clone() for p in model.parameters()]
-
-    torch._dynamo.reset()
-    reference = step(torch.compile(model, backend="inductor"))
-    torch._dynamo.reset()
+    reference = inductor_step(model, x)
     with pytest.warns(RuntimeWarning, match="would not offload 2 of the plan's swaps"):
         with checkpointed(model, plan, graph) as ctx:
-            grads = step(torch.compile(model, backend="inductor"))
-    torch._dynamo.reset()
+            grads = inductor_step(model, x)
     swaps = ctx.info["swaps"]
     means = {name for name in chosen if name.endswith("#1")}
     assert swaps == {name: "saved" if name in means else "offloaded" for name in chosen}
     assert sum(g["offloads"] for g in ctx.info["compiled_graphs"]) == 4
     assert sum(g["reloads"] for g in ctx.info["compiled_graphs"]) == 4
     assert all(torch.allclose(a, b, rtol=1e-4, atol=1e-6) for a, b in zip(reference, grads))
-
-
-def setup_one_block():
-    torch.manual_seed(0)
-    model = TinyGPT(vocab=300, d=64, layers=1, p=0.1)
-    x = torch.randint(0, 300, (2, 32))
-    return model, x, ss.profile(model, x, loss_fn, warmup=1, repeat=1)
