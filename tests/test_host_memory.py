@@ -148,6 +148,13 @@ def test_a_step_of_hooks_alone_takes_and_gives_back_its_buffers_as_one_kit():
     assert pool.kits[key] == [kit] and pool.free["c"] == [extra]  # "c" was in the kit already
     assert pool.take_kit(key, sizes) is kit  # the next step of the same tensors: the same kit
     pool.give_back_kit(key, kit, [])
+    # a step that takes buffers one by one (traced again for new shapes) finds the idle kit's:
+    # nothing more is allocated
+    one = pool.get("a", 40)
+    assert pool.nbytes == 110 and not pool.kits
+    pool.give_back([("a", one)])
+    pool.give_back_kit(key, pool.take_kit(key, sizes), [])  # (a step of hooks alone again)
+    assert len(pool.kits[key]) == 1
     # another plan's step (other tensors) finds the kit's buffers free, not held in the kit:
     # nothing more is allocated for it
     other = {"a": 40, "b": 30}

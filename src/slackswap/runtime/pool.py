@@ -47,7 +47,10 @@ class HostPool:
         self.reserve(missing)
 
     def held(self, name: str, nbytes: int) -> torch.UntypedStorage | None:
-        """A free buffer of at least ``nbytes`` for ``name``, taken from the pool, or None."""
+        """A free buffer of at least ``nbytes`` for ``name``, taken from the pool, or None (a
+        buffer idle in a kit counts as free: kits are unpacked for it)."""
+        if self.kits and not self.free.get(name):
+            self.unpack_kits()
         bufs = self.free.get(name)
         if bufs:
             for i, buf in enumerate(bufs):
@@ -91,12 +94,15 @@ class HostPool:
         kits = self.kits.get(key)
         if kits:
             return kits.pop()
-        for other, left in list(self.kits.items()):
-            if other != key:
-                for kit in left:
-                    self.give_back(list(kit.items()))
-                del self.kits[other]
+        self.unpack_kits()
         return self.take_all(sizes)
+
+    def unpack_kits(self) -> None:
+        """Every kit's buffers back among the free ones (another step needs them one by one)."""
+        for left in self.kits.values():
+            for kit in left:
+                self.give_back(list(kit.items()))
+        self.kits = {}
 
     def give_back_kit(
         self,
