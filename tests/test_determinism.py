@@ -136,3 +136,39 @@ def test_the_default_gives_the_same_plan_beside_two_busy_processes():
         loaded.info.bound,
         loaded.info.gap,
     )
+
+
+def test_a_cpsat_round_runs_only_where_its_work_pays_for_its_models_size():
+    from slackswap.planners.limits import WorkLimits
+
+    work = WorkLimits.for_work(10.0)
+    # 10 s of work: the MILP's share is 25%, 2.5 s, 1.25 s for each of the two LP-guided rounds;
+    # the model's size costs 2e-5 s a nonzero
+    assert work.milp_s == 2.5
+    assert work.cpsat_round_runs(1.25, 62_500)  # 2e-5 x 62,500 = 1.25 s: just paid for
+    assert not work.cpsat_round_runs(1.25, 62_600)  # 1.252 s: the floor alone would run it
+    assert not work.cpsat_round_runs(1.25, 117_900)  # HF GPT-2, 12 layers, at 30%: 2.36 s
+    assert work.cpsat_round_runs(1.25, 300)  # a tiny model runs on the floor's 0.05 units
+    assert work.cpsat_dtime(1.25, 300) == pytest.approx(0.25 * (1.25 - 2e-5 * 300))
+    assert WorkLimits.for_work(10.0, anytime=True).cpsat_round_runs(1.25, 10**7)
+
+
+@pytest.mark.slow
+def test_rounds_whose_work_does_not_pay_for_the_model_are_skipped_by_size_not_the_clock():
+    g = ss.load_graph("tests/data/tinygpt_cpu_profile.json")  # keep and recompute (a CPU)
+    # 894 binaries: the whole model in one round, with the MILP's 25% of the work. work_s=1:
+    # 0.25 s against 24,234 nonzeros x 2e-5 = 0.48 s of building and presolve: not run, on any
+    # machine
+    plans = [ss.solve(g, 0.5, time_limit_s=CAP, work_s=1.0) for _ in range(2)]
+    first, second = plans
+    skipped = first.info.extra["milp_rounds"]
+    assert skipped["status"] == "skipped" and "24234 nonzeros" in skipped["reason"]
+    assert "rounds" not in first.info.extra and first.info.extra["reason"] == skipped["reason"]
+    assert first.info.extra["clock_stopped"] == [] and first.info.status != "timeout"
+    assert first.decisions == second.decisions and first.schedule == second.schedule
+    assert ss.validate(g, first).ok
+    # work_s=2: 0.5 s >= 0.48 s, the round runs
+    searched = ss.solve(g, 0.5, time_limit_s=CAP, work_s=2.0)
+    assert "milp_rounds" not in searched.info.extra
+    assert searched.info.extra["strategy"] == "whole"
+    assert ss.validate(g, searched).ok

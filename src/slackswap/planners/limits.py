@@ -32,6 +32,9 @@ NO_DEADLINE_S = 1e6
 # was measured on: docs/tuning.md ---
 # CP-SAT's deterministic time per second with 2 interleaved workers
 CPSAT_DTIME_PER_S = 0.25
+# the least deterministic time a CP-SAT search is given (a MILP round whose model's size alone
+# passes its work is not run: WorkLimits.cpsat_round_runs)
+CPSAT_DTIME_FLOOR = 0.05
 # simulated positions per second of local search
 SEARCH_POSITIONS_PER_S = 100_000
 # branch-and-bound nodes per second of the MILP through CBC or HiGHS (one thread; their only
@@ -224,13 +227,32 @@ class WorkLimits:
         the clock alone)."""
         return None if self.anytime else max(1, int(MILP_NODES_PER_S * seconds))
 
+    def backend_options(self, work_limit: str, seconds: float, nonzeros: int) -> dict[str, Any]:
+        """``seconds`` of work (of the reference machine) as an exact backend's own limit
+        (``ExactBackend.work_limit``): CP-SAT's deterministic time, or branch-and-bound nodes."""
+        if work_limit == "deterministic_time":
+            return {"deterministic_time_s": self.cpsat_dtime(seconds, nonzeros)}
+        return {"max_nodes": self.milp_nodes(seconds)}
+
+    def cpsat_round_runs(self, seconds: float, nonzeros: int) -> bool:
+        """Whether a CP-SAT round with ``seconds`` of work on a model of ``nonzeros`` is run:
+        not where its size-bound work alone (building, presolve, the first LP:
+        CPSAT_S_PER_NONZERO a nonzero) passes those seconds, when ``cpsat_dtime``'s floor alone
+        would give it work. On HF profiles of 6 and 12 layers (63,000-118,000 nonzeros, 1.25 s
+        of work a round) such rounds took 2.4-6.8 s of presolve each and never bettered the
+        warm start (formulations/milp.md, "Solving"). Decided from the size and the work, never
+        the clock; anytime: always."""
+        return self.anytime or CPSAT_S_PER_NONZERO * nonzeros <= seconds
+
     def cpsat_dtime(self, seconds: float, nonzeros: int) -> float:
         """CP-SAT's deterministic time for ``seconds`` of work on a model of ``nonzeros``: what
         is left once its size-bound work is paid (anytime: the older rate alone, 0.25 a
         second)."""
         if self.anytime:
             return 0.25 * seconds
-        return max(0.05, CPSAT_DTIME_PER_S * (seconds - CPSAT_S_PER_NONZERO * nonzeros))
+        return max(
+            CPSAT_DTIME_FLOOR, CPSAT_DTIME_PER_S * (seconds - CPSAT_S_PER_NONZERO * nonzeros)
+        )
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)

@@ -87,11 +87,9 @@ def _proof_round(state: SolveState) -> dict[str, Any] | None:
     if size["nonzeros"] > PROOF_NONZEROS:
         return {Status.SKIPPED: f"{size['nonzeros']} nonzeros"}
     # its work, fixed by the work allowed alone (the backend's own limit)
-    from .strategy import work_options
-
     options = {
         **state.options,
-        **work_options(state.backend, work, work.proof_s, size["nonzeros"]),
+        **work.backend_options(state.backend.work_limit, work.proof_s, size["nonzeros"]),
     }
     completed = complete_hint(pf, *hint) if state.backend.takes_complete_hint else None
     if completed:

@@ -136,6 +136,7 @@ class SolveState:
     strategy: str = "auto"
     best: Incumbent | None = None
     status: Status = Status.TIMEOUT
+    rounds_skipped: str = ""  # why the MILP's rounds were not run (decided by size and work)
 
     def left(self) -> float:
         return self.deadline - time.perf_counter()
@@ -221,7 +222,9 @@ def search(backend: ExactBackend, problem: Problem, settings: SearchSettings) ->
     if early is not None:
         return early
     build(state)
-    if state.strategy == "whole":
+    if state.rounds_skipped:
+        state.status = Status.FEASIBLE  # the work, not the clock, left the MILP unsearched
+    elif state.strategy == "whole":
         search_whole(state)
     else:
         search_lp_guided(state)
@@ -438,20 +441,14 @@ def build(state: SolveState) -> None:
     # the MILP's work: in the default mode its rounds (two when LP-guided) share it
     share = 1 if s.anytime or strategy == "whole" else 2
     work = state.work
-    state.options = {
-        **state.options,
-        **work_options(state.backend, work, work.milp_s / share, size["nonzeros"]),
-    }
-
-
-def work_options(
-    backend: ExactBackend, work: WorkLimits, seconds: float, nonzeros: int
-) -> dict[str, Any]:
-    """``seconds`` of work (of the reference machine) as the backend's own limit: CP-SAT's
-    deterministic time, or branch-and-bound nodes (limits.py)."""
-    if backend.work_limit == "deterministic_time":
-        return {"deterministic_time_s": work.cpsat_dtime(seconds, nonzeros)}
-    return {"max_nodes": work.milp_nodes(seconds)}
+    seconds, limit = work.milp_s / share, state.backend.work_limit
+    state.options = {**state.options, **work.backend_options(limit, seconds, size["nonzeros"])}
+    if limit == "deterministic_time" and not work.cpsat_round_runs(seconds, size["nonzeros"]):
+        state.rounds_skipped = (
+            f"the MILP's rounds get no work beyond what its model's size costs "
+            f"({size['nonzeros']} nonzeros, {seconds:.2f} s of work a round)"
+        )
+        state.info_extra["milp_rounds"] = {"status": Status.SKIPPED, "reason": state.rounds_skipped}
 
 
 def search_whole(state: SolveState) -> None:
@@ -551,7 +548,7 @@ def finish(state: SolveState) -> Solution:
     # no solution, or none better than the warm start: the warm start's plan, said so
     extra.update(
         fallback=state.ws.source,
-        reason="no solution within the time limit"
+        reason=state.rounds_skipped or "no solution within the time limit"
         if best is None
         else "solver's best was not better than the warm start",
     )
