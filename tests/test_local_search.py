@@ -123,6 +123,36 @@ def test_warm_start_is_never_worse_than_the_heuristic():
     assert set(ws.notes) >= {"integral_lp"}
 
 
+def test_the_warm_start_runs_the_heuristic_once_per_distinct_restriction(monkeypatch):
+    """Keep and recompute only (a CPU): the recompute-only start is the problem itself and the
+    offload-only start leaves keep alone; neither runs the heuristic again. With every decision
+    allowed, both restricted problems are planned by it."""
+    from slackswap.planners.exact.warmstart import warm_start
+    from slackswap.planners.heuristic import SlackSwapHeuristic
+    from slackswap.planners.limits import WorkLimits
+
+    masks = []
+    plain_solve = SlackSwapHeuristic.solve
+
+    def counted(self, problem, **options):
+        masks.append(problem.mask)
+        return plain_solve(self, problem, **options)
+
+    monkeypatch.setattr(SlackSwapHeuristic, "solve", counted)
+    g = ss.load_graph(Path(__file__).parent / "data" / "tinygpt_cpu_profile.json")
+    cpu = ss.hardware("cpu")
+    keep_recompute = ss.core.restrict.decision_mask(g, ("keep", "recompute"))
+    problem = Problem(g, cpu, ss.parse_budget(0.7, g, cpu), mask=keep_recompute)
+    ws = warm_start(problem, work=WorkLimits.for_work(1.0), polish=False)
+    assert len(masks) == 1 and np.array_equal(masks[0], keep_recompute)
+    assert ws.sim.fits
+    masks.clear()
+    warm_start(
+        Problem(g, LINK, ss.parse_budget(0.7, g, LINK)), work=WorkLimits.for_work(1.0), polish=False
+    )
+    assert len(masks) == 3  # the problem, then recompute-only and offload-only
+
+
 def test_time_limit_stops_the_search_and_says_so():
     g = unhidden_copy_graph()
     start = decision_codes(g, {"a": "swap"})

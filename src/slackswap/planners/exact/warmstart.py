@@ -24,7 +24,8 @@ from typing import Any
 import numpy as np
 
 from ...check.simulate import SimResult, simulate_decisions
-from ...core.plan import KEEP, OVERHEAD_TARGET, RECOMPUTE, SWAP
+from ...core.graph import ActivationGraph
+from ...core.plan import KEEP, OVERHEAD_TARGET, RECOMPUTE, SWAP, UNSAVED
 from ..base import Problem
 from ..limits import (
     COARSE_MAX_OPS,
@@ -103,6 +104,18 @@ def _restricted(problem: Problem, kinds: tuple[str, ...]) -> np.ndarray | None:
         if not mask[problem.graph.saved].any(axis=1).all():
             return None
     return mask
+
+
+def _only_plan(graph: ActivationGraph, mask: np.ndarray) -> np.ndarray | None:
+    """The decisions where ``mask`` leaves each saved tensor one (offload-only on a device that
+    may not swap: keep everything), else None. The heuristic would search for this one plan:
+    where nothing fits, at length (its polish from a plan over the budget)."""
+    saved = graph.saved
+    if not (mask[saved].sum(axis=1) == 1).all():
+        return None
+    codes = np.full(len(graph.tensors), UNSAVED, dtype=np.int8)
+    codes[saved] = mask[saved].argmax(axis=1)
+    return codes
 
 
 def better(a: SimResult, b: SimResult) -> bool:
@@ -320,16 +333,20 @@ def warm_start(
         ("offload-only heuristic", ("keep", "swap")),
     ):
         mask = _restricted(problem, kinds)
-        if mask is None:
+        if mask is None or (problem.mask is not None and np.array_equal(mask, problem.mask)):
+            # nothing left to some tensor, or the problem itself (keep and recompute on a CPU):
+            # the heuristic's plan above is that run's
             continue
         if clock.passed():  # a cap: the phase is skipped, and named
             clock.stop(label.replace(" ", "_").replace("-", "_"))
             continue
-        codes = (
-            SlackSwapHeuristic()
-            .solve(replace(problem, mask=mask), polish=heuristic_polish, bundle_reruns=bundle)
-            .codes
-        )
+        codes = _only_plan(g, mask)
+        if codes is None:
+            codes = (
+                SlackSwapHeuristic()
+                .solve(replace(problem, mask=mask), polish=heuristic_polish, bundle_reruns=bundle)
+                .codes
+            )
         sim = simulate_decisions(g, codes, hw, budget)
         if better(sim, best.sim):
             best = warm_from(problem, codes, sim, label, h_codes, h_sim)
