@@ -172,3 +172,18 @@ def test_rounds_whose_work_does_not_pay_for_the_model_are_skipped_by_size_not_th
     assert "milp_rounds" not in searched.info.extra
     assert searched.info.extra["strategy"] == "whole"
     assert ss.validate(g, searched).ok
+
+
+@pytest.mark.slow
+def test_the_proof_round_runs_only_where_its_work_pays_for_its_models_size():
+    g = seeded_graph(1, n_ops=30)  # 2,040 positions x saved tensors: a proof round is built
+    budget = (ss.min_budget(g, LINK) + ss.keep_all_peak(g, LINK)) // 2
+    # its model over every position has 38,730 nonzeros: 0.77 s of building and presolve at
+    # 2e-5 s each. work_s=1 gives the proof round 20% of it, 0.2 s: not run, on any machine
+    short = ss.solve(g, budget, LINK, solver="cpsat", work_s=1.0, time_limit_s=CAP)
+    assert short.info.extra["proof_round"] == {"skipped": "38730 nonzeros for 0.2 s of work"}
+    assert short.info.extra["clock_stopped"] == [] and ss.validate(g, short).ok
+    # work_s=4: 0.8 s >= 0.77 s, it runs
+    longer = ss.solve(g, budget, LINK, solver="cpsat", work_s=4.0, time_limit_s=CAP)
+    assert longer.info.extra["proof_round"]["model"]["nonzeros"] == 38730
+    assert ss.validate(g, longer).ok

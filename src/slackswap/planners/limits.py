@@ -235,7 +235,8 @@ class WorkLimits:
         return {"max_nodes": self.milp_nodes(seconds)}
 
     def cpsat_round_runs(self, seconds: float, nonzeros: int) -> bool:
-        """Whether a CP-SAT round with ``seconds`` of work on a model of ``nonzeros`` is run:
+        """Whether a CP-SAT round (one of the MILP's, or the proof round) with ``seconds`` of
+        work on a model of ``nonzeros`` is run:
         not where its size-bound work alone (building, presolve, the first LP:
         CPSAT_S_PER_NONZERO a nonzero) passes those seconds, when ``cpsat_dtime``'s floor alone
         would give it work. On HF profiles of 6 and 12 layers (63,000-118,000 nonzeros, 1.25 s
