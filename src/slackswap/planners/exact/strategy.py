@@ -445,8 +445,8 @@ def build(state: SolveState) -> None:
     state.options = {**state.options, **work.backend_options(limit, seconds, size["nonzeros"])}
     if limit == "deterministic_time" and not work.cpsat_round_runs(seconds, size["nonzeros"]):
         state.rounds_skipped = (
-            f"the MILP's rounds get no work beyond what its model's size costs "
-            f"({size['nonzeros']} nonzeros, {seconds:.2f} s of work a round)"
+            f"the MILP not searched: its model ({size['nonzeros']} nonzeros) costs more to "
+            f"build and presolve than the {seconds:.2f} s of work a round"
         )
         state.info_extra["milp_rounds"] = {"status": Status.SKIPPED, "reason": state.rounds_skipped}
 
