@@ -242,6 +242,7 @@ def test_a_stage_plan_travels_as_json():
     assert StagePlan.from_json(rank_plan.to_json()) == rank_plan
 
 
+@pytest.mark.slow  # four stages of GPT-2 XL, 12 layers each: about 17 s
 def test_the_split_workload_plans_every_stage_within_its_budget():
     graphs = ss.workload_stages("gpt2-xl", 4, "a100-80gb-pcie4")
     # 48 layers: 12 each; the embedding on stage 0, the head and loss on stage 3, a received
