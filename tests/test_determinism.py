@@ -172,6 +172,13 @@ def test_rounds_whose_work_does_not_pay_for_the_model_are_skipped_by_size_not_th
     assert "milp_rounds" not in searched.info.extra
     assert searched.info.extra["strategy"] == "whole"
     assert ss.validate(g, searched).ok
+    # at the smallest budget no start fits: the MILP is the search left, and it runs on
+    # CP-SAT's floor whatever its size
+    smallest = ss.min_budget(g, "cpu", allowed=("keep", "recompute"))
+    tight = ss.solve(g, smallest, time_limit_s=CAP, work_s=1.0)
+    assert tight.info.extra["warm_start_step_time_s"] == float("inf")
+    assert "milp_rounds" not in tight.info.extra
+    assert ss.validate(g, tight).ok and ss.simulate(g, tight).fits
 
 
 @pytest.mark.slow

@@ -443,7 +443,12 @@ def build(state: SolveState) -> None:
     work = state.work
     seconds, limit = work.milp_s / share, state.backend.work_limit
     state.options = {**state.options, **work.backend_options(limit, seconds, size["nonzeros"])}
-    if limit == "deterministic_time" and not work.cpsat_round_runs(seconds, size["nonzeros"]):
+    if (
+        limit == "deterministic_time"
+        and not work.cpsat_round_runs(seconds, size["nonzeros"])
+        and np.isfinite(state.warm_time)
+    ):
+        # (where no start fits, the MILP is the search left: it runs on CP-SAT's floor)
         state.rounds_skipped = (
             f"the MILP not searched: its model ({size['nonzeros']} nonzeros) costs more to "
             f"build and presolve than the {seconds:.2f} s of work a round"
