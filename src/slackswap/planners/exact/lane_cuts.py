@@ -9,13 +9,22 @@ from .formulation import Formulation
 from .running_sum import running_sum
 
 
-def lane_capacity_cuts(f: Formulation, nbytes, budget_u, constant, fwd_ws, bwd_ws, u, lb) -> None:
+def lane_capacity_cuts(
+    f: Formulation, nbytes, budget_u, constant, fwd_ws, bwd_ws, u, lb, swappable: bool = True
+) -> None:
     """Valid inequalities of the LP bound (formulations/lp-bound.md) in the MILP's variables:
     a lane moves at most bandwidth x elapsed time, offloads not yet moved are still resident,
     prefetches needed by now have landed and stay until their last use. Every plan satisfies
-    them, so they cut no plan off; they only tighten the relaxation (lane_capacity_cuts)."""
+    them, so they cut no plan off; they only tighten the relaxation (lane_capacity_cuts).
+
+    Where no tensor may swap (``swappable`` False) nothing travels on the lanes: only the kept
+    and rebuilt bytes' cut is stated. The lanes' running sums would all be zero, which CP-SAT's
+    presolve finds one position per loop (seconds on a thousand positions)."""
     g, m, sc, hw = f.graph, f.model, f.scaling, f.hw
     n, S = g.n_ops, g.n_positions
+    if not swappable:
+        _kept_or_rebuilt_cut(f, nbytes, budget_u, constant, fwd_ws, bwd_ws, u, lb)
+        return
     kappa = 1000
     bw_d = int(np.ceil(hw.d2h_bytes_per_s * sc.time_unit / sc.byte_unit * kappa))
     bw_h = int(np.ceil(hw.h2d_bytes_per_s * sc.time_unit / sc.byte_unit * kappa))
@@ -100,3 +109,29 @@ def lane_capacity_cuts(f: Formulation, nbytes, budget_u, constant, fwd_ws, bwd_w
         m.ge(f"cut_landed_def[{k}]", [(A, kappa), (arr[k], -1), (freed[k], kappa)], 0)
         ws = int(fwd_ws[k]) if k < n else int(bwd_ws[S - 1 - k])
         m.le(f"cut_memory[{k}]", [(least[k], 1), (M, 1), (A, 1)], budget_u - int(constant[k]) - ws)
+
+
+def _kept_or_rebuilt_cut(f: Formulation, nbytes, budget_u, constant, fwd_ws, bwd_ws, u, lb) -> None:
+    """lane_capacity_cuts' memory row with no offloads (cut_memory): the bytes kept, or
+    recomputed and not yet dropped or rebuilt, fit the budget at every position."""
+    g, m = f.graph, f.model
+    n, S = g.n_ops, g.n_positions
+    prod, last_fwd = g.producer, g.last_forward_use
+    total = int(nbytes[g.saved].sum()) + 1
+    starts: dict[int, list[tuple[int, int]]] = {}
+    ends: dict[int, list[tuple[int, int]]] = {}
+    for t in f.keep:
+        b = int(nbytes[t])
+        for d, k, v in (
+            (starts, prod[t], f.keep[t]),
+            (ends, lb[t], f.keep[t]),
+            (starts, prod[t], f.recompute[t]),
+            (ends, last_fwd[t], f.recompute[t]),
+            (starts, u[t], f.recompute[t]),
+            (ends, lb[t], f.recompute[t]),
+        ):
+            d.setdefault(int(k), []).append((v, b))
+    least = running_sum(m, "cut_kept_or_rebuilt", S, starts, ends, total)
+    for k in range(S):
+        ws = int(fwd_ws[k]) if k < n else int(bwd_ws[S - 1 - k])
+        m.le(f"cut_memory[{k}]", [(least[k], 1)], budget_u - int(constant[k]) - ws)
