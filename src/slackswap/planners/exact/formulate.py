@@ -398,18 +398,11 @@ class MilpBuilder:
                 )
             )
         T_ub = 2 * horizon + 1000
-        # each start's bounds implied by compute_order alone (no reruns, no waits): the earliest
-        # is the base durations before it, the latest leaves room for those after it. Stated
-        # here, CP-SAT's presolve does not derive them one link of the chain per loop (1,000
-        # loops of its fixpoint, seconds, on graphs of a thousand positions)
-        durations = [int(d) for d in base_dur[: S - 1]]
-        before = 0
-        after = sum(durations)
+        # start_bounds: compute_order's base durations before and after each start (CP-SAT's
+        # presolve would derive them one position per loop, seconds on a thousand positions)
+        before = np.concatenate([[0], np.cumsum(base_dur[: S - 1], dtype=np.int64)])
         for k in range(S):
-            f.start.append(m.var(f"start[{k}]", before, T_ub - after))
-            if k < S - 1:
-                before += durations[k]
-                after -= durations[k]
+            f.start.append(m.var(f"start[{k}]", int(before[k]), T_ub - int(before[-1] - before[k])))
         for k in range(1, S):
             m.ge(
                 f"compute_order[{k}]",
@@ -578,17 +571,7 @@ class MilpBuilder:
         m, f, S, T_ub, base_dur = self.m, self.f, self.S, self.T_ub, self.base_dur
         charged, rerun_time = self.charged, self.rerun_time
         if self.cuts and not charged:  # the cuts count activation copies alone on the lanes
-            lane_capacity_cuts(
-                f,
-                self.nbytes,
-                self.budget_u,
-                self.constant,
-                self.fwd_ws,
-                self.bwd_ws,
-                self.u,
-                self.lb,
-                swappable=self.mask is None or bool(self.mask[self.saved, 1].any()),
-            )
+            lane_capacity_cuts(f, self)
 
         # objective: end of the last backward op (step_time); with collectives on the lanes, the
         # optimizer also waits for the last lane job (step_end)

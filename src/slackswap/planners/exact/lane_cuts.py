@@ -3,26 +3,35 @@ inequalities in the MILP's variables. Every plan satisfies them; they tighten th
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 from .formulation import Formulation
 from .running_sum import running_sum
 
 
-def lane_capacity_cuts(
-    f: Formulation, nbytes, budget_u, constant, fwd_ws, bwd_ws, u, lb, swappable: bool = True
-) -> None:
+def lane_capacity_cuts(f: Formulation, build: Any) -> None:
     """Valid inequalities of the LP bound (formulations/lp-bound.md) in the MILP's variables:
     a lane moves at most bandwidth x elapsed time, offloads not yet moved are still resident,
     prefetches needed by now have landed and stay until their last use. Every plan satisfies
     them, so they cut no plan off; they only tighten the relaxation (lane_capacity_cuts).
+    ``build``: the formulation's builder (formulate.py), whose memory rows they share.
 
-    Where no tensor may swap (``swappable`` False) nothing travels on the lanes: only the kept
-    and rebuilt bytes' cut is stated. The lanes' running sums would all be zero, which CP-SAT's
-    presolve finds one position per loop (seconds on a thousand positions)."""
+    Where no tensor may swap nothing travels on the lanes: only the kept and rebuilt bytes' cut
+    is stated. The lanes' running sums would all be zero, which CP-SAT's presolve finds one
+    position per loop (seconds on a thousand positions)."""
     g, m, sc, hw = f.graph, f.model, f.scaling, f.hw
     n, S = g.n_ops, g.n_positions
-    if not swappable:
+    nbytes, budget_u, constant, u, lb = (
+        build.nbytes,
+        build.budget_u,
+        build.constant,
+        build.u,
+        build.lb,
+    )
+    fwd_ws, bwd_ws, mask = build.fwd_ws, build.bwd_ws, build.mask
+    if mask is not None and not mask[g.saved, 1].any():
         _kept_or_rebuilt_cut(f, nbytes, budget_u, constant, fwd_ws, bwd_ws, u, lb)
         return
     kappa = 1000
