@@ -353,3 +353,88 @@ def test_highs_at_a_work_limit_returns_its_incumbent_and_bound(caplog):
     assert plan.info.bound is not None and plan.info.bound <= plan.info.objective + 1e-12
     assert ss.validate(g, plan).ok
     assert "KeyError" not in caplog.text and "Traceback" not in caplog.text
+
+
+def test_each_start_is_bounded_by_the_base_durations_before_and_after_it():
+    """start_bounds (milp.md): forward A, B (1 s each), C (0 s), then backward C, B, A (0, 2,
+    2 s). At span 12 s the time unit is 1.2e-7 s: 1 s is 8,333,334 units (rounded up), 2 s
+    16,666,667. The earliest start of position k is the durations before it; the latest leaves
+    the durations from k to the last position's start before T_ub."""
+    from slackswap.planners.exact.formulate import formulate
+
+    g = graph(
+        [
+            op("A", 1.0, 2.0, ["x"], ["a"]),
+            op("B", 1.0, 2.0, ["a"], ["b"]),
+            op("C", 0.0, 0.0, ["b"], ["c"]),
+        ],
+        [tensor("a", 100, ["B"]), tensor("b", 100, ["C"]), tensor("c", 100, ["C"])],
+    )
+    f = formulate(g, LINK, ss.keep_all_peak(g, LINK), full=True, fine_time=True)
+    one, two = 8_333_334, 16_666_667
+    durations = [one, one, 0, 0, two, two]  # positions 0..5; the last one's is not needed
+    bounds = {v.name: (v.lb, v.ub) for v in f.model.vars if v.name.startswith("start[")}
+    top = bounds["start[5]"][1]
+    assert bounds["start[0]"] == (0, top - (one + one + 0 + 0 + two))
+    assert bounds["start[1]"] == (one, top - (one + 0 + 0 + two))
+    assert bounds["start[2]"] == (2 * one, top - two)
+    assert bounds["start[3]"] == (2 * one, top - two)
+    assert bounds["start[4]"] == (2 * one, top - two)
+    assert bounds["start[5]"] == (2 * one + two, top)
+    assert bounds["start[5]"][0] == sum(durations[:5])  # the five positions before it
+
+
+def test_where_nothing_may_swap_the_cuts_state_memory_alone():
+    """allowed=('keep', 'recompute'): the lane-capacity cuts keep their memory row
+    (cut_memory over cut_kept_or_rebuilt) and drop every lane's running sum; with swaps allowed
+    both are there."""
+    from slackswap.core.restrict import decision_mask
+    from slackswap.planners.exact.formulate import formulate
+
+    g = graph(
+        [op("A", 1.0, 2.0, ["x"], ["a"]), op("B", 1.0, 2.0, ["a"], ["b"])],
+        [tensor("a", 100, ["B"]), tensor("b", 100, ["B"])],
+    )
+    budget = ss.keep_all_peak(g, LINK)
+    for allowed, lanes in ((("keep", "recompute"), False), (None, True)):
+        mask = None if allowed is None else decision_mask(g, allowed, None, 0)
+        f = formulate(g, LINK, budget, full=True, mask=mask)
+        names = {v.name.split("[")[0] for v in f.model.vars}
+        rows = {c.name.split("[")[0] for c in f.model.constraints}
+        assert "cut_kept_or_rebuilt" in names and "cut_memory" in rows
+        assert ("cut_departed" in names) is lanes and ("cut_offloaded_produced" in names) is lanes
+
+
+@pytest.mark.slow
+@settings(max_examples=12, deadline=None, suppress_health_check=list(HealthCheck))
+@given(graph_budget(max_ops=5, max_saved=5))
+def test_keep_and_recompute_alone_the_models_bound_is_below_every_plan(case):
+    """The model with no lane rows in its cuts (nothing may swap) still cuts off no plan: its
+    bound over every position, less its rounding, is below every keep/recompute plan that fits."""
+    g, budget = case
+    allowed = ("keep", "recompute")
+    try:
+        p = ss.solve(
+            g,
+            budget,
+            LINK,
+            solver="cpsat",
+            gap=0.0,
+            warm_start=False,
+            full=True,
+            strategy="whole",
+            allowed=allowed,
+        )
+    except ss.InfeasibleBudget:
+        p = None
+    names = [g.tensors[t].name for t in g.saved]
+    choices = [["keep"] + (["recompute"] if g.can_recompute[t] else []) for t in g.saved]
+    best = None
+    for combo in itertools.product(*choices):
+        sim = ss.simulate(g, plan(g, dict(zip(names, combo)), budget), LINK)
+        if sim.fits:
+            best = sim.step_time_s if best is None else min(best, sim.step_time_s)
+    if best is None:
+        return
+    assert p is not None, "a keep/recompute plan fits where the solver found none"
+    assert p.info.extra["milp_bound_s"] <= best * (1 + 1e-12)
