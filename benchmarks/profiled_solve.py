@@ -2,12 +2,17 @@
 
     python benchmarks/profiled_solve.py [--layers 2,6,12] [--budgets 0.3,0.5,0.7]
         [--time-limit 10] [--json benchmarks/results/profiled_solve.json] [--results]
+        [--graphs DIR]
 
 Each model is profiled once (width 128, batch 4 x 128 tokens, dropout on where the model has
 it); at each budget CP-SAT (the default solver) solves twice with the same time limit. Per row:
 wall time of both solves, whether they returned the same plan, status, overhead gap, phases the
 clock stopped, and the overhead of the plan against the heuristic's. On a CPU device plans keep
 and recompute only.
+
+Profiles differ from run to run (op times are measured), and so do the rows. ``--graphs DIR``
+saves each profile there as ``{model}-{layers}L.json``, or loads it from there when the file is
+present: two versions of the planner compared on the same graphs.
 """
 
 from __future__ import annotations
@@ -65,6 +70,7 @@ def main() -> int:
     parser.add_argument("--time-limit", type=float, default=10.0)
     parser.add_argument("--json", type=Path, default=Path("benchmarks/results/profiled_solve.json"))
     parser.add_argument("--results", action="store_true", help="write the table to RESULTS.md")
+    parser.add_argument("--graphs", type=Path, default=None, help="save or load the profiles here")
     args = parser.parse_args()
     rows, lines = [], []
 
@@ -78,14 +84,26 @@ def main() -> int:
     )
     for kind in args.models.split(","):
         for layers in (int(x) for x in args.layers.split(",")):
-            model = model_of(kind, layers)
-            ids = torch.randint(0, 1000, (4, 128), generator=torch.Generator().manual_seed(1))
-            inputs = {"input_ids": ids, "labels": ids}
-            if kind != "bert":
-                inputs["use_cache"] = False
-            graph = ss.profile(
-                model, inputs, lambda out: out.loss, warmup=1, repeat=2, name=f"{kind}-{layers}L"
-            )
+            saved = None if args.graphs is None else args.graphs / f"{kind}-{layers}L.json"
+            if saved is not None and saved.exists():
+                graph = ss.load_graph(saved)
+            else:
+                model = model_of(kind, layers)
+                ids = torch.randint(0, 1000, (4, 128), generator=torch.Generator().manual_seed(1))
+                inputs = {"input_ids": ids, "labels": ids}
+                if kind != "bert":
+                    inputs["use_cache"] = False
+                graph = ss.profile(
+                    model,
+                    inputs,
+                    lambda out: out.loss,
+                    warmup=1,
+                    repeat=2,
+                    name=f"{kind}-{layers}L",
+                )
+                if saved is not None:
+                    saved.parent.mkdir(parents=True, exist_ok=True)
+                    saved.write_text(graph.to_json())
             ideal = graph.ideal_step_time_s
             for budget in (float(b) for b in args.budgets.split(",")):
                 row = {"model": kind, "layers": layers, "ops": graph.n_ops, "budget": budget}
