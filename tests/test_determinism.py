@@ -155,30 +155,37 @@ def test_a_cpsat_round_runs_only_where_its_work_pays_for_its_models_size():
 
 @pytest.mark.slow
 def test_rounds_whose_work_does_not_pay_for_the_model_are_skipped_by_size_not_the_clock():
-    g = ss.load_graph("tests/data/tinygpt_cpu_profile.json")  # keep and recompute (a CPU)
-    # 894 binaries: the whole model in one round, with the MILP's 25% of the work. work_s=1:
-    # 0.25 s against 24,234 nonzeros x 2e-5 = 0.48 s of building and presolve: not run, on any
-    # machine
-    plans = [ss.solve(g, 0.5, time_limit_s=CAP, work_s=1.0) for _ in range(2)]
+    g = seeded_graph(1, n_ops=30)  # 60 positions, swaps on the link: a MILP of 5,908 nonzeros
+    budget = (ss.min_budget(g, LINK) + ss.keep_all_peak(g, LINK)) // 2
+    # the whole model in one round, with the MILP's 25% of the work. work_s=0.3: 0.075 s against
+    # 5,908 nonzeros x 2e-5 = 0.118 s of building and presolve: not run, on any machine
+    plans = [
+        ss.solve(g, budget, LINK, solver="cpsat", time_limit_s=CAP, work_s=0.3) for _ in range(2)
+    ]
     first, second = plans
     skipped = first.info.extra["milp_rounds"]
-    assert skipped["status"] == "skipped" and "24234 nonzeros" in skipped["reason"]
+    assert skipped["status"] == "skipped" and "5908 nonzeros" in skipped["reason"]
     assert "rounds" not in first.info.extra and first.info.extra["reason"] == skipped["reason"]
     assert first.info.extra["clock_stopped"] == [] and first.info.status != "timeout"
     assert first.decisions == second.decisions and first.schedule == second.schedule
     assert ss.validate(g, first).ok
-    # work_s=2: 0.5 s >= 0.48 s, the round runs
-    searched = ss.solve(g, 0.5, time_limit_s=CAP, work_s=2.0)
+    # work_s=0.5: 0.125 s >= 0.118 s, the round runs
+    searched = ss.solve(g, budget, LINK, solver="cpsat", time_limit_s=CAP, work_s=0.5)
     assert "milp_rounds" not in searched.info.extra
     assert searched.info.extra["strategy"] == "whole"
     assert ss.validate(g, searched).ok
-    # at the smallest budget no start fits: the MILP is the search left, and it runs on
-    # CP-SAT's floor whatever its size
-    smallest = ss.min_budget(g, "cpu", allowed=("keep", "recompute"))
-    tight = ss.solve(g, smallest, time_limit_s=CAP, work_s=1.0)
+    # where no start fits (another graph at its smallest keep-and-recompute budget) the MILP is
+    # the search left: it runs on CP-SAT's floor whatever its size (8,265 nonzeros, 0.165 s,
+    # against 0.075 s of work)
+    other, kept = seeded_graph(2, n_ops=20), ("keep", "recompute")
+    smallest = ss.min_budget(other, LINK, allowed=kept)
+    tight = ss.solve(
+        other, smallest, LINK, solver="cpsat", time_limit_s=CAP, work_s=0.3, allowed=kept
+    )
     assert tight.info.extra["warm_start_step_time_s"] == float("inf")
+    assert tight.info.extra["model"]["nonzeros"] == 8265
     assert "milp_rounds" not in tight.info.extra
-    assert ss.validate(g, tight).ok and ss.simulate(g, tight).fits
+    assert ss.validate(other, tight).ok and ss.simulate(other, tight).fits
 
 
 @pytest.mark.slow
