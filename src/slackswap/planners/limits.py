@@ -241,8 +241,10 @@ class WorkLimits:
         CPSAT_S_PER_NONZERO a nonzero) passes those seconds, when ``cpsat_dtime``'s floor alone
         would give it work. On HF profiles of 6 and 12 layers (63,000-118,000 nonzeros, 1.25 s
         of work a round) such rounds took 2.4-6.8 s of presolve each and never bettered the
-        warm start (formulations/milp.md, "Solving"). Decided from the size and the work, never
-        the clock; anytime: always."""
+        warm start (formulations/milp.md, "Solving"); since ``start_bounds`` and the no-swap
+        cuts those models have 26,000-59,000 nonzeros and a presolve of under a second, and
+        their rounds run. Decided from the size and the work, never the clock; anytime:
+        always."""
         return self.anytime or CPSAT_S_PER_NONZERO * nonzeros <= seconds
 
     def cpsat_dtime(self, seconds: float, nonzeros: int) -> float:
