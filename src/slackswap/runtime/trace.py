@@ -82,6 +82,7 @@ class UnitOf:
 
 # record_function spans in which a sharding wrapper does its own work (FSDP2)
 INTERNAL_SPANS = ("FSDP::",)
+SPAN_OPS = frozenset(("_record_function_enter_new", "_record_function_exit"))
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
@@ -345,7 +346,10 @@ class Tracer(TorchDispatchMode):
     def wrapper_work(self, func, args, kwargs) -> tuple[bool, Any]:
         """(True, its result) when the op is a sharding wrapper's own work, run here untraced;
         (False, None) otherwise. Either way the record_function spans are kept track of."""
-        enter = op_info(func)[0] == "_record_function_enter_new"
+        aten = op_info(func)[0]
+        if aten not in SPAN_OPS and not self.internal_depth and not self.paths.in_ddp_prelude:
+            return False, None  # (wrapper_internal's answer for the model's own ops, inlined)
+        enter = aten == "_record_function_enter_new"
         if not self.wrapper_internal(func, args):
             if enter:
                 self.wrapper_internal(func, args, opened=True)
@@ -382,7 +386,13 @@ class Tracer(TorchDispatchMode):
 
     def note_parameters(self, in_tensors) -> None:
         for t in in_tensors:
-            if isinstance(t, torch.nn.Parameter):
+            # isinstance(t, Parameter), whose metaclass's Python __instancecheck__ costs more
+            # than the rest of this: a plain tensor is one when flagged _is_param
+            if (
+                getattr(t, "_is_param", False)
+                if type(t) is torch.Tensor
+                else isinstance(t, torch.nn.Parameter)
+            ):
                 self._hold_parameter(t)
 
     def _released(self, name: str) -> None:
