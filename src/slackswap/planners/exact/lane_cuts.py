@@ -7,6 +7,7 @@ from typing import Any
 
 import numpy as np
 
+from ...core.plan import SWAP
 from .formulation import Formulation
 from .running_sum import running_sum
 
@@ -31,7 +32,7 @@ def lane_capacity_cuts(f: Formulation, build: Any) -> None:
         build.lb,
     )
     fwd_ws, bwd_ws, mask = build.fwd_ws, build.bwd_ws, build.mask
-    if mask is not None and not mask[g.saved, 1].any():
+    if mask is not None and not mask[g.saved, SWAP].any():
         _kept_or_rebuilt_cut(f, nbytes, budget_u, constant, fwd_ws, bwd_ws, u, lb)
         return
     kappa = 1000
