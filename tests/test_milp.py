@@ -170,12 +170,9 @@ def test_the_models_own_bound_less_its_rounding_is_below_every_plan(case):
     assert slack <= f_unit * (2 * g.n_ops + 2 * len(g.saved) + 3 * g.n_ops**2 + 2) + 1e-15
 
 
-def test_rounding_taken_off_the_bound_counts_reruns_a_plan_can_afford():
-    """Two ops of 1 s forward, one of 0 s, at span 12 s (6 s of compute, 6 copies of 1 s): the
-    time unit is 1.2e-7 s, so 1 s is 8,333,333.33 units, rounded up by 0.67 of a unit, and 2 s
-    by 0.33. Positions and copies add their round-ups once each. Reruns: a plan 0.5 s over the
-    ideal reruns at most half a second of 1 s ops (fractionally: 0.33 of a unit); 2.5 s over, 2.5
-    of them (1.67 units); with no plan known, every rerun the model has."""
+def three_op_model():
+    """The fine-time model over every position of ops A, B (1 s forward, 2 s backward) and C
+    (0 s), each saving its output (100 bytes), at the keep-all peak on the link."""
     from slackswap.planners.exact.formulate import formulate
 
     g = graph(
@@ -186,7 +183,16 @@ def test_rounding_taken_off_the_bound_counts_reruns_a_plan_can_afford():
         ],
         [tensor("a", 100, ["B"]), tensor("b", 100, ["C"]), tensor("c", 100, ["C"])],
     )
-    f = formulate(g, LINK, ss.keep_all_peak(g, LINK), full=True, fine_time=True)
+    return formulate(g, LINK, ss.keep_all_peak(g, LINK), full=True, fine_time=True)
+
+
+def test_rounding_taken_off_the_bound_counts_reruns_a_plan_can_afford():
+    """Two ops of 1 s forward, one of 0 s, at span 12 s (6 s of compute, 6 copies of 1 s): the
+    time unit is 1.2e-7 s, so 1 s is 8,333,333.33 units, rounded up by 0.67 of a unit, and 2 s
+    by 0.33. Positions and copies add their round-ups once each. Reruns: a plan 0.5 s over the
+    ideal reruns at most half a second of 1 s ops (fractionally: 0.33 of a unit); 2.5 s over, 2.5
+    of them (1.67 units); with no plan known, every rerun the model has."""
+    f = three_op_model()
     unit = f.scaling.time_unit
     assert unit == pytest.approx(12.0 / 1e8)
     one, two = 8_333_334 - 1.0 / unit, 16_666_667 - 2.0 / unit
@@ -194,7 +200,7 @@ def test_rounding_taken_off_the_bound_counts_reruns_a_plan_can_afford():
     fixed = 2 * one + 2 * two + 6 * one  # forward A, B; backward A, B; 3 tensors x 2 copies
     one_second_reruns = sum(1 for q, _ in f.rerun if q in (0, 1))
     assert one_second_reruns >= 3
-    ideal = g.ideal_step_time_s
+    ideal = f.graph.ideal_step_time_s
     assert f.rounding_units(ideal + 0.5) == pytest.approx(fixed + 1.0 + 0.5 * one, abs=1e-6)
     assert f.rounding_units(ideal + 2.5) == pytest.approx(fixed + 1.0 + 2.5 * one, abs=1e-6)
     assert f.rounding_units(None) == pytest.approx(fixed + 1.0 + one_second_reruns * one, abs=1e-6)
@@ -360,17 +366,7 @@ def test_each_start_is_bounded_by_the_base_durations_before_and_after_it():
     2 s). At span 12 s the time unit is 1.2e-7 s: 1 s is 8,333,334 units (rounded up), 2 s
     16,666,667. The earliest start of position k is the durations before it; the latest leaves
     the durations from k to the last position's start before T_ub."""
-    from slackswap.planners.exact.formulate import formulate
-
-    g = graph(
-        [
-            op("A", 1.0, 2.0, ["x"], ["a"]),
-            op("B", 1.0, 2.0, ["a"], ["b"]),
-            op("C", 0.0, 0.0, ["b"], ["c"]),
-        ],
-        [tensor("a", 100, ["B"]), tensor("b", 100, ["C"]), tensor("c", 100, ["C"])],
-    )
-    f = formulate(g, LINK, ss.keep_all_peak(g, LINK), full=True, fine_time=True)
+    f = three_op_model()
     one, two = 8_333_334, 16_666_667
     durations = [one, one, 0, 0, two, two]  # positions 0..5; the last one's is not needed
     bounds = {v.name: (v.lb, v.ub) for v in f.model.vars if v.name.startswith("start[")}
@@ -437,4 +433,5 @@ def test_keep_and_recompute_alone_the_models_bound_is_below_every_plan(case):
     if best is None:
         return
     assert p is not None, "a keep/recompute plan fits where the solver found none"
+    assert ss.validate(g, p).ok and ss.simulate(g, p, LINK).fits
     assert p.info.extra["milp_bound_s"] <= best * (1 + 1e-12)
