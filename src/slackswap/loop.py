@@ -37,7 +37,8 @@ from .core.graph import ActivationGraph
 from .core.hardware import Hardware
 from .core.plan import Plan
 from .refinements import Refinements
-from .solve import solve
+from .core.units import is_smallest
+from .solve import smallest_budget, solve
 
 log = logging.getLogger("slackswap")
 
@@ -408,15 +409,20 @@ class PlannedLoop:
         return bucket
 
     def _first_plan(self, graph: ActivationGraph) -> Plan:
-        """The heuristic's plan; where it finds none that fits, the exact planner's, now."""
+        """The heuristic's plan; where it finds none that fits, the exact planner's, now.
+        budget="smallest" is searched to its end first (``smallest_budget`` has no clock), so
+        that a bucket's budget is the same on a busy machine as on an idle one."""
+        budget = self.budget
+        if is_smallest(budget):
+            budget = smallest_budget(graph, self.hardware).budget_bytes
         try:
-            return solve(graph, self.budget, self.hardware, solver="heuristic")
+            return solve(graph, budget, self.hardware, solver="heuristic")
         except InfeasibleBudget:
             if self.refine_solver is None:
                 raise
             return solve(
                 graph,
-                self.budget,
+                budget,
                 self.hardware,
                 solver=self.refine_solver,
                 time_limit_s=self.refine_time_limit_s,

@@ -104,9 +104,14 @@ class _Request:
     asked: bool
     implied: bool = False
     deadline: float | None = None  # time.perf_counter() at which the time limit ends
+    searched: MinPeak | None = None  # budget="smallest": the search that chose budget_bytes
 
     def smallest(self) -> MinPeak:
-        """The smallest budget for this request, searched within what is left of its time."""
+        """The smallest budget for this request: for budget="smallest" the very search that
+        chose it (a search the clock cut short is not run again, to a different answer), else
+        searched within what is left of its time."""
+        if self.searched is not None:
+            return self.searched
         return smallest_budget_of(self.graph, self.hw, self.mask, self.deadline)
 
     def recorded(self, plan: Plan) -> Plan:
@@ -199,7 +204,7 @@ def solve(
     # the caller's
     asked = (allowed is not None and not implied) or bool(pins)
     req = _Request(solver, graph, hw, hardware_from, budget_bytes, mask, allowed, pins, asked)
-    req = replace(req, implied=implied, deadline=deadline)
+    req = replace(req, implied=implied, deadline=deadline, searched=searched)
     if budget_bytes < offload_floor(graph, hw, mask):
         raise _infeasible(req, "")
     planner, options = _planner_for(solver, graph, mask, asked, allowed, work_s, options)
