@@ -36,8 +36,8 @@ from .core.errors import InfeasibleBudget, PlanError
 from .core.graph import ActivationGraph
 from .core.hardware import Hardware
 from .core.plan import Plan
-from .refinements import Refinements
 from .core.units import is_smallest
+from .refinements import Refinements
 from .solve import smallest_budget, solve
 
 log = logging.getLogger("slackswap")
