@@ -26,7 +26,7 @@ from .core.hardware import Hardware
 from .core.pipeline import PipelineSchedule, StagePlan
 from .core.plan import Plan
 from .core.units import budget_bytes_from
-from .solve import graph_hardware, solve
+from .solve import graph_hardware, smallest_budget, solve
 
 # points of the search between the smallest plans and keep-all
 SEARCH_STEPS = 12
@@ -153,7 +153,8 @@ def smallest_rank_peak(
     returned_bytes: int | Sequence[int] = 0,
 ) -> int:
     """What the rank holds at its most when every micro-batch runs its stage's smallest
-    one-step plan (``solve(graph, "smallest")``): the least budget ``plan_rank`` searches from.
+    one-step plan (the heuristic's, at ``smallest_budget``): the least budget ``plan_rank``
+    searches from.
 
     Args:
         graphs: its stages' steps for one micro-batch, in ``schedule.stages_of(rank)`` order.
@@ -167,8 +168,14 @@ def smallest_rank_peak(
     """
     r = _rank_for(graphs, schedule, rank, hardware, held_bytes, returned_bytes,
                   "smallest_rank_peak")  # fmt: skip
-    smallest = [solve(g, "smallest", r.hw, solver="heuristic") for g in r.graphs]
+    smallest = [_smallest_plan(g, r.hw) for g in r.graphs]
     return r.uniform(smallest, HUGE)[1].peak_bytes
+
+
+def _smallest_plan(graph: ActivationGraph, hw: Hardware) -> Plan:
+    """The heuristic's plan at the smallest budget, that budget searched to its end
+    (``smallest_budget`` has no clock): the same floor on a busy machine as on an idle one."""
+    return solve(graph, smallest_budget(graph, hw).budget_bytes, hw, solver="heuristic")
 
 
 def smallest_stage_peak(
@@ -180,7 +187,7 @@ def smallest_stage_peak(
     returned_bytes: int = 0,
 ) -> int:
     """What the stage holds at its most when every micro-batch runs the smallest one-step plan
-    (``solve(graph, "smallest")``): the least budget ``plan_stage`` searches from.
+    (the heuristic's, at ``smallest_budget``): the least budget ``plan_stage`` searches from.
 
     Args:
         graph: the stage's step for one micro-batch.
@@ -312,7 +319,7 @@ def _search(
     (keep-all): the largest x whose plans fit the rank, the fastest of those that fit; and
     every plan made, per stage (for ``_a_plan_each``: a plan too large for every micro-batch
     may fit one)."""
-    smallest = [solve(g, "smallest", r.hw, solver="heuristic") for g in r.graphs]
+    smallest = [_smallest_plan(g, r.hw) for g in r.graphs]
     low = r.uniform(smallest, limit)
     if not low[1].fits:
         s = r.schedule
