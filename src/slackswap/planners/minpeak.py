@@ -290,7 +290,14 @@ def _exact(
         return None
     began = time.perf_counter()
     f = formulate(
-        graph, hw, start.budget_bytes, full=True, cuts=False, mask=mask, every_rebuild=every_rebuild
+        graph,
+        hw,
+        start.budget_bytes,
+        full=True,
+        cuts=False,
+        mask=mask,
+        every_rebuild=every_rebuild,
+        earliest=False,  # the budget is the objective: the starts are free
     )
     m = f.model
     if m.size()["nonzeros"] > MIN_PEAK_NONZEROS:

@@ -14,6 +14,7 @@ import numpy as np
 
 from ...core.graph import ActivationGraph
 from ...core.hardware import Hardware
+from ...core.plan import SWAP
 from ..limits import FULL_CELLS
 from ..scaling import (  # noqa: F401 - the MILP's scaling, named here for its users
     BYTE_RANGE,
@@ -43,6 +44,7 @@ def formulate(
     mask=None,
     fine_time: bool = False,
     every_rebuild: bool | None = None,
+    earliest: bool = True,
 ) -> Formulation:
     """The MILP for ``graph`` under ``budget_bytes``, built section by section: a
     :class:`Formulation`, the model and its variables by tensor and position.
@@ -58,6 +60,10 @@ def formulate(
             backend in exact integer arithmetic; Section "Scaling").
         every_rebuild: every backward position a rebuild candidate (default ``full``); False:
             where a rebuild is due, a restriction (``Formulation.full`` False: no proof).
+        earliest: where nothing may swap, no lane job for a tensor and the earliest schedule
+            alone (milp.md, "Where nothing may swap"): for the step's time, which grows with
+            the starts; the smallest budget's model (minpeak.py) keeps the general form, the
+            same feasible decisions, on which its search was measured.
     """
     build = MilpBuilder(
         graph,
@@ -70,6 +76,7 @@ def formulate(
         cuts=cuts,
         fine_time=fine_time,
         every_rebuild=every_rebuild,
+        earliest=earliest,
     )
     build.decisions()
     host_memory_row(build.f, build.saved)
@@ -100,6 +107,7 @@ class MilpBuilder:
         cuts: bool,
         fine_time: bool,
         every_rebuild: bool | None = None,
+        earliest: bool = True,
     ) -> None:
         n = graph.n_ops
         S = graph.n_positions
@@ -122,6 +130,10 @@ class MilpBuilder:
         found = candidates(graph, hw, full, extra, every_rebuild=every_rebuild)
         self.F, self.G, self.RC, self.frontier, self.coproduced, self.u, self.lb = found
         self.saved = [int(t) for t in graph.saved]
+        # the mask lets no saved tensor swap (a CPU device, allowed=('keep', 'recompute')):
+        # nothing travels on the lanes and nothing waits (Section "Where nothing may swap")
+        no_swap = mask is not None and not mask[graph.saved, SWAP].any()
+        self.earliest = earliest and no_swap
         self.m = Model()
         self.f = Formulation(
             self.m,
@@ -401,10 +413,24 @@ class MilpBuilder:
         # start_bounds: compute_order's base durations before and after each start (CP-SAT's
         # presolve would derive them one position per loop, seconds on a thousand positions)
         before = np.concatenate([[0], np.cumsum(base_dur[: S - 1], dtype=np.int64)])
+        latest = T_ub - (before[-1] - before)
+        if self.earliest:
+            # start_earliest: nothing waits for a lane, so the earliest schedule of any decisions
+            # starts position k after the base durations and the reruns before it, at most
+            # every rerun candidate's; an optimum keeps that schedule (CP-SAT's presolve
+            # reaches this bound by dual reasoning, one position per loop)
+            rerun_max = np.zeros(S, dtype=np.int64)
+            for q, r in f.rerun:
+                rerun_max[r] += int(fwd_u[q])
+            reruns_before = np.concatenate([[0], np.cumsum(rerun_max[: S - 1])])
+            latest = np.minimum(latest, before + reruns_before)
         for k in range(S):
-            f.start.append(m.var(f"start[{k}]", int(before[k]), T_ub - int(before[-1] - before[k])))
+            f.start.append(m.var(f"start[{k}]", int(before[k]), int(latest[k])))
+        # where nothing may swap nothing waits: each position starts as the one before it ends
+        # (compute_order as an equality, the earliest schedule, which an optimum keeps)
+        order = m.eq if self.earliest else m.ge
         for k in range(1, S):
-            m.ge(
+            order(
                 f"compute_order[{k}]",
                 [(f.start[k], 1), (f.start[k - 1], -1)] + [(z, -c) for z, c in rerun_time[k - 1]],
                 int(base_dur[k - 1]),
@@ -425,7 +451,9 @@ class MilpBuilder:
         share it (d2h_lane_fifo, d2h_release, d2h_before_free, collective_d2h)."""
         graph, m, f = self.graph, self.m, self.f
         T_ub, d2h_u, fwd_u, hw, prod = self.T_ub, self.d2h_u, self.fwd_u, self.hw, self.prod
-        saved = self.saved
+        # where nothing may swap no tensor has a lane job (a job of length 0 in the chain,
+        # d2h_release and fifo bind nothing the compute order does not): collectives alone
+        saved = [] if self.earliest else self.saved
         d2h_order = sorted(saved, key=lambda t: (prod[t], t))
         # collectives on the lanes (collective_d2h, collective_h2d): jobs of fixed length, released
         # when their position is reached, in each lane's FIFO chain (Section "Collectives")
@@ -480,7 +508,7 @@ class MilpBuilder:
         saved, u, comms = self.saved, self.u, self.comms
         lane_d, last_d2h = self.lane_d, self.last_d2h
         d2h_order = self.d2h_order
-        h2d_order = sorted(saved, key=lambda t: (u[t], t))
+        h2d_order = [] if self.earliest else sorted(saved, key=lambda t: (u[t], t))
         f.d2h_order, f.h2d_order = d2h_order, h2d_order
         f.units = {
             "fwd": fwd_u,
@@ -536,7 +564,7 @@ class MilpBuilder:
             )
             prev_l, prev_j = L, J
         # offloaded inputs of a rebuild arrive before it runs (prefetch_arrives_for_rebuild)
-        for y in saved:
+        for y in [] if self.earliest else saved:
             for r, v in f.rebuild_at[y].items():
                 for x in frontier[y]:
                     if r < u[x]:
