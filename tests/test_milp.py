@@ -401,6 +401,41 @@ def test_where_nothing_may_swap_the_cuts_state_memory_alone():
         assert ("cut_departed" in names) is lanes and ("cut_offloaded_produced" in names) is lanes
 
 
+def test_where_nothing_may_swap_each_position_starts_as_the_one_before_ends():
+    """Where nothing may swap nothing waits for a lane (milp.md, "Where nothing may swap"):
+    compute_order is an equality, no tensor has a lane job, and each start is at most the base
+    durations and the rerun candidates before it. Forward A, B (1 s each); backward B, A (2 s
+    each); a and b (read by backward B) may be rebuilt before it, rerunning A and B (1 s each).
+    The time unit is 1e-7 s: 1 s is 10,000,000 units. The smallest budget's model
+    (earliest=False) keeps the general form."""
+    from slackswap.core.restrict import decision_mask
+    from slackswap.planners.exact.formulate import formulate
+
+    g = graph(
+        [op("A", 1.0, 2.0, ["x"], ["a"]), op("B", 1.0, 2.0, ["a"], ["b"])],
+        [tensor("a", 100, ["B"]), tensor("b", 100, ["B"])],
+    )
+    budget = ss.keep_all_peak(g, LINK)
+    mask = decision_mask(g, ("keep", "recompute"), None, 0)
+    f = formulate(g, LINK, budget, full=True, fine_time=True, mask=mask)
+    one, two = 10_000_000, 20_000_000
+    assert f.scaling.time_unit == pytest.approx(1e-7)
+    reruns = {(g.ops[q].name, r) for q, r in f.rerun}
+    assert reruns == {("A", 2), ("B", 2)}  # before backward B, at position 2
+    bounds = {v.name: (v.lb, v.ub) for v in f.model.vars if v.name.startswith("start[")}
+    assert bounds["start[0]"] == (0, 0)
+    assert bounds["start[1]"] == (one, one)
+    assert bounds["start[2]"] == (2 * one, 2 * one)
+    # backward A: after forward A, B and backward B (2 s), and at most both reruns before it
+    assert bounds["start[3]"] == (2 * one + two, 2 * one + two + 2 * one)
+    order = [c for c in f.model.constraints if c.name.startswith("compute_order")]
+    assert len(order) == 3 and all(c.lo == c.hi for c in order)
+    assert not f.d2h_done and not f.h2d_done and not f.issue_order
+    general = formulate(g, LINK, budget, full=True, fine_time=True, mask=mask, earliest=False)
+    order = [c for c in general.model.constraints if c.name.startswith("compute_order")]
+    assert all(c.hi is None for c in order) and len(general.d2h_done) == 2
+
+
 @pytest.mark.slow
 @settings(max_examples=12, deadline=None, suppress_health_check=list(HealthCheck))
 @given(graph_budget(max_ops=5, max_saved=5))
