@@ -283,7 +283,8 @@ def test_sizes_without_a_common_unit_still_prove_and_bound_every_plan():
     largest) are rounded in the model. Over every schedule position (7 ops) they are rounded
     down and the budget up, so the model is a relaxation: its bound is a proof (status
     "optimal"), and exhaustive search over every decision finds nothing below it."""
-    from slackswap.planners.exact.formulate import BYTE_RANGE, formulate
+    from slackswap.planners.exact.formulate import formulate
+    from slackswap.planners.scaling import BYTE_RANGE
 
     fast = LINK.with_link(d2h_bytes_per_s=1e6, h2d_bytes_per_s=1e6)  # 3 s for the largest
     ops = [

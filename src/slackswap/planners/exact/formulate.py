@@ -16,13 +16,7 @@ from ...core.graph import ActivationGraph
 from ...core.hardware import Hardware
 from ...core.plan import SWAP
 from ..limits import FULL_CELLS
-from ..scaling import (  # noqa: F401 - the MILP's scaling, named here for its users
-    BYTE_RANGE,
-    TIME_RANGE,
-    TIME_RANGE_FULL,
-    Scaling,
-    scaling_for,
-)
+from ..scaling import scaling_for
 from .candidates import candidates
 from .formulation import Formulation
 from .hint import apply_hint
@@ -30,6 +24,7 @@ from .host_row import host_memory_row
 from .lane_cuts import lane_capacity_cuts
 from .model import Model
 from .running_sum import running_sum
+from .start_domains import start_domains
 
 
 def formulate(
@@ -60,10 +55,7 @@ def formulate(
             backend in exact integer arithmetic; Section "Scaling").
         every_rebuild: every backward position a rebuild candidate (default ``full``); False:
             where a rebuild is due, a restriction (``Formulation.full`` False: no proof).
-        earliest: where nothing may swap, no lane job for a tensor and the earliest schedule
-            alone (milp.md, "Where nothing may swap"): for the step's time, which grows with
-            the starts; the smallest budget's model (minpeak.py) keeps the general form, the
-            same feasible decisions, on which its search was measured.
+        earliest: where nothing may swap, the earliest schedule (milp.md, start_earliest).
     """
     build = MilpBuilder(
         graph,
@@ -130,9 +122,7 @@ class MilpBuilder:
         found = candidates(graph, hw, full, extra, every_rebuild=every_rebuild)
         self.F, self.G, self.RC, self.frontier, self.coproduced, self.u, self.lb = found
         self.saved = [int(t) for t in graph.saved]
-        # the mask lets no saved tensor swap (a CPU device, allowed=('keep', 'recompute')):
-        # nothing travels on the lanes and nothing waits (Section "Where nothing may swap")
-        no_swap = mask is not None and not mask[graph.saved, SWAP].any()
+        no_swap = mask is not None and not mask[graph.saved, SWAP].any()  # (start_earliest)
         self.earliest = earliest and no_swap
         self.m = Model()
         self.f = Formulation(
@@ -410,25 +400,15 @@ class MilpBuilder:
                 )
             )
         T_ub = 2 * horizon + 1000
-        # start_bounds: compute_order's base durations before and after each start (CP-SAT's
-        # presolve would derive them one position per loop, seconds on a thousand positions)
-        before = np.concatenate([[0], np.cumsum(base_dur[: S - 1], dtype=np.int64)])
-        latest = T_ub - (before[-1] - before)
-        if self.earliest:
-            # start_earliest: nothing waits for a lane, so the earliest schedule of any decisions
-            # starts position k after the base durations and the reruns before it, at most
-            # every rerun candidate's; an optimum keeps that schedule (CP-SAT's presolve
-            # reaches this bound by dual reasoning, one position per loop)
-            rerun_max = np.zeros(S, dtype=np.int64)
+        rerun_cost = None
+        if self.earliest:  # start_earliest
+            rerun_cost = np.zeros(S, dtype=np.int64)
             for q, r in f.rerun:
-                rerun_max[r] += int(fwd_u[q])
-            reruns_before = np.concatenate([[0], np.cumsum(rerun_max[: S - 1])])
-            latest = np.minimum(latest, before + reruns_before)
+                rerun_cost[r] += int(fwd_u[q])
+        before, latest = start_domains(base_dur, rerun_cost, T_ub)  # start_bounds
         for k in range(S):
             f.start.append(m.var(f"start[{k}]", int(before[k]), int(latest[k])))
-        # where nothing may swap nothing waits: each position starts as the one before it ends
-        # (compute_order as an equality, the earliest schedule, which an optimum keeps)
-        order = m.eq if self.earliest else m.ge
+        order = m.eq if self.earliest else m.ge  # (start_earliest: nothing waits)
         for k in range(1, S):
             order(
                 f"compute_order[{k}]",
@@ -451,9 +431,7 @@ class MilpBuilder:
         share it (d2h_lane_fifo, d2h_release, d2h_before_free, collective_d2h)."""
         graph, m, f = self.graph, self.m, self.f
         T_ub, d2h_u, fwd_u, hw, prod = self.T_ub, self.d2h_u, self.fwd_u, self.hw, self.prod
-        # where nothing may swap no tensor has a lane job (a job of length 0 in the chain,
-        # d2h_release and fifo bind nothing the compute order does not): collectives alone
-        saved = [] if self.earliest else self.saved
+        saved = [] if self.earliest else self.saved  # (start_earliest: collectives alone)
         d2h_order = sorted(saved, key=lambda t: (prod[t], t))
         # collectives on the lanes (collective_d2h, collective_h2d): jobs of fixed length, released
         # when their position is reached, in each lane's FIFO chain (Section "Collectives")
