@@ -183,7 +183,7 @@ def three_op_model():
         ],
         [tensor("a", 100, ["B"]), tensor("b", 100, ["C"]), tensor("c", 100, ["C"])],
     )
-    return formulate(g, LINK, ss.keep_all_peak(g, LINK), full=True, fine_time=True)
+    return formulate(g, LINK, ss.keep_all_peak(g, LINK), full=True, exact_arithmetic=True)
 
 
 def test_rounding_taken_off_the_bound_counts_reruns_a_plan_can_afford():
@@ -418,7 +418,7 @@ def test_where_nothing_may_swap_each_position_starts_as_the_one_before_ends():
     )
     budget = ss.keep_all_peak(g, LINK)
     mask = decision_mask(g, ("keep", "recompute"), None, 0)
-    f = formulate(g, LINK, budget, full=True, fine_time=True, mask=mask)
+    f = formulate(g, LINK, budget, full=True, exact_arithmetic=True, mask=mask)
     one, two = 10_000_000, 20_000_000
     assert f.scaling.time_unit == pytest.approx(1e-7)
     reruns = {(g.ops[q].name, r) for q, r in f.rerun}
@@ -432,9 +432,59 @@ def test_where_nothing_may_swap_each_position_starts_as_the_one_before_ends():
     order = [c for c in f.model.constraints if c.name.startswith("compute_order")]
     assert len(order) == 3 and all(c.lo == c.hi for c in order)
     assert not f.d2h_done and not f.h2d_done and not f.issue_order
-    general = formulate(g, LINK, budget, full=True, fine_time=True, mask=mask, earliest=False)
+    general = formulate(
+        g, LINK, budget, full=True, exact_arithmetic=True, mask=mask, earliest=False
+    )
     order = [c for c in general.model.constraints if c.name.startswith("compute_order")]
     assert all(c.hi is None for c in order) and len(general.d2h_done) == 2
+
+
+def test_cpsats_byte_unit_keeps_a_plan_at_the_budgets_edge():
+    """Sizes sharing no unit (milp.md, "Scaling and rounding"): a 1,000,003 and a 1,000,001 byte
+    tensor, both kept, at the keep-all peak of 2,000,004 bytes. For the floating-point backends
+    the byte unit is ceil(2,000,004 / 1e6) = 3: the sizes round up to 333,335 + 333,334 =
+    666,669 units against a budget of floor(2,000,004 / 3) = 666,668, and keep-all, which fits,
+    is out of the model. CP-SAT's range (1e9) keeps the unit at 1 byte: exact, and keep-all in."""
+    import numpy as np
+
+    from slackswap.planners.exact.formulate import formulate
+    from slackswap.planners.exact.hint import complete_hint
+
+    g = graph(
+        [op("A", 1.0, 2.0, ["x"], ["a"]), op("B", 1.0, 2.0, ["a"], ["b"])],
+        [tensor("a", 1_000_003, ["B"]), tensor("b", 1_000_001, ["B"])],
+    )
+    budget = ss.keep_all_peak(g, LINK)
+    assert budget == 2_000_004
+    keep_all = np.zeros(len(g.tensors), dtype=np.int64)
+    exact = formulate(g, LINK, budget, full=False, exact_arithmetic=True)
+    assert exact.scaling.byte_unit == 1 and exact.scaling.exact_bytes
+    assert exact.model.first_violation(complete_hint(exact, keep_all, {}, {}, {})) is None
+    rounded = formulate(g, LINK, budget, full=False, exact_arithmetic=False)
+    assert rounded.scaling.byte_unit == 3 and not rounded.scaling.exact_bytes
+    assert list(rounded.scaling.bytes_of([1_000_003, 1_000_001])) == [333_335, 333_334]
+    assert rounded.scaling.budget_of(budget) == 666_668
+    violation = rounded.model.first_violation(complete_hint(rounded, keep_all, {}, {}, {}))
+    assert violation is not None and violation.startswith("memory_budget")
+
+
+@pytest.mark.slow
+def test_where_the_lp_decides_the_plan_the_model_is_searched_whole():
+    """HF BERT of 12 layers profiled on CPU (keep and recompute), at 30%: 4,563 binaries, over
+    WHOLE_MODEL_BINARIES, but the LP decides 237 of its 241 tensors as the warm start does, so
+    LP-guided rounds would search four tensors (milp.md, "Solving"). Searched whole, the same
+    work proves a better plan than the rounds keep. Work, not the clock, ends both."""
+    from pathlib import Path
+
+    g = ss.load_graph(Path(__file__).parent / "data" / "bert12_cpu_profile.json")
+    whole = ss.solve(g, 0.3, work_s=10, time_limit_s=600)
+    assert whole.info.extra["strategy"] == "whole"
+    assert whole.info.status == "optimal" and whole.info.overhead_gap <= 0.01
+    rounds = ss.solve(g, 0.3, work_s=10, time_limit_s=600, strategy="lp-guided")
+    assert rounds.info.extra["strategy"] == "lp-guided"
+    assert whole.info.predicted_step_time_s < rounds.info.predicted_step_time_s
+    for p in (whole, rounds):
+        assert ss.validate(g, p).ok and ss.simulate(g, p).fits
 
 
 @pytest.mark.slow

@@ -80,6 +80,9 @@ DEPARTURE_DTIME_MAX = 12.0
 # --- the solve strategy's thresholds (strategy.py; formulations/milp.md, "Solving") ---
 # a model of at most this many binaries is solved whole, a larger one LP-guided
 WHOLE_MODEL_BINARIES = 2500
+# an LP-guided round that would leave at most this share of the tensors free searches the model
+# whole instead (milp.md, "Solving")
+LP_GUIDED_MIN_FREE = 0.05
 # the proof round: the model over every position, when a plan is not proven, on graphs of at
 # most this many positions x saved tensors (SegNet: 176 x 65) and nonzeros
 PROOF_CELLS = 12_000

@@ -19,6 +19,9 @@ if TYPE_CHECKING:
 
 # --- the MILP: integers ---
 BYTE_RANGE = 10**6  # model units for the largest of the budget and the sizes, at most
+# the same for a backend in exact integer arithmetic (CP-SAT): a byte unit that rounds each size
+# by at most a billionth of the budget, so a plan at the budget's edge stays in the model
+BYTE_RANGE_EXACT = 10**9
 TIME_RANGE = 10**7  # model time units in the step plus every copy (Section "Scaling")
 # finer where the bound is a proof (the rounding is taken off it), for CP-SAT alone: its
 # arithmetic is exact, where HiGHS's big-M rows at this range returned a plan 1.2% off its
@@ -54,11 +57,13 @@ class Scaling:
 
 
 def scaling_for(
-    graph: ActivationGraph, hw: Hardware, budget_bytes: int, full: bool, fine_time: bool
+    graph: ActivationGraph, hw: Hardware, budget_bytes: int, full: bool, exact_arithmetic: bool
 ) -> Scaling:
     """Integers for the model (Section "Scaling"): the largest byte unit that divides every
     size (memory sums exact, only the budget rounded), at most BYTE_RANGE units for the largest
-    of the budget and the sizes; time in TIME_RANGE units of the step plus every copy."""
+    of the budget and the sizes (BYTE_RANGE_EXACT with ``exact_arithmetic``); time in
+    TIME_RANGE units of the step plus every copy (TIME_RANGE_FULL over every position with
+    ``exact_arithmetic``)."""
     copies = sum(hw.d2h_time(b) + hw.h2d_time(b) for b in graph.tensor_bytes[graph.saved])
     if hw.collectives_on_link:
         copies += sum(
@@ -74,12 +79,13 @@ def scaling_for(
     # schedule position down, the budget up (a relaxation: its bound is a proof, and a plan that
     # fits only by the rounding is refused by the simulator)
     largest = int(max(budget_bytes, int(sizes.max()) if sizes.size else 0, 1))
-    exact = largest // unit <= BYTE_RANGE
+    byte_range = BYTE_RANGE_EXACT if exact_arithmetic else BYTE_RANGE
+    exact = largest // unit <= byte_range
     if not exact:
-        unit = -(-largest // BYTE_RANGE)
+        unit = -(-largest // byte_range)
     return Scaling(
         byte_unit=unit,
-        time_unit=max(span, 1e-12) / (TIME_RANGE_FULL if full and fine_time else TIME_RANGE),
+        time_unit=max(span, 1e-12) / (TIME_RANGE_FULL if full and exact_arithmetic else TIME_RANGE),
         exact_bytes=exact,
         relaxed_bytes=bool(full) and not exact,
     )

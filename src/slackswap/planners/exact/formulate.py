@@ -37,7 +37,7 @@ def formulate(
     extra_candidates=None,
     cuts: bool = True,
     mask=None,
-    fine_time: bool = False,
+    exact_arithmetic: bool = False,
     every_rebuild: bool | None = None,
     earliest: bool = True,
 ) -> Formulation:
@@ -51,8 +51,9 @@ def formulate(
         extra_candidates: more positions per tensor ({"free", "issue", "rebuild"}).
         cuts: add the lane-capacity cuts (lane_cuts.py).
         mask: allowed decisions per tensor (core/restrict.py), fixed in the model.
-        fine_time: over every position, time units of span / 1e8 rather than 1e7 (for a
-            backend in exact integer arithmetic; Section "Scaling").
+        exact_arithmetic: for a backend in exact integer arithmetic (CP-SAT), finer units:
+            bytes to a billionth of the largest size or budget rather than a millionth, and over
+            every position time to span / 1e8 rather than 1e7 (Section "Scaling").
         every_rebuild: every backward position a rebuild candidate (default ``full``); False:
             where a rebuild is due, a restriction (``Formulation.full`` False: no proof).
         earliest: where nothing may swap, the earliest schedule (milp.md, start_earliest).
@@ -66,7 +67,7 @@ def formulate(
         extra=extra_candidates,
         mask=mask,
         cuts=cuts,
-        fine_time=fine_time,
+        exact_arithmetic=exact_arithmetic,
         every_rebuild=every_rebuild,
         earliest=earliest,
     )
@@ -97,7 +98,7 @@ class MilpBuilder:
         extra,
         mask,
         cuts: bool,
-        fine_time: bool,
+        exact_arithmetic: bool,
         every_rebuild: bool | None = None,
         earliest: bool = True,
     ) -> None:
@@ -105,7 +106,7 @@ class MilpBuilder:
         S = graph.n_positions
         if full is None:  # every position where the model stays small (Section "Candidates")
             full = n <= 16 or S * len(graph.saved) <= FULL_CELLS
-        sc = scaling_for(graph, hw, budget_bytes, bool(full), fine_time)
+        sc = scaling_for(graph, hw, budget_bytes, bool(full), exact_arithmetic)
         self.graph, self.hw, self.n, self.S, self.sc = graph, hw, n, S, sc
         self.hint, self.mask, self.cuts = hint, mask, cuts
         self.nbytes = sc.bytes_of(graph.tensor_bytes)

@@ -81,7 +81,7 @@ def _proof_round(state: SolveState) -> dict[str, Any] | None:
         hint=hint,
         mask=problem.mask,
         cuts=False,
-        fine_time=exact,
+        exact_arithmetic=exact,
     )
     size = pf.model.size()
     if size["nonzeros"] > PROOF_NONZEROS:

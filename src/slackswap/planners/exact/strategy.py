@@ -46,6 +46,7 @@ from ..limits import (
     ANYTIME_LP_SHARE,
     CLOSE_S_PER_POSITION,
     DEFAULT_TIME_LIMIT_S,
+    LP_GUIDED_MIN_FREE,
     MIN_SEARCH_S,
     WHOLE_MODEL_BINARIES,
     Clock,
@@ -212,6 +213,17 @@ def lp_fixings(f: Formulation, lp, threshold: float = 0.999, agree_with=None) ->
         for code, var in ((KEEP, f.keep[t]), (SWAP, f.swap[t]), (RECOMPUTE, f.recompute[t])):
             fixed[var] = int(code == best)
     return fixed
+
+
+def lp_decides_the_plan(state: SolveState) -> bool:
+    """Whether the first LP-guided round would fix all but LP_GUIDED_MIN_FREE of the tensors'
+    decisions (the LP integral on them, and each the warm start's): that round, and the second
+    with the same fixings, would search next to nothing beside the warm start."""
+    f, lp = state.model, state.lp
+    if f is None or lp is None or lp.status != Status.OPTIMAL or not state.settings.warm_start:
+        return False
+    fixed = lp_fixings(f, lp, 0.999, state.ws.codes)
+    return len(f.keep) - len(fixed) // 3 <= LP_GUIDED_MIN_FREE * len(f.keep)
 
 
 def search(backend: ExactBackend, problem: Problem, settings: SearchSettings) -> Solution:
@@ -417,7 +429,7 @@ def build(state: SolveState) -> None:
         extra_candidates={"free": ws.free, "issue": ws.issue, "rebuild": ws.rebuild}
         if s.warm_start
         else None,
-        fine_time=state.backend.exact_arithmetic,
+        exact_arithmetic=state.backend.exact_arithmetic,
         mask=problem.mask,
     )
     if s.warm_start and state.backend.takes_complete_hint:
@@ -435,7 +447,10 @@ def build(state: SolveState) -> None:
     }
     strategy = s.strategy
     if strategy == "auto":
-        strategy = "whole" if size["binaries"] <= WHOLE_MODEL_BINARIES else "lp-guided"
+        small = size["binaries"] <= WHOLE_MODEL_BINARIES
+        # where the LP decides (nearly) every tensor as the warm start does, LP-guided rounds
+        # would fix the plan and search nothing: the model is searched whole
+        strategy = "whole" if small or lp_decides_the_plan(state) else "lp-guided"
     state.strategy = strategy
     state.info_extra["strategy"] = strategy
     # the MILP's work: in the default mode its rounds (two when LP-guided) share it
