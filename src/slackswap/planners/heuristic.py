@@ -46,6 +46,7 @@ from .base import Problem, Solution
 from .baselines import rebuild_cost, swap_all_codes
 from .limits import (  # tuning constants: docs/tuning.md
     BUNDLED_UP_TO_POSITIONS,
+    DEFAULT_TIME_LIMIT_S,
     POLISH_EVALUATIONS_PER_TENSOR,
     POLISH_POSITIONS,
     UNFIT_POLISH_FACTOR,
@@ -451,6 +452,16 @@ class SlackSwapHeuristic:
         from .baselines import keep_all_codes, recompute_all_codes
 
         start = time.perf_counter()
+        # solve()'s time limit (None: its default) is a hard cap: the polish, the one phase whose
+        # work grows with the graph, stops at it and says so; the work limits alone decide where
+        # it does not bind. A planner calling this one without the key (the smallest budget's
+        # search, the exact planner's warm start) keeps its own clock.
+        deadline = float("inf")
+        if "time_limit_s" in options:
+            limit = options["time_limit_s"]
+            deadline = (start if problem.began is None else problem.began) + (
+                DEFAULT_TIME_LIMIT_S if limit is None else float(limit)
+            )
         g, hw, budget = problem.graph, problem.hardware, problem.budget_bytes
         unfit: list[np.ndarray] = []
         polish = options.get("polish", True)
@@ -527,12 +538,14 @@ class SlackSwapHeuristic:
                     hw,
                     budget,
                     start_codes,
-                    time_limit_s=float("inf"),
+                    time_limit_s=max(0.0, deadline - time.perf_counter()),
                     max_work=evaluations * g.n_positions,
                     mask=problem.mask,
                     exchanges=options.get("exchanges", True),
                 )
                 stats["polish_moves"] = result.moves
+                if result.clock_stopped:
+                    stats["clock_stopped"] = ["polish"]
                 codes, simulation = result.codes, result.sim
         wall = time.perf_counter() - start
         return Solution(
