@@ -51,9 +51,8 @@ def formulate(
         extra_candidates: more positions per tensor ({"free", "issue", "rebuild"}).
         cuts: add the lane-capacity cuts (lane_cuts.py).
         mask: allowed decisions per tensor (core/restrict.py), fixed in the model.
-        exact_arithmetic: for a backend in exact integer arithmetic (CP-SAT), finer units:
-            bytes to a billionth of the largest size or budget rather than a millionth, and over
-            every position time to span / 1e8 rather than 1e7 (Section "Scaling").
+        exact_arithmetic: a backend in exact integer arithmetic (CP-SAT): finer byte and time
+            units (Section "Scaling and rounding").
         every_rebuild: every backward position a rebuild candidate (default ``full``); False:
             where a rebuild is due, a restriction (``Formulation.full`` False: no proof).
         earliest: where nothing may swap, the earliest schedule (milp.md, start_earliest).

@@ -28,11 +28,8 @@ import numpy as np
 
 from ...check.simulate import run_timeline
 from ...core.plan import (
-    KEEP,
     OVERHEAD_TARGET,
-    RECOMPUTE,
     STEP_FLOOR,
-    SWAP,
     SolveInfo,
     proof_tolerance_s,
 )
@@ -54,6 +51,7 @@ from ..limits import (
 )
 from .formulate import formulate
 from .formulation import Formulation
+from .lp_fixings import free_tensors, lp_fixings
 from .proof_round import prove
 
 if TYPE_CHECKING:
@@ -191,39 +189,13 @@ class SolveState:
         return status, answer.value, answer.objective, answer.bound
 
 
-def lp_fixings(f: Formulation, lp, threshold: float = 0.999, agree_with=None) -> dict[int, int]:
-    """Decision variables fixed where the LP relaxation decides a tensor integrally (and, with
-    ``agree_with``, where that decision is also the warm start's)."""
-    g = f.graph
-    fixed: dict[int, int] = {}
-    for t in f.keep:
-        name = g.tensors[t].name
-        values = {
-            KEEP: lp.keep.get(name, 0.0),
-            SWAP: lp.swap.get(name, 0.0),
-            RECOMPUTE: lp.recompute.get(name, 0.0),
-        }
-        best = max(values, key=values.__getitem__)
-        if values[best] < threshold:
-            continue
-        if best == RECOMPUTE and not f.rebuild_at[t]:
-            continue
-        if agree_with is not None and agree_with[t] != best:
-            continue
-        for code, var in ((KEEP, f.keep[t]), (SWAP, f.swap[t]), (RECOMPUTE, f.recompute[t])):
-            fixed[var] = int(code == best)
-    return fixed
-
-
 def lp_decides_the_plan(state: SolveState) -> bool:
-    """Whether the first LP-guided round would fix all but LP_GUIDED_MIN_FREE of the tensors'
-    decisions (the LP integral on them, and each the warm start's): that round, and the second
-    with the same fixings, would search next to nothing beside the warm start."""
+    """Whether the first LP-guided round would leave at most LP_GUIDED_MIN_FREE of the tensors
+    free: both rounds would search next to nothing beside the warm start."""
     f, lp = state.model, state.lp
     if f is None or lp is None or lp.status != Status.OPTIMAL or not state.settings.warm_start:
         return False
-    fixed = lp_fixings(f, lp, 0.999, state.ws.codes)
-    return len(f.keep) - len(fixed) // 3 <= LP_GUIDED_MIN_FREE * len(f.keep)
+    return free_tensors(f, lp, state.ws.codes) <= LP_GUIDED_MIN_FREE * len(f.keep)
 
 
 def search(backend: ExactBackend, problem: Problem, settings: SearchSettings) -> Solution:
