@@ -271,53 +271,116 @@ def test_planned_for_the_checkpoint_graph_the_policy_peaks_where_the_plan_says()
         ss.apply(plan, model, graph=policy_graph)
 
 
+def _masks(graph):
+    """The dropout masks drawn in place (empty_like, filled by bernoulli_), by block."""
+    out: dict[str, list[str]] = {}
+    for i, op in enumerate(graph.ops):
+        if "empty_like" in op.extra.get("aten", "") and op.name.startswith("blocks."):
+            for t in graph.op_outputs[i]:
+                if graph.is_saved[t] and graph.writers[t]:
+                    out.setdefault(op.name.split("/")[0].rsplit(".", 1)[0], []).append(
+                        graph.tensors[t].name
+                    )
+    return out
+
+
+def _measured(model, x, context):
+    """Gradients and step peak of the third of three steps (the heap's first-use buffers are
+    paid before); parameter gradients exist before (not what plans change)."""
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    for _ in range(3):
+        for p in model.parameters():
+            p.grad.zero_()
+        torch.manual_seed(7)
+        with context(), StepMeter(sample="ops") as meter:
+            loss_fn(model(x)).backward()
+    return [p.grad.clone() for p in model.parameters()], meter.peak_bytes
+
+
 @pytest.mark.slow
-def test_dropout_masks_drawn_in_place_are_rebuilt_by_the_checkpoint(setup):
-    """In eager mode torch's checkpoint reruns a dropout mask drawn in place (empty_like, then
-    bernoulli_ into it), with the RNG state restored: no plan can keep it under the policy
-    (selective checkpointing refuses to cache a tensor written in place). checkpoint_graph makes
-    those masks rebuildable and boundary_pins recomputes them, so the plan holds what the policy
-    holds: step peak within 10% of the simulated one, gradients bitwise (TinyGPT, dropout 0.1)."""
+def test_dropout_masks_drawn_in_place_are_the_plans_to_keep_or_rebuild(setup):
+    """A dropout mask drawn in place (empty_like, then bernoulli_ and div_ into it) is cached by
+    torch's eager checkpoint as filled when the plan keeps it (allow_cache_entry_mutation), and
+    rerun with its writes when the plan recomputes it: the plan decides it, as ss.apply's do.
+    The checkpoint restores one RNG state at a region's start, so a block's masks share a group
+    (all kept or all rebuilt). A plan at 50% holds what it simulates (step peak within 10%,
+    within the budget), gradients bitwise; under torch.compile the masks stay saved, as
+    profiled."""
     model, x, graph, _ = setup
     policy_graph = ss.checkpoint_graph(graph)
-    masks = [op for op in policy_graph.ops if op.extra.get("rerun_by_checkpoint")]
-    assert any("empty_like" in op.extra.get("aten", "") for op in masks)
+    masks = _masks(graph)
+    assert len(masks) == 3 and all(len(m) == 3 for m in masks.values())  # 3 dropouts a block
+    for block, names in masks.items():
+        tensors = [policy_graph.tensors[policy_graph.tensor_index[n]] for n in names]
+        assert {t.group for t in tensors} == {f"rng:checkpoint:{block}"}
+        producers = [
+            policy_graph.ops[int(policy_graph.producer[policy_graph.tensor_index[n]])]
+            for n in names
+        ]
+        assert not any(op.extra.get("rerun_by_checkpoint") for op in producers)
     pins = ss.boundary_pins(policy_graph)
-    mask_tensors = [
-        policy_graph.tensors[t].name
-        for op in masks
-        for t in policy_graph.op_outputs[policy_graph.op_index[op.name]]
-        if policy_graph.is_saved[t]
-    ]
-    assert mask_tensors and all(pins[name] == "recompute" for name in mask_tensors)
-    # under torch.compile the masks are saved (its recompute would draw them again): they stay
-    # as profiled there, and no graph is made a checkpoint graph twice
+    assert not any(n in pins for names in masks.values() for n in names)
     compiled_graph = ss.checkpoint_graph(graph, compiled=True)
-    assert not any(
-        compiled_graph.ops[compiled_graph.op_index[op.name]].recomputable for op in masks
-    )
+    for names in masks.values():
+        for n in names:
+            producer = int(compiled_graph.producer[compiled_graph.tensor_index[n]])
+            assert not compiled_graph.ops[producer].recomputable
     with pytest.raises(ValueError, match="one already"):
         ss.checkpoint_graph(policy_graph)
-    plan = ss.solve(policy_graph, 0.5, solver="heuristic", pins=pins)
-    simulated = ss.simulate(policy_graph, plan).peak_bytes
 
-    def measured(context):
-        for p in model.parameters():  # parameter gradients exist before: not what plans change
-            p.grad = torch.zeros_like(p)
-        for _ in range(3):  # the third step: the heap's first-use buffers are paid before
-            for p in model.parameters():
-                p.grad.zero_()
-            torch.manual_seed(7)
-            with context(), StepMeter(sample="ops") as meter:
-                loss_fn(model(x)).backward()
-        return [p.grad.clone() for p in model.parameters()], meter.peak_bytes
+    plan = ss.solve(policy_graph, 0.5, solver="heuristic", pins=pins)
+    for names in masks.values():  # the group holds
+        assert len({plan.decisions[n] for n in names}) == 1
+    simulated = ss.simulate(policy_graph, plan).peak_bytes
 
     from contextlib import nullcontext
 
-    plain, _ = measured(nullcontext)
-    grads, peak = measured(lambda: checkpointed(model, plan, policy_graph))
+    plain, _ = _measured(model, x, nullcontext)
+    grads, peak = _measured(model, x, lambda: checkpointed(model, plan, policy_graph))
     assert all(torch.equal(a, b) for a, b in zip(plain, grads))
     assert 0.9 * simulated <= peak <= plan.budget_bytes, (peak, simulated, plan.budget_bytes)
+
+
+@pytest.mark.slow
+def test_kept_masks_are_cached_and_a_region_reruns_its_draws_all_or_none(setup):
+    """A block whose masks the plan keeps while it recomputes the block's softmax: the policy
+    caches the masks (no draw in the recompute: each rerun draw would read the RNG state the
+    recompute restores, and only all-or-none keeps them in step) and reruns the rest, gradients
+    bitwise. A plan made for the profiled graph, which ties no masks, that keeps one mask of a
+    block and recomputes another gets the block's masks all rerun: bitwise still (the kept one
+    held less than it said, never other values)."""
+    model, x, graph, _ = setup
+    policy_graph = ss.checkpoint_graph(graph)
+    masks = _masks(graph)
+    softmax = [
+        graph.tensors[t].name
+        for i, op in enumerate(graph.ops)
+        if op.name.startswith("blocks.1") and "softmax" in op.extra.get("aten", "")
+        for t in graph.op_outputs[i]
+        if graph.is_saved[t]
+    ]
+    assert softmax
+    from contextlib import nullcontext
+
+    plain, _ = _measured(model, x, nullcontext)
+    pins = {**ss.boundary_pins(policy_graph), **{n: "keep" for n in masks["blocks.1"]}}
+    pins.update({n: "recompute" for n in softmax})
+    plan = ss.solve(policy_graph, 1.0, solver="heuristic", pins=pins)
+    runner = checkpointed(model, plan, policy_graph)
+    cached = [op for op in runner.steps["blocks.1"] if op.cached_write]
+    # empty_like, bernoulli_ and div_ of each of the block's 3 masks
+    assert len(cached) == 9 and not any(op.eager_recompute for op in cached)
+    grads, _ = _measured(model, x, lambda: runner)
+    assert all(torch.equal(a, b) for a, b in zip(plain, grads))
+
+    first, *others = masks["blocks.1"]
+    mixed = {**ss.boundary_pins(graph), first: "keep", **{n: "recompute" for n in others}}
+    unaware = ss.solve(graph, 1.0, solver="heuristic", pins=mixed)
+    runner = checkpointed(model, unaware, graph)
+    assert not any(op.cached_write for op in runner.steps["blocks.1"])
+    grads, _ = _measured(model, x, lambda: runner)
+    assert all(torch.equal(a, b) for a, b in zip(plain, grads))
 
 
 def test_batch_norm_has_one_name_in_the_profile_and_under_compile():

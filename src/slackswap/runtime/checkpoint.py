@@ -327,13 +327,19 @@ class checkpointed:  # noqa: N801 - a context manager used like a function
             # replays no mutation and takes torch's own contexts. Made here, outside any traced
             # frame: torch.compile accepts a plain function as context_fn, not a closure it
             # traced being made.
-            def context(_steps=steps, _offloads=self.offloads):
+            # a kept tensor written in place later is cached as its writes leave it
+            # (checkpoint_regions.cached_writes); a region that writes no state (batch norm's
+            # statistics) reruns unshielded: the shield is a Python mode over every rerun op
+            mutable = any(op.cached_write for op in steps)
+            shield = any(op.writes_state for op in steps)
+
+            def context(_steps=steps, _offloads=self.offloads, _mutable=mutable, _shield=shield):
                 import torch
 
                 forward_ctx, recompute_ctx = create_selective_checkpoint_contexts(
-                    _region_policy(_steps, _offloads)
+                    _region_policy(_steps, _offloads), allow_cache_entry_mutation=_mutable
                 )
-                if torch.compiler.is_compiling():
+                if torch.compiler.is_compiling() or not _shield:
                     return forward_ctx, recompute_ctx
                 return forward_ctx, _shielded_recompute(recompute_ctx, state, buffers)
 

@@ -55,6 +55,13 @@ class RegionOp(NamedTuple):
     # every output the profile named, in order: (name, shape, saved); under torch.compile the
     # traced nodes of a swapping op's outputs are found by them (CompiledOffloads.tag)
     outputs: tuple[tuple[str, tuple[int, ...], bool], ...] = ()
+    # cached by the eager policy though written in place later (a kept dropout mask: its
+    # empty_like and the bernoulli_ and div_ that fill it): the region's recompute takes the
+    # cache as it is after the writes (``cached_writes``)
+    cached_write: bool = False
+    # writes state a rerun must not write again (batch norm's running statistics): the
+    # region's recompute runs shielded (checkpoint._shielded_recompute)
+    writes_state: bool = False
 
 
 def checkpoint_regions(
@@ -66,6 +73,7 @@ def checkpoint_regions(
     the module paths to use instead of ``region_of``'s."""
     plan.check_graph(graph)
     of_op = _op_regions(graph, regions)  # a region around another runs unwrapped
+    cached = _cached_by_plan(graph, of_op, plan)
     out: dict[str, list[RegionOp]] = {}
     wanted: set[str] = set()
     for i, op in enumerate(graph.ops):
@@ -76,7 +84,10 @@ def checkpoint_regions(
         rebuilt = any(plan.decisions.get(k) == "recompute" for k in keeps)
         swaps = tuple(k for k in keeps if plan.decisions.get(k) == "swap")
         recompute = rebuilt or _rerun_regardless(graph, i, weigh_unread=not swaps)
-        eager = recompute or _saved_elsewhere_only(graph, i, of_op)
+        if i in cached:  # the plan's decision on what it makes or writes, alone
+            eager = cached[i]
+        else:
+            eager = recompute or _saved_elsewhere_only(graph, i, of_op)
         if rebuilt or swaps:
             wanted.add(name)
         outputs = tuple(
@@ -88,7 +99,15 @@ def checkpoint_regions(
             for t in graph.op_outputs[i]
         )
         out.setdefault(name, []).append(
-            RegionOp(str(op.extra.get("aten", "")), recompute, swaps, eager, outputs)
+            RegionOp(
+                str(op.extra.get("aten", "")),
+                recompute,
+                swaps,
+                eager,
+                outputs,
+                cached_write=i in cached and not cached[i],
+                writes_state=not op.recomputable or bool(op.extra.get("writes_state")),
+            )
         )
     return {name: ops for name, ops in out.items() if name in wanted}
 
@@ -104,20 +123,23 @@ def _saved_elsewhere_only(graph: ActivationGraph, i: int, of_op: list[str]) -> b
     return bool(outs) and all(of_op[r] != of_op[i] for t in outs for r in graph.saved_for_index[t])
 
 
-def _rerun_regardless(graph: ActivationGraph, i: int, weigh_unread: bool = True) -> bool:
+def _rerun_regardless(
+    graph: ActivationGraph, i: int, weigh_unread: bool = True, cached: frozenset[int] = frozenset()
+) -> bool:
     """Whether the region policy reruns op ``i`` whatever the plan says (PREFER_RECOMPUTE), as
     checkpoint_policy: views and intermediates backward never reads, ops that may not run again
     and ops whose outputs are written in place later (a dropout mask drawn in place: rerun with
     the in-place op, the RNG state restored); and (``weigh_unread``) an op whose outputs backward
     does not read outweigh the ones it keeps (batch norm's output beside its saved statistics):
     torch caches every output of a saved op, so it is cheaper to rerun it from its inputs than
-    to hold it twice."""
+    to hold it twice. ``cached``: ops the eager policy caches though their outputs are written in
+    place later (``cached_writes``): those follow the plan's decision."""
     op = graph.ops[i]
     outs = graph.op_outputs[i]
     if (
         not op.recomputable
         or op.extra.get("rerun_by_checkpoint")
-        or any(graph.writers[t] for t in outs)
+        or (i not in cached and any(graph.writers[t] for t in outs))
         or not any(graph.is_saved[t] for t in outs)
     ):
         return True
@@ -128,11 +150,14 @@ def _rerun_regardless(graph: ActivationGraph, i: int, weigh_unread: bool = True)
     return unread > kept
 
 
-def _region_reruns(graph: ActivationGraph, of_op: list[str]) -> dict[str, list[int]]:
+def _region_reruns(
+    graph: ActivationGraph, of_op: list[str], cached: frozenset[int] = frozenset()
+) -> dict[str, list[int]]:
     """Per region, the ops torch's (eager) checkpoint reruns whenever it reruns the region,
     whatever the plan rebuilds: it runs the region's forward again from its start until the
     region's last op that saves a tensor has saved it (early stop), computing every op its
-    policy does not cache (``_rerun_regardless``)."""
+    policy does not cache (``_rerun_regardless``; ``cached``: ops that follow the plan's
+    decision on what they write, ``cached_writes``)."""
     last_save: dict[str, int] = {}
     for i, region in enumerate(of_op):
         if region and len(graph.saved_by_op[i]):
@@ -145,10 +170,90 @@ def _region_reruns(graph: ActivationGraph, of_op: list[str]) -> dict[str, list[i
             region in last_save
             and i <= last_save[region]
             and len(graph.op_outputs[i])
-            and (_rerun_regardless(graph, i) or _saved_elsewhere_only(graph, i, of_op))
+            and (
+                _rerun_regardless(graph, i, cached=cached) or _saved_elsewhere_only(graph, i, of_op)
+            )
         ):
             out.setdefault(region, []).append(i)
     return out
+
+
+def cached_writes(
+    graph: ActivationGraph, of_op: list[str]
+) -> tuple[dict[int, tuple[int, ...]], dict[str, tuple[int, ...]]]:
+    """What torch's eager checkpoint may cache though it is written in place after it is made
+    (a dropout mask: ``empty_like``, then ``bernoulli_`` and ``div_`` into it), and what ties the
+    region's random draws.
+
+    Selective checkpointing caches an op's output where the op runs; a tensor written in place
+    later is cached as it ends up, after its writes (``allow_cache_entry_mutation``). So the
+    recompute may take it from the cache, its producer and writers all returning the cached
+    tensor, when: it is saved (backward reads it: the cache holds nothing else), its producer
+    makes it alone and its writers write it alone and make nothing (each returns the cache), all
+    of them in one region and rerunnable, and no other op reads it between its producer and its
+    last writer (that op's rerun would read the written tensor). Kept, it is cached; recomputed,
+    its producer and writers rerun (the step model's rebuild: producer, then writers).
+
+    The checkpoint restores the RNG state at the region's start for its recompute, so a rerun
+    draw matches the forward's only if every draw before it in the region is rerun too: a region
+    caches its draws all together or none. Its random ops must then all be writers of such
+    tensors (any other draw reruns whatever the plan says, and with it all the region's draws,
+    as before); the tensors they write form the region's tie (one ``Tensor.group`` in
+    ``checkpoint_graph``).
+
+    Returns:
+        (per tensor index: the ops that follow its decision, producer first; per region whose
+        draws may be cached: the tensors tying them).
+    """
+    chains: dict[int, tuple[int, ...]] = {}
+    for t, writers in enumerate(graph.writers):
+        if not writers or not graph.is_saved[t]:
+            continue
+        p = int(graph.producer[t])
+        region = of_op[p]
+        ops = (p, *writers)
+        if (
+            not region
+            or any(of_op[i] != region for i in ops)
+            or any(
+                not graph.ops[i].recomputable or graph.ops[i].extra.get("rerun_by_checkpoint")
+                for i in ops
+            )
+            or graph.op_outputs[p] != (t,)
+            or any(graph.op_outputs[w] or graph.op_writes[w] != {t} for w in writers)
+            or any(t in graph.op_inputs[j] for j in range(p + 1, writers[-1]) if j not in writers)
+        ):
+            continue
+        chains[t] = ops
+    drawn_by: dict[int, int] = {w: t for t, ops in chains.items() for w in ops[1:]}
+    draws: dict[str, list[int]] = {}
+    uncached: set[str] = set()
+    for i, op in enumerate(graph.ops):
+        if not op.extra.get("random") or not of_op[i]:
+            continue
+        if i in drawn_by:
+            draws.setdefault(of_op[i], []).append(drawn_by[i])
+        else:
+            uncached.add(of_op[i])
+    for region in uncached:  # a draw the checkpoint reruns anyway: all the region's rerun
+        for t in draws.pop(region, []):
+            del chains[t]
+    return chains, {r: tuple(dict.fromkeys(ts)) for r, ts in draws.items()}
+
+
+def _cached_by_plan(graph: ActivationGraph, of_op: list[str], plan: Plan) -> dict[int, bool]:
+    """Per op of ``cached_writes``' chains, whether the eager policy reruns it under ``plan``
+    (True: the tensor it makes or writes is recomputed) or caches it. A plan that recomputes
+    one of a region's draws and keeps another (one not made for ``checkpoint_graph``, whose
+    group ties them) gets them all rerun: the kept ones hold less than it says, never other
+    values."""
+    chains, draws = cached_writes(graph, of_op)
+    rerun = {t: plan.decisions.get(graph.tensors[t].name) == "recompute" for t in chains}
+    for tied in draws.values():
+        if any(rerun[t] for t in tied):
+            for t in tied:
+                rerun[t] = True
+    return {i: rerun[t] for t, ops in chains.items() for i in ops}
 
 
 def boundary_pins(graph: ActivationGraph, regions: list[str] | None = None) -> dict[str, str]:
@@ -194,11 +299,14 @@ def checkpoint_graph(
     - backward reruns a region at once, before its first backward op that reads a saved tensor
       (its entry): every tensor a region makes and saves for its own ops alone is rebuilt by
       then when a plan recomputes it (``Tensor.rebuilt_before``);
-    - in eager mode (``compiled=False``) the region's ops that a plan may not rerun (a dropout
-      mask drawn in place, batch norm updating its statistics) are rerun by the checkpoint
-      anyway, with the RNG state restored and the buffers shielded: they become rebuildable
-      here (``extra["rerun_by_checkpoint"]``) and ``boundary_pins`` recomputes their saved
-      outputs. Under torch.compile (``compiled=True``) the recompute is functional (batch norm
+    - in eager mode (``compiled=False``) the region's ops that a plan may not rerun (batch norm
+      updating its statistics; a tensor written in place later that cannot be cached with its
+      writes) are rerun by the checkpoint anyway, with the RNG state restored and the buffers
+      shielded: they become rebuildable here (``extra["rerun_by_checkpoint"]``) and
+      ``boundary_pins`` recomputes their saved outputs. A dropout mask drawn in place is cached
+      as filled when the plan keeps it (``cached_writes``), so the plan decides it; the draws of
+      one region share a ``Tensor.group`` (recomputed all or none: the recompute restores one
+      RNG state at the region's start). Under torch.compile (``compiled=True``) the recompute is functional (batch norm
       reruns without touching its statistics) and rerun the same way, but random draws and the
       masks they fill are saved instead (``_region_policy``): those stay as profiled.
     - in eager mode the checkpoint reruns a region's forward from its start to its last save,
@@ -235,24 +343,32 @@ def checkpoint_graph(
     of_op = _op_regions(graph, regions)
     ops = _acting_anywhere(graph.ops)
     saved_under_compile = _drawn(graph) if compiled else set()
+    # in eager mode a tensor written in place later may be cached with its writes; the draws of
+    # a region are cached all together or rerun all together (cached_writes)
+    chains, draws = cached_writes(graph, of_op) if not compiled else ({}, {})
+    cached = frozenset(i for chain in chains.values() for i in chain)
     for i, op in enumerate(ops):
-        # an op whose output is written in place later (Op.writes) is rerun by the checkpoint
-        # with its writers whatever a plan says, as one that may not run again is
-        written = any(graph.writers[t] for t in graph.op_outputs[i])
+        # an op whose output is written in place later (Op.writes) and cannot be cached with
+        # its writes is rerun by the checkpoint with its writers whatever a plan says, as one
+        # that may not run again is
+        written = any(graph.writers[t] for t in graph.op_outputs[i]) and i not in cached
         if (
             of_op[i]
             and (not op.recomputable or written)
             and graph.op_outputs[i]
             and i not in saved_under_compile
         ):
-            ops[i] = replace(op, recomputable=True, extra={**op.extra, "rerun_by_checkpoint": True})
+            extra = {**op.extra, "rerun_by_checkpoint": True}
+            if not op.recomputable:  # (its recompute runs shielded)
+                extra["writes_state"] = True
+            ops[i] = replace(op, recomputable=True, extra=extra)
         elif i in saved_under_compile and written:
             ops[i] = replace(op, recomputable=False)  # saved by the compiled policy
     if not compiled:
         # a rebuild in a region reruns with it what the checkpoint reruns there anyway: their
         # outputs are alive during the rerun (the residual add after a block's last batch norm)
         marked_rerun = replace(graph, ops=tuple(ops))
-        for region, members in _region_reruns(marked_rerun, of_op).items():
+        for region, members in _region_reruns(marked_rerun, of_op, cached).items():
             for i, name in enumerate(of_op):
                 if name == region:
                     ops[i] = replace(
@@ -286,8 +402,11 @@ def checkpoint_graph(
     for i, name in enumerate(of_op):
         if name and len(marked.saved_by_op[i]):
             entry[name] = max(entry.get(name, i), i)
+    tied = {t: region for region, ts in draws.items() for t in ts}
     tensors = []
     for t, tensor in enumerate(marked.tensors):
+        if t in tied:  # one RNG state restored for the region: its draws rerun all or none
+            tensor = replace(tensor, group=f"rng:checkpoint:{tied[t]}")
         region = of_op[int(marked.producer[t])] if marked.producer[t] >= 0 else ""
         readers = marked.saved_for_index[t]
         if (
