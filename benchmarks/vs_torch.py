@@ -3,8 +3,10 @@
     python benchmarks/vs_torch.py [--budgets 0.7,0.5,0.3] [--rounds 5] [--models gpt2,resnet]
         [--json benchmarks/results/vs_torch.json]
 
-Models: an HF GPT-2 from a config (4 layers, width 256, dropout 0.1, batch 8 x 256 tokens) and a
-ResNet with batch norm (stem + 8 basic blocks, 8 images of 64 x 64). Variants: plain training;
+Models: an HF GPT-2 from a config (4 layers, width 256, dropout 0.1, batch 8 x 256 tokens), a
+ResNet with batch norm (stem + 8 basic blocks, 8 images of 64 x 64), and (``--models
+transformer``) torch's own test Transformer (4 layers, width 256, 8 heads, dropout 0.1, batch 4 x
+256 tokens: the model torch's automatic-SAC tests plan). Variants: plain training;
 per-block checkpointing (torch.utils.checkpoint around every block); torch's selective
 checkpointing per block (matmuls saved, the rest recomputed: the policy of torch's own example);
 torch.compile with ``activation_memory_budget`` = the budget (its min-cut partitioner:
@@ -114,6 +116,24 @@ def build(name: str):
             (lambda out: out.loss),
             list(model.transformer.h),
         )
+    if name == "transformer":
+        # torch's own test Transformer (the model torch's automatic-SAC tests plan): pre-norm
+        # blocks, attention with an explicit softmax, dropout 0.1 on attention and residuals
+        from torch.testing._internal.distributed._tensor.common_dtensor import (
+            ModelArgs,
+            Transformer,
+        )
+
+        args = ModelArgs(
+            n_layers=4, vocab_size=8192, max_seq_len=256, dim=256, n_heads=8, dropout_p=0.1
+        )
+        model = Transformer(args).train()
+        ids = torch.randint(0, 8192, (4, 256))
+
+        def next_token_loss(out):
+            return nn.functional.cross_entropy(out[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+
+        return model, ids, next_token_loss, list(model.layers)
     if name == "resnet":
         model = ResNet().train()
         x = torch.randn(8, 3, 64, 64)
@@ -337,7 +357,9 @@ def run_model(name: str, budgets, rounds: int) -> list[dict]:
                 used, for_graph = (
                     (plan, graph) if "executor" in variant[0] else (pinned, policy_graph)
                 )
-                row["simulated_peak_mib"] = ss.simulate(for_graph, used).peak_bytes / 2**20
+                simulated = ss.simulate(for_graph, used)
+                row["simulated_peak_mib"] = simulated.peak_bytes / 2**20
+                row["simulated_step_ms"] = simulated.step_time_s * 1e3
             rows.append({"model": name, "budget": budget, **row})
             print(_line(rows[-1]), flush=True)
         compiled_plan = None
@@ -404,6 +426,8 @@ def _line(r: dict) -> str:
         return head + f" error: {r['error']}"
     grads = "bitwise" if r["bitwise"] else f"max diff {r['max_grad_diff']:.2e}"
     simulated = f" (simulated {r['simulated_peak_mib']:.0f})" if "simulated_peak_mib" in r else ""
+    if "simulated_step_ms" in r:  # the plan's own step, from the profile's op times
+        grads += f"  simulated step {r['simulated_step_ms']:.0f} ms"
     return (
         head + f" held {r['held_at_backward']:.2f}  peak {r['step_peak']:.2f} "
         f"({r['peak_mib']:.0f} MiB{simulated})  time {r['time_vs_plain']:.2f}x  setup "
@@ -425,12 +449,15 @@ def main() -> int:
         rows += run_model(name, [float(b) for b in args.budgets.split(",")], args.rounds)
     from results_md import save_outputs
 
+    models = args.models.split(",")
     save_outputs(
         args.json,
         rows,
         args.results,
-        "vs_torch",
-        "slackswap beside torch's checkpointing, torch.compile and offloading (CPU)",
+        "vs_torch" if models == ["gpt2", "resnet"] else "vs_torch_" + "_".join(models),
+        "slackswap beside torch's checkpointing, torch.compile and offloading (CPU"
+        + ("" if models == ["gpt2", "resnet"] else f": {', '.join(models)}")
+        + ")",
         [_line(r) if "variant" in r else str(r) for r in rows],
     )
     return 0
