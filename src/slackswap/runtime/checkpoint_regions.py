@@ -398,6 +398,16 @@ def checkpoint_graph(
             },
         },
     )
+    return _rebuilt_at_entry(marked, of_op, draws)
+
+
+def _rebuilt_at_entry(
+    marked: ActivationGraph, of_op: list[str], draws: dict[str, tuple[int, ...]]
+) -> ActivationGraph:
+    """``marked`` with each region's rebuildable tensors rebuilt by its entry (its last op that
+    saves something: the first to run in backward), and each region's draws in one RNG group."""
+    from dataclasses import replace
+
     entry: dict[str, int] = {}
     for i, name in enumerate(of_op):
         if name and len(marked.saved_by_op[i]):
