@@ -34,7 +34,7 @@ class RankError(RuntimeError):
         self.rank = rank
 
 
-def _structure(graph: ActivationGraph) -> list:
+def _structure(graph: ActivationGraph) -> tuple[list, list]:
     """What must agree across ranks: every op and tensor, less the measured times."""
     return (
         [(o.name, o.inputs, o.outputs, o.recomputable, o.unit, o.param_unit) for o in graph.ops],
@@ -105,6 +105,7 @@ def agree_on_graph(
             "; ".join(f"rank {rank} could not profile its step: {why}" for rank, why in failed),
             failed[0][0],
         )
+    assert graph is not None  # (a rank without a graph is named in ``failed``)
     reference = gathered[0]["graph"]["structure"]
     for rank, item in enumerate(gathered[1:], start=1):
         if item["graph"]["structure"] != reference:

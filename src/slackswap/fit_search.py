@@ -261,8 +261,8 @@ def strategies(
     for name, label in STRATEGIES:
         # a baseline's decisions do not depend on the budget: planned at the keep-all peak (a
         # budget below the smallest would be refused), its peak compared with the memory left
-        plan = solve(graph, 1.0, hw, solver=name, strict=False)
-        sim = simulate(graph, plan, hw)
+        baseline = solve(graph, 1.0, hw, solver=name, strict=False)
+        sim = simulate(graph, baseline, hw)
         rows.append(
             StrategyRow(
                 name,

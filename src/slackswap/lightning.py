@@ -12,6 +12,8 @@ fit and given back at its end.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from lightning.pytorch.callbacks import Callback
 
@@ -54,7 +56,7 @@ class SlackSwapCallback(Callback):
         check_loop_options(budget, hardware, "SlackSwapCallback")
         self.budget = budget
         self.hardware = hardware
-        self.options = {
+        self.options: dict[str, Any] = {
             "refine_solver": refine_solver,
             "refine_time_limit_s": refine_time_limit_s,
             "max_plans": max_plans,

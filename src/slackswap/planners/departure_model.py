@@ -110,7 +110,9 @@ class DepartureModel:
         # overhead_split: forward stalls and reruns (backward only) take disjoint time
         m.add(stall[n - 1] + sum(self.rerun_units[q] * rerun[q] for q in rerun_ops) <= overhead)
         self.copy_units = {t: d.down(d.hw.d2h_time(int(d.nbytes[t]))) for t in saved}
-        self.departed, self.ahead, self.busy = {}, {}, {}
+        self.departed: dict[Any, Any] = {}
+        self.ahead: dict[Any, Any] = {}
+        self.busy: dict[Any, Any] = {}
         self.binaries = 0
         self.positions = set(positions)
         for k in positions:

@@ -254,7 +254,7 @@ class _Rounds:
         """The rounds, from the positions most over the budget (after a probe of the one most
         over it alone), until one returns the bound."""
         data, graph, ideal = self.data, self.data.graph, self.ideal
-        keep_all = keep_all_codes(graph)
+        keep_all: np.ndarray | None = keep_all_codes(graph)
         if data.mask is not None and not data.mask[graph.saved, KEEP].all():
             keep_all = None  # a tensor may not be kept: keeping everything is no start
         if not data.critical:

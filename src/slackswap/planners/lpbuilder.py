@@ -223,7 +223,13 @@ class LPBoundBuilder:
         dep = lp.vars(S)
         arr = lp.vars(S)
         # running sums of swapped bytes: produced (<= k), within forward life, needed, freed
-        st_q, st_f, en_f, st_need, st_free, st_keep, en_keep = {}, {}, {}, {}, {}, {}, {}
+        st_q: dict[int, Any] = {}
+        st_f: dict[int, Any] = {}
+        en_f: dict[int, Any] = {}
+        st_need: dict[int, Any] = {}
+        st_free: dict[int, Any] = {}
+        st_keep: dict[int, Any] = {}
+        en_keep: dict[int, Any] = {}
         for i, t in enumerate(saved):
             b = nbytes[t]
             add_to(st_q, prod[t], (W[i], b))
@@ -433,7 +439,7 @@ class LPBoundBuilder:
                     [K, W, R, queue_binaries]
                     + ([] if self.pulls is None else [sorted(self.pulls.binaries)])
                 ).astype(np.int64),
-                time_limit_s,
+                INTEGRAL_TIME_LIMIT_S if time_limit_s is None else time_limit_s,
                 gap,
                 improving_solutions=improving_solutions,
                 abs_gap=gap * ideal / tu if gap_on_step else None,

@@ -51,7 +51,7 @@ def run_in_child(
         inp, out = Path(tmp) / "in.json", Path(tmp) / "out.json"
         inp.write_text(json.dumps(payload))
         if arrays:
-            np.savez(Path(tmp) / "in.npz", **arrays)
+            np.savez(Path(tmp) / "in.npz", allow_pickle=False, **arrays)
         env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")}
         # the solver's own temporary files (PuLP's model and start files) go into the folder
         env.update(TMPDIR=tmp, TMP=tmp, TEMP=tmp, SLACKSWAP_PARENT=str(os.getpid()))

@@ -229,14 +229,16 @@ def coarsen(graph: ActivationGraph, repeats: RepeatedBlocks, blocks: int) -> Coa
             # a reader in the dropped blocks stands for its copy in the last block where that
             # copy reads this tensor (block blocks-2's output, read by the last block); a tensor
             # every block reads (made before them) is saved for the kept blocks' readers only
-            saved_for = []
+            saved_for: list[str] = []
             for reader in tensor.saved_for:
                 try:
                     name = op_name(reader, first)
                 except LookupError:
                     continue  # its copy would be past the end: the kept readers stand for it
-                if name not in saved_for and (
-                    name == ops[q].name or tensor.name in new_ops[name].inputs
+                if (
+                    name is not None
+                    and name not in saved_for
+                    and (name == ops[q].name or tensor.name in new_ops[name].inputs)
                 ):
                     saved_for.append(name)
             new_tensors.append(

@@ -1,10 +1,8 @@
-"""Build the MILP of formulations/milp.md, one method per section of it. Names in comments and
-constraint names cite it.
-
-Sets: saved tensors x; positions k = 0..2n-1. Candidates per tensor (candidates.py, Section
-"Candidates"): F(x) positions after which an offloaded x may leave, G(x) positions at which its
-prefetch may be issued, Rc(x) positions at which it may be rebuilt. Bytes and seconds are
-scaled to integers, rounded so the model never claims a plan fits that does not
+"""Build the MILP of formulations/milp.md, one method per section of it, cited by the comments
+and constraint names. Sets: saved tensors x; positions k = 0..2n-1. Candidates per tensor
+(candidates.py, Section "Candidates"): F(x) positions after which an offloaded x may leave, G(x)
+positions at which its prefetch may be issued, Rc(x) positions at which it may be rebuilt. Bytes
+and seconds are scaled to integers, rounded so the model never claims a plan fits that does not
 (planners/scaling.py; milp.md, Section "Scaling").
 """
 
@@ -303,8 +301,8 @@ class MilpBuilder:
                 starts.setdefault(k, []).append((w, int(b)))
             ends.setdefault(lb[t], []).append((f.swap[t], int(b)))
         constant = np.zeros(S, dtype=np.int64)
-        for t in np.flatnonzero(~graph.is_saved):
-            constant[prod[t] : last_fwd[t] + 1] += nbytes[t]
+        for unsaved in np.flatnonzero(~graph.is_saved):
+            constant[prod[unsaved] : last_fwd[unsaved] + 1] += nbytes[unsaved]
         total = int(nbytes[graph.saved].sum()) + 1
         out_bytes = [int(nbytes[list(outs)].sum()) if outs else 0 for outs in graph.op_outputs]
         fwd_ws = sc.bytes_of(graph.forward_ws)
@@ -456,6 +454,7 @@ class MilpBuilder:
                     "d2h", graph.collective_position(c), c, c.d2h_bytes, prev
                 )
                 continue
+            assert t is not None  # (an item is a collective or a tensor)
             name = graph.tensors[t].name
             L = m.var(f"d2h_done[{name}]", 0, T_ub)
             lane_d[t] = L
@@ -509,6 +508,7 @@ class MilpBuilder:
                     "h2d", graph.collective_position(c), c, c.h2d_bytes, prev_l
                 )
                 continue
+            assert t is not None  # (an item is a collective or a tensor)
             name = graph.tensors[t].name
             L = m.var(f"h2d_done[{name}]", 0, T_ub)
             lane_h[t] = L
@@ -571,7 +571,7 @@ class MilpBuilder:
             m.ge(f"collective_{lane}_fifo[{c.name}]", [(L, 1), (prev_var, -1)], p_c)
         return L
 
-    def objective(self) -> None:
+    def objective(self) -> Formulation:
         """The lane-capacity cuts, the objective (the end of the last backward op, or with
         collectives on the lanes the last lane job: step_end), and the hint."""
         m, f, S, T_ub, base_dur = self.m, self.f, self.S, self.T_ub, self.base_dur

@@ -32,8 +32,8 @@ def linear_model(f: Formulation, fixed: dict[int, int] | None = None):
         lb, ub = (fixed[var.index],) * 2 if var.index in fixed else (var.lb, var.ub)
         lm.vars(1, lb=float(lb), ub=float(ub))
     cost = np.zeros(lm.n)
-    for v, coef in m.objective:
-        cost[v] += coef
+    for v, weight in m.objective:
+        cost[v] += weight
     lm.c = cost.tolist()
     for c in m.constraints:
         idx = [v for v, _ in c.terms]
