@@ -558,3 +558,47 @@ def test_a_whole_model_policy_refuses_swaps_by_name(setup):
     assert swapping.count("swap")
     with pytest.raises(ss.PlanError, match="swapped tensor.*checkpointed under torch.compile"):
         ss.checkpoint_policy(swapping, graph)
+
+
+@pytest.mark.slow
+def test_on_hf_gpt2_the_policy_holds_its_budget_with_masks_planned():
+    """HF GPT-2 (3 layers, width 128, dropout 0.1 drawn in place on a CPU) at 60% under the
+    eager policy: the plan keeps some blocks' masks (cached as filled) and the step peaks within
+    its budget (0.5% for the profile's noise), gradients bitwise. While every rerun drew the
+    masks again, the step measured 21.48 MiB against a 21.22 MiB budget."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(
+        n_layer=3, n_embd=128, n_head=4, n_positions=128, vocab_size=500
+    )
+    model = transformers.GPT2LMHeadModel(config).train()
+    ids = torch.randint(0, 500, (4, 128))
+    inputs = {"input_ids": ids, "labels": ids, "use_cache": False}
+
+    def hf_loss(out):
+        return out.loss
+
+    graph = ss.profile(model, inputs, hf_loss, warmup=1, repeat=1)
+    policy_graph = ss.checkpoint_graph(graph)
+    plan = ss.solve(policy_graph, 0.6, solver="heuristic", pins=ss.boundary_pins(policy_graph))
+    runner = checkpointed(model, plan, policy_graph)
+    assert any(op.cached_write for ops in runner.steps.values() for op in ops)
+    assert not any(op.writes_state for ops in runner.steps.values() for op in ops)
+
+    def measured(context):
+        for p in model.parameters():
+            p.grad = torch.zeros_like(p)
+        for _ in range(3):
+            for p in model.parameters():
+                p.grad.zero_()
+            torch.manual_seed(7)
+            with context(), StepMeter(sample="ops") as meter:
+                hf_loss(model(**inputs)).backward()
+        return [p.grad.clone() for p in model.parameters()], meter.peak_bytes
+
+    from contextlib import nullcontext
+
+    plain, _ = measured(nullcontext)
+    grads, peak = measured(lambda: runner)
+    assert all(torch.equal(a, b) for a, b in zip(plain, grads))
+    assert peak <= 1.005 * plan.budget_bytes, (peak, plan.budget_bytes)
