@@ -188,7 +188,8 @@ def cached_writes(
     Selective checkpointing caches an op's output where the op runs; a tensor written in place
     later is cached as it ends up, after its writes (``allow_cache_entry_mutation``). So the
     recompute may take it from the cache, its producer and writers all returning the cached
-    tensor, when: it is saved (backward reads it: the cache holds nothing else), its producer
+    tensor, when: only ops of its region save it (the cache holds it until the region's
+    recompute, past the backward of a reader outside, which a plan counts it to), its producer
     makes it alone and its writers write it alone and make nothing (each returns the cache), all
     of them in one region and rerunnable, and no other op reads it between its producer and its
     last writer (that op's rerun would read the written tensor). Kept, it is cached; recomputed,
@@ -220,6 +221,7 @@ def cached_writes(
                 for i in ops
             )
             or graph.op_outputs[p] != (t,)
+            or any(of_op[r] != region for r in graph.saved_for_index[t])
             or any(graph.op_outputs[w] or graph.op_writes[w] != {t} for w in writers)
             or any(t in graph.op_inputs[j] for j in range(p + 1, writers[-1]) if j not in writers)
         ):
