@@ -563,9 +563,10 @@ def test_a_whole_model_policy_refuses_swaps_by_name(setup):
 @pytest.mark.slow
 def test_on_hf_gpt2_the_policy_holds_its_budget_with_masks_planned():
     """HF GPT-2 (3 layers, width 128, dropout 0.1 drawn in place on a CPU) at 60% under the
-    eager policy: the plan keeps some blocks' masks (cached as filled) and the step peaks within
-    its budget (0.5% for the profile's noise), gradients bitwise. While every rerun drew the
-    masks again, the step measured 21.48 MiB against a 21.22 MiB budget."""
+    eager policy, its masks kept (cached as filled; pinned, so that the plan does not follow the
+    profile's noisy times): the step peaks within its budget (0.5% for the profile's noise),
+    gradients bitwise. While every rerun drew the masks again, the step measured 21.48 MiB
+    against a 21.22 MiB budget."""
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
     config = transformers.GPT2Config(
@@ -580,7 +581,12 @@ def test_on_hf_gpt2_the_policy_holds_its_budget_with_masks_planned():
 
     graph = ss.profile(model, inputs, hf_loss, warmup=1, repeat=1)
     policy_graph = ss.checkpoint_graph(graph)
-    plan = ss.solve(policy_graph, 0.6, solver="heuristic", pins=ss.boundary_pins(policy_graph))
+    masks = {
+        t.name: "keep" for t in policy_graph.tensors if (t.group or "").startswith("rng:checkpoint")
+    }
+    assert len(masks) == 3 * 3 + 1  # 3 dropouts a block, the embeddings' one
+    pins = {**ss.boundary_pins(policy_graph), **masks}
+    plan = ss.solve(policy_graph, 0.6, solver="heuristic", pins=pins)
     runner = checkpointed(model, plan, policy_graph)
     assert any(op.cached_write for ops in runner.steps.values() for op in ops)
     assert not any(op.writes_state for ops in runner.steps.values() for op in ops)
@@ -602,3 +608,72 @@ def test_on_hf_gpt2_the_policy_holds_its_budget_with_masks_planned():
     grads, peak = measured(lambda: runner)
     assert all(torch.equal(a, b) for a, b in zip(plain, grads))
     assert peak <= 1.005 * plan.budget_bytes, (peak, plan.budget_bytes)
+
+
+class _DrawingBlock(torch.nn.Module):
+    """Two dropouts that draw out of place (``native_dropout``, as CUDA's dropout does), each
+    output read by a matmul: a block whose saved tensors include both draws' outputs."""
+
+    def __init__(self, d: int = 64):
+        super().__init__()
+        self.a, self.b, self.c = (torch.nn.Linear(d, d) for _ in range(3))
+
+    def forward(self, x):
+        h, _ = torch.native_dropout(torch.tanh(self.a(x)), 0.3, True)
+        g, _ = torch.native_dropout(torch.tanh(self.b(h)), 0.3, True)
+        return x + self.c(g)
+
+
+@pytest.mark.slow
+def test_draws_out_of_place_are_cached_or_rerun_all_together():
+    """``native_dropout`` (CUDA's eager dropout) saves its mask and output: the policy caches
+    them when the plan keeps them. The recompute restores one RNG state at the block's start, so
+    a block whose plan keeps the first draw and recomputes the second would draw the second's
+    mask from the first's numbers: gradients silently wrong (they were, before the block's draws
+    were tied). The checkpoint graph ties them (one group); a plan for the profiled graph that
+    mixes them gets both rerun. Gradients bitwise either way."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(_DrawingBlock(), _DrawingBlock())
+    x = torch.randn(32, 64)
+
+    def loss(out):
+        return out.pow(2).mean()
+
+    graph = ss.profile(model, x, loss, warmup=1, repeat=1)
+    draws = [i for i, op in enumerate(graph.ops) if op.extra.get("random")]
+    assert len(draws) == 4
+    first, second = ([graph.tensors[t].name for t in graph.op_outputs[i]] for i in draws[:2])
+
+    def grads(context):
+        model.zero_grad(set_to_none=True)
+        torch.manual_seed(7)
+        with context:
+            loss(model(x)).backward()
+        return [p.grad.clone() for p in model.parameters()]
+
+    from contextlib import nullcontext
+
+    plain = grads(nullcontext())
+    policy_graph = ss.checkpoint_graph(graph)
+    groups = {policy_graph.tensors[policy_graph.tensor_index[n]].group for n in first + second}
+    assert groups == {"rng:checkpoint:0"}
+    # the draws kept, the first tanh rebuilt: the block reruns and takes both draws from the cache
+    tanh = next(
+        graph.tensors[t].name
+        for i, op in enumerate(graph.ops)
+        if op.name.startswith("0/") and "tanh" in op.extra.get("aten", "")
+        for t in graph.op_outputs[i]
+    )
+    pins = {**ss.boundary_pins(policy_graph), **{n: "keep" for n in first + second}}
+    plan = ss.solve(policy_graph, 1.0, solver="heuristic", pins={**pins, tanh: "recompute"})
+    runner = checkpointed(model, plan, policy_graph)
+    dropouts = [op for op in runner.steps["0"] if "native_dropout" in op.aten]
+    assert len(dropouts) == 2 and not any(op.eager_recompute for op in dropouts)
+    assert all(torch.equal(a, b) for a, b in zip(plain, grads(runner)))
+    mixed = {**ss.boundary_pins(graph), **{n: "keep" for n in first}}
+    mixed.update({n: "recompute" for n in second})
+    unaware = ss.solve(graph, 1.0, solver="heuristic", pins=mixed)
+    runner = checkpointed(model, unaware, graph)
+    dropouts = [op for op in runner.steps["0"] if "native_dropout" in op.aten]
+    assert all(op.eager_recompute for op in dropouts)
+    assert all(torch.equal(a, b) for a, b in zip(plain, grads(runner)))

@@ -105,7 +105,9 @@ def checkpoint_regions(
                 swaps,
                 eager,
                 outputs,
-                cached_write=i in cached and not cached[i],
+                cached_write=i in cached
+                and not cached[i]
+                and bool(graph.op_writes[i] or any(graph.writers[t] for t in graph.op_outputs[i])),
                 writes_state=not op.recomputable or bool(op.extra.get("writes_state")),
             )
         )
@@ -178,9 +180,20 @@ def _region_reruns(
     return out
 
 
-def cached_writes(
-    graph: ActivationGraph, of_op: list[str]
-) -> tuple[dict[int, tuple[int, ...]], dict[str, tuple[int, ...]]]:
+class RegionDraws(NamedTuple):
+    """What torch's eager checkpoint may cache of a graph's regions, and how their draws are tied
+    (``cached_writes``)."""
+
+    # per op whose rerun follows the plan's decision on tensors: those tensors (a cached
+    # write's producer and writers: the written tensor; a random op: its saved outputs)
+    follows: dict[int, tuple[int, ...]]
+    # per region whose draws may be cached: the saved tensors tying them (one RNG group)
+    draws: dict[str, tuple[int, ...]]
+    # the random ops of the other regions: rerun whatever the plan says
+    rerun: frozenset[int]
+
+
+def cached_writes(graph: ActivationGraph, of_op: list[str]) -> RegionDraws:
     """What torch's eager checkpoint may cache though it is written in place after it is made
     (a dropout mask: ``empty_like``, then ``bernoulli_`` and ``div_`` into it), and what ties the
     region's random draws.
@@ -197,16 +210,14 @@ def cached_writes(
 
     The checkpoint restores the RNG state at the region's start for its recompute, so a rerun
     draw matches the forward's only if every draw before it in the region is rerun too: a region
-    caches its draws all together or none. Its random ops must then all be writers of such
-    tensors (any other draw reruns whatever the plan says, and with it all the region's draws,
-    as before); the tensors they write form the region's tie (one ``Tensor.group`` in
-    ``checkpoint_graph``).
-
-    Returns:
-        (per tensor index: the ops that follow its decision, producer first; per region whose
-        draws may be cached: the tensors tying them).
+    caches its draws all together or none. Each random op must then follow the plan: a writer of
+    such a tensor, or an op whose saved outputs the policy caches when kept (``native_dropout``
+    on CUDA, when backward reads its output too). The tensors they write or make are the
+    region's tie (one ``Tensor.group`` in ``checkpoint_graph``). In a region with any other draw
+    (one the checkpoint reruns regardless), every draw reruns (``RegionDraws.rerun``).
     """
-    chains: dict[int, tuple[int, ...]] = {}
+    follows: dict[int, tuple[int, ...]] = {}
+    written: dict[int, tuple[int, ...]] = {}  # (tensor: its producer and writers)
     for t, writers in enumerate(graph.writers):
         if not writers or not graph.is_saved[t]:
             continue
@@ -226,36 +237,58 @@ def cached_writes(
             or any(t in graph.op_inputs[j] for j in range(p + 1, writers[-1]) if j not in writers)
         ):
             continue
-        chains[t] = ops
-    drawn_by: dict[int, int] = {w: t for t, ops in chains.items() for w in ops[1:]}
+        written[t] = ops
+    drawn_by: dict[int, int] = {w: t for t, ops in written.items() for w in ops[1:]}
     draws: dict[str, list[int]] = {}
-    uncached: set[str] = set()
+    drawing: dict[str, list[int]] = {}
+    untied: set[str] = set()
     for i, op in enumerate(graph.ops):
-        if not op.extra.get("random") or not of_op[i]:
+        region = of_op[i]
+        if not op.extra.get("random") or not region:
             continue
+        drawing.setdefault(region, []).append(i)
+        saved = [t for t in graph.op_outputs[i] if graph.is_saved[t]]
         if i in drawn_by:
-            draws.setdefault(of_op[i], []).append(drawn_by[i])
+            draws.setdefault(region, []).append(drawn_by[i])
+        elif (
+            saved
+            and not any(graph.writers[t] for t in graph.op_outputs[i])
+            and not _rerun_regardless(graph, i)
+            and not _saved_elsewhere_only(graph, i, of_op)
+        ):
+            follows[i] = tuple(saved)
+            draws.setdefault(region, []).extend(saved)
         else:
-            uncached.add(of_op[i])
-    for region in uncached:  # a draw the checkpoint reruns anyway: all the region's rerun
-        for t in draws.pop(region, []):
-            del chains[t]
-    return chains, {r: tuple(dict.fromkeys(ts)) for r, ts in draws.items()}
+            untied.add(region)
+    for region in untied:  # a draw the checkpoint reruns anyway: all the region's rerun
+        draws.pop(region, None)
+        for i in drawing[region]:
+            follows.pop(i, None)
+            if i in drawn_by:
+                written.pop(drawn_by[i], None)
+    for t, ops in written.items():
+        for i in ops:
+            follows[i] = (t,)
+    rerun = frozenset(i for region in untied for i in drawing[region])
+    return RegionDraws(follows, {r: tuple(dict.fromkeys(ts)) for r, ts in draws.items()}, rerun)
 
 
 def _cached_by_plan(graph: ActivationGraph, of_op: list[str], plan: Plan) -> dict[int, bool]:
-    """Per op of ``cached_writes``' chains, whether the eager policy reruns it under ``plan``
-    (True: the tensor it makes or writes is recomputed) or caches it. A plan that recomputes
-    one of a region's draws and keeps another (one not made for ``checkpoint_graph``, whose
-    group ties them) gets them all rerun: the kept ones hold less than it says, never other
-    values."""
-    chains, draws = cached_writes(graph, of_op)
-    rerun = {t: plan.decisions.get(graph.tensors[t].name) == "recompute" for t in chains}
-    for tied in draws.values():
+    """Per op of ``cached_writes``, whether the eager policy reruns it under ``plan`` (True:
+    a tensor it follows is recomputed, or it is a draw the checkpoint reruns regardless) or
+    caches it. A plan that recomputes one of a region's draws and keeps another (one not made
+    for ``checkpoint_graph``, whose group ties them) gets them all rerun: the kept ones hold
+    less than it says, never other values."""
+    found = cached_writes(graph, of_op)
+    tensors = {t for ts in found.follows.values() for t in ts}
+    rerun = {t: plan.decisions.get(graph.tensors[t].name) == "recompute" for t in tensors}
+    for tied in found.draws.values():
         if any(rerun[t] for t in tied):
             for t in tied:
                 rerun[t] = True
-    return {i: rerun[t] for t, ops in chains.items() for i in ops}
+    out = {i: any(rerun[t] for t in ts) for i, ts in found.follows.items()}
+    out.update((i, True) for i in found.rerun)
+    return out
 
 
 def boundary_pins(graph: ActivationGraph, regions: list[str] | None = None) -> dict[str, str]:
@@ -347,8 +380,8 @@ def checkpoint_graph(
     saved_under_compile = _drawn(graph) if compiled else set()
     # in eager mode a tensor written in place later may be cached with its writes; the draws of
     # a region are cached all together or rerun all together (cached_writes)
-    chains, draws = cached_writes(graph, of_op) if not compiled else ({}, {})
-    cached = frozenset(i for chain in chains.values() for i in chain)
+    found = cached_writes(graph, of_op) if not compiled else RegionDraws({}, {}, frozenset())
+    cached, draws = frozenset(found.follows), found.draws
     for i, op in enumerate(ops):
         # an op whose output is written in place later (Op.writes) and cannot be cached with
         # its writes is rerun by the checkpoint with its writers whatever a plan says, as one
@@ -356,7 +389,7 @@ def checkpoint_graph(
         written = any(graph.writers[t] for t in graph.op_outputs[i]) and i not in cached
         if (
             of_op[i]
-            and (not op.recomputable or written)
+            and (not op.recomputable or written or i in found.rerun)
             and graph.op_outputs[i]
             and i not in saved_under_compile
         ):
