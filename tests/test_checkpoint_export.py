@@ -677,3 +677,13 @@ def test_draws_out_of_place_are_cached_or_rerun_all_together():
     dropouts = [op for op in runner.steps["0"] if "native_dropout" in op.aten]
     assert all(op.eager_recompute for op in dropouts)
     assert all(torch.equal(a, b) for a, b in zip(plain, grads(runner)))
+    # the policy around the whole model call ties them the same way
+    from functools import partial
+
+    from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
+
+    context = partial(create_selective_checkpoint_contexts, ss.checkpoint_policy(unaware, graph))
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(7)
+    loss(checkpoint(model, x, use_reentrant=False, context_fn=context)).backward()
+    assert all(torch.equal(a, p.grad) for a, p in zip(plain, model.parameters()))

@@ -21,7 +21,8 @@ def checkpoint_policy(plan: Plan, graph: ActivationGraph):
     all others PREFER_RECOMPUTE: those whose tensors the plan recomputes, those whose outputs
     backward never reads (views, in-place ops, intermediates), and ops whose outputs are
     later written in place (a dropout mask drawn in place): torch must rerun those with the
-    in-place op, so they get PREFER_RECOMPUTE too (checkpoint restores the RNG state). Calls are
+    in-place op, so they get PREFER_RECOMPUTE too (checkpoint restores the RNG state); with one
+    draw rerun, every draw is (the restored RNG state is the forward's at the start). Calls are
     matched to the graph's ops in order, so checkpoint the same forward that was profiled (the
     whole model call); a call that does not match the graph's next op is saved; the graph's first
     op with no match ahead starts the next step. Use with ``create_selective_checkpoint_contexts``.
@@ -63,6 +64,12 @@ def checkpoint_policy(plan: Plan, graph: ActivationGraph):
             or any(plan.decisions.get(name) == "recompute" for name in keeps)
         )
         steps.append((op_kind(str(op.extra.get("aten", ""))), recompute))
+    # the recompute restores one RNG state at the checkpoint's start: a draw it reruns matches
+    # the forward's only if every draw before it reruns too, so one rerun draw reruns them all
+    draws = [i for i, op in enumerate(graph.ops) if op.extra.get("random")]
+    if any(steps[i][1] for i in draws):
+        for i in draws:
+            steps[i] = (steps[i][0], True)
     cursor = {False: 0, True: 0}
 
     def policy(ctx, func, *args, **kwargs):
