@@ -284,9 +284,10 @@ def _masks(graph):
     return out
 
 
-def _measured(model, x, context):
-    """Gradients and step peak of the third of three steps (the heap's first-use buffers are
-    paid before); parameter gradients exist before (not what plans change)."""
+def _measured(model, step, context):
+    """Gradients, step peak and torch's RNG state after the third of three steps (``step()``
+    returns the loss; the heap's first-use buffers are paid before); parameter gradients exist
+    before (not what plans change)."""
     for p in model.parameters():
         p.grad = torch.zeros_like(p)
     for _ in range(3):
@@ -294,8 +295,8 @@ def _measured(model, x, context):
             p.grad.zero_()
         torch.manual_seed(7)
         with context(), StepMeter(sample="ops") as meter:
-            loss_fn(model(x)).backward()
-    return [p.grad.clone() for p in model.parameters()], meter.peak_bytes
+            step().backward()
+    return [p.grad.clone() for p in model.parameters()], meter.peak_bytes, torch.get_rng_state()
 
 
 @pytest.mark.slow
@@ -336,8 +337,10 @@ def test_dropout_masks_drawn_in_place_are_the_plans_to_keep_or_rebuild(setup):
 
     from contextlib import nullcontext
 
-    plain, _ = _measured(model, x, nullcontext)
-    grads, peak = _measured(model, x, lambda: checkpointed(model, plan, policy_graph))
+    plain, _, plain_rng = _measured(model, lambda: loss_fn(model(x)), nullcontext)
+    grads, peak, _ = _measured(
+        model, lambda: loss_fn(model(x)), lambda: checkpointed(model, plan, policy_graph)
+    )
     assert all(torch.equal(a, b) for a, b in zip(plain, grads))
     assert 0.9 * simulated <= peak <= plan.budget_bytes, (peak, simulated, plan.budget_bytes)
 
@@ -363,7 +366,7 @@ def test_kept_masks_are_cached_and_a_region_reruns_its_draws_all_or_none(setup):
     assert softmax
     from contextlib import nullcontext
 
-    plain, _ = _measured(model, x, nullcontext)
+    plain, _, plain_rng = _measured(model, lambda: loss_fn(model(x)), nullcontext)
     pins = {**ss.boundary_pins(policy_graph), **{n: "keep" for n in masks["blocks.1"]}}
     pins.update({n: "recompute" for n in softmax})
     plan = ss.solve(policy_graph, 1.0, solver="heuristic", pins=pins)
@@ -371,7 +374,8 @@ def test_kept_masks_are_cached_and_a_region_reruns_its_draws_all_or_none(setup):
     cached = [op for op in runner.steps["blocks.1"] if op.cached_write]
     # empty_like, bernoulli_ and div_ of each of the block's 3 masks
     assert len(cached) == 9 and not any(op.eager_recompute for op in cached)
-    grads, _ = _measured(model, x, lambda: runner)
+    grads, _, rng = _measured(model, lambda: loss_fn(model(x)), lambda: runner)
+    assert torch.equal(rng, plain_rng)  # the recompute draws in a fork of the RNG, or not at all
     assert all(torch.equal(a, b) for a, b in zip(plain, grads))
 
     first, *others = masks["blocks.1"]
@@ -379,7 +383,8 @@ def test_kept_masks_are_cached_and_a_region_reruns_its_draws_all_or_none(setup):
     unaware = ss.solve(graph, 1.0, solver="heuristic", pins=mixed)
     runner = checkpointed(model, unaware, graph)
     assert not any(op.cached_write for op in runner.steps["blocks.1"])
-    grads, _ = _measured(model, x, lambda: runner)
+    grads, _, rng = _measured(model, lambda: loss_fn(model(x)), lambda: runner)
+    assert torch.equal(rng, plain_rng)  # the recompute draws in a fork of the RNG, or not at all
     assert all(torch.equal(a, b) for a, b in zip(plain, grads))
 
 
@@ -592,20 +597,13 @@ def test_on_hf_gpt2_the_policy_holds_its_budget_with_masks_planned():
     assert not any(op.writes_state for ops in runner.steps.values() for op in ops)
 
     def measured(context):
-        for p in model.parameters():
-            p.grad = torch.zeros_like(p)
-        for _ in range(3):
-            for p in model.parameters():
-                p.grad.zero_()
-            torch.manual_seed(7)
-            with context(), StepMeter(sample="ops") as meter:
-                hf_loss(model(**inputs)).backward()
-        return [p.grad.clone() for p in model.parameters()], meter.peak_bytes
+        return _measured(model, lambda: hf_loss(model(**inputs)), context)
 
     from contextlib import nullcontext
 
-    plain, _ = measured(nullcontext)
-    grads, peak = measured(lambda: runner)
+    plain, _, plain_rng = measured(nullcontext)
+    grads, peak, rng = measured(lambda: runner)
+    assert torch.equal(rng, plain_rng)
     assert all(torch.equal(a, b) for a, b in zip(plain, grads))
     assert peak <= 1.005 * plan.budget_bytes, (peak, plan.budget_bytes)
     # the embeddings' dropout (its module a region of its own) rebuilt: the checkpoint holds the
@@ -619,7 +617,8 @@ def test_on_hf_gpt2_the_policy_holds_its_budget_with_masks_planned():
     plan = ss.solve(
         policy_graph, 0.6, solver="heuristic", pins={**ss.boundary_pins(policy_graph), **rebuilt}
     )
-    grads, peak = measured(lambda: checkpointed(model, plan, policy_graph))
+    grads, peak, rng = measured(lambda: checkpointed(model, plan, policy_graph))
+    assert torch.equal(rng, plain_rng)
     assert all(torch.equal(a, b) for a, b in zip(plain, grads))
     simulated = ss.simulate(policy_graph, plan).peak_bytes
     assert peak <= 1.005 * simulated, (peak, simulated)
