@@ -14,6 +14,9 @@ back to back, so that the drift of a shared machine between seconds cancels out.
   later steps run with hooks alone; the host time per forward op over plain, with the copies'
   own time excluded (the time inside the lanes' copy calls, ``RunStats.copy_s``, which on a CPU
   are the copies themselves, is subtracted and given beside it);
+- torch's saved-tensor hooks alone (identity pack and unpack) over plain: torch's own cost of
+  calling Python at every save and unpack, the part of the swap plan's host time no hook can
+  save;
 - a recompute plan (the heuristic's on the ``cpu`` preset, at a budget half way between the
   smallest a plan fits and the keep-all peak) against torch.utils.checkpoint's selective
   checkpointing with the same keep/recompute decisions (``ss.checkpoint_policy``), paired the
@@ -107,6 +110,26 @@ def time_in_hooks(model, graph, plan, step, steps: int) -> tuple[float, float]:
     return median(per_step), median(copies)
 
 
+def identity_hooks_block(step, steps: int):
+    """``steps`` steps under saved-tensor hooks that do nothing (pack returns the tensor, unpack
+    returns it): torch's own cost of calling Python at every save and every unpack, which any
+    plan acting at saves pays before its hooks do anything (the floor of a swap plan's host
+    time)."""
+
+    def pack(t):
+        return t
+
+    def unpack(t):
+        return t
+
+    def block():
+        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+            for _ in range(steps):
+                step()
+
+    return block
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rounds", type=int, default=7, help="paired rounds")
@@ -188,6 +211,7 @@ def main() -> int:
     keep_rounds = paired(plain_block, under(keep), args.rounds)
     swap_rounds = paired(plain_block, under(swaps), args.rounds)
     rec_rounds = paired(sac_block, under(rec), args.rounds)
+    floor_rounds = paired(plain_block, identity_hooks_block(step, args.block), args.rounds)
     stats = swap_rounds[-1][2]["stats"]
     hooks_s, hooks_copies_s = time_in_hooks(model, graph, swaps, step, 4 * args.block)
     plain_s = median(a for a, _, _ in keep_rounds + swap_rounds) / args.block
@@ -217,6 +241,8 @@ def main() -> int:
         "swap_first_step_ms": 1e3 * median(e["first_s"] for _, _, e in swap_rounds),
         # time_in_hooks: inside slackswap's hooks, copies excluded, per forward op
         "swap_in_hooks_host_us_per_op": 1e6 * (hooks_s - hooks_copies_s) / n_ops,
+        # torch's saved-tensor hooks doing nothing, over plain: what any hook on every save costs
+        "identity_hooks_us_per_op": median((b - a) * per_op for a, b, _ in floor_rounds),
         # the spread of the paired rounds (a shared machine's noise): quartiles of the swap
         # plan's host time per op
         "swap_host_us_per_op_quartiles": quartiles(
@@ -245,6 +271,8 @@ def main() -> int:
         f"{row['swap_host_later_steps_us_per_op']:.2f} (first step "
         f"{row['swap_first_step_ms']:.1f} ms); inside slackswap's hooks "
         f"{row['swap_in_hooks_host_us_per_op']:.2f}",
+        f"torch's saved-tensor hooks doing nothing, over plain  "
+        f"{row['identity_hooks_us_per_op']:.2f} us per forward op",
         f"recompute plan ({row['recomputed']} recomputed) / torch SAC, same decisions  "
         f"{row['recompute_plan_over_torch_sac']:.3f}x "
         f"({1e3 * row['recompute_plan_step_s']:.2f} vs "
@@ -283,6 +311,12 @@ def main() -> int:
                     f"{row['swap_first_step_ms']:.1f} ms); inside slackswap's own hooks "
                     f"(a clock around each call, its own cost counted in) "
                     f"{row['swap_in_hooks_host_us_per_op']:.2f}",
+                ],
+                [
+                    "torch's saved-tensor hooks alone (pack and unpack return the tensor: "
+                    "torch's cost of calling Python at every save and unpack, a floor of any "
+                    "plan that acts at saves), same paired rounds",
+                    f"{row['identity_hooks_us_per_op']:.2f} us per forward op over plain",
                 ],
                 [
                     f"recompute plan ({row['recomputed']} recomputed) / torch selective "
