@@ -100,8 +100,8 @@ def test_no_leak_over_100_steps():
         for step in range(100):
             opt.zero_grad(set_to_none=True)
             loss_fn(model(inputs)).backward()
-            gc.collect()
             if step in (10, 99):
+                gc.collect()  # (what only the cyclic collector frees is not a leak)
                 sizes.append((len(run.live), run.live.total, run.pool.nbytes))
     assert sizes[0] == sizes[1]  # device tracking and host pool flat
     assert run.stats.steps == 100

@@ -80,3 +80,77 @@ def test_the_command_line_reports_plots_and_writes_the_search(tmp_path, capsys):
     assert (tmp_path / "throughput.png").stat().st_size > 0
     assert main(["fit", "llama", "--seq", "16", "--plot", str(plot)]) == 2
     assert "--plot draws the search" in capsys.readouterr().err
+
+
+def _recorded_fits(monkeypatch, refuse_with_cpsat=()):
+    """fit_search's ``fit``, recording (size's graph, solver) per call; with the planner named
+    "cpsat" it reports no plan at the sizes of ``refuse_with_cpsat`` (a planner that finds
+    none where the heuristic does)."""
+    from dataclasses import replace
+
+    import slackswap.fit_search as fs
+
+    real, calls = fs.fit, []
+
+    def recorded(graph, *args, solver="cpsat", **kwargs):
+        size = graph.extra["size"]
+        calls.append((size, solver))
+        report = real(graph, *args, solver="heuristic", **kwargs)
+        if solver == "cpsat" and size in refuse_with_cpsat:
+            return replace(report, plan=None, verdict="no plan found (refused by the test)")
+        return replace(report, verdict=f"{report.verdict} [{solver}]") if report.fits else report
+
+    monkeypatch.setattr(fs, "fit", recorded)
+    return calls
+
+
+def _sized(at):
+    def sized(batch):
+        g = at(batch)
+        from dataclasses import replace
+
+        return replace(g, extra={**g.extra, "size": batch})
+
+    return sized
+
+
+def _memory_for_three_batches(at):
+    state = at(1).extra["model_state"]
+    per_batch = ss.keep_all_peak(at(2), HW) - ss.keep_all_peak(at(1), HW)
+    return state["total_bytes"] + state["optimizer_step_bytes"] + 3 * per_batch
+
+
+@pytest.mark.slow
+def test_the_search_decides_sizes_with_the_heuristic_and_plans_the_answer_with_the_solver(
+    monkeypatch,
+):
+    """Inside the search, sizes that neither keep-all settles nor the offload floor are decided
+    by the heuristic's fit (whether a plan fits follows from the smallest budget); the answer
+    and the size above are the asked planner's reports."""
+    at = _sized(_graph_at(128))
+    memory = _memory_for_three_batches(at)
+    calls = _recorded_fits(monkeypatch)
+    found = largest_fit(at, HW, memory_bytes=memory, solver="cpsat", tokens_per_size=128)
+    assert found.size >= 3 and found.report.fits and found.report.verdict.endswith("[cpsat]")
+    by_solver = {s: sorted({n for n, x in calls if x == s}) for s in ("heuristic", "cpsat")}
+    assert set(by_solver["cpsat"]) <= {found.size, found.size + 1}, calls
+    assert found.size in by_solver["cpsat"]
+    assert by_solver["heuristic"], calls  # some size was searched
+    # every size's verdict is what fit says there
+    for size, fits in found.tried.items():
+        assert fits == ss.fit(at(size), HW, memory_bytes=memory, solver="heuristic").fits
+
+
+@pytest.mark.slow
+def test_where_the_solver_refuses_the_heuristics_answer_the_search_goes_on_below(monkeypatch):
+    """A planner that finds no plan at the size the heuristic's search ends on: the search
+    continues below with that planner's own verdicts, and the answer is a size it fits."""
+    at = _sized(_graph_at(128))
+    memory = _memory_for_three_batches(at)
+    first = largest_fit(at, HW, memory_bytes=memory, solver="heuristic", tokens_per_size=128)
+    refused = first.size
+    _recorded_fits(monkeypatch, refuse_with_cpsat={refused})
+    found = largest_fit(at, HW, memory_bytes=memory, solver="cpsat", tokens_per_size=128)
+    assert found.size == refused - 1
+    assert found.report.fits and found.report.verdict.endswith("[cpsat]")
+    assert found.tried[refused] is False and found.tried[found.size] is True

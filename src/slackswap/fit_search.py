@@ -3,7 +3,8 @@
 ``largest_fit(graph_at, hw)`` grows the size (1, 2, 4, ...) until no plan fits the memory left
 beside the model state, then bisects: the answer is a size at which ``fit`` finds a plan and one
 above at which it finds none (the step model's prediction for ``hw``, like every figure of
-``fit``). At that size ``strategies`` compares what users would otherwise run, side by side: no
+``fit``). Sizes inside the search are decided by the heuristic's ``fit`` (whether a plan fits
+follows from the smallest budget, whatever the planner); the planner asked for plans the answer. At that size ``strategies`` compares what users would otherwise run, side by side: no
 plan, every block checkpointed (HF ``gradient_checkpointing``), the blocks under torch's
 selective checkpointing of matrix products, offloading everything, and the slackswap plan, each
 with its predicted peak, step time and tokens per second.
@@ -150,53 +151,86 @@ def largest_fit(
     tried: dict[int, bool] = {}
     reports: dict[int, FitReport] = {}
     graphs: dict[int, ActivationGraph] = {}
+    # inside the search a size is decided by the heuristic's ``fit``: whether a plan fits
+    # follows from the smallest budget alone (fit solves only where it is within the memory
+    # left, and solve then returns a plan that fits, its planner's or the smallest budget's),
+    # so the exact planner's minutes go to the answer alone
+    searching = solver != "heuristic"
+    searched: dict[int, FitReport] = {}
+
+    def fit_at(size: int, with_solver: str) -> FitReport:
+        return fit(
+            graphs[size],
+            hardware,
+            memory_bytes=memory_bytes,
+            host_memory_bytes=host_memory_bytes,
+            ranks=ranks,
+            solver=with_solver,
+            **options,
+        )
 
     def report_at(size: int) -> FitReport:
         if size not in reports:
-            reports[size] = fit(
-                graphs[size],
-                hardware,
-                memory_bytes=memory_bytes,
-                host_memory_bytes=host_memory_bytes,
-                ranks=ranks,
-                solver=solver,
-                **options,
-            )
+            reports[size] = fit_at(size, solver)
             tried[size] = _fits(reports[size])
         return reports[size]
 
     def check(size: int) -> bool:
         if size in tried:
             return tried[size]
-        graphs[size] = rank_graph(graph_at(size), ranks)
+        if size not in graphs:
+            graphs[size] = rank_graph(graph_at(size), ranks)
         quick = _settled(graphs[size], hardware, memory_bytes, host_memory_bytes, ranks)
-        if quick is None:
-            verdict = report_at(size).verdict
-        else:
+        if quick is not None:
             tried[size] = quick
             verdict = "fits as it is" if quick else "does not fit (settled without a plan)"
+        elif searching:
+            searched[size] = fit_at(size, "heuristic")
+            tried[size] = _fits(searched[size])
+            verdict = searched[size].verdict
+            if tried[size]:
+                verdict += f" (the heuristic's plan; {solver} plans the largest size)"
+        else:
+            verdict = report_at(size).verdict
         if progress is not None:
             progress(f"{dimension} {size}: {verdict}")
         return tried[size]
 
+    def search(low: int, high: int | None) -> int:
+        """The largest size that fits, from ``low`` (fits) and ``high`` (does not, or None)."""
+        while high is None:  # grow: 1, 2, 4, ... until one does not fit or the limit
+            nxt = min(2 * low, limit)
+            if nxt == low:
+                break
+            if check(nxt):
+                low = nxt
+            else:
+                high = nxt
+        while high is not None and high - low > 1:  # bisect (low fits, high does not)
+            mid = (low + high) // 2
+            if check(mid):
+                low = mid
+            else:
+                high = mid
+        return low
+
     if not check(1):
         return LargestFit(dimension, 0, None, report_at(1), tried)
-    high: int | None
-    low, high = 1, None
-    while high is None:  # grow: 1, 2, 4, ... until one does not fit or the limit
-        nxt = min(2 * low, limit)
-        if nxt == low:
-            break
-        if check(nxt):
-            low = nxt
-        else:
-            high = nxt
-    while high is not None and high - low > 1:  # bisect (low fits, high does not)
-        mid = (low + high) // 2
-        if check(mid):
-            low = mid
-        else:
-            high = mid
+    low = search(1, None)
+    if low in searched and not report_at(low).fits:
+        # the planner asked for found no plan where the heuristic's search did: search again
+        # below with its own answers (fit's verdict is the planner's, never the heuristic's)
+        searching = False
+        for size in [n for n in tried if n in searched and n <= low]:
+            del tried[size]
+        tried[low] = False
+        low = search(1, low) if check(1) else 0
+        if not low:
+            return LargestFit(dimension, 0, None, report_at(1), tried)
+    else:
+        report_at(low)
+    # the sizes the heuristic decided keep its verdict in ``tried``; the reports are the
+    # planner's (the answer's and the one above)
     above = None
     if low < limit:
         check(low + 1)
