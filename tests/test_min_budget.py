@@ -120,6 +120,9 @@ def _fits_below(g, hw, mask, minimum: int, planner: str, fractions) -> list[tupl
 
 
 BELOW = (0.8, 0.9, 0.95, 0.98, 0.99, 0.995, 0.999)
+# on the large graphs (a heuristic solve with its local search takes seconds there), the tries
+# nearest the minimum, where a plan the search missed would show first
+BELOW_LARGE = (0.9, 0.98, 0.995, 0.999)
 
 
 @pytest.mark.slow
@@ -138,7 +141,7 @@ def test_no_planner_beats_the_smallest_budget_on_cnns_and_reference_models(name)
     allowed = ("keep", "recompute")
     smallest = ss.smallest_budget(g, hw, allowed=allowed)
     mask = restriction_mask(g, hw, allowed, None)
-    assert _fits_below(g, hw, mask, smallest.budget_bytes, "heuristic", BELOW) == []
+    assert _fits_below(g, hw, mask, smallest.budget_bytes, "heuristic", BELOW_LARGE) == []
     assert smallest.lower_bytes <= smallest.budget_bytes
 
 
