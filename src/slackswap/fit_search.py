@@ -148,102 +148,35 @@ def largest_fit(
         raise ValueError(f"largest_fit: dimension must be 'batch' or 'seq', got {dimension!r}")
     if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
         raise ValueError(f"largest_fit: limit must be a positive integer, got {limit!r}")
-    tried: dict[int, bool] = {}
-    reports: dict[int, FitReport] = {}
-    graphs: dict[int, ActivationGraph] = {}
-    # inside the search a size is decided by the heuristic's ``fit``: whether a plan fits
-    # follows from the smallest budget alone (fit solves only where it is within the memory
-    # left, and solve then returns a plan that fits, its planner's or the smallest budget's),
-    # so the exact planner's minutes go to the answer alone
-    searching = solver != "heuristic"
-    searched: dict[int, FitReport] = {}
-
-    def fit_at(size: int, with_solver: str) -> FitReport:
-        return fit(
-            graphs[size],
-            hardware,
-            memory_bytes=memory_bytes,
-            host_memory_bytes=host_memory_bytes,
-            ranks=ranks,
-            solver=with_solver,
-            **options,
-        )
-
-    def report_at(size: int) -> FitReport:
-        if size not in reports:
-            reports[size] = fit_at(size, solver)
-            tried[size] = _fits(reports[size])
-        return reports[size]
-
-    def check(size: int) -> bool:
-        if size in tried:
-            return tried[size]
-        if size not in graphs:
-            graphs[size] = rank_graph(graph_at(size), ranks)
-        quick = _settled(graphs[size], hardware, memory_bytes, host_memory_bytes, ranks)
-        if quick is not None:
-            tried[size] = quick
-            verdict = "fits as it is" if quick else "does not fit (settled without a plan)"
-        elif searching:
-            searched[size] = fit_at(size, "heuristic")
-            tried[size] = _fits(searched[size])
-            verdict = searched[size].verdict
-            if tried[size]:
-                verdict += f" (the heuristic's plan; {solver} plans the largest size)"
-        else:
-            verdict = report_at(size).verdict
-        if progress is not None:
-            progress(f"{dimension} {size}: {verdict}")
-        return tried[size]
-
-    def search(low: int, high: int | None) -> int:
-        """The largest size that fits, from ``low`` (fits) and ``high`` (does not, or None)."""
-        while high is None:  # grow: 1, 2, 4, ... until one does not fit or the limit
-            nxt = min(2 * low, limit)
-            if nxt == low:
-                break
-            if check(nxt):
-                low = nxt
-            else:
-                high = nxt
-        while high is not None and high - low > 1:  # bisect (low fits, high does not)
-            mid = (low + high) // 2
-            if check(mid):
-                low = mid
-            else:
-                high = mid
-        return low
-
-    if not check(1):
-        return LargestFit(dimension, 0, None, report_at(1), tried)
-    low = search(1, None)
-    if low in searched and not report_at(low).fits:
-        # the planner asked for found no plan where the heuristic's search did: search again
-        # below with its own answers (fit's verdict is the planner's, never the heuristic's)
-        searching = False
-        for size in [n for n in tried if n in searched and n <= low]:
-            del tried[size]
-        tried[low] = False
-        low = search(1, low) if check(1) else 0
-        if not low:
-            return LargestFit(dimension, 0, None, report_at(1), tried)
-    else:
-        report_at(low)
-    # the sizes the heuristic decided keep its verdict in ``tried``; the reports are the
-    # planner's (the answer's and the one above)
+    sizes = _SizeSearch(
+        graph_at,
+        hardware,
+        dimension=dimension,
+        limit=limit,
+        memory_bytes=memory_bytes,
+        host_memory_bytes=host_memory_bytes,
+        ranks=ranks,
+        solver=solver,
+        progress=progress,
+        options=options,
+    )
+    low = sizes.largest()
+    if not low:
+        return LargestFit(dimension, 0, None, sizes.report_at(1), sizes.tried)
     above = None
     if low < limit:
-        check(low + 1)
-        above = report_at(low + 1)
+        sizes.check(low + 1)
+        above = sizes.report_at(low + 1)
 
     def compared(size: int) -> tuple[StrategyRow, ...]:
-        hw, _ = graph_hardware(graphs[size], hardware)
+        graph = sizes.graphs[size]
+        hw, _ = graph_hardware(graph, hardware)
         if host_memory_bytes is not None:
             hw = replace(hw, host_memory_bytes=host_memory_bytes)
         rows = strategies(
-            graphs[size],
+            graph,
             hw,
-            report_at(size),
+            sizes.report_at(size),
             size=size,
             tokens_per_size=tokens_per_size,
             solver=solver,
@@ -251,9 +184,130 @@ def largest_fit(
         )
         return tuple(rows)
 
-    points = {n: compared(n) for n in sorted(tried)} if curve else {}
+    points = {n: compared(n) for n in sorted(sizes.tried)} if curve else {}
     rows = points.get(low) or compared(low)
-    return LargestFit(dimension, low, report_at(low), above, tried, rows, points)
+    return LargestFit(dimension, low, sizes.report_at(low), above, sizes.tried, rows, points)
+
+
+class _SizeSearch:
+    """The sizes tried by ``largest_fit`` and its reports. Inside the search a size is decided by
+    the heuristic's ``fit``: whether a plan fits follows from the smallest budget alone (fit
+    solves only where it is within the memory left, and solve then returns a plan that fits,
+    its planner's or the smallest budget's), so the asked planner's minutes go to the answer
+    alone; should that planner find no plan there, the search goes on below with its own
+    verdicts (fit's report is the planner's, never the heuristic's)."""
+
+    def __init__(
+        self,
+        graph_at: Callable[[int], ActivationGraph],
+        hardware: Hardware | str | None,
+        *,
+        dimension: str,
+        limit: int,
+        memory_bytes: int | None,
+        host_memory_bytes: int | None,
+        ranks: int,
+        solver: str,
+        progress: Callable[[str], None] | None,
+        options: dict[str, Any],
+    ):
+        self.graph_at, self.hardware, self.dimension, self.limit = (
+            graph_at,
+            hardware,
+            dimension,
+            limit,
+        )
+        self.memory_bytes, self.host_memory_bytes, self.ranks = (
+            memory_bytes,
+            host_memory_bytes,
+            ranks,
+        )
+        self.solver, self.progress, self.options = solver, progress, options
+        self.tried: dict[int, bool] = {}  # per size, whether a plan fits
+        self.reports: dict[int, FitReport] = {}  # the asked planner's
+        self.graphs: dict[int, ActivationGraph] = {}
+        self.searching = solver != "heuristic"  # sizes decided by the heuristic's fit
+        self.searched: set[int] = set()
+
+    def fit_at(self, size: int, solver: str) -> FitReport:
+        return fit(
+            self.graphs[size],
+            self.hardware,
+            memory_bytes=self.memory_bytes,
+            host_memory_bytes=self.host_memory_bytes,
+            ranks=self.ranks,
+            solver=solver,
+            **self.options,
+        )
+
+    def report_at(self, size: int) -> FitReport:
+        """The asked planner's report at ``size``."""
+        if size not in self.graphs:
+            self.graphs[size] = rank_graph(self.graph_at(size), self.ranks)
+        if size not in self.reports:
+            self.reports[size] = self.fit_at(size, self.solver)
+            self.tried[size] = _fits(self.reports[size])
+            self.searched.discard(size)
+        return self.reports[size]
+
+    def check(self, size: int) -> bool:
+        """Whether a plan fits at ``size`` (settled, searched or reported: the class docstring)."""
+        if size in self.tried:
+            return self.tried[size]
+        if size not in self.graphs:
+            self.graphs[size] = rank_graph(self.graph_at(size), self.ranks)
+        quick = _settled(
+            self.graphs[size], self.hardware, self.memory_bytes, self.host_memory_bytes, self.ranks
+        )
+        if quick is not None:
+            self.tried[size] = quick
+            verdict = "fits as it is" if quick else "does not fit (settled without a plan)"
+        elif self.searching:
+            report = self.fit_at(size, "heuristic")
+            self.tried[size] = _fits(report)
+            self.searched.add(size)
+            verdict = report.verdict
+            if report.fits:
+                verdict += f" (the heuristic's plan; {self.solver} plans the largest size)"
+        else:
+            verdict = self.report_at(size).verdict
+        if self.progress is not None:
+            self.progress(f"{self.dimension} {size}: {verdict}")
+        return self.tried[size]
+
+    def search(self, low: int, high: int | None) -> int:
+        """The largest size that fits, from ``low`` (fits) and ``high`` (does not, or None)."""
+        while high is None:  # grow: 1, 2, 4, ... until one does not fit or the limit
+            nxt = min(2 * low, self.limit)
+            if nxt == low:
+                break
+            if self.check(nxt):
+                low = nxt
+            else:
+                high = nxt
+        while high is not None and high - low > 1:  # bisect (low fits, high does not)
+            mid = (low + high) // 2
+            if self.check(mid):
+                low = mid
+            else:
+                high = mid
+        return low
+
+    def largest(self) -> int:
+        """The largest size at which the asked planner's fit finds a plan (0: not even 1)."""
+        if not self.check(1):
+            return 0
+        low = self.search(1, None)
+        if low in self.searched and not self.report_at(low).fits:
+            self.searching = False
+            for size in [n for n in self.searched if n < low]:
+                del self.tried[size]
+            self.searched.clear()
+            if not self.check(1):
+                return 0
+            low = self.search(1, low)
+        self.report_at(low)
+        return low
 
 
 def _settled(graph, hardware, memory_bytes, host_memory_bytes, ranks) -> bool | None:
