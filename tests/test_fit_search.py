@@ -94,7 +94,8 @@ def _recorded_fits(monkeypatch, refuse_with_cpsat=()):
 
     def recorded(graph, *args, solver="cpsat", **kwargs):
         size = graph.extra["size"]
-        calls.append((size, solver))
+        calls.append((size, solver, "gap" in kwargs))
+        kwargs.pop("gap", None)  # (cpsat's option: this stand-in plans with the heuristic)
         report = real(graph, *args, solver="heuristic", **kwargs)
         if solver == "cpsat" and size in refuse_with_cpsat:
             return replace(report, plan=None, verdict="no plan found (refused by the test)")
@@ -130,9 +131,11 @@ def test_the_search_decides_sizes_with_the_heuristic_and_plans_the_answer_with_t
     at = _sized(_graph_at(128))
     memory = _memory_for_three_batches(at)
     calls = _recorded_fits(monkeypatch)
-    found = largest_fit(at, HW, memory_bytes=memory, solver="cpsat", tokens_per_size=128)
+    found = largest_fit(at, HW, memory_bytes=memory, solver="cpsat", tokens_per_size=128, gap=0.05)
     assert found.size >= 3 and found.report.fits and found.report.verdict.endswith("[cpsat]")
-    by_solver = {s: sorted({n for n, x in calls if x == s}) for s in ("heuristic", "cpsat")}
+    by_solver = {s: sorted({n for n, x, _ in calls if x == s}) for s in ("heuristic", "cpsat")}
+    # cpsat's own option goes to cpsat alone (the heuristic would refuse it by name)
+    assert all(gap == (x == "cpsat") for _, x, gap in calls), calls
     assert set(by_solver["cpsat"]) <= {found.size, found.size + 1}, calls
     assert found.size in by_solver["cpsat"]
     assert by_solver["heuristic"], calls  # some size was searched

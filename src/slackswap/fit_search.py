@@ -230,6 +230,7 @@ class _SizeSearch:
         self.searched: set[int] = set()
 
     def fit_at(self, size: int, solver: str) -> FitReport:
+        options = self.options if solver == self.solver else _heuristic_options(self.options)
         return fit(
             self.graphs[size],
             self.hardware,
@@ -237,7 +238,7 @@ class _SizeSearch:
             host_memory_bytes=self.host_memory_bytes,
             ranks=self.ranks,
             solver=solver,
-            **self.options,
+            **options,
         )
 
     def report_at(self, size: int) -> FitReport:
@@ -308,6 +309,23 @@ class _SizeSearch:
             low = self.search(1, low)
         self.report_at(low)
         return low
+
+
+def _heuristic_options(options: dict[str, Any]) -> dict[str, Any]:
+    """The options of a search's ``fit`` that the heuristic takes: solve's own (the time limit,
+    work, allowed decisions and pins, which decide what fits) and the heuristic's; another
+    planner's (a gap, a warm start) are for the answer's plan alone."""
+    import inspect
+
+    from .planners.base import get_planner
+
+    takes = set(getattr(get_planner("heuristic"), "options", None) or ())
+    takes |= {
+        name
+        for name, p in inspect.signature(solve).parameters.items()
+        if p.kind is inspect.Parameter.KEYWORD_ONLY or p.name == "time_limit_s"
+    }
+    return {k: v for k, v in options.items() if k in takes}
 
 
 def _settled(graph, hardware, memory_bytes, host_memory_bytes, ranks) -> bool | None:
