@@ -63,6 +63,14 @@ def test_a_device_too_small_for_one_batch_says_so():
     assert found.size == 0 and found.report is None and not found.above.fits
 
 
+def test_an_unknown_solver_is_refused_before_any_size_is_searched():
+    def at(batch):
+        raise AssertionError("a size was profiled")
+
+    with pytest.raises(ValueError, match="unknown solver 'nope'"):
+        largest_fit(at, HW, solver="nope")
+
+
 def test_the_command_line_reports_plots_and_writes_the_search(tmp_path, capsys):
     """The command line's wiring, on a device too small for one batch (one fit: the search
     itself is the test above)."""

@@ -4,7 +4,8 @@
 beside the model state, then bisects: the answer is a size at which ``fit`` finds a plan and one
 above at which it finds none (the step model's prediction for ``hw``, like every figure of
 ``fit``). Sizes inside the search are decided by the heuristic's ``fit`` (whether a plan fits
-follows from the smallest budget, whatever the planner); the planner asked for plans the answer. At that size ``strategies`` compares what users would otherwise run, side by side: no
+follows from the smallest budget, whatever the planner); the planner asked for plans the answer.
+At that size ``strategies`` compares what users would otherwise run, side by side: no
 plan, every block checkpointed (HF ``gradient_checkpointing``), the blocks under torch's
 selective checkpointing of matrix products, offloading everything, and the slackswap plan, each
 with its predicted peak, step time and tokens per second.
@@ -12,6 +13,7 @@ with its predicted peak, step time and tokens per second.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -22,6 +24,7 @@ from .core.errors import InfeasibleBudget
 from .core.graph import ActivationGraph
 from .core.hardware import Hardware
 from .fit import FitReport, fit, memory_beside_state, rank_graph
+from .planners.base import get_planner
 from .solve import graph_hardware, solve
 
 GIB = 2**30
@@ -222,6 +225,9 @@ class _SizeSearch:
             host_memory_bytes,
             ranks,
         )
+        # an unknown solver, or one whose library is missing, is refused before any size is
+        # searched (the heuristic's search would otherwise run first and fail at the answer)
+        get_planner(solver)
         self.solver, self.progress, self.options = solver, progress, options
         self.tried: dict[int, bool] = {}  # per size, whether a plan fits
         self.reports: dict[int, FitReport] = {}  # the asked planner's
@@ -315,10 +321,6 @@ def _heuristic_options(options: dict[str, Any]) -> dict[str, Any]:
     """The options of a search's ``fit`` that the heuristic takes: solve's own (the time limit,
     work, allowed decisions and pins, which decide what fits) and the heuristic's; another
     planner's (a gap, a warm start) are for the answer's plan alone."""
-    import inspect
-
-    from .planners.base import get_planner
-
     takes = set(getattr(get_planner("heuristic"), "options", None) or ())
     takes |= {
         name
